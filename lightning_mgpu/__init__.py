@@ -1,0 +1,15 @@
+"""lightning-mgpu: multi-GPU training plugins for PyTorch Lightning.
+
+``import lightning_mgpu`` registers the preset strategy names (``"mgpu_ddp"``, ``"mgpu_ddp_spawn"``, ...)
+with Lightning, so ``Trainer(strategy="mgpu_ddp")`` works.
+"""
+
+from lightning_mgpu.comm import COMM_HOOKS, CommStats
+from lightning_mgpu.presets import PRESETS, preset_table, register_presets
+from lightning_mgpu.strategies import MGPUDDPStrategy
+
+__version__ = "0.1.0.dev0"
+
+__all__ = ["COMM_HOOKS", "PRESETS", "CommStats", "MGPUDDPStrategy", "__version__", "preset_table", "register_presets"]
+
+register_presets()

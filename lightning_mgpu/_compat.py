@@ -1,0 +1,56 @@
+"""Torch / Lightning version differences, each behind one named flag (STYLE.md rule 5).
+
+Nothing else in the package may test a version or probe a private API inline: import a flag from here.
+"""
+
+from __future__ import annotations
+
+from torch.nn.parallel import DistributedDataParallel
+
+# ``DistributedDataParallel._set_static_graph`` switches static-graph mode on after construction; the
+# reducer accepts it until the first *synchronised* forward (its ``num_iterations_`` is still 0, and only
+# synced forwards count). We use it to run the ``no_sync`` micro-batches of the first accumulation window
+# in normal mode. Constructing DDP with ``static_graph=True`` instead crashes on the first ``no_sync``
+# backward: ``_DDPSink`` queues ``reducer._delay_all_reduce`` while the reducer expects no autograd hooks
+# (``expect_autograd_hooks_`` INTERNAL ASSERT, reducer.cpp; reproduced with torch 2.13 + Lightning 2.6.6,
+# ``DDPStrategy(static_graph=True)``, ``accumulate_grad_batches=2``). Skipping the sink on those
+# micro-batches is no fix either: in static mode the reducer counts the hook firings of every micro-batch
+# of the first window and afterwards waits for k firings per parameter (weights diverge; measured).
+# The method exists in every torch this package supports (>= 2.4); the flag guards against its removal.
+_DDP_HAS_SET_STATIC_GRAPH = hasattr(DistributedDataParallel, "_set_static_graph")
+
+
+def _batched_powersgd_is_broken() -> bool:
+    """torch 2.13's ``batched_powerSGD_hook`` hands 2-D matrices to ``_orthogonalize``, which accepts only 3-D
+    batches (``AssertionError`` on the first compressed step, also with plain torch DDP; reproduced here)."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    try:
+        powerSGD_hook._orthogonalize(torch.ones(2, 1))
+    except AssertionError:
+        return True
+    return False
+
+
+_TORCH_BATCHED_POWERSGD_BROKEN = _batched_powersgd_is_broken()
+
+
+def patch_batched_powersgd() -> None:
+    """Make ``batched_powerSGD_hook`` run where ``_TORCH_BATCHED_POWERSGD_BROKEN``: a 2-D matrix is
+    orthogonalised as a batch of one (``unsqueeze(0)`` is a view, so the in-place result lands in the
+    caller's tensor). 3-D inputs go to torch's function unchanged; idempotent. Module-wide because torch
+    calls it again from a future callback after the hook returns."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    original = powerSGD_hook._orthogonalize
+    if not _TORCH_BATCHED_POWERSGD_BROKEN or getattr(original, "_mgpu_shim", False):
+        return
+
+    def _orthogonalize(matrices, epsilon=0):  # type: ignore[no-untyped-def]
+        if matrices.dim() == 2:
+            return original(matrices.unsqueeze(0), epsilon)
+        return original(matrices, epsilon)
+
+    _orthogonalize._mgpu_shim = True  # type: ignore[attr-defined]
+    powerSGD_hook._orthogonalize = _orthogonalize

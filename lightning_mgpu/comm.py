@@ -1,0 +1,271 @@
+"""Named DDP communication hooks and the communication ledger.
+
+The hooks themselves are torch's (``torch.distributed.algorithms.ddp_comm_hooks``); this module gives them
+names usable from a string or a YAML file, checks that the process-group backend can run them, and wraps
+each one so that every all-reduce it hands to the collective is counted in a :class:`CommStats`.
+
+Example::
+
+    from lightning_mgpu import MGPUDDPStrategy
+
+    strategy = MGPUDDPStrategy(comm_hook="powersgd", comm_state={"matrix_approximation_rank": 2})
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)
+    trainer.fit(model)
+    print(strategy.comm_stats)  # all-reduce calls, bytes, optimizer steps, ring lower bound
+"""
+
+# No `from __future__ import annotations` here: DDP inspects the hook signature at runtime and wants the
+# real `dist.GradBucket` / `torch.futures.Future[torch.Tensor]` objects as annotations.
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from lightning_mgpu._compat import patch_batched_powersgd
+
+HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+
+@dataclass
+class CommStats:
+    """What the gradient synchronisation of one rank handed to the collective, counted by the hook path.
+
+    All counts are cumulative since the strategy was set up. They are the same on every rank for the
+    symmetric hooks shipped here, so rank 0's figures describe the job.
+    """
+
+    allreduce_calls: int = 0
+    """``all_reduce`` calls issued by the comm hook (one per bucket without compression; PowerSGD issues
+    3 per bucket, batched PowerSGD 2, once compression has started)."""
+    allreduce_bytes: int = 0
+    """Payload bytes handed to those calls (after compression)."""
+    sync_rounds: int = 0
+    """Backward passes whose gradients were synchronised (one per optimizer step when accumulation works)."""
+    optimizer_steps: int = 0
+    """Optimizer steps taken."""
+    gradient_bytes: int = 0
+    """Bytes of the uncompressed gradients of one synchronisation (all parameters that require grad)."""
+    world_size: int = 1
+    """Number of ranks in the gradient all-reduce."""
+
+    @property
+    def calls_per_step(self) -> float:
+        return self.allreduce_calls / self.optimizer_steps if self.optimizer_steps else 0.0
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.allreduce_bytes / self.optimizer_steps if self.optimizer_steps else 0.0
+
+    @property
+    def ring_lower_bound_bytes(self) -> float:
+        """Bytes each rank must send per step in a ring all-reduce of the uncompressed gradients,
+        ``2 (N - 1) / N x gradient bytes``: the bandwidth floor of plain data-parallel training."""
+        n = self.world_size
+        return 2 * (n - 1) / n * self.gradient_bytes if n > 1 else 0.0
+
+    @property
+    def ring_bytes_per_step(self) -> float:
+        """Bytes each rank sends per step if the collective is a ring: ``2 (N - 1) / N x payload``."""
+        n = self.world_size
+        return 2 * (n - 1) / n * self.bytes_per_step if n > 1 else 0.0
+
+    @property
+    def ratio_to_lower_bound(self) -> float:
+        """``ring_bytes_per_step / ring_lower_bound_bytes``: 1.0 for one uncompressed all-reduce per step,
+        about 0.5 with fp16 compression, k with a sync on every one of k micro-batches."""
+        bound = self.ring_lower_bound_bytes
+        return self.ring_bytes_per_step / bound if bound else 0.0
+
+    def record(self, calls: int, nbytes: int) -> None:
+        self.allreduce_calls += calls
+        self.allreduce_bytes += nbytes
+
+    def as_metrics(self, prefix: str = "comm/") -> dict[str, float]:
+        """Flat metrics for a Lightning logger."""
+        return {
+            f"{prefix}allreduce_calls": float(self.allreduce_calls),
+            f"{prefix}allreduce_bytes": float(self.allreduce_bytes),
+            f"{prefix}sync_rounds": float(self.sync_rounds),
+            f"{prefix}optimizer_steps": float(self.optimizer_steps),
+            f"{prefix}calls_per_step": self.calls_per_step,
+            f"{prefix}bytes_per_step": self.bytes_per_step,
+            f"{prefix}ring_bytes_per_step": self.ring_bytes_per_step,
+            f"{prefix}ring_lower_bound_bytes": self.ring_lower_bound_bytes,
+            f"{prefix}ratio_to_lower_bound": self.ratio_to_lower_bound,
+        }
+
+    def summary(self) -> str:
+        """One human-readable paragraph, for the end of a job."""
+        return (
+            f"all-reduce calls {self.allreduce_calls} ({self.calls_per_step:.2f}/step), "
+            f"bytes {self.allreduce_bytes} ({self.bytes_per_step:.0f}/step), "
+            f"sync rounds {self.sync_rounds}, optimizer steps {self.optimizer_steps}; "
+            f"ring traffic/step {self.ring_bytes_per_step:.0f} B vs lower bound "
+            f"2(N-1)/N x {self.gradient_bytes} B = {self.ring_lower_bound_bytes:.0f} B "
+            f"(ratio {self.ratio_to_lower_bound:.2f}, N={self.world_size})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hook table: one row per name. ``state`` builds the hook state, ``payload`` tells what one call of the hook
+# handed to the collective (calls, elements) given the bucket and the state before/after.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _HookSpec:
+    hook: HookFn
+    description: str
+    unsupported_backends: dict[str, str] = field(default_factory=dict)
+    """backend -> the alternative to suggest."""
+    state_keys: tuple[str, ...] = ()
+
+
+def _powersgd_state_keys() -> tuple[str, ...]:
+    import inspect
+
+    params = inspect.signature(powersgd.PowerSGDState.__init__).parameters
+    return tuple(p for p in params if p not in ("self", "process_group"))
+
+
+COMM_HOOKS: dict[str, _HookSpec] = {
+    "fp16": _HookSpec(
+        default_hooks.fp16_compress_hook,
+        "gradients cast to float16 for the all-reduce (half the bytes), averaged, cast back",
+    ),
+    "bf16": _HookSpec(
+        default_hooks.bf16_compress_hook,
+        "gradients cast to bfloat16 for the all-reduce (half the bytes), averaged, cast back",
+        unsupported_backends={"gloo": "comm_hook='fp16'"},
+    ),
+    "powersgd": _HookSpec(
+        powersgd.powerSGD_hook,
+        "PowerSGD low-rank compression per layer, with error feedback (torch's powerSGD_hook)",
+        state_keys=_powersgd_state_keys(),
+    ),
+    "batched_powersgd": _HookSpec(
+        powersgd.batched_powerSGD_hook,
+        "PowerSGD on each whole flattened bucket (fewer, larger all-reduces; torch's batched_powerSGD_hook)",
+        state_keys=_powersgd_state_keys(),
+    ),
+}
+
+_POWERSGD_DEFAULTS: dict[str, Any] = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
+"""Compression from the second synchronisation on. torch's own default (1000 iterations of plain
+all-reduce first) is kept only when the user passes ``start_powerSGD_iter`` explicitly: a short job
+would otherwise never compress anything, and the ledger would show no saving."""
+
+
+def check_comm_hook(name: Optional[str], state: Optional[dict[str, Any]]) -> None:
+    """Validate a hook name and its state dict; raises ``ValueError`` naming the bad value and the fix."""
+    if name is None:
+        if state:
+            raise ValueError(
+                f"comm_state={state!r} was given without a comm_hook. Pass comm_hook='powersgd' (or another of "
+                f"{sorted(COMM_HOOKS)}) or drop comm_state."
+            )
+        return
+    if not isinstance(name, str) or name not in COMM_HOOKS:
+        raise ValueError(
+            f"Unknown comm_hook={name!r}. Choose one of {sorted(COMM_HOOKS)} or None (plain all-reduce)."
+        )
+    spec = COMM_HOOKS[name]
+    if state is None:
+        return
+    if not isinstance(state, dict):
+        raise TypeError(f"comm_state must be a dict of keyword arguments, got {type(state).__name__}: {state!r}.")
+    unknown = sorted(set(state) - set(spec.state_keys))
+    if unknown:
+        allowed = ", ".join(spec.state_keys) or "none (this hook takes no state)"
+        raise ValueError(f"comm_state keys {unknown} are not accepted by comm_hook={name!r}; accepted: {allowed}.")
+    rank = state.get("matrix_approximation_rank")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+        raise ValueError(
+            f"comm_state['matrix_approximation_rank']={rank!r} must be a positive int "
+            f"(1 is the usual choice; 2-4 trade bandwidth for accuracy)."
+        )
+    start = state.get("start_powerSGD_iter")
+    if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 1):
+        raise ValueError(f"comm_state['start_powerSGD_iter']={start!r} must be an int >= 1.")
+    if start is not None and start <= 1 and state.get("use_error_feedback", True):
+        raise ValueError(
+            f"comm_state['start_powerSGD_iter']={start!r} needs to be >= 2 while error feedback or warm start "
+            f"is on (torch's rule): use start_powerSGD_iter=2."
+        )
+
+
+def check_backend(name: Optional[str], backend: str) -> None:
+    """Raise before any process starts when ``backend`` cannot run the hook."""
+    if name is None:
+        return
+    alternative = COMM_HOOKS[name].unsupported_backends.get(backend)
+    if alternative is not None:
+        raise ValueError(
+            f"comm_hook={name!r} cannot run on the {backend!r} process-group backend (torch's hook raises "
+            f"there). Use {alternative} on {backend}, or run on CUDA devices with the 'nccl' backend."
+        )
+
+
+@dataclass
+class _LedgerState:
+    """What our wrapper hook carries: the inner hook, its state, and the ledger to write into."""
+
+    hook: HookFn
+    inner: Any
+    ledger: CommStats
+
+
+def _counting_hook(state: _LedgerState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Call the named hook and count what it handed to ``all_reduce`` for this bucket."""
+    buffer = bucket.buffer()
+    inner = state.inner
+    esize = buffer.element_size()
+    if isinstance(inner, powersgd.PowerSGDState):
+        vanilla = inner.iter < inner.start_powerSGD_iter
+        before = inner.total_numel_after_compression
+        fut = state.hook(inner, bucket)
+        if vanilla:
+            state.ledger.record(1, buffer.numel() * esize)
+        else:
+            # torch adds exactly the elements it all-reduces (uncompressed tensors + P + Q) to this counter
+            calls = 3 if state.hook is powersgd.powerSGD_hook else 2
+            state.ledger.record(calls, (inner.total_numel_after_compression - before) * esize)
+    else:
+        fut = state.hook(inner, bucket)
+        if state.hook is default_hooks.fp16_compress_hook or state.hook is default_hooks.bf16_compress_hook:
+            esize = 2
+        state.ledger.record(1, buffer.numel() * esize)
+    if bucket.is_last():
+        state.ledger.sync_rounds += 1
+    return fut
+
+
+def register_comm_hook(
+    ddp_model: torch.nn.parallel.DistributedDataParallel,
+    name: Optional[str],
+    state: Optional[dict[str, Any]],
+    ledger: CommStats,
+) -> Any:
+    """Register the named hook (or plain averaging all-reduce) on ``ddp_model`` on any device type.
+
+    Returns the inner hook state (a ``PowerSGDState`` for PowerSGD) so callers can checkpoint it.
+    """
+    process_group = ddp_model.process_group
+    inner: Any
+    if name is None:
+        hook: HookFn = default_hooks.allreduce_hook
+        inner = process_group
+    elif name in ("powersgd", "batched_powersgd"):
+        if name == "batched_powersgd":
+            patch_batched_powersgd()
+        hook = COMM_HOOKS[name].hook
+        kwargs = {**_POWERSGD_DEFAULTS, **(state or {})}
+        inner = powersgd.PowerSGDState(process_group=process_group, **kwargs)
+    else:
+        hook = COMM_HOOKS[name].hook
+        inner = process_group
+    ddp_model.register_comm_hook(_LedgerState(hook, inner, ledger), _counting_hook)
+    return inner

@@ -1,0 +1,234 @@
+"""``MGPUDDPStrategy``: Lightning's DDP with comm hooks on every device, static-graph accumulation that
+works, and a communication ledger.
+
+Example::
+
+    import lightning_mgpu  # registers "mgpu_ddp", "mgpu_ddp_spawn", ... with Lightning
+    from pytorch_lightning import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp", accumulate_grad_batches=4)
+    trainer.fit(model, datamodule)
+    print(trainer.strategy.comm_stats.summary())
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.utilities.exceptions import _augment_message
+from pytorch_lightning.utilities.types import STEP_OUTPUT
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import pytorch_lightning as pl
+from lightning_mgpu._compat import _DDP_HAS_SET_STATIC_GRAPH
+from lightning_mgpu.comm import CommStats, check_backend, check_comm_hook, register_comm_hook
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+CommHookName = Literal["fp16", "bf16", "powersgd", "batched_powersgd"]
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# Arguments of Lightning's DDPStrategy that this class replaces with named ones.
+_REPLACED_KWARGS = {
+    "ddp_comm_hook": "comm_hook='fp16' | 'bf16' | 'powersgd' | 'batched_powersgd'",
+    "ddp_comm_state": "comm_state={...} (keyword arguments of the hook's state, e.g. PowerSGDState)",
+    "ddp_comm_wrapper": "comm_hook='fp16' (compression) or comm_hook='powersgd'",
+    "model_averaging_period": "Lightning's DDPStrategy (post-local SGD is not supported by mgpu_ddp)",
+}
+
+
+class MGPUDDPStrategy(DDPStrategy):
+    """Distributed data parallel training, correct by default on CPU (gloo) and CUDA (NCCL).
+
+    What it adds to Lightning's :class:`~pytorch_lightning.strategies.DDPStrategy`:
+
+    * ``comm_hook`` is registered on **every** device type (Lightning's registers hooks on CUDA only and
+      silently trains without them elsewhere), and a hook the backend cannot run is refused at
+      ``Trainer(...)`` construction, before any process starts.
+    * ``static_graph=True`` works with ``accumulate_grad_batches`` (Lightning 2.6 + torch crash on the first
+      ``no_sync`` micro-batch): static-graph mode is switched on just before the first synchronised
+      forward, so non-stepping micro-batches never all-reduce.
+    * :attr:`comm_stats`: a ledger of all-reduce calls and bytes handed to the collective, sync rounds and
+      optimizer steps, with the ring all-reduce lower bound beside it; logged as ``comm/*`` every
+      ``log_every_n_steps`` optimizer steps through the Trainer's loggers.
+
+    Args:
+        comm_hook: ``None`` (plain averaging all-reduce), ``"fp16"``, ``"bf16"`` (NCCL only), ``"powersgd"``
+            or ``"batched_powersgd"``.
+        comm_state: keyword arguments for the hook's state, e.g. ``{"matrix_approximation_rank": 2}`` for
+            PowerSGD (defaults: rank 1, compression from the 2nd synchronisation).
+        static_graph: tell DDP the graph is the same every iteration (faster; see torch's DDP docs).
+        find_unused_parameters: DDP's flag; costs a graph traversal per step, leave off unless needed.
+        start_method: ``"popen"`` (re-run the script per rank; scripts, torchrun, SLURM), ``"spawn"``,
+            ``"fork"`` (notebooks; CPU or before CUDA is initialised) or ``"forkserver"``.
+        log_comm_stats: log ``comm/*`` metrics through the Trainer's loggers.
+        **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``,
+            ``gradient_as_bucket_view``).
+    """
+
+    strategy_name = "mgpu_ddp"
+
+    def __init__(
+        self,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        comm_hook: Optional[CommHookName] = None,
+        comm_state: Optional[dict[str, Any]] = None,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        log_comm_stats: bool = True,
+        **ddp_kwargs: Any,
+    ) -> None:
+        replaced = sorted(set(ddp_kwargs) & set(_REPLACED_KWARGS))
+        if replaced:
+            hints = "; ".join(f"{k} -> {_REPLACED_KWARGS[k]}" for k in replaced)
+            raise TypeError(f"MGPUDDPStrategy does not take {replaced}. Use instead: {hints}.")
+        if start_method not in _START_METHODS:
+            raise ValueError(
+                f"Unknown start_method={start_method!r}. Choose one of {list(_START_METHODS)}: 'popen' for "
+                f"scripts/torchrun/SLURM, 'fork' in notebooks (or the preset 'mgpu_ddp_notebook'), 'spawn' otherwise."
+            )
+        if start_method != "popen" and start_method not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"start_method={start_method!r} is not available on this platform; available: "
+                f"{multiprocessing.get_all_start_methods()} or 'popen'."
+            )
+        check_comm_hook(comm_hook, comm_state)
+        for flag_name, flag in (("static_graph", static_graph), ("find_unused_parameters", find_unused_parameters)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{flag_name} must be True or False, got {flag!r}.")
+        if static_graph and not _DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4
+            raise RuntimeError("static_graph=True needs DistributedDataParallel._set_static_graph (torch>=2.4).")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            find_unused_parameters=find_unused_parameters,
+            **ddp_kwargs,
+        )
+        self._comm_hook = comm_hook
+        self._comm_state = dict(comm_state) if comm_state else None
+        self._static_graph = static_graph
+        self._log_comm_stats = log_comm_stats
+        self._comm_stats = CommStats()
+        self._comm_hook_state: Any = None
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """The communication ledger of this rank (see :class:`~lightning_mgpu.comm.CommStats`)."""
+        return self._comm_stats
+
+    @property
+    def comm_hook_state(self) -> Any:
+        """The registered hook's state (e.g. torch's ``PowerSGDState``), available after setup."""
+        return self._comm_hook_state
+
+    @property
+    def static_graph(self) -> bool:
+        return self._static_graph
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Runs in the main process at Trainer construction, after accelerator and devices are known:
+        # the last moment to refuse a configuration before any process is started.
+        check_backend(self._comm_hook, self._get_process_group_backend())
+        super()._configure_launcher()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        stats = self._comm_stats
+        stats.world_size = self.world_size
+        stats.gradient_bytes = sum(
+            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
+        )
+        # Lightning registers hooks only when the device is CUDA; the torch hooks used here run on gloo too.
+        self._comm_hook_state = register_comm_hook(self.model, self._comm_hook, self._comm_state, stats)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        model = self.model
+        if (
+            self._static_graph
+            and isinstance(model, DistributedDataParallel)
+            and not model.static_graph
+            and model.require_backward_grad_sync
+            and torch.is_grad_enabled()
+        ):
+            # First synchronised forward: the reducer still has num_iterations_ == 0, so static-graph mode
+            # can be switched on now. Earlier no_sync micro-batches ran in normal mode and never fired the
+            # reducer's hooks into its static-graph bookkeeping (see _compat._DDP_HAS_SET_STATIC_GRAPH).
+            model._set_static_graph()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[pl.LightningModule, Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._comm_stats.optimizer_steps += 1
+        if self._log_comm_stats:
+            self._maybe_log_comm_stats()
+        return output
+
+    def _maybe_log_comm_stats(self, force: bool = False) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or not trainer.loggers or not self.is_global_zero:
+            return
+        every = max(int(trainer.log_every_n_steps), 1)
+        if force or self._comm_stats.optimizer_steps % every == 0:
+            metrics = self._comm_stats.as_metrics()
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def on_train_end(self) -> None:
+        if self._log_comm_stats:
+            self._maybe_log_comm_stats(force=True)
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        _augment_message(
+            exception,
+            pattern=".*Expected to have finished reduction in the prior iteration.*",
+            new_message=(
+                "Some parameters of your LightningModule were not used to produce the loss returned by "
+                "training_step. If that is intended, pass `strategy=MGPUDDPStrategy(find_unused_parameters=True)` "
+                "(slower: a graph traversal per step); better, remove or freeze (requires_grad=False) the unused "
+                "parameters."
+            ),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(comm_hook={self._comm_hook!r}, static_graph={self._static_graph}, "
+            f"start_method={self._start_method!r})"
+        )

@@ -1,0 +1,277 @@
+"""Shared multi-process harness for the tests: tiny models, per-rank recorders, a single-process reference.
+
+Workers hand results back as ``torch.save`` files (never through ``mp.Queue``; DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from pytorch_lightning.callbacks import Callback
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_mgpu import MGPUDDPStrategy
+
+WORLD = 2
+
+
+class Regressor(pl.LightningModule):
+    """A two-layer MLP with MSE loss and SGD+momentum: small, deterministic, no BatchNorm (BN statistics
+    depend on the per-device batch, so they cannot match a single process with the global batch)."""
+
+    def __init__(self, d_in: int = 6, hidden: int = 16, d_out: int = 3, lr: float = 0.1, width_scale: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(d_in, hidden * width_scale), nn.Tanh(), nn.Linear(hidden * width_scale, d_out))
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def make_data(n: int = 96, d_in: int = 6, d_out: int = 3, dtype: torch.dtype = torch.float64) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, d_in, generator=g, dtype=dtype)
+    y = torch.randn(n, d_out, generator=g, dtype=dtype)
+    return TensorDataset(x, y)
+
+
+class RankData(pl.LightningDataModule):
+    """Per-rank DataLoader with our own DistributedSampler(shuffle=False), built once the process group
+    exists: rank r gets samples r, r+N, r+2N, ... so global micro-batch j is the contiguous slice
+    [j*N*b, (j+1)*N*b) -- what a single process with batch N*b*k sees, k micro-batches at a time.
+    (Lightning's automatic sampler always shuffles, so tests pass use_distributed_sampler=False.)"""
+
+    def __init__(self, dataset: TensorDataset, batch_size: int) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = DistributedSampler(self.dataset, shuffle=False) if torch.distributed.is_initialized() else None
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler, shuffle=False)
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+
+
+class AllReduceSpy:
+    """Test-only instrument, independent of our ledger: wraps ``torch.distributed.all_reduce`` in this worker
+    process and counts calls and payload bytes from any thread (torch's hooks look the function up on the
+    module at call time; PowerSGD issues its later all-reduces from future callbacks on gloo threads, which
+    torch.profiler on the training thread does not record)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.bytes = 0
+        self._lock: Any = None  # created in the worker: a Trainer launched with spawn is pickled
+        self._original: Any = None
+
+    def __enter__(self) -> AllReduceSpy:
+        import threading
+
+        self._lock = threading.Lock()
+        self._original = original = dist.all_reduce
+
+        def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.calls += 1
+                self.bytes += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+
+        dist.all_reduce = spy
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self._original
+        self._lock = None
+
+
+class Recorder(Callback):
+    """Writes, per rank, into ``out_dir/rank{r}.pt``: final weights, the comm ledger, per-batch
+    ``gloo:all_reduce`` counts from torch.profiler and per-batch ``(calls, bytes)`` from an
+    :class:`AllReduceSpy` (both independent of our ledger), and per-batch ledger ``(calls, bytes)``.
+    With ``grads=True`` also the flat gradient after every micro-batch's backward."""
+
+    def __init__(self, out_dir: Path, profile: bool = False, grads: bool = False) -> None:
+        self.out_dir = Path(out_dir)
+        self.profile = profile
+        self.grads = grads
+        self.batch_allreduces: list[int] = []
+        self.batch_ledger_calls: list[int] = []
+        self.batch_ledger_bytes: list[int] = []
+        self.batch_spy: list[tuple[int, int]] = []
+        self._spy = AllReduceSpy()
+        self._spy_before = (0, 0)
+        self._bytes_before = 0
+        self.batch_grads: list[torch.Tensor] = []
+        self._prof: Optional[torch.profiler.profile] = None
+        self._calls_before = 0
+
+    def _ledger(self, trainer: pl.Trainer) -> Any:
+        return getattr(trainer.strategy, "comm_stats", None)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._spy.__enter__()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        ledger = self._ledger(trainer)
+        self._calls_before = ledger.allreduce_calls if ledger is not None else 0
+        self._bytes_before = ledger.allreduce_bytes if ledger is not None else 0
+        self._spy_before = (self._spy.calls, self._spy.bytes)
+        if self.profile:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._prof.__enter__()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.grads:
+            self.batch_grads.append(torch.cat([p.grad.detach().flatten().clone() for p in pl_module.parameters()]))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self.batch_allreduces.append(sum(1 for e in self._prof.events() if e.name == "gloo:all_reduce"))
+            self._prof = None
+        ledger = self._ledger(trainer)
+        if ledger is not None:
+            self.batch_ledger_calls.append(ledger.allreduce_calls - self._calls_before)
+            self.batch_ledger_bytes.append(ledger.allreduce_bytes - self._bytes_before)
+        self.batch_spy.append((self._spy.calls - self._spy_before[0], self._spy.bytes - self._spy_before[1]))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._spy.__exit__(None, None, None)
+        ledger = self._ledger(trainer)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "weights": flat_params(pl_module),
+                "ledger": copy.deepcopy(ledger) if ledger is not None else None,
+                "batch_allreduces": self.batch_allreduces,
+                "batch_ledger_calls": self.batch_ledger_calls,
+                "batch_ledger": list(zip(self.batch_ledger_calls, self.batch_ledger_bytes)),
+                "batch_spy": self.batch_spy,
+                "batch_grads": self.batch_grads,
+                "global_step": trainer.global_step,
+            },
+            self.out_dir / f"rank{trainer.global_rank}.pt",
+        )
+
+
+def load_ranks(out_dir: Path, world: int = WORLD) -> list[dict[str, Any]]:
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def fit(
+    model: pl.LightningModule,
+    strategy: Any,
+    out_dir: Path,
+    *,
+    dataset: Optional[TensorDataset] = None,
+    batch_size: int = 4,
+    accumulate: int = 1,
+    max_epochs: int = 2,
+    devices: int = WORLD,
+    profile: bool = False,
+    grads: bool = False,
+    **trainer_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Fit ``model`` on ``devices`` CPU processes with our own sampler; returns each rank's record."""
+    dataset = dataset if dataset is not None else make_data()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=max_epochs,
+        accumulate_grad_batches=accumulate,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Recorder(out_dir, profile=profile, grads=grads)],
+        **trainer_kwargs,
+    )
+    trainer.fit(model, datamodule=RankData(dataset, batch_size))
+    return load_ranks(out_dir, devices)
+
+
+def reference_weights(model: nn.Module, dataset: TensorDataset, global_batch: int, epochs: int, lr: float = 0.1) -> torch.Tensor:
+    """One process, plain torch: SGD+momentum on batches of ``global_batch`` in order, MSE loss."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    loader = DataLoader(dataset, batch_size=global_batch, shuffle=False)
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    return flat_params(model)
+
+
+class AlwaysSyncDDP(MGPUDDPStrategy):
+    """Negative control: a broken accumulation that all-reduces on every micro-batch."""
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        yield None
+
+
+def _plain_ddp_worker(rank: int, model: nn.Module, dataset: TensorDataset, batch_size: int, epochs: int,
+                      hook_name: Optional[str], hook_state: Optional[dict[str, Any]], port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # under spawn, torch.multiprocessing hands both ranks the same shared-memory tensors: train a private copy
+    model = copy.deepcopy(model)
+    ddp = DDP(model)
+    if hook_name == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook_name == "powersgd":
+        ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, **(hook_state or {})), powersgd.powerSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=model.lr, momentum=0.9)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, shuffle=False))
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+    if rank == 0:
+        torch.save(flat_params(model), out)
+    # Drop DDP (its reducer holds work on the process group) before destroying the group: the other order
+    # hung intermittently in the reducer's destructor, after this function's last line.
+    del ddp, opt
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def plain_ddp_weights(model: nn.Module, dataset: TensorDataset, batch_size: int, epochs: int, out_dir: Path,
+                      hook_name: Optional[str] = None, hook_state: Optional[dict[str, Any]] = None) -> torch.Tensor:
+    """The same training as ``fit`` (k=1) in a hand-written torch DDP loop on 2 gloo processes, with the
+    comm hook registered by hand: the reference our strategy must reproduce."""
+    out = str(Path(out_dir) / "plain_ddp.pt")
+    mp.start_processes(_plain_ddp_worker, nprocs=WORLD, start_method="fork",
+                       args=(copy.deepcopy(model), dataset, batch_size, epochs, hook_name, hook_state,
+                             find_free_network_port(), out))
+    return torch.load(out)

@@ -1,0 +1,76 @@
+"""Comm hooks are really applied on CPU/gloo, and the ledger counts what they hand to the collective."""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lightning_mgpu import MGPUDDPStrategy
+from tests.helpers import WORLD, Regressor, fit, make_data, plain_ddp_weights
+
+B = 4
+EPOCHS = 2
+
+
+def _fit32(tmp_path, name, **strategy_kwargs):
+    model = Regressor(hidden=32)
+    strategy = MGPUDDPStrategy(start_method="fork", **strategy_kwargs)
+    return fit(model, strategy, tmp_path / name, dataset=make_data(dtype=torch.float32), batch_size=B,
+               max_epochs=EPOCHS, profile=True)
+
+
+def test_fp16_hook_changes_weights_slightly_and_matches_torch_ddp_with_the_hook(tmp_path):
+    plain = _fit32(tmp_path, "none")[0]
+    fp16 = _fit32(tmp_path, "fp16", comm_hook="fp16")[0]
+    diff = (fp16["weights"] - plain["weights"]).abs().max().item()
+    assert 0 < diff < 1e-2, f"fp16 compression must change the weights a little, changed by {diff}"
+
+    by_hand = plain_ddp_weights(Regressor(hidden=32), make_data(dtype=torch.float32), B, EPOCHS, tmp_path, "fp16")
+    torch.testing.assert_close(fp16["weights"], by_hand)
+    # and our no-hook path is torch DDP's default averaging
+    torch.testing.assert_close(plain["weights"], plain_ddp_weights(Regressor(hidden=32), make_data(dtype=torch.float32),
+                                                                   B, EPOCHS, tmp_path))
+
+
+def test_fp16_hook_halves_the_bytes_handed_to_the_collective(tmp_path):
+    plain_rank0 = _fit32(tmp_path, "none")[0]
+    fp16_rank0 = _fit32(tmp_path, "fp16", comm_hook="fp16")[0]
+    for r in (plain_rank0, fp16_rank0):
+        assert r["batch_ledger"] == r["batch_spy"], "ledger disagrees with the all_reduce spy"
+        assert [c for c, _ in r["batch_spy"]] == r["batch_allreduces"], "spy disagrees with torch.profiler"
+    plain, fp16 = plain_rank0["ledger"], fp16_rank0["ledger"]
+    assert fp16.allreduce_calls == plain.allreduce_calls
+    assert fp16.allreduce_bytes * 2 == plain.allreduce_bytes
+    assert plain.ratio_to_lower_bound == pytest.approx(1.0)
+    assert fp16.ratio_to_lower_bound == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(("hook", "calls_per_bucket"), [("powersgd", 3), ("batched_powersgd", 2)])
+def test_powersgd_compresses_and_the_ledger_matches_the_profiler(tmp_path, hook, calls_per_bucket):
+    plain = _fit32(tmp_path, "none")[0]
+    ranks = _fit32(tmp_path, hook, comm_hook=hook, comm_state={"matrix_approximation_rank": 1, "start_powerSGD_iter": 2})
+    for r in ranks:
+        # the ledger agrees, batch by batch, with an independent spy on torch.distributed.all_reduce
+        assert r["batch_ledger"] == r["batch_spy"]
+        calls = [c for c, _ in r["batch_spy"]]
+        # syncs 0 and 1: plain all-reduce (state.iter < start_powerSGD_iter=2); then every sync is compressed
+        assert calls[:2] == [1, 1]
+        assert set(calls[2:]) == {calls_per_bucket}
+    ledger = ranks[0]["ledger"]
+    assert ledger.allreduce_bytes < 0.5 * plain["ledger"].allreduce_bytes
+    assert not torch.allclose(ranks[0]["weights"], plain["weights"]), "compression had no effect"
+
+
+def test_powersgd_matches_torch_ddp_with_the_hook_registered_by_hand(tmp_path):
+    state = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 3}
+    ours = _fit32(tmp_path, "psgd", comm_hook="powersgd", comm_state=state)[0]["weights"]
+    by_hand = plain_ddp_weights(Regressor(hidden=32), make_data(dtype=torch.float32), B, EPOCHS, tmp_path,
+                                "powersgd", state)
+    torch.testing.assert_close(ours, by_hand)
+
+
+def test_bf16_on_gloo_is_refused_at_trainer_construction_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"comm_hook='bf16' cannot run on the 'gloo'.*comm_hook='fp16'"):
+        pl.Trainer(accelerator="cpu", devices=WORLD, strategy=MGPUDDPStrategy(comm_hook="bf16", start_method="fork"))
+    assert not torch.distributed.is_initialized()
