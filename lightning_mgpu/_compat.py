@@ -47,7 +47,7 @@ def patch_batched_powersgd() -> None:
     if not _TORCH_BATCHED_POWERSGD_BROKEN or getattr(original, "_mgpu_shim", False):
         return
 
-    def _orthogonalize(matrices, epsilon=0):  # type: ignore[no-untyped-def]
+    def _orthogonalize(matrices, epsilon=0):  # same signature as torch's
         if matrices.dim() == 2:
             return original(matrices.unsqueeze(0), epsilon)
         return original(matrices, epsilon)

@@ -16,6 +16,7 @@ Example::
 
 # No `from __future__ import annotations` here: DDP inspects the hook signature at runtime and wants the
 # real `dist.GradBucket` / `torch.futures.Future[torch.Tensor]` objects as annotations.
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -82,6 +83,11 @@ class CommStats:
     def record(self, calls: int, nbytes: int) -> None:
         self.allreduce_calls += calls
         self.allreduce_bytes += nbytes
+
+    def record_round(self, bucket_bytes: list[int]) -> None:
+        """One synchronised backward of DDP's built-in all-reduce: one call per bucket."""
+        self.record(len(bucket_bytes), sum(bucket_bytes))
+        self.sync_rounds += 1
 
     def as_metrics(self, prefix: str = "comm/") -> dict[str, float]:
         """Flat metrics for a Lightning logger."""
@@ -169,9 +175,7 @@ def check_comm_hook(name: Optional[str], state: Optional[dict[str, Any]]) -> Non
             )
         return
     if not isinstance(name, str) or name not in COMM_HOOKS:
-        raise ValueError(
-            f"Unknown comm_hook={name!r}. Choose one of {sorted(COMM_HOOKS)} or None (plain all-reduce)."
-        )
+        raise ValueError(f"Unknown comm_hook={name!r}. Choose one of {sorted(COMM_HOOKS)} or None (plain all-reduce).")
     spec = COMM_HOOKS[name]
     if state is None:
         return
@@ -216,6 +220,9 @@ class _LedgerState:
     hook: HookFn
     inner: Any
     ledger: CommStats
+    serialize: bool = False
+    """Finish one bucket's hook chain before the next bucket's starts (see ``register_comm_hook``)."""
+    pending: Optional[torch.futures.Future] = None
 
 
 def _counting_hook(state: _LedgerState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -224,9 +231,12 @@ def _counting_hook(state: _LedgerState, bucket: dist.GradBucket) -> torch.future
     inner = state.inner
     esize = buffer.element_size()
     if isinstance(inner, powersgd.PowerSGDState):
+        if state.serialize and state.pending is not None:
+            state.pending.wait()
         vanilla = inner.iter < inner.start_powerSGD_iter
         before = inner.total_numel_after_compression
         fut = state.hook(inner, bucket)
+        state.pending = None if bucket.is_last() else fut
         if vanilla:
             state.ledger.record(1, buffer.numel() * esize)
         else:
@@ -241,6 +251,18 @@ def _counting_hook(state: _LedgerState, bucket: dist.GradBucket) -> torch.future
     if bucket.is_last():
         state.ledger.sync_rounds += 1
     return fut
+
+
+def buckets_from_grad_views(params: Iterable[torch.Tensor]) -> list[int]:
+    """Bytes of each DDP bucket, read off the gradients when they are bucket views
+    (``gradient_as_bucket_view=True``): every ``param.grad`` lives in its bucket's storage, so the distinct
+    storages *are* the buckets DDP all-reduced. Parameters without a gradient are skipped."""
+    storages: dict[int, int] = {}
+    for p in params:
+        if p.grad is not None:
+            storage = p.grad.untyped_storage()
+            storages.setdefault(storage.data_ptr(), storage.nbytes())
+    return list(storages.values())
 
 
 def register_comm_hook(
@@ -267,5 +289,11 @@ def register_comm_hook(
     else:
         hook = COMM_HOOKS[name].hook
         inner = process_group
-    ddp_model.register_comm_hook(_LedgerState(hook, inner, ledger), _counting_hook)
+    # PowerSGD issues its P and Q all-reduces from future callbacks, on gloo's threads: with several buckets,
+    # one bucket's P/Q and the next bucket's first all-reduce reach the process group in a different order
+    # on different ranks, and gloo (which pairs collectives by order) fails with "Received data size doesn't
+    # match expected size" (reproduced: 5M-parameter MLP, 2 buckets, torch 2.13). On gloo each bucket's
+    # chain is finished before the next bucket starts; NCCL is left to overlap.
+    serialize = name in ("powersgd", "batched_powersgd") and dist.get_backend(process_group) == "gloo"
+    ddp_model.register_comm_hook(_LedgerState(hook, inner, ledger, serialize=serialize), _counting_hook)
     return inner

@@ -33,15 +33,27 @@ class Preset:
 
 
 PRESETS: tuple[Preset, ...] = (
-    Preset("mgpu_ddp", MGPUDDPStrategy, "DDP; comm hooks on any device, accumulation without extra syncs",
-           {"start_method": "popen"}),
+    Preset(
+        "mgpu_ddp",
+        MGPUDDPStrategy,
+        "DDP; comm hooks on any device, accumulation without extra syncs",
+        {"start_method": "popen"},
+    ),
     Preset("mgpu_ddp_spawn", MGPUDDPStrategy, "mgpu_ddp launched with spawn", {"start_method": "spawn"}),
     Preset("mgpu_ddp_fork", MGPUDDPStrategy, "mgpu_ddp launched with fork", {"start_method": "fork"}),
     Preset("mgpu_ddp_notebook", MGPUDDPStrategy, "mgpu_ddp for Jupyter (fork launch)", {"start_method": "fork"}),
-    Preset("mgpu_ddp_fp16_compress", MGPUDDPStrategy, "mgpu_ddp with fp16 gradient compression (half the bytes)",
-           {"start_method": "popen", "comm_hook": "fp16"}),
-    Preset("mgpu_ddp_powersgd", MGPUDDPStrategy, "mgpu_ddp with PowerSGD rank-1 gradient compression",
-           {"start_method": "popen", "comm_hook": "powersgd"}),
+    Preset(
+        "mgpu_ddp_fp16_compress",
+        MGPUDDPStrategy,
+        "mgpu_ddp with fp16 gradient compression (half the bytes)",
+        {"start_method": "popen", "comm_hook": "fp16"},
+    ),
+    Preset(
+        "mgpu_ddp_powersgd",
+        MGPUDDPStrategy,
+        "mgpu_ddp with PowerSGD rank-1 gradient compression",
+        {"start_method": "popen", "comm_hook": "powersgd"},
+    ),
 )
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Optional
 
 import pytorch_lightning as pl
@@ -18,11 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch import nn
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
@@ -34,10 +34,10 @@ class Regressor(pl.LightningModule):
     """A two-layer MLP with MSE loss and SGD+momentum: small, deterministic, no BatchNorm (BN statistics
     depend on the per-device batch, so they cannot match a single process with the global batch)."""
 
-    def __init__(self, d_in: int = 6, hidden: int = 16, d_out: int = 3, lr: float = 0.1, width_scale: int = 1) -> None:
+    def __init__(self, d_in: int = 6, hidden: int = 16, d_out: int = 3, lr: float = 0.1) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(d_in, hidden * width_scale), nn.Tanh(), nn.Linear(hidden * width_scale, d_out))
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
         self.lr = lr
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ class Recorder(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._spy.__enter__()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         ledger = self._ledger(trainer)
         self._calls_before = ledger.allreduce_calls if ledger is not None else 0
         self._bytes_before = ledger.allreduce_bytes if ledger is not None else 0
@@ -150,7 +150,7 @@ class Recorder(Callback):
         if self.grads:
             self.batch_grads.append(torch.cat([p.grad.detach().flatten().clone() for p in pl_module.parameters()]))
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._prof is not None:
             self._prof.__exit__(None, None, None)
             self.batch_allreduces.append(sum(1 for e in self._prof.events() if e.name == "gloo:all_reduce"))
@@ -218,7 +218,9 @@ def fit(
     return load_ranks(out_dir, devices)
 
 
-def reference_weights(model: nn.Module, dataset: TensorDataset, global_batch: int, epochs: int, lr: float = 0.1) -> torch.Tensor:
+def reference_weights(
+    model: nn.Module, dataset: TensorDataset, global_batch: int, epochs: int, lr: float = 0.1
+) -> torch.Tensor:
     """One process, plain torch: SGD+momentum on batches of ``global_batch`` in order, MSE loss."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -239,8 +241,17 @@ class AlwaysSyncDDP(MGPUDDPStrategy):
         yield None
 
 
-def _plain_ddp_worker(rank: int, model: nn.Module, dataset: TensorDataset, batch_size: int, epochs: int,
-                      hook_name: Optional[str], hook_state: Optional[dict[str, Any]], port: int, out: str) -> None:
+def _plain_ddp_worker(
+    rank: int,
+    model: nn.Module,
+    dataset: TensorDataset,
+    batch_size: int,
+    epochs: int,
+    hook_name: Optional[str],
+    hook_state: Optional[dict[str, Any]],
+    port: int,
+    out: str,
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     # under spawn, torch.multiprocessing hands both ranks the same shared-memory tensors: train a private copy
@@ -266,12 +277,22 @@ def _plain_ddp_worker(rank: int, model: nn.Module, dataset: TensorDataset, batch
     dist.destroy_process_group()
 
 
-def plain_ddp_weights(model: nn.Module, dataset: TensorDataset, batch_size: int, epochs: int, out_dir: Path,
-                      hook_name: Optional[str] = None, hook_state: Optional[dict[str, Any]] = None) -> torch.Tensor:
+def plain_ddp_weights(
+    model: nn.Module,
+    dataset: TensorDataset,
+    batch_size: int,
+    epochs: int,
+    out_dir: Path,
+    hook_name: Optional[str] = None,
+    hook_state: Optional[dict[str, Any]] = None,
+) -> torch.Tensor:
     """The same training as ``fit`` (k=1) in a hand-written torch DDP loop on 2 gloo processes, with the
     comm hook registered by hand: the reference our strategy must reproduce."""
     out = str(Path(out_dir) / "plain_ddp.pt")
-    mp.start_processes(_plain_ddp_worker, nprocs=WORLD, start_method="fork",
-                       args=(copy.deepcopy(model), dataset, batch_size, epochs, hook_name, hook_state,
-                             find_free_network_port(), out))
+    mp.start_processes(
+        _plain_ddp_worker,
+        nprocs=WORLD,
+        start_method="fork",
+        args=(copy.deepcopy(model), dataset, batch_size, epochs, hook_name, hook_state, find_free_network_port(), out),
+    )
     return torch.load(out)

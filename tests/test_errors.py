@@ -12,12 +12,19 @@ CASES = [
     # (kwargs, exception type, fragments the message must contain: the bad value and the fix)
     ({"comm_hook": "fp8"}, ValueError, ["'fp8'", "'powersgd'", "'fp16'"]),
     ({"comm_hook": "PowerSGD"}, ValueError, ["'PowerSGD'", "'powersgd'"]),
-    ({"comm_hook": "powersgd", "comm_state": {"matrix_approximation_rank": -1}}, ValueError,
-     ["matrix_approximation_rank", "-1", "positive int"]),
+    (
+        {"comm_hook": "powersgd", "comm_state": {"matrix_approximation_rank": -1}},
+        ValueError,
+        ["matrix_approximation_rank", "-1", "positive int"],
+    ),
     ({"comm_hook": "powersgd", "comm_state": {"matrix_approximation_rank": 0}}, ValueError, ["0", "positive int"]),
     ({"comm_hook": "powersgd", "comm_state": {"start_powerSGD_iter": 1}}, ValueError, ["start_powerSGD_iter", "=2"]),
     ({"comm_hook": "powersgd", "comm_state": {"rank": 2}}, ValueError, ["['rank']", "matrix_approximation_rank"]),
-    ({"comm_hook": "fp16", "comm_state": {"matrix_approximation_rank": 2}}, ValueError, ["matrix_approximation_rank", "fp16"]),
+    (
+        {"comm_hook": "fp16", "comm_state": {"matrix_approximation_rank": 2}},
+        ValueError,
+        ["matrix_approximation_rank", "fp16"],
+    ),
     ({"comm_state": {"matrix_approximation_rank": 2}}, ValueError, ["without a comm_hook", "comm_hook='powersgd'"]),
     ({"comm_hook": "powersgd", "comm_state": [1]}, TypeError, ["dict", "[1]"]),
     ({"start_method": "threads"}, ValueError, ["'threads'", "'fork'", "mgpu_ddp_notebook"]),

@@ -20,8 +20,15 @@ def test_ddp_weights_equal_single_process_with_global_batch(tmp_path, k, static_
     initial = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     expected = reference_weights(model, dataset, global_batch=WORLD * B * k, epochs=EPOCHS)
 
-    ranks = fit(model, MGPUDDPStrategy(start_method="fork", static_graph=static_graph), tmp_path,
-                dataset=dataset, batch_size=B, accumulate=k, max_epochs=EPOCHS)
+    ranks = fit(
+        model,
+        MGPUDDPStrategy(start_method="fork", static_graph=static_graph),
+        tmp_path,
+        dataset=dataset,
+        batch_size=B,
+        accumulate=k,
+        max_epochs=EPOCHS,
+    )
 
     steps = EPOCHS * len(dataset) // (WORLD * B * k)
     for r in ranks:
@@ -41,7 +48,14 @@ def test_parity_check_can_fail(tmp_path, global_batch, lr):
     dataset = make_data()
     model = Regressor().double()
     wrong = reference_weights(model, dataset, global_batch=global_batch, epochs=EPOCHS, lr=lr)
-    ranks = fit(model, MGPUDDPStrategy(start_method="fork"), tmp_path, dataset=dataset, batch_size=B,
-                accumulate=2, max_epochs=EPOCHS)
+    ranks = fit(
+        model,
+        MGPUDDPStrategy(start_method="fork"),
+        tmp_path,
+        dataset=dataset,
+        batch_size=B,
+        accumulate=2,
+        max_epochs=EPOCHS,
+    )
     with pytest.raises(AssertionError):
         torch.testing.assert_close(ranks[0]["weights"], wrong)

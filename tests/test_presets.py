@@ -48,8 +48,9 @@ def test_trainer_builds_the_preset_configuration(preset):
 
 
 def test_list_prints_every_name_description_and_launch_mode():
-    out = subprocess.run([sys.executable, "-m", "lightning_mgpu", "--list"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_mgpu", "--list"], capture_output=True, text=True, check=True
+    ).stdout
     assert out == preset_table() + "\n"
     for p in PRESETS:
         line = next(line for line in out.splitlines() if line.startswith(p.name + " "))
@@ -83,9 +84,21 @@ def test_spawn_preset_trains(tmp_path):
 def test_popen_presets_train_the_sample(tmp_path, name):
     """popen re-runs the script per rank, so it is tested as users run it: the main job, as a subprocess."""
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_mgpu.examples.train", "--strategy", name,
-         "--min-accuracy", "0.9", "--default-root-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "lightning_mgpu.examples.train",
+            "--strategy",
+            name,
+            "--min-accuracy",
+            "0.9",
+            "--default-root-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"strategy {name}" in proc.stdout

@@ -24,8 +24,12 @@ class DigitsCNN(pl.LightningModule):
         self.save_hyperparameters()
         c = channels
         self.features = nn.Sequential(
-            nn.Conv2d(1, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
-            nn.Conv2d(c, 2 * c, 3, padding=1), nn.BatchNorm2d(2 * c), nn.ReLU(),
+            nn.Conv2d(1, c, 3, padding=1),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            nn.Conv2d(c, 2 * c, 3, padding=1),
+            nn.BatchNorm2d(2 * c),
+            nn.ReLU(),
             nn.MaxPool2d(2),
         )
         self.head = nn.Linear(2 * c * 4 * 4, 10)

@@ -60,9 +60,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if trainer.is_global_zero:
         strategy = trainer.strategy
         print(f"strategy {args.strategy} ({strategy!r}) on {devices} x {trainer.accelerator.__class__.__name__}")
-        print(f"fit time {fit_s:.1f} s, {args.epochs} epochs, effective batch "
-              f"{args.batch_size * devices * args.accumulate}")
-        print(f"held-out test accuracy {accuracy:.4f} ({len(data.test_dataloader().dataset)} images)")
+        print(
+            f"fit time {fit_s:.1f} s, {args.epochs} epochs, effective batch "
+            f"{args.batch_size * devices * args.accumulate}"
+        )
+        print(f"held-out test accuracy {accuracy:.4f} ({data.hparams['test_size']} images)")
         stats = getattr(strategy, "comm_stats", None)
         if stats is not None:
             print(f"comm ledger (rank 0): {stats.summary()}")

@@ -18,6 +18,7 @@ import multiprocessing
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
+import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -30,9 +31,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import pytorch_lightning as pl
 from lightning_mgpu._compat import _DDP_HAS_SET_STATIC_GRAPH
-from lightning_mgpu.comm import CommStats, check_backend, check_comm_hook, register_comm_hook
+from lightning_mgpu.comm import (
+    CommStats,
+    buckets_from_grad_views,
+    check_backend,
+    check_comm_hook,
+    register_comm_hook,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,12 @@ class MGPUDDPStrategy(DDPStrategy):
         start_method: ``"popen"`` (re-run the script per rank; scripts, torchrun, SLURM), ``"spawn"``,
             ``"fork"`` (notebooks; CPU or before CUDA is initialised) or ``"forkserver"``.
         log_comm_stats: log ``comm/*`` metrics through the Trainer's loggers.
+        gradient_as_bucket_view: DDP's flag, on by default here (off in torch): gradients are views into the
+            all-reduce buckets, which saves one gradient-sized buffer and one copy per step. It also keeps the
+            counting comm hook free: DDP's built-in all-reduce scales gradients while copying them into the
+            bucket, a Python hook must scale the bucket in a pass of its own, and with bucket views there is
+            no copy to fuse into in either case. Set it to False if your code replaces ``param.grad``
+            tensors or calls ``detach_()`` on them.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``,
             ``gradient_as_bucket_view``).
     """
@@ -94,6 +106,7 @@ class MGPUDDPStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
         log_comm_stats: bool = True,
+        gradient_as_bucket_view: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         replaced = sorted(set(ddp_kwargs) & set(_REPLACED_KWARGS))
@@ -126,6 +139,7 @@ class MGPUDDPStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
             find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
             **ddp_kwargs,
         )
         self._comm_hook = comm_hook
@@ -134,6 +148,11 @@ class MGPUDDPStrategy(DDPStrategy):
         self._log_comm_stats = log_comm_stats
         self._comm_stats = CommStats()
         self._comm_hook_state: Any = None
+        # Plain all-reduce with bucket views runs DDP's built-in C++ path (fastest: no Python in the
+        # reduction) and is counted after each synchronised backward from the bucket storages; every other
+        # case goes through a Python comm hook that counts what it hands to all_reduce.
+        self._count_from_buckets = comm_hook is None and gradient_as_bucket_view
+        self._bucket_layout: list[int] = []
 
     @property
     def comm_stats(self) -> CommStats:
@@ -161,9 +180,9 @@ class MGPUDDPStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         stats = self._comm_stats
         stats.world_size = self.world_size
-        stats.gradient_bytes = sum(
-            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
-        )
+        stats.gradient_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        if self._count_from_buckets:
+            return
         # Lightning registers hooks only when the device is CUDA; the torch hooks used here run on gloo too.
         self._comm_hook_state = register_comm_hook(self.model, self._comm_hook, self._comm_state, stats)
 
@@ -184,6 +203,18 @@ class MGPUDDPStrategy(DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        model = self.model
+        if self._count_from_buckets and isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync:
+            stats = self._comm_stats
+            # DDP re-lays its buckets once, in its first iterations: read the layout then, and re-check it
+            # every 100 rounds (reading walks every parameter: not for every step of a large model).
+            if not self._bucket_layout or stats.sync_rounds < 16 or stats.sync_rounds % 100 == 0:
+                self._bucket_layout = buckets_from_grad_views(model.parameters())
+            stats.record_round(self._bucket_layout)
+
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -202,7 +233,8 @@ class MGPUDDPStrategy(DDPStrategy):
         trainer = module._trainer if module is not None else None
         if trainer is None or not trainer.loggers or not self.is_global_zero:
             return
-        every = max(int(trainer.log_every_n_steps), 1)
+        # set on the Trainer at runtime by Lightning's logger connector (not a declared attribute)
+        every = max(int(getattr(trainer, "log_every_n_steps", 50)), 1)
         if force or self._comm_stats.optimizer_steps % every == 0:
             metrics = self._comm_stats.as_metrics()
             for logger in trainer.loggers:
