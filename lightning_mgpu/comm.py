@@ -116,8 +116,8 @@ class CommStats:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Hook table: one row per name. ``state`` builds the hook state, ``payload`` tells what one call of the hook
-# handed to the collective (calls, elements) given the bucket and the state before/after.
+# Hook table: one row per name: torch's hook, a description, the backends that cannot run it (with the
+# alternative to suggest), and the keyword arguments its state accepts (``comm_state``).
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -160,9 +160,9 @@ COMM_HOOKS: dict[str, _HookSpec] = {
 }
 
 _POWERSGD_DEFAULTS: dict[str, Any] = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
-"""Compression from the second synchronisation on. torch's own default (1000 iterations of plain
-all-reduce first) is kept only when the user passes ``start_powerSGD_iter`` explicitly: a short job
-would otherwise never compress anything, and the ledger would show no saving."""
+"""Compression from the second synchronisation on, unless ``comm_state`` says otherwise. torch's own
+default (1000 iterations of plain all-reduce first) would leave a short job uncompressed, with no saving
+in the ledger; pass ``comm_state={"start_powerSGD_iter": 1000}`` to get it back."""
 
 
 def check_comm_hook(name: Optional[str], state: Optional[dict[str, Any]]) -> None:
