@@ -80,13 +80,11 @@ class MGPUDDPStrategy(DDPStrategy):
             ``"fork"`` (notebooks; CPU or before CUDA is initialised) or ``"forkserver"``.
         log_comm_stats: log ``comm/*`` metrics through the Trainer's loggers.
         gradient_as_bucket_view: DDP's flag, on by default here (off in torch): gradients are views into the
-            all-reduce buckets, which saves one gradient-sized buffer and one copy per step. It also keeps the
-            counting comm hook free: DDP's built-in all-reduce scales gradients while copying them into the
-            bucket, a Python hook must scale the bucket in a pass of its own, and with bucket views there is
-            no copy to fuse into in either case. Set it to False if your code replaces ``param.grad``
-            tensors or calls ``detach_()`` on them.
-        **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``,
-            ``gradient_as_bucket_view``).
+            all-reduce buckets, which saves one gradient-sized buffer and one copy per step, and lets the
+            ledger count plain all-reduce from the buckets without a Python comm hook. Set it to False if
+            your code replaces ``param.grad`` tensors or calls ``detach_()`` on them (the ledger then counts
+            through a Python hook, one extra pass over the gradients per step).
+        **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``).
     """
 
     strategy_name = "mgpu_ddp"
