@@ -4,12 +4,23 @@
 with Lightning, so ``Trainer(strategy="mgpu_ddp")`` works.
 """
 
-from lightning_mgpu.comm import COMM_HOOKS, CommStats
+from lightning_mgpu.accumulation import ManualAccumulation
+from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets
 from lightning_mgpu.strategies import MGPUDDPStrategy
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["COMM_HOOKS", "PRESETS", "CommStats", "MGPUDDPStrategy", "__version__", "preset_table", "register_presets"]
+__all__ = [
+    "COMM_HOOKS",
+    "PRESETS",
+    "CommStats",
+    "MGPUDDPStrategy",
+    "ManualAccumulation",
+    "__version__",
+    "allreduce_gradients",
+    "preset_table",
+    "register_presets",
+]
 
 register_presets()

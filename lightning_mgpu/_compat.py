@@ -5,6 +5,8 @@ Nothing else in the package may test a version or probe a private API inline: im
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.nn.parallel import DistributedDataParallel
 
 # ``DistributedDataParallel._set_static_graph`` switches static-graph mode on after construction; the
@@ -54,3 +56,13 @@ def patch_batched_powersgd() -> None:
 
     _orthogonalize._mgpu_shim = True  # type: ignore[attr-defined]
     powerSGD_hook._orthogonalize = _orthogonalize
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the current training micro-batch only accumulates (does not end an accumulation window).
+
+    Lightning's own rule (``_TrainingEpochLoop._should_accumulate``, private in 2.6): a window ends every
+    ``accumulate_grad_batches`` batches and on the last batch of the epoch. Used as-is so that manual
+    optimization steps exactly where automatic optimization would.
+    """
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())

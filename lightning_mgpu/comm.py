@@ -16,7 +16,7 @@ Example::
 
 # No `from __future__ import annotations` here: DDP inspects the hook signature at runtime and wants the
 # real `dist.GradBucket` / `torch.futures.Future[torch.Tensor]` objects as annotations.
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -51,6 +51,9 @@ class CommStats:
     """Bytes of the uncompressed gradients of one synchronisation (all parameters that require grad)."""
     world_size: int = 1
     """Number of ranks in the gradient all-reduce."""
+    synced_gradient_bytes: int = 0
+    """Manual optimization only: cumulative uncompressed bytes of the gradients each optimizer step needed
+    synchronised (that optimizer's parameters). 0 means every step needs all of ``gradient_bytes``."""
 
     @property
     def calls_per_step(self) -> float:
@@ -63,9 +66,13 @@ class CommStats:
     @property
     def ring_lower_bound_bytes(self) -> float:
         """Bytes each rank must send per step in a ring all-reduce of the uncompressed gradients,
-        ``2 (N - 1) / N x gradient bytes``: the bandwidth floor of plain data-parallel training."""
+        ``2 (N - 1) / N x gradient bytes``: the bandwidth floor of plain data-parallel training. With manual
+        optimization the gradient bytes are those of the optimizer that steps (averaged over steps)."""
         n = self.world_size
-        return 2 * (n - 1) / n * self.gradient_bytes if n > 1 else 0.0
+        needed: float = self.gradient_bytes
+        if self.synced_gradient_bytes and self.optimizer_steps:
+            needed = self.synced_gradient_bytes / self.optimizer_steps
+        return 2 * (n - 1) / n * needed if n > 1 else 0.0
 
     @property
     def ring_bytes_per_step(self) -> float:
@@ -297,3 +304,73 @@ def register_comm_hook(
     serialize = name in ("powersgd", "batched_powersgd") and dist.get_backend(process_group) == "gloo"
     ddp_model.register_comm_hook(_LedgerState(hook, inner, ledger, serialize=serialize), _counting_hook)
     return inner
+
+
+_FLOAT_COMPRESSION = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def allreduce_gradients(
+    params: Sequence[torch.Tensor],
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    compress: Optional[str] = None,
+    ledger: Optional[CommStats] = None,
+    bucket_cap_mb: float = 25.0,
+) -> None:
+    """Average ``params``' gradients over the ranks of ``group``, in flat buckets of at most
+    ``bucket_cap_mb`` (one ``all_reduce`` per bucket, all in flight together).
+
+    Used for manual optimization, where each optimizer's gradients are synchronised once, when it steps.
+    ``compress`` is ``None``, ``"fp16"`` or ``"bf16"`` (cast for the collective, as torch's compress hooks
+    do). A parameter with no gradient on this rank contributes zeros; one with no gradient on any rank keeps
+    ``grad=None``, as in a single process (one extra element per parameter carries that flag).
+
+    Example::
+
+        allreduce_gradients([p for g in opt.param_groups for p in g["params"]], ledger=stats)
+        opt.step()
+    """
+    world = dist.get_world_size(group)
+    if world == 1 or not params:
+        return
+    comm_dtype_override = _FLOAT_COMPRESSION.get(compress) if compress else None
+    cap = int(bucket_cap_mb * 2**20)
+    buckets: list[list[torch.Tensor]] = []
+    key: Any = None
+    size = 0
+    for p in params:
+        k = (p.device, p.dtype)
+        nbytes = p.numel() * p.element_size()
+        if not buckets or k != key or (size + nbytes > cap and buckets[-1]):
+            buckets.append([])
+            key, size = k, 0
+        buckets[-1].append(p)
+        size += nbytes
+    pending = []
+    for bucket in buckets:
+        dtype = comm_dtype_override or bucket[0].dtype
+        device = bucket[0].device
+        pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in bucket]
+        pieces.append(torch.tensor([float(p.grad is not None) for p in bucket], dtype=dtype, device=device))
+        flat = torch.cat(pieces)
+        flat.div_(world)  # before the sum, as torch's hooks do: keeps fp16 in range
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        pending.append((bucket, flat, work))
+        if ledger is not None:
+            ledger.record(1, flat.numel() * flat.element_size())
+    for bucket, flat, work in pending:
+        work.wait()
+        flags = flat[-len(bucket) :]
+        offset = 0
+        for i, p in enumerate(bucket):
+            n = p.numel()
+            if flags[i] > 0:
+                avg = flat[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = avg.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(avg)
+            offset += n
+    if ledger is not None:
+        ledger.sync_rounds += 1
+        ledger.synced_gradient_bytes += sum(p.numel() * p.element_size() for p in params)

@@ -196,6 +196,7 @@ def fit(
     devices: int = WORLD,
     profile: bool = False,
     grads: bool = False,
+    callbacks: Optional[list[Callback]] = None,
     **trainer_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Fit ``model`` on ``devices`` CPU processes with our own sampler; returns each rank's record."""
@@ -211,7 +212,7 @@ def fit(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Recorder(out_dir, profile=profile, grads=grads)],
+        callbacks=[Recorder(out_dir, profile=profile, grads=grads), *(callbacks or [])],
         **trainer_kwargs,
     )
     trainer.fit(model, datamodule=RankData(dataset, batch_size))

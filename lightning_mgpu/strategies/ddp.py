@@ -24,7 +24,8 @@ from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.utilities.exceptions import _augment_message
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.exceptions import MisconfigurationException, _augment_message
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -32,13 +33,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu._compat import _DDP_HAS_SET_STATIC_GRAPH
+from lightning_mgpu.accumulation import check_accumulate_grad_batches, check_manual_accumulation
 from lightning_mgpu.comm import (
     CommStats,
+    allreduce_gradients,
     buckets_from_grad_views,
     check_backend,
     check_comm_hook,
     register_comm_hook,
 )
+from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,10 @@ class MGPUDDPStrategy(DDPStrategy):
     * ``static_graph=True`` works with ``accumulate_grad_batches`` (Lightning 2.6 + torch crash on the first
       ``no_sync`` micro-batch): static-graph mode is switched on just before the first synchronised
       forward, so non-stepping micro-batches never all-reduce.
+    * Manual optimization (GANs, several optimizers): each optimizer's gradients are averaged once, when
+      that optimizer steps, and never on the micro-batches in between; DDP's reducer stays out of it, so
+      toggling the other optimizer's parameters off (``toggle_model``) needs no ``find_unused_parameters``.
+      With :class:`~lightning_mgpu.ManualAccumulation` on the module, ``accumulate_grad_batches`` works too.
     * :attr:`comm_stats`: a ledger of all-reduce calls and bytes handed to the collective, sync rounds and
       optimizer steps, with the ring all-reduce lower bound beside it; logged as ``comm/*`` every
       ``log_every_n_steps`` optimizer steps through the Trainer's loggers.
@@ -151,6 +159,10 @@ class MGPUDDPStrategy(DDPStrategy):
         # case goes through a Python comm hook that counts what it hands to all_reduce.
         self._count_from_buckets = comm_hook is None and gradient_as_bucket_view
         self._bucket_layout: list[int] = []
+        # manual optimization: per optimizer, the parameters to sync (trainable at setup, in optimizer order)
+        self._manual_params: dict[int, list[torch.Tensor]] = {}
+        self._in_optimizer_step = False
+        self._step_guards: list[Any] = []
 
     @property
     def comm_stats(self) -> CommStats:
@@ -171,7 +183,61 @@ class MGPUDDPStrategy(DDPStrategy):
         # Runs in the main process at Trainer construction, after accelerator and devices are known:
         # the last moment to refuse a configuration before any process is started.
         check_backend(self._comm_hook, self._get_process_group_backend())
-        super()._configure_launcher()
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _CheckedSubprocessScriptLauncher(
+                self._check_before_launch, self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = _CheckedMultiProcessingLauncher(
+                self._check_before_launch, self, start_method=self._start_method
+            )
+
+    def _check_before_launch(self, trainer: pl.Trainer) -> None:
+        """Runs in the main process when fit() is called, before any worker starts (and in each torchrun or
+        SLURM process before it joins the group)."""
+        check_accumulate_grad_batches(trainer.accumulate_grad_batches)
+        model = self._lightning_module
+        if model is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        check_manual_accumulation(trainer, model)
+        if not model.automatic_optimization and self._comm_hook in ("powersgd", "batched_powersgd"):
+            raise MisconfigurationException(
+                f"comm_hook={self._comm_hook!r} needs automatic optimization: with manual optimization mgpu_ddp "
+                f"averages each optimizer's gradients itself when it steps, outside DDP's buckets, where PowerSGD "
+                f"cannot run. Use comm_hook='fp16' (half the bytes) or None for {type(model).__name__}."
+            )
+
+    @property
+    def _manual_sync(self) -> bool:
+        module = self.lightning_module
+        return module is not None and not module.automatic_optimization
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if not self._manual_sync or trainer.state.fn != TrainerFn.FITTING:
+            return
+        seen: set[int] = set()
+        self._manual_params = {}
+        for opt in self.optimizers:
+            params = []
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+            self._manual_params[id(opt)] = params
+            self._step_guards.append(opt.register_step_pre_hook(self._refuse_unsynced_step))
+
+    def _refuse_unsynced_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._in_optimizer_step:
+            raise MisconfigurationException(
+                f"{type(optimizer).__name__}.step() was called on the raw torch optimizer, so its gradients were "
+                f"not averaged across the {self.world_size} ranks and the replicas would drift apart. Step through "
+                f"Lightning's wrapper: `opt = self.optimizers()` (not `use_pl_optimizer=False` or an optimizer "
+                f"kept from configure_optimizers), then `opt.step()`."
+            )
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -179,7 +245,7 @@ class MGPUDDPStrategy(DDPStrategy):
         stats = self._comm_stats
         stats.world_size = self.world_size
         stats.gradient_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        if self._count_from_buckets:
+        if self._count_from_buckets or self._manual_sync:
             return
         # Lightning registers hooks only when the device is CUDA; the torch hooks used here run on gloo too.
         self._comm_hook_state = register_comm_hook(self.model, self._comm_hook, self._comm_state, stats)
@@ -187,6 +253,13 @@ class MGPUDDPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         model = self.model
+        if self._manual_sync and isinstance(model, DistributedDataParallel):
+            # Manual optimization: DDP's reducer would sync every backward (and, without
+            # find_unused_parameters, wait forever for the toggled-off optimizer's gradients). Keep it out of
+            # the whole step; optimizer_step syncs what the stepping optimizer needs.
+            self._broadcast_buffers(model)
+            with model.no_sync():
+                return super().training_step(*args, **kwargs)
         if (
             self._static_graph
             and isinstance(model, DistributedDataParallel)
@@ -220,7 +293,35 @@ class MGPUDDPStrategy(DDPStrategy):
         model: Optional[Union[pl.LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        ddp = self.model
+        if self._manual_sync and isinstance(ddp, DistributedDataParallel):
+            inner = optimizer.optimizer if isinstance(optimizer, pl.core.optimizer.LightningOptimizer) else optimizer
+            params = self._manual_params.get(id(inner))
+            if params is None:
+                raise MisconfigurationException(
+                    f"{type(inner).__name__} was not returned by configure_optimizers, so mgpu_ddp cannot sync its "
+                    f"gradients. Create every optimizer in configure_optimizers."
+                )
+            user_closure = closure
+
+            def closure(params: list[torch.Tensor] = params) -> Any:
+                # after the user's closure (its backward), before unscaling and on_before_optimizer_step:
+                # where DDP would have finished its all-reduce in automatic optimization
+                out = user_closure()
+                allreduce_gradients(
+                    params,
+                    group=ddp.process_group,
+                    compress=self._comm_hook,
+                    ledger=self._comm_stats,
+                    bucket_cap_mb=self._ddp_kwargs.get("bucket_cap_mb", 25.0),
+                )
+                return out
+
+        self._in_optimizer_step = True
+        try:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._in_optimizer_step = False
         self._comm_stats.optimizer_steps += 1
         if self._log_comm_stats:
             self._maybe_log_comm_stats()
@@ -237,6 +338,29 @@ class MGPUDDPStrategy(DDPStrategy):
             metrics = self._comm_stats.as_metrics()
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _broadcast_buffers(self, model: DistributedDataParallel) -> None:
+        """What DDP does before a synchronised forward (``broadcast_buffers=True``, its default): rank 0's
+        buffers (BatchNorm statistics) overwrite the others', one broadcast per dtype."""
+        if not self._ddp_kwargs.get("broadcast_buffers", True) or self.world_size == 1:
+            return
+        by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for b in model.module.buffers():
+            by_dtype.setdefault((b.device, b.dtype), []).append(b)
+        for buffers in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in buffers])
+            torch.distributed.broadcast(flat, src=0, group=model.process_group)
+            offset = 0
+            for b in buffers:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+    @override
+    def teardown(self) -> None:
+        for handle in self._step_guards:
+            handle.remove()
+        self._step_guards = []
+        super().teardown()
 
     @override
     def on_train_end(self) -> None:
