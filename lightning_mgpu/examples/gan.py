@@ -67,7 +67,9 @@ class DigitsGAN(ManualAccumulation, pl.LightningModule):
             nn.LeakyReLU(0.2),
             nn.Linear(hidden, 1),
         )
-        self._untrained: Optional[nn.Module] = None
+        # the generator as it was before fit, for test/mmd_untrained; a plain dict so that it is neither a
+        # submodule (parameters(), DDP) nor part of the checkpoint
+        self._untrained: dict[str, torch.Tensor] = {}
 
     def forward(self, noise: torch.Tensor) -> torch.Tensor:
         return self.generator(noise).view(-1, 1, 8, 8)
@@ -77,7 +79,7 @@ class DigitsGAN(ManualAccumulation, pl.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        self._untrained = copy.deepcopy(self.generator)
+        self._untrained = {k: v.detach().clone() for k, v in self.generator.state_dict().items()}
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> None:
@@ -113,8 +115,10 @@ class DigitsGAN(ManualAccumulation, pl.LightningModule):
     @override
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test/mmd", self._mmd(batch, self.generator), sync_dist=True)
-        if self._untrained is not None:
-            self.log("test/mmd_untrained", self._mmd(batch, self._untrained.to(self.device)), sync_dist=True)
+        if self._untrained:
+            untrained = copy.deepcopy(self.generator)
+            untrained.load_state_dict(self._untrained)
+            self.log("test/mmd_untrained", self._mmd(batch, untrained), sync_dist=True)
 
     @override
     def configure_optimizers(self) -> Any:
