@@ -150,6 +150,22 @@ def test_negative_control_naive_accumulation_syncs_every_micro_batch(tmp_path):
     torch.testing.assert_close(got["generator"], expected["generator"])
 
 
+def test_hand_written_accumulation_from_seed_003_syncs_only_when_stepping_on_mgpu_ddp(tmp_path):
+    """Without the mixin (Trainer k=1, accumulation by hand as in seed 003), mgpu_ddp still syncs each
+    optimizer only when it steps, toggles need no find_unused_parameters, and the weights match."""
+    dataset = make_gan_data()
+    model = NaiveAccumulation().double()
+    expected = gan_reference(model, dataset, global_batch=WORLD * B * 2, epochs=1)
+    ranks = fit(
+        model, MGPUDDPStrategy(start_method="fork"), tmp_path, dataset=dataset, batch_size=B, max_epochs=1, profile=True
+    )
+    counts = ranks[0]["batch_allreduces"]
+    assert counts == [0, 2] * (len(counts) // 2), counts
+    got = _split(ranks[0]["weights"], model)
+    for name in ("generator", "discriminator"):
+        torch.testing.assert_close(got[name], expected[name])
+
+
 class GradProbe(Callback):
     """Per rank: the flat gradients left after each accumulating micro-batch, and the gradients each
     optimizer stepped with (a step post-hook: after mgpu_ddp's sync)."""

@@ -218,9 +218,9 @@ class MGPUDDPStrategy(DDPStrategy):
         super().setup(trainer)
         if not self._manual_sync or trainer.state.fn != TrainerFn.FITTING:
             return
-        seen: set[int] = set()
         self._manual_params = {}
         for opt in self.optimizers:
+            seen: set[int] = set()  # per optimizer: a parameter shared by two optimizers is synced for each
             params = []
             for group in opt.param_groups:
                 for p in group["params"]:
