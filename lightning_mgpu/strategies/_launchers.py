@@ -8,30 +8,26 @@ from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from typing_extensions import override
 
 PreLaunchCheck = Callable[["pl.Trainer"], None]
 
 
-class _CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
+class _PreLaunchCheck:
+    """Put first in the bases of a Lightning launcher; takes the check as its first argument."""
+
     def __init__(self, check: PreLaunchCheck, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._check = check
 
-    @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
         if trainer is not None:
             self._check(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
-class _CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
-    def __init__(self, check: PreLaunchCheck, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._check = check
+class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, _SubprocessScriptLauncher):
+    pass
 
-    @override
-    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
-        if trainer is not None:
-            self._check(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+class _CheckedMultiProcessingLauncher(_PreLaunchCheck, _MultiProcessingLauncher):
+    pass
