@@ -39,7 +39,6 @@ import torch.multiprocessing as mp
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import DDPStrategy
-from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -63,14 +62,10 @@ class FixedNoiseGAN(DigitsGAN):
     def losses(self, real: torch.Tensor, noise: torch.Tensor, d_opt: Any, g_opt: Any, scale: float) -> tuple:
         fake = self.generator(noise)
         with d_opt.toggle_model():
-            r, f = self.discriminator(real), self.discriminator(fake.detach())
-            d_loss = F.binary_cross_entropy_with_logits(r, torch.ones_like(r)) + F.binary_cross_entropy_with_logits(
-                f, torch.zeros_like(f)
-            )
+            d_loss = self.discriminator_loss(real, fake.detach())
             self.manual_backward(d_loss * scale)
         with g_opt.toggle_model():
-            logits = self.discriminator(fake)
-            g_loss = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
+            g_loss = self.generator_loss(fake)
             self.manual_backward(g_loss * scale)
         return d_loss, g_loss
 
@@ -157,14 +152,9 @@ class _Phases(torch.nn.Module):
         self.gan = gan
 
     def forward(self, real: torch.Tensor, fake: torch.Tensor, phase: str) -> torch.Tensor:
-        d = self.gan.discriminator
         if phase == "d":
-            r, f = d(real), d(fake.detach())
-            return F.binary_cross_entropy_with_logits(r, torch.ones_like(r)) + F.binary_cross_entropy_with_logits(
-                f, torch.zeros_like(f)
-            )
-        logits = d(fake)
-        return F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
+            return self.gan.discriminator_loss(real, fake.detach())
+        return self.gan.generator_loss(fake)
 
 
 def _plain_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:

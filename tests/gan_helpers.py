@@ -76,8 +76,7 @@ def gan_reference(model: TinyGAN, dataset: TensorDataset, global_batch: int, epo
     """One process, plain torch, batches of ``global_batch`` in order; the discriminator's parameters are
     frozen for the generator's backward (what toggle_model does)."""
     model = copy.deepcopy(model)
-    g_opt, d_opt, *_ = (o for o in _plain_optimizers(model))
-    g_sch, d_sch = (torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=model.gamma) for o in (g_opt, d_opt))
+    (g_opt, d_opt), (g_sch, d_sch) = model.configure_optimizers()  # the optimizers only; the loop is ours
     for _ in range(epochs):
         for x, z in DataLoader(dataset, batch_size=global_batch, shuffle=False):
             fake = model.generator(z)
@@ -91,13 +90,6 @@ def gan_reference(model: TinyGAN, dataset: TensorDataset, global_batch: int, epo
             g_sch.step()
             d_sch.step()
     return weights(model)
-
-
-def _plain_optimizers(model: TinyGAN) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-    return (
-        torch.optim.SGD(model.generator.parameters(), lr=model.lr_g, momentum=0.9),
-        torch.optim.Adam(model.discriminator.parameters(), lr=model.lr_d),
-    )
 
 
 def weights(model: TinyGAN) -> dict[str, torch.Tensor]:

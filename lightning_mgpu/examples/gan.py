@@ -77,6 +77,18 @@ class DigitsGAN(ManualAccumulation, pl.LightningModule):
     def sample_noise(self, n: int) -> torch.Tensor:
         return torch.randn(n, self.hparams["noise_dim"], device=self.device)
 
+    def discriminator_loss(self, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+        """Real images labelled 1, generated ones 0 (pass ``fake.detach()`` to leave the generator out)."""
+        real_logits, fake_logits = self.discriminator(real), self.discriminator(fake)
+        return F.binary_cross_entropy_with_logits(
+            real_logits, torch.ones_like(real_logits)
+        ) + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits))
+
+    def generator_loss(self, fake: torch.Tensor) -> torch.Tensor:
+        """Non-saturating generator loss: generated images labelled 1."""
+        logits = self.discriminator(fake)
+        return F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
+
     @override
     def on_fit_start(self) -> None:
         self._untrained = {k: v.detach().clone() for k, v in self.generator.state_dict().items()}
@@ -88,14 +100,10 @@ class DigitsGAN(ManualAccumulation, pl.LightningModule):
         fake = self.generator(self.sample_noise(len(real)))
 
         with d_opt.toggle_model():  # generator frozen: only the discriminator gets gradients
-            real_logits, fake_logits = self.discriminator(real), self.discriminator(fake.detach())
-            d_loss = F.binary_cross_entropy_with_logits(
-                real_logits, torch.ones_like(real_logits)
-            ) + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits))
+            d_loss = self.discriminator_loss(real, fake.detach())
             self.manual_backward(d_loss)
         with g_opt.toggle_model():  # discriminator frozen
-            logits = self.discriminator(fake)
-            g_loss = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
+            g_loss = self.generator_loss(fake)
             self.manual_backward(g_loss)
         # With accumulate_grad_batches=k these step, sync and clear only on the k-th micro-batch.
         for opt in (d_opt, g_opt):
