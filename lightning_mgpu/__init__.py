@@ -7,7 +7,7 @@ with Lightning, so ``Trainer(strategy="mgpu_ddp")`` works.
 from lightning_mgpu.accumulation import ManualAccumulation
 from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets
-from lightning_mgpu.strategies import MGPUDDPStrategy
+from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUShardedStrategy, ShardMemory
 
 __version__ = "0.1.0.dev0"
 
@@ -16,7 +16,9 @@ __all__ = [
     "PRESETS",
     "CommStats",
     "MGPUDDPStrategy",
+    "MGPUShardedStrategy",
     "ManualAccumulation",
+    "ShardMemory",
     "__version__",
     "allreduce_gradients",
     "preset_table",

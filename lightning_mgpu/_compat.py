@@ -66,3 +66,13 @@ def should_accumulate(trainer: Any) -> bool:
     optimization steps exactly where automatic optimization would.
     """
     return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def init_optimizer_state(optimizer: Any) -> None:
+    """Give every parameter of ``optimizer`` its state tensors (zero gradients, one step at lr 0), so that a
+    sharded checkpoint can be loaded into them in place. torch's own helper, private in 2.13
+    (``torch.distributed.checkpoint.state_dict._init_optim_state``, used by ``get_optimizer_state_dict``);
+    does nothing when the optimizer already has state or any gradient."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)

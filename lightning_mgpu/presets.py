@@ -12,6 +12,7 @@ from typing import Any
 from pytorch_lightning.strategies import StrategyRegistry
 
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
+from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
 _LAUNCH = {
     "popen": "re-runs the script per rank (scripts, torchrun, SLURM)",
@@ -53,6 +54,34 @@ PRESETS: tuple[Preset, ...] = (
         MGPUDDPStrategy,
         "mgpu_ddp with PowerSGD rank-1 gradient compression",
         {"start_method": "popen", "comm_hook": "powersgd"},
+    ),
+    Preset(
+        "mgpu_sharded",
+        MGPUShardedStrategy,
+        "ZeRO stage 2, torch FSDP2: optimizer state + gradients sharded",
+        {"start_method": "popen", "stage": 2},
+    ),
+    Preset("mgpu_sharded_spawn", MGPUShardedStrategy, "mgpu_sharded launched with spawn", {"start_method": "spawn"}),
+    Preset(
+        "mgpu_sharded_notebook", MGPUShardedStrategy, "mgpu_sharded for Jupyter (fork launch)", {"start_method": "fork"}
+    ),
+    Preset(
+        "mgpu_zero1",
+        MGPUShardedStrategy,
+        "ZeRO stage 1: DDP + torch ZeroRedundancyOptimizer (optimizer state sharded)",
+        {"start_method": "popen", "stage": 1},
+    ),
+    Preset(
+        "mgpu_zero3",
+        MGPUShardedStrategy,
+        "ZeRO stage 3, torch FSDP2: + parameters sharded",
+        {"start_method": "popen", "stage": 3},
+    ),
+    Preset(
+        "mgpu_sharded_fairscale",
+        MGPUShardedStrategy,
+        "fairscale OSS + ShardedDataParallel (Lightning 1.x ddp_sharded); needs the [fairscale] extra",
+        {"start_method": "popen", "stage": 2, "backend": "fairscale"},
     ),
 )
 

@@ -3,6 +3,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# Fork launches (the tests' default) after this process has used torch's intra-op (OpenMP) thread pool
+# deadlock in the child's first parallel op when the child runs with more than one thread: Lightning gives a
+# single forked rank cpu_count() threads (seen here: a 1-rank fork resume hung in Tanh.forward after an
+# earlier test ran a reference model in this process). One thread in the test process keeps every child
+# single-threaded: it inherits this setting, and multi-rank children get 1 thread each on 2 cores anyway.
+torch.set_num_threads(1)
 
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 

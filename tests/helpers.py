@@ -26,56 +26,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
+from tests.models import RankData, Regressor, make_data  # noqa: F401  (re-exported for the tests)
 
 WORLD = 2
 
 
-class Regressor(pl.LightningModule):
-    """A two-layer MLP with MSE loss and SGD+momentum: small, deterministic, no BatchNorm (BN statistics
-    depend on the per-device batch, so they cannot match a single process with the global batch)."""
-
-    def __init__(self, d_in: int = 6, hidden: int = 16, d_out: int = 3, lr: float = 0.1) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
-        self.lr = lr
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-
-
-def make_data(n: int = 96, d_in: int = 6, d_out: int = 3, dtype: torch.dtype = torch.float64) -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, d_in, generator=g, dtype=dtype)
-    y = torch.randn(n, d_out, generator=g, dtype=dtype)
-    return TensorDataset(x, y)
-
-
-class RankData(pl.LightningDataModule):
-    """Per-rank DataLoader with our own DistributedSampler(shuffle=False), built once the process group
-    exists: rank r gets samples r, r+N, r+2N, ... so global micro-batch j is the contiguous slice
-    [j*N*b, (j+1)*N*b) -- what a single process with batch N*b*k sees, k micro-batches at a time.
-    (Lightning's automatic sampler always shuffles, so tests pass use_distributed_sampler=False.)"""
-
-    def __init__(self, dataset: TensorDataset, batch_size: int) -> None:
-        super().__init__()
-        self.dataset = dataset
-        self.batch_size = batch_size
-
-    def train_dataloader(self) -> DataLoader:
-        sampler = DistributedSampler(self.dataset, shuffle=False) if torch.distributed.is_initialized() else None
-        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler, shuffle=False)
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor shard (FSDP2) is gathered from all ranks (a collective)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def flat_params(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+    return torch.cat([full(p.detach()).flatten().clone() for p in module.parameters()])
 
 
 class AllReduceSpy:
@@ -121,6 +83,7 @@ class Recorder(Callback):
         self.profile = profile
         self.grads = grads
         self.batch_allreduces: list[int] = []
+        self.batch_events: list[dict[str, int]] = []
         self.batch_ledger_calls: list[int] = []
         self.batch_ledger_bytes: list[int] = []
         self.batch_spy: list[tuple[int, int]] = []
@@ -154,6 +117,11 @@ class Recorder(Callback):
         if self._prof is not None:
             self._prof.__exit__(None, None, None)
             self.batch_allreduces.append(sum(1 for e in self._prof.events() if e.name == "gloo:all_reduce"))
+            events: dict[str, int] = {}
+            for e in self._prof.events():
+                if e.name.startswith("gloo:"):
+                    events[e.name] = events.get(e.name, 0) + 1
+            self.batch_events.append(events)
             self._prof = None
         ledger = self._ledger(trainer)
         if ledger is not None:
@@ -170,6 +138,7 @@ class Recorder(Callback):
                 "weights": flat_params(pl_module),
                 "ledger": copy.deepcopy(ledger) if ledger is not None else None,
                 "batch_allreduces": self.batch_allreduces,
+                "batch_events": self.batch_events,
                 "batch_ledger_calls": self.batch_ledger_calls,
                 "batch_ledger": list(zip(self.batch_ledger_calls, self.batch_ledger_bytes)),
                 "batch_spy": self.batch_spy,
@@ -201,21 +170,23 @@ def fit(
 ) -> list[dict[str, Any]]:
     """Fit ``model`` on ``devices`` CPU processes with our own sampler; returns each rank's record."""
     dataset = dataset if dataset is not None else make_data()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=max_epochs,
-        accumulate_grad_batches=accumulate,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Recorder(out_dir, profile=profile, grads=grads), *(callbacks or [])],
-        **trainer_kwargs,
-    )
-    trainer.fit(model, datamodule=RankData(dataset, batch_size))
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "strategy": strategy,
+        "max_epochs": max_epochs,
+        "accumulate_grad_batches": accumulate,
+        "use_distributed_sampler": False,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "callbacks": [Recorder(out_dir, profile=profile, grads=grads), *(callbacks or [])],
+    }
+    kwargs.update(trainer_kwargs)
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = pl.Trainer(**kwargs)
+    trainer.fit(model, datamodule=RankData(dataset, batch_size), ckpt_path=ckpt_path)
     return load_ranks(out_dir, devices)
 
 

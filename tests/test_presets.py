@@ -80,7 +80,7 @@ def test_spawn_preset_trains(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mgpu_ddp", "mgpu_ddp_fp16_compress", "mgpu_ddp_powersgd"])
+@pytest.mark.parametrize("name", ["mgpu_ddp", "mgpu_ddp_fp16_compress", "mgpu_ddp_powersgd", "mgpu_sharded"])
 def test_popen_presets_train_the_sample(tmp_path, name):
     """popen re-runs the script per rank, so it is tested as users run it: the main job, as a subprocess."""
     proc = subprocess.run(

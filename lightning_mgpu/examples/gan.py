@@ -143,7 +143,7 @@ def main(args: Optional[list[str]] = None) -> None:
 
     import lightning_mgpu  # noqa: F401  (registers the strategy names used in the config)
     from lightning_mgpu.examples.digits import DigitsDataModule
-    from lightning_mgpu.examples.train import release_process_group
+    from lightning_mgpu.strategies._launchers import release_process_group
 
     cli = LightningCLI(DigitsGAN, DigitsDataModule, args=args, seed_everything_default=0)
     if cli.subcommand == "fit":

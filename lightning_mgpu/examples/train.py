@@ -18,15 +18,7 @@ import torch
 
 import lightning_mgpu
 from lightning_mgpu.examples import DigitsCNN, DigitsDataModule
-
-
-def release_process_group() -> None:
-    """End of a job: every rank leaves the process group together. Left to interpreter exit, the group's
-    C++ threads were sometimes destroyed while still running ("terminate called without an active
-    exception", exit -6, seen intermittently on the popen rank 0 here)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+from lightning_mgpu.strategies._launchers import release_process_group
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 PreLaunchCheck = Callable[["pl.Trainer"], None]
@@ -30,4 +31,16 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, _SubprocessScriptLaunche
 
 
 class _CheckedMultiProcessingLauncher(_PreLaunchCheck, _MultiProcessingLauncher):
-    pass
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        # The worker process ends right after this: leave the process group together first.
+        release_process_group()
+
+
+def release_process_group() -> None:
+    """Every rank leaves the process group together. Left to interpreter exit, the group's C++ threads were
+    sometimes destroyed while still running ("terminate called without an active exception", SIGABRT, seen
+    intermittently here on spawn workers and on the popen rank 0)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -22,8 +22,10 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException, _augment_message
 from pytorch_lightning.utilities.types import STEP_OUTPUT
@@ -354,6 +356,29 @@ class MGPUDDPStrategy(DDPStrategy):
             for b in buffers:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        self._refuse_main_process_save()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _refuse_main_process_save(self) -> None:
+        """Plain Lightning writes a checkpoint with empty optimizer states (and the main process's loop
+        counters) when ``trainer.save_checkpoint`` runs in the main process after a spawn/fork fit."""
+        if (
+            isinstance(self._launcher, _MultiProcessingLauncher)
+            and not torch.distributed.is_initialized()
+            and self.num_processes * self.num_nodes > 1
+        ):
+            raise RuntimeError(
+                f"trainer.save_checkpoint() was called in the main process after a {self._start_method!r} launch. "
+                f"Training ran in the worker processes and their optimizer states are gone, so this checkpoint "
+                f"could not resume training. Save from inside fit (ModelCheckpoint(save_last=True), or "
+                f"trainer.save_checkpoint in a callback's on_train_end), or launch with start_method='popen', where "
+                f"trainer.save_checkpoint after fit works."
+            )
 
     @override
     def teardown(self) -> None:

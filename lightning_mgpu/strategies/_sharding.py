@@ -1,0 +1,409 @@
+"""How each sharding backend of :class:`~lightning_mgpu.MGPUShardedStrategy` wraps the model and the
+optimizers, blocks gradient sync, and reads and writes its state.
+
+Two families:
+
+* **Partitioned optimizer** (stage 1 torch: ``ZeroRedundancyOptimizer``; stage 1/2 fairscale: ``OSS``): each
+  rank owns whole parameters' optimizer state and steps only those, then broadcasts them. Parameters stay
+  plain, full tensors. Stage 2 fairscale adds ``ShardedDataParallel``, which reduces each gradient to its
+  owner only.
+* **FSDP2** (stage 2/3 torch: ``fully_shard``): parameters, gradients and optimizer state are ``DTensor``
+  shards along dim 0; stage 2 keeps parameters gathered from forward to backward
+  (``reshard_after_forward=False``), stage 3 gathers them again for backward.
+
+Both write checkpoints in two layouts that do not depend on the world size:
+
+* *consolidated*: exactly what one process with a plain optimizer saves (``optimizer.state_dict()`` keyed by
+  parameter index), so it loads on one device without this package;
+* *sharded*: ``torch.distributed.checkpoint`` (DCP) with the optimizer state keyed by parameter name
+  (``{"state": {fqn: {...}}, "param_groups": [...]}``, the layout of torch's ``get_optimizer_state_dict`` and
+  Lightning's ``ModelParallelStrategy``). DCP re-slices tensors on load, so each rank of any world size reads
+  the pieces it now owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mgpu._compat import init_optimizer_state
+
+# Optimizers whose state is not one elementwise tensor per parameter: no backend can split them.
+_UNSHARDABLE = {
+    "LBFGS": "its state is one flat history over all parameters and its step re-evaluates the closure",
+    "SparseAdam": "it needs sparse gradients, which DDP, ZeRO and FSDP do not reduce",
+}
+# Optimizers that need whole matrices (factored or orthogonalised updates): fine when a rank owns whole
+# parameters (stage 1), wrong on FSDP2's row shards.
+_NEEDS_WHOLE_PARAMETERS = {"Adafactor", "Muon"}
+
+
+def check_optimizer(optimizer: Optimizer, stage: int, backend: str) -> None:
+    """Refuse an optimizer this (stage, backend) cannot shard correctly, naming what to use instead."""
+    name = type(optimizer).__name__
+    bases = {c.__name__ for c in type(optimizer).__mro__}
+    for bad, why in _UNSHARDABLE.items():
+        if bad in bases:
+            raise TypeError(
+                f"mgpu_sharded cannot shard {name}: {why}. Use an optimizer with per-parameter state "
+                f"(SGD, Adam, AdamW, RMSprop, ...), or train {name} with strategy='mgpu_ddp'."
+            )
+    if stage >= 2 and backend == "torch" and bases & _NEEDS_WHOLE_PARAMETERS:
+        raise TypeError(
+            f"{name} computes its update from whole weight matrices, but stage {stage} gives each rank row "
+            f"shards of every parameter. Use MGPUShardedStrategy(stage=1) (each rank owns whole parameters), "
+            f"or an elementwise optimizer such as AdamW."
+        )
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` (the first name of a shared parameter), names as in ``module.state_dict()``."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def optimizer_params(optimizer: Optimizer) -> list[torch.Tensor]:
+    """Parameters in ``optimizer.state_dict()`` index order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def rebind_schedulers(lr_scheduler_configs: list[Any], old: Optimizer, new: Optimizer) -> None:
+    """Point Lightning's schedulers at the wrapping optimizer (whose ``param_groups`` the step reads), with
+    torch's "optimizer.step() was called" tracking carried over, so no spurious ordering warning appears."""
+    for config in lr_scheduler_configs:
+        if getattr(config.scheduler, "optimizer", None) is old:
+            config.scheduler.optimizer = new
+    if hasattr(old.step, "_wrapped_by_lr_sched") and not hasattr(new.step, "_wrapped_by_lr_sched"):
+        step = new.step
+
+        @functools.wraps(step)
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            new._opt_called = True  # type: ignore[attr-defined]
+            return step(*args, **kwargs)
+
+        tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        new.step = tracked  # type: ignore[method-assign]
+
+
+class ShardingBackend:
+    """One (stage, backend) pair. The strategy calls these in its own lifecycle hooks."""
+
+    stage: int
+    wraps_with_ddp = False
+    """Stage 1: the model is wrapped in mgpu_ddp's ``DistributedDataParallel`` (gradients all-reduced)."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+
+    # --- model and optimizers -----------------------------------------------------------------------
+    def shard_model(self, module: nn.Module, mesh: Any) -> Optional[nn.Module]:
+        """Before the optimizers exist. Returns the module to train, or None to keep the strategy's."""
+        return None
+
+    def wrap_optimizer(self, optimizer: Optimizer, group: Any) -> Optimizer:
+        return optimizer
+
+    def wrap_after_optimizers(self, module: nn.Module, optimizers: list[Optimizer], group: Any) -> nn.Module:
+        return module
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        yield
+
+    def local_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The torch optimizer that holds this rank's share of the state."""
+        return optimizer
+
+    def owned_params(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        """The parameters (of ``optimizer``) whose state this rank holds."""
+        return optimizer_params(optimizer)
+
+    def sync_layout(self, model: nn.Module) -> list[int]:
+        """Bytes handed to each gradient collective of one synchronised backward (for the ledger)."""
+        return []
+
+    # --- consolidated state ---------------------------------------------------------------------------
+    def full_model_state(self, module: nn.Module) -> dict[str, Any]:
+        return module.state_dict()
+
+    def load_full_model_state(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
+        module.load_state_dict(state, strict=strict)
+
+    def full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(copy.deepcopy(state))
+
+    # --- sharded state (DCP, keyed by parameter name) -------------------------------------------------
+    def sharded_optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's share: ``{"state": {fqn: {...}} for owned parameters, "param_groups": [...]}``."""
+        names = param_names(module)
+        local = self.local_optimizer(optimizer)
+        state = {names[id(p)]: local.state[p] for p in self.owned_params(optimizer) if p in local.state}
+        groups = [
+            {**_hyperparameters(g), "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def optimizer_load_template(self, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        """Tensors to load a sharded checkpoint into, in place: this rank's state, created if still empty."""
+        init_optimizer_state(self.local_optimizer(optimizer))
+        return self.sharded_optimizer_state(module, optimizer)
+
+    def finish_optimizer_load(self, optimizer: Optimizer, loaded: dict[str, Any]) -> None:
+        """After DCP filled the template: apply the saved hyper-parameters (lr set by schedulers, ...)."""
+        groups = loaded["param_groups"]
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(
+                f"The checkpoint's optimizer has {len(groups)} parameter groups, {type(optimizer).__name__} has "
+                f"{len(optimizer.param_groups)}: configure_optimizers must build the same groups as when it was saved."
+            )
+        for saved, group in zip(groups, optimizer.param_groups):
+            group.update(_hyperparameters(saved))
+        self._sync_local_groups(optimizer)
+
+    def _sync_local_groups(self, optimizer: Optimizer) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Partitioned optimizers: torch ZeroRedundancyOptimizer, fairscale OSS (+ ShardedDataParallel at stage 2)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rebuild_error(optimizer: Optimizer, wrapper: str, error: Exception) -> TypeError:
+    return TypeError(
+        f"{wrapper} rebuilds each rank's share as `{type(optimizer).__name__}(params, **optimizer.defaults)`, "
+        f"which failed: {error}. Give {type(optimizer).__name__} an __init__ that accepts every key of its "
+        f"`defaults` as a keyword argument, or use MGPUShardedStrategy(stage=2) (FSDP2 keeps your optimizer)."
+    )
+
+
+class TorchZeroBackend(ShardingBackend):
+    """Stage 1, torch: DDP all-reduces gradients; ``ZeroRedundancyOptimizer`` keeps 1/N of the state."""
+
+    wraps_with_ddp = True
+
+    def wrap_optimizer(self, optimizer: Optimizer, group: Any) -> Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer
+        try:
+            # The user's param_group dicts themselves: per-group options are kept.
+            return ZeroRedundancyOptimizer(
+                optimizer.param_groups, optimizer_class=type(optimizer), process_group=group, **optimizer.defaults
+            )
+        except TypeError as err:
+            raise _rebuild_error(optimizer, "ZeroRedundancyOptimizer", err) from err
+
+    def local_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        return optimizer.optim  # type: ignore[attr-defined]
+
+    def owned_params(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        return optimizer_params(self.local_optimizer(optimizer))
+
+    def full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
+        optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
+        return optimizer.state_dict() if is_global_zero else {}
+
+    def _sync_local_groups(self, optimizer: Optimizer) -> None:
+        # the wrapper's param_groups -> its local optimizer's (what ZeroRedundancyOptimizer.step does first)
+        optimizer._sync_param_groups(optimizer.param_groups, self.local_optimizer(optimizer).param_groups)  # type: ignore[attr-defined]
+
+
+class FairscaleOSSBackend(TorchZeroBackend):
+    """Stage 1 (OSS + DDP) or 2 (OSS + ShardedDataParallel), fairscale: the seeds' ``ddp_sharded``."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__(stage)
+        self.wraps_with_ddp = stage == 1
+
+    def wrap_optimizer(self, optimizer: Optimizer, group: Any) -> Optimizer:
+        from fairscale.optim import OSS
+
+        if isinstance(optimizer, OSS):
+            return optimizer
+        try:
+            return OSS(optimizer.param_groups, optim=type(optimizer), group=group, **optimizer.defaults)
+        except TypeError as err:
+            raise _rebuild_error(optimizer, "fairscale OSS", err) from err
+
+    def wrap_after_optimizers(self, module: nn.Module, optimizers: list[Optimizer], group: Any) -> nn.Module:
+        if self.stage == 1:
+            return module
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        # reduce_buffer_size=0: one reduce per parameter, to its owner (the ledger counts exactly that);
+        # bucketing small parameters together is a latency optimisation that matters on NCCL only.
+        return ShardedDataParallel(module, sharded_optimizer=optimizers, process_group=group, reduce_buffer_size=0)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        if isinstance(model, ShardedDataParallel):
+            with model.no_sync():
+                yield
+        else:
+            yield
+
+    def sync_layout(self, model: nn.Module) -> list[int]:
+        return [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+
+    def full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
+        optimizer.consolidate_state_dict(recipient_rank=0)  # type: ignore[attr-defined]
+        return optimizer.state_dict() if is_global_zero else {}
+
+    def _sync_local_groups(self, optimizer: Optimizer) -> None:
+        type(optimizer)._sync_param_groups(optimizer.param_groups, self.local_optimizer(optimizer).param_groups)  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FSDP2 (torch fully_shard): stages 2 and 3
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fsdp_units(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+class FSDP2Backend(ShardingBackend):
+    """Stage 2 (``reshard_after_forward=False``) or 3 (``True``) with torch's ``fully_shard``.
+
+    ``wrap_modules``: module classes that get their own FSDP unit (gathered and freed one at a time), applied
+    innermost first; the root is always a unit. ``None``: every ``nn.TransformerEncoderLayer`` /
+    ``nn.TransformerDecoderLayer``, and otherwise each direct child of the LightningModule that has
+    parameters (one unit per block of the sample models).
+    """
+
+    def __init__(self, stage: int, wrap_modules: Optional[tuple[type[nn.Module], ...]] = None) -> None:
+        super().__init__(stage)
+        self.wrap_modules = wrap_modules
+
+    def _unit_roots(self, module: nn.Module) -> list[nn.Module]:
+        if self.wrap_modules is not None:
+            classes = self.wrap_modules
+        else:
+            layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+            if any(isinstance(m, layers) for m in module.modules()):
+                classes = layers
+            else:
+                return [c for c in module.children() if any(True for _ in c.parameters())]
+        return [m for m in module.modules() if m is not module and isinstance(m, classes)]
+
+    def shard_model(self, module: nn.Module, mesh: Any) -> Optional[nn.Module]:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(module, FSDPModule):  # fit() again in the same process: already sharded
+            return module
+        reshard = self.stage == 3
+        # innermost first: fully_shard on a parent leaves parameters already owned by a child unit alone
+        for unit in reversed(self._unit_roots(module)):
+            if not isinstance(unit, FSDPModule):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+        return module
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule):
+            yield
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def sync_layout(self, model: nn.Module) -> list[int]:
+        # one reduce-scatter (an all-reduce on gloo) per unit: the parameters it owns and no child unit does
+        units = _fsdp_units(model)
+        nested: set[int] = set()
+        sizes = []
+        for unit in reversed(units):  # modules() is pre-order: children come later, so walk backwards
+            own = [p for p in unit.parameters() if id(p) not in nested and p.requires_grad]
+            nested.update(id(p) for p in unit.parameters())
+            if own:
+                sizes.append(sum(p.numel() * p.element_size() for p in own))
+        return sizes
+
+    def full_model_state(self, module: nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_full_model_state(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+    def full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        by_name: dict[str, Any] = get_optimizer_state_dict(
+            module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if not is_global_zero:
+            return {}
+        # names -> indices: the layout of a plain optimizer.state_dict()
+        order = [name for group in by_name["param_groups"] for name in group["params"]]
+        index = {name: i for i, name in enumerate(order)}
+        state = {index[name]: value for name, value in by_name["state"].items()}
+        groups = [{**_hyperparameters(g), "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def load_full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = param_names(module)
+        order = [names[id(p)] for p in optimizer_params(optimizer)]
+        saved_count = sum(len(g["params"]) for g in state["param_groups"])
+        if saved_count != len(order):
+            raise ValueError(
+                f"The checkpoint's optimizer state has {saved_count} parameters, {type(optimizer).__name__} has "
+                f"{len(order)}: configure_optimizers must build the same optimizer as when it was saved."
+            )
+        by_name: Any = {
+            "state": {order[i]: value for i, value in state["state"].items()},
+            "param_groups": [
+                {**_hyperparameters(g), "params": [order[i] for i in g["params"]]} for g in state["param_groups"]
+            ],
+        }
+        set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+        # torch's loader hands hyper-parameters back as lists (betas); keep the saved values as they were
+        for saved, group in zip(state["param_groups"], optimizer.param_groups):
+            group.update(_hyperparameters(saved))
+
+
+def make_backend(
+    stage: int, backend: str, wrap_modules: Optional[tuple[type[nn.Module], ...]] = None
+) -> ShardingBackend:
+    if backend == "fairscale":
+        return FairscaleOSSBackend(stage)
+    if stage == 1:
+        return TorchZeroBackend(stage)
+    return FSDP2Backend(stage, wrap_modules)
+
+
+def local_bytes(tensor: Any) -> int:
+    """Bytes this rank holds for ``tensor`` (a ``DTensor`` counts its local shard only)."""
+    if not isinstance(tensor, torch.Tensor):
+        return 0
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
