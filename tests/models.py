@@ -77,6 +77,8 @@ def configure(name: str, params: Any, lr: float) -> Any:
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
     elif name == "adam":
         opt = torch.optim.Adam(params, lr=lr, weight_decay=1e-3)
+    elif name == "adamw":  # torch's AdamW: defaults hold a key its __init__ does not take
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
     else:
         raise ValueError(name)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)

@@ -73,7 +73,7 @@ def assert_same_optimizer_state(got: dict[str, Any], expected: dict[str, Any]) -
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize(("stage", "backend"), CONFIGS, ids=IDS)
 def test_sharded_training_equals_single_process_with_global_batch(tmp_path, stage, backend, k, optimizer):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -182,11 +183,21 @@ class ShardingBackend:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer.defaults`` restricted to what its ``__init__`` accepts: torch 2.13's ``AdamW`` inherits
+    ``decoupled_weight_decay`` from ``Adam``'s defaults but does not take it as an argument. Every key stays
+    in the parameter-group dicts handed over, so no hyper-parameter is lost."""
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
+
+
 def _rebuild_error(optimizer: Optimizer, wrapper: str, error: Exception) -> TypeError:
     return TypeError(
-        f"{wrapper} rebuilds each rank's share as `{type(optimizer).__name__}(params, **optimizer.defaults)`, "
-        f"which failed: {error}. Give {type(optimizer).__name__} an __init__ that accepts every key of its "
-        f"`defaults` as a keyword argument, or use MGPUShardedStrategy(stage=2) (FSDP2 keeps your optimizer)."
+        f"{wrapper} rebuilds each rank's share as `{type(optimizer).__name__}(params, **defaults)`, which "
+        f"failed: {error}. Give {type(optimizer).__name__} an __init__ whose arguments have defaults and are "
+        f"stored in `self.defaults`, or use MGPUShardedStrategy(stage=2) (FSDP2 keeps your optimizer)."
     )
 
 
@@ -203,7 +214,10 @@ class TorchZeroBackend(ShardingBackend):
         try:
             # The user's param_group dicts themselves: per-group options are kept.
             return ZeroRedundancyOptimizer(
-                optimizer.param_groups, optimizer_class=type(optimizer), process_group=group, **optimizer.defaults
+                optimizer.param_groups,
+                optimizer_class=type(optimizer),
+                process_group=group,
+                **_constructor_defaults(optimizer),
             )
         except TypeError as err:
             raise _rebuild_error(optimizer, "ZeroRedundancyOptimizer", err) from err
@@ -236,7 +250,7 @@ class FairscaleOSSBackend(TorchZeroBackend):
         if isinstance(optimizer, OSS):
             return optimizer
         try:
-            return OSS(optimizer.param_groups, optim=type(optimizer), group=group, **optimizer.defaults)
+            return OSS(optimizer.param_groups, optim=type(optimizer), group=group, **_constructor_defaults(optimizer))
         except TypeError as err:
             raise _rebuild_error(optimizer, "fairscale OSS", err) from err
 
