@@ -5,6 +5,12 @@ with Lightning, so ``Trainer(strategy="mgpu_ddp")`` works.
 """
 
 from lightning_mgpu.accumulation import ManualAccumulation
+from lightning_mgpu.checkpointing import (
+    EveryNth,
+    apply_activation_checkpointing,
+    checkpointed_modules,
+    remove_activation_checkpointing,
+)
 from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets
 from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUShardedStrategy, ShardMemory
@@ -15,14 +21,18 @@ __all__ = [
     "COMM_HOOKS",
     "PRESETS",
     "CommStats",
+    "EveryNth",
     "MGPUDDPStrategy",
     "MGPUShardedStrategy",
     "ManualAccumulation",
     "ShardMemory",
     "__version__",
     "allreduce_gradients",
+    "apply_activation_checkpointing",
+    "checkpointed_modules",
     "preset_table",
     "register_presets",
+    "remove_activation_checkpointing",
 ]
 
 register_presets()

@@ -136,6 +136,7 @@ class Recorder(Callback):
         torch.save(
             {
                 "weights": flat_params(pl_module),
+                "state": {k: full(v).detach().clone() for k, v in pl_module.state_dict().items()},
                 "ledger": copy.deepcopy(ledger) if ledger is not None else None,
                 "batch_allreduces": self.batch_allreduces,
                 "batch_events": self.batch_events,

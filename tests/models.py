@@ -106,3 +106,30 @@ def reference_run(
             if done == steps:
                 break
     return torch.cat([p.detach().flatten() for p in model.parameters()]), copy.deepcopy(opt.state_dict())
+
+
+class Block(nn.Module):
+    """Linear -> BatchNorm -> ReLU -> Dropout with a residual: the block the checkpointing tests wrap. A
+    ``calls`` counter (a buffer the forward updates in place) shows a recompute does not update it twice."""
+
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.drop = nn.Dropout(dropout)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x + self.drop(torch.relu(self.bn(self.linear(x))))
+
+
+class BlockRegressor(Regressor):
+    """:class:`Regressor` whose body is ``blocks`` residual :class:`Block` s with BatchNorm and dropout."""
+
+    def __init__(self, blocks: int = 3, width: int = 16, dropout: float = 0.2, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(6, width), *(Block(width, dropout) for _ in range(blocks)), nn.Linear(width, 3)
+        )

@@ -3,5 +3,6 @@
 from lightning_mgpu.examples.classifier import DigitsCNN
 from lightning_mgpu.examples.digits import DigitsDataModule, load_digits
 from lightning_mgpu.examples.gan import DigitsGAN
+from lightning_mgpu.examples.transformer import ConvBlock, DigitsTransformer
 
-__all__ = ["DigitsCNN", "DigitsDataModule", "DigitsGAN", "load_digits"]
+__all__ = ["ConvBlock", "DigitsCNN", "DigitsDataModule", "DigitsGAN", "DigitsTransformer", "load_digits"]

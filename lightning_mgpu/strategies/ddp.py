@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import multiprocessing
 from datetime import timedelta
@@ -36,6 +37,13 @@ from typing_extensions import override
 
 from lightning_mgpu._compat import _DDP_HAS_SET_STATIC_GRAPH
 from lightning_mgpu.accumulation import check_accumulate_grad_batches, check_manual_accumulation
+from lightning_mgpu.checkpointing import (
+    ActivationCheckpointingPolicy,
+    apply_activation_checkpointing,
+    remove_activation_checkpointing,
+    select_modules,
+    validate_policy,
+)
 from lightning_mgpu.comm import (
     CommStats,
     allreduce_gradients,
@@ -58,6 +66,19 @@ _REPLACED_KWARGS = {
     "ddp_comm_wrapper": "comm_hook='fp16' (compression) or comm_hook='powersgd'",
     "model_averaging_period": "Lightning's DDPStrategy (post-local SGD is not supported by mgpu_ddp)",
 }
+
+
+_DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def _is_default(name: str, value: Any) -> bool:
+    """Whether ``value`` for DDP keyword ``name`` is what leaving it out gives (None, or DDP's own default)."""
+    if value is None:
+        return True
+    param = _DDP_PARAMETERS.get(name)
+    if param is None or param.default is inspect.Parameter.empty:
+        return False
+    return type(value) is type(param.default) and value == param.default
 
 
 class MGPUDDPStrategy(DDPStrategy):
@@ -94,6 +115,12 @@ class MGPUDDPStrategy(DDPStrategy):
             ledger count plain all-reduce from the buckets without a Python comm hook. Set it to False if
             your code replaces ``param.grad`` tensors or calls ``detach_()`` on them (the ledger then counts
             through a Python hook, one extra pass over the gradients per step).
+        activation_checkpointing: which blocks to checkpoint (free activations in forward, recompute them in
+            backward), BatchNorm-safe: module classes, class names (for YAML), :class:`~lightning_mgpu.EveryNth`
+            or a callable ``(module) -> bool``; see :func:`lightning_mgpu.apply_activation_checkpointing`.
+            Checked against the model before any process starts.
+        activation_checkpointing_reentrant: use torch's reentrant checkpointing instead of the non-reentrant
+            default.
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``).
     """
 
@@ -115,8 +142,14 @@ class MGPUDDPStrategy(DDPStrategy):
         start_method: StartMethod = "popen",
         log_comm_stats: bool = True,
         gradient_as_bucket_view: bool = True,
+        activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
+        activation_checkpointing_reentrant: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
+        # LightningCLI (jsonargparse) follows **ddp_kwargs through DDPStrategy into DistributedDataParallel's
+        # signature and passes every argument it finds there with its default value (None for Lightning's
+        # ddp_comm_* arguments): keep only what was set.
+        ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if not _is_default(k, v)}
         replaced = sorted(set(ddp_kwargs) & set(_REPLACED_KWARGS))
         if replaced:
             hints = "; ".join(f"{k} -> {_REPLACED_KWARGS[k]}" for k in replaced)
@@ -135,6 +168,18 @@ class MGPUDDPStrategy(DDPStrategy):
         for flag_name, flag in (("static_graph", static_graph), ("find_unused_parameters", find_unused_parameters)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{flag_name} must be True or False, got {flag!r}.")
+        validate_policy(activation_checkpointing)
+        if not isinstance(activation_checkpointing_reentrant, bool):
+            raise TypeError(
+                f"activation_checkpointing_reentrant must be True or False, got {activation_checkpointing_reentrant!r}."
+            )
+        if activation_checkpointing_reentrant and find_unused_parameters and activation_checkpointing is not None:
+            raise ValueError(
+                "activation_checkpointing_reentrant=True cannot run with find_unused_parameters=True: DDP marks a "
+                "parameter ready once in the forward's graph and again in the reentrant recompute's backward "
+                "(torch: 'Expected to mark a variable ready only once'). Use the default non-reentrant "
+                "checkpointing (activation_checkpointing_reentrant=False), which works with both."
+            )
         if static_graph and not _DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4
             raise RuntimeError("static_graph=True needs DistributedDataParallel._set_static_graph (torch>=2.4).")
         super().__init__(
@@ -165,6 +210,13 @@ class MGPUDDPStrategy(DDPStrategy):
         self._manual_params: dict[int, list[torch.Tensor]] = {}
         self._in_optimizer_step = False
         self._step_guards: list[Any] = []
+        self._activation_checkpointing = activation_checkpointing
+        self._activation_checkpointing_reentrant = activation_checkpointing_reentrant
+
+    @property
+    def activation_checkpointing(self) -> Optional[ActivationCheckpointingPolicy]:
+        """The activation-checkpointing policy (``None``: off)."""
+        return self._activation_checkpointing
 
     @property
     def comm_stats(self) -> CommStats:
@@ -203,12 +255,26 @@ class MGPUDDPStrategy(DDPStrategy):
         if model is None or trainer.state.fn != TrainerFn.FITTING:
             return
         check_manual_accumulation(trainer, model)
+        if self._layer_sync is not None and self._uses_ddp and self.root_device.type == "cpu":
+            raise MisconfigurationException(
+                "sync_batchnorm=True on CPU: torch's DistributedDataParallel refuses SyncBatchNorm layers in CPU "
+                "modules ('SyncBatchNorm layers only work with GPU modules'). Train on GPUs, drop sync_batchnorm, or "
+                "use strategy=MGPUShardedStrategy(activation_checkpointing=...) with the BatchNorm layers inside "
+                "checkpointed blocks (mgpu_sharded, stage 2 or 3), where lightning_mgpu synchronises them on CPU."
+            )
+        if self._activation_checkpointing is not None:
+            select_modules(model, self._activation_checkpointing)  # a policy that matches nothing fails here
         if not model.automatic_optimization and self._comm_hook in ("powersgd", "batched_powersgd"):
             raise MisconfigurationException(
                 f"comm_hook={self._comm_hook!r} needs automatic optimization: with manual optimization mgpu_ddp "
                 f"averages each optimizer's gradients itself when it steps, outside DDP's buckets, where PowerSGD "
                 f"cannot run. Use comm_hook='fp16' (half the bytes) or None for {type(model).__name__}."
             )
+
+    @property
+    def _uses_ddp(self) -> bool:
+        """Whether the model is wrapped in torch's DistributedDataParallel."""
+        return True
 
     @property
     def _manual_sync(self) -> bool:
@@ -239,6 +305,22 @@ class MGPUDDPStrategy(DDPStrategy):
                 f"not averaged across the {self.world_size} ranks and the replicas would drift apart. Step through "
                 f"Lightning's wrapper: `opt = self.optimizers()` (not `use_pl_optimizer=False` or an optimizer "
                 f"kept from configure_optimizers), then `opt.step()`."
+            )
+
+    @override
+    def configure_ddp(self) -> None:
+        self._apply_activation_checkpointing()
+        super().configure_ddp()
+
+    def _apply_activation_checkpointing(self) -> None:
+        # Order (torchtitan's parallelize): SyncBatchNorm conversion (Lightning's layer sync, done before
+        # configure_ddp) -> activation checkpointing -> DDP / sharding. Checkpointing patches the blocks'
+        # forward in place, so DDP/FSDP see the same module tree and state-dict keys as without it.
+        if self._activation_checkpointing is not None and self.lightning_module is not None:
+            apply_activation_checkpointing(
+                self.lightning_module,
+                self._activation_checkpointing,
+                use_reentrant=self._activation_checkpointing_reentrant,
             )
 
     @override
@@ -385,6 +467,8 @@ class MGPUDDPStrategy(DDPStrategy):
         for handle in self._step_guards:
             handle.remove()
         self._step_guards = []
+        if self._activation_checkpointing is not None and self.lightning_module is not None:
+            remove_activation_checkpointing(self.lightning_module)  # hand the user's module back unchanged
         super().teardown()
 
     @override
@@ -403,6 +487,17 @@ class MGPUDDPStrategy(DDPStrategy):
                 "training_step. If that is intended, pass `strategy=MGPUDDPStrategy(find_unused_parameters=True)` "
                 "(slower: a graph traversal per step); better, remove or freeze (requires_grad=False) the unused "
                 "parameters."
+            ),
+        )
+        _augment_message(
+            exception,
+            pattern=".*Expected to mark a variable ready only once.*",
+            new_message=(
+                "DDP saw a parameter's gradient twice in one backward. With reentrant activation checkpointing "
+                "(torch.utils.checkpoint(use_reentrant=True), or activation_checkpointing_reentrant=True) use the "
+                "non-reentrant mode instead: MGPUDDPStrategy(activation_checkpointing=...) is non-reentrant by "
+                "default. Otherwise a parameter is used outside forward or shared across checkpointed blocks; "
+                "static_graph=True can help when the graph is the same every step."
             ),
         )
 

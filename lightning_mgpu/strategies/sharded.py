@@ -177,6 +177,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         return self._checkpoint_layout
 
     @property
+    @override
     def _uses_ddp(self) -> bool:
         return self._sharding.wraps_with_ddp
 
@@ -218,6 +219,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
             super().configure_ddp()
             return
         assert isinstance(self.model, pl.LightningModule)
+        self._apply_activation_checkpointing()  # before sharding: FSDP's hooks stay outside the recompute
         mesh = None
         if isinstance(self._sharding, FSDP2Backend):
             from torch.distributed.device_mesh import init_device_mesh
