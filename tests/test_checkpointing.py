@@ -420,6 +420,9 @@ def test_strategy_checkpoints_during_fit_and_hands_the_module_back(tmp_path):
         # one in-process rank leaves a process group behind, which later fork launches would inherit and hang on
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        # Lightning set this process's intra-op threads for its one rank; later fork launches deadlock in
+        # OpenMP unless the test process stays single-threaded (conftest.py)
+        torch.set_num_threads(1)
     assert listing.during_fit == ["net.0", "net.2", "net.4"]
     assert checkpointed_modules(model) == []
 
