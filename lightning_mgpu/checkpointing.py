@@ -145,9 +145,7 @@ def _classes_present(model: nn.Module) -> list[str]:
 def _class_matcher(items: Iterable[Union[type[nn.Module], str]], model: nn.Module) -> Callable[[nn.Module], bool]:
     classes: list[type[nn.Module]] = []
     names: set[str] = set()
-    present = {type(m).__name__ for m in model.modules()} | {
-        c.__name__ for m in model.modules() for c in type(m).__mro__
-    }
+    present = {c.__name__ for m in model.modules() for c in type(m).__mro__}  # classes and their bases
     for item in items:
         if isinstance(item, str) and "." in item:
             classes.append(_import_class(item))
@@ -246,7 +244,7 @@ def _describe(policy: Any) -> str:
         return policy.__name__
     if isinstance(policy, (set, frozenset)):
         return repr(sorted(p if isinstance(p, str) else p.__name__ for p in policy))
-    if callable(policy) and not isinstance(policy, EveryNth):
+    if callable(policy):
         return getattr(policy, "__name__", repr(policy))
     return repr(policy)
 
@@ -256,18 +254,12 @@ def _describe(policy: Any) -> str:
 _active = threading.local()  # .region: the _Region whose forward (first run or recompute) is running here
 
 
-def _state_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    """Buffers a normalisation layer updates in training mode without bumping their version counter."""
-    out: list[tuple[nn.Module, str]] = []
-    for m in module.modules():
-        if isinstance(m, (_BatchNorm, _InstanceNorm)) and m.track_running_stats:
-            names = ("running_mean", "running_var", "num_batches_tracked")
-            out += [(m, n) for n in names if m._buffers.get(n) is not None]
-    return out
+_NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
-def _all_buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    return [(m, n, b) for m in module.modules() for n, b in m._buffers.items() if b is not None]
+def _is_norm_stat(module: nn.Module, name: str) -> bool:
+    """A buffer a normalisation layer updates in training mode without bumping its version counter."""
+    return isinstance(module, (_BatchNorm, _InstanceNorm)) and module.track_running_stats and name in _NORM_STATS
 
 
 class _Region:
@@ -290,17 +282,18 @@ class _Region:
         _active.region = self
         try:
             if self.runs == 1:
-                before = [(m, n, b._version) for m, n, b in _all_buffers(self.module)]
+                before = [
+                    (m, n, b, b._version) for m in self.module.modules() for n, b in m._buffers.items() if b is not None
+                ]
                 out = fn(*args, **kwargs)
-                after = {(id(m), n): b._version for m, n, b in _all_buffers(self.module)}
-                self.mutated = _state_buffers(self.module) + [
-                    (m, n) for m, n, v in before if after.get((id(m), n), v) != v
+                self.mutated = [
+                    (m, n) for m, n, b, v in before if _is_norm_stat(m, n) or m._buffers[n] is not b or b._version != v
                 ]
                 return out
             # Recompute: the forward updates throwaway copies of the state; the originals keep the first
             # forward's update and their version counters (the reentrant backward checks them).
             self.cursor = 0
-            originals = [(m, n, b) for m, n in dict.fromkeys(self.mutated) if (b := m._buffers[n]) is not None]
+            originals = [(m, n, b) for m, n in self.mutated if (b := m._buffers[n]) is not None]
             for m, n, b in originals:
                 m._buffers[n] = b.detach().clone()
             try:
@@ -333,10 +326,9 @@ class _StatsAllReduce(torch.autograd.Function):
         return grad, None, None
 
 
-def _sync_batch_norm(bn: nn.SyncBatchNorm, x: torch.Tensor, region: _Region) -> torch.Tensor:
+def _sync_batch_norm(bn: nn.SyncBatchNorm, x: torch.Tensor, region: _Region, group: Any) -> torch.Tensor:
     """SyncBatchNorm's training forward from autograd ops: per-channel count, sum and sum of squares (in
     float64) all-reduced once; the backward's one all-reduce comes from :class:`_StatsAllReduce`."""
-    group = bn.process_group or dist.group.WORLD
     c = x.shape[1]
     dims = [0, *range(2, x.dim())]
     xd = x.double()
@@ -381,7 +373,7 @@ class _SyncBNForward:
         if region is None or not bn.training or group is None or dist.get_world_size(group) < 2:
             return type(bn).forward(bn, x)
         bn._check_input_dim(x)
-        return _sync_batch_norm(bn, x, region)
+        return _sync_batch_norm(bn, x, region, group)
 
 
 class _CheckpointedForward:

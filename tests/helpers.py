@@ -133,10 +133,12 @@ class Recorder(Callback):
         self._spy.__exit__(None, None, None)
         ledger = self._ledger(trainer)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        # one gather per tensor under FSDP2: the weights are read from the state, not gathered again
+        state = {k: full(v).detach().clone() for k, v in pl_module.state_dict().items()}
         torch.save(
             {
-                "weights": flat_params(pl_module),
-                "state": {k: full(v).detach().clone() for k, v in pl_module.state_dict().items()},
+                "weights": torch.cat([state[name].flatten() for name, _ in pl_module.named_parameters()]),
+                "state": state,
                 "ledger": copy.deepcopy(ledger) if ledger is not None else None,
                 "batch_allreduces": self.batch_allreduces,
                 "batch_events": self.batch_events,
@@ -269,3 +271,22 @@ def plain_ddp_weights(
         args=(copy.deepcopy(model), dataset, batch_size, epochs, hook_name, hook_state, find_free_network_port(), out),
     )
     return torch.load(out)
+
+
+def run_sample_config(module: str, config: str, out_dir: Path) -> str:
+    """Run ``python -m lightning_mgpu.examples.<module> fit --config configs/<config>`` as a user does, with
+    logs under ``out_dir``; asserts exit 0 and returns its standard output."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", f"lightning_mgpu.examples.{module}", "fit",
+            "--config", str(root / "configs" / config),
+            "--trainer.default_root_dir", str(out_dir),
+        ],
+        capture_output=True, text=True, timeout=300, cwd=out_dir,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout

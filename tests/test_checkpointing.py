@@ -85,13 +85,8 @@ def test_state_dict_equals_run_without_checkpointing(reentrant):
 def test_plain_torch_checkpointing_updates_batchnorm_twice(reentrant):
     """Negative control: torch's own wrapper fails the same comparison (pytorch issue 96136)."""
     expected, _ = train(block_net())
-    model = block_net()
     impl = torch_ac.CheckpointImpl.REENTRANT if reentrant else torch_ac.CheckpointImpl.NO_REENTRANT
-    torch_ac.apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=lambda m: torch_ac.checkpoint_wrapper(m, checkpoint_impl=impl),
-        check_fn=lambda m: isinstance(m, Block),
-    )
+    model = block_net_with_torch_ac(impl)
     x = torch.randn(16, 6, dtype=torch.float64, requires_grad=reentrant)  # reentrant needs an input with grad
     model(x).sum().backward()
     bn = model[1]._checkpoint_wrapped_module.bn

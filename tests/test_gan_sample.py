@@ -4,31 +4,20 @@ mgpu_ddp on 2 CPU processes, accumulate_grad_batches=4, manual optimization with
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_sample_config
 
 
 @pytest.mark.slow
 def test_gan_config_trains_with_accumulation_and_one_sync_per_optimizer_step(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "lightning_mgpu.examples.gan", "fit",
-            "--config", str(ROOT / "configs" / "gan.yaml"),
-            "--trainer.default_root_dir", str(tmp_path),
-        ],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = proc.stdout.split("test MMD^2 generated vs held-out digits: ")[1]
+    stdout = run_sample_config("gan", "gan.yaml", tmp_path)
+    summary = stdout.split("test MMD^2 generated vs held-out digits: ")[1]
     trained = float(summary.split()[0])
     untrained = float(summary.split(", ")[1].split()[0])
     assert trained < 0.5 * untrained, summary  # measured: 0.29 vs 0.77
-    ledger = proc.stdout.split("comm ledger (rank 0): ")[1]
+    ledger = stdout.split("comm ledger (rank 0): ")[1]
     # one all-reduce round per optimizer step (2 optimizers, 1 bucket each), nothing on the other micro-batches
     rounds = int(ledger.split("sync rounds ")[1].split(",")[0])
     steps = int(ledger.split("optimizer steps ")[1].split(";")[0])

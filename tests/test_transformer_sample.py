@@ -3,29 +3,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from lightning_mgpu import MGPUDDPStrategy
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_sample_config
 
 
 @pytest.mark.slow
 def test_transformer_config_trains_with_checkpointed_blocks(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "lightning_mgpu.examples.transformer", "fit",
-            "--config", str(ROOT / "configs" / "transformer.yaml"),
-            "--trainer.default_root_dir", str(tmp_path),
-        ],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = proc.stdout.split("held-out test accuracy ")[1]
+    stdout = run_sample_config("transformer", "transformer.yaml", tmp_path)
+    summary = stdout.split("held-out test accuracy ")[1]
     assert float(summary.split(";")[0]) >= 0.85, summary  # measured: 0.9325 (10 classes: chance is 0.1)
     assert "activation_checkpointing=['TransformerEncoderLayer', 'ConvBlock']" in summary
 

@@ -1,4 +1,4 @@
-"""A small CNN with BatchNorm for the 8x8 digits: the sample every preset is shown with."""
+"""Digit classifiers: the shared steps, and a small CNN with BatchNorm, the sample every preset is shown with."""
 
 from __future__ import annotations
 
@@ -12,33 +12,18 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 
-class DigitsCNN(pl.LightningModule):
-    """Conv-BN-ReLU x2, pooling, linear head. About 12k parameters.
+class DigitsClassifier(pl.LightningModule):
+    """The 10-class steps the digit samples share; subclasses define ``forward`` and save ``lr`` and
+    ``weight_decay`` as hyperparameters (AdamW).
 
     Loss is logged with ``sync_dist=True`` (mean over ranks); accuracy is a torchmetrics metric, which
     all-gathers its counts across ranks when computed, so ``val_acc``/``test_acc`` cover the whole split.
     """
 
-    def __init__(self, lr: float = 0.01, channels: int = 32, weight_decay: float = 1e-4) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        c = channels
-        self.features = nn.Sequential(
-            nn.Conv2d(1, c, 3, padding=1),
-            nn.BatchNorm2d(c),
-            nn.ReLU(),
-            nn.Conv2d(c, 2 * c, 3, padding=1),
-            nn.BatchNorm2d(2 * c),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-        )
-        self.head = nn.Linear(2 * c * 4 * 4, 10)
         self.val_acc = MulticlassAccuracy(num_classes=10, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=10, average="micro")
-
-    @override
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).flatten(1))
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -64,3 +49,26 @@ class DigitsCNN(pl.LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"])
+
+
+class DigitsCNN(DigitsClassifier):
+    """Conv-BN-ReLU x2, pooling, linear head. About 12k parameters."""
+
+    def __init__(self, lr: float = 0.01, channels: int = 32, weight_decay: float = 1e-4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        c = channels
+        self.features = nn.Sequential(
+            nn.Conv2d(1, c, 3, padding=1),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            nn.Conv2d(c, 2 * c, 3, padding=1),
+            nn.BatchNorm2d(2 * c),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(2 * c * 4 * 4, 10)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))

@@ -8,14 +8,14 @@ exactly those of a run without checkpointing; see :mod:`lightning_mgpu.checkpoin
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
+
+from lightning_mgpu.examples.classifier import DigitsClassifier
 
 
 class ConvBlock(nn.Module):
@@ -31,7 +31,7 @@ class ConvBlock(nn.Module):
         return F.relu(self.bn(self.conv(x)))
 
 
-class DigitsTransformer(pl.LightningModule):
+class DigitsTransformer(DigitsClassifier):
     """Two ``ConvBlock`` s, then the 64 pixels as tokens through ``layers`` transformer encoder layers.
 
     Args:
@@ -57,8 +57,6 @@ class DigitsTransformer(pl.LightningModule):
         )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, 10)
-        self.val_acc = MulticlassAccuracy(num_classes=10, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes=10, average="micro")
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,31 +64,6 @@ class DigitsTransformer(pl.LightningModule):
         for layer in self.encoder:
             tokens = layer(tokens)
         return self.head(self.norm(tokens).mean(1))
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss, sync_dist=True, prog_bar=True)
-        return loss
-
-    @override
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
-        self.val_acc(logits, y)
-        self.log("val_acc", self.val_acc, prog_bar=True)
-
-    @override
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.test_acc(self(x), y)
-        self.log("test_acc", self.test_acc)
-
-    @override
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"])
 
 
 def main(args: Optional[list[str]] = None) -> None:
