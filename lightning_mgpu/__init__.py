@@ -4,7 +4,9 @@
 with Lightning, so ``Trainer(strategy="mgpu_ddp")`` works.
 """
 
+from lightning_mgpu import distributed
 from lightning_mgpu.accumulation import ManualAccumulation
+from lightning_mgpu.callbacks import DeviceMonitor, ScaleLR
 from lightning_mgpu.checkpointing import (
     EveryNth,
     apply_activation_checkpointing,
@@ -12,7 +14,9 @@ from lightning_mgpu.checkpointing import (
     remove_activation_checkpointing,
 )
 from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
+from lightning_mgpu.distributed import effective_batch_size
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets
+from lightning_mgpu.schedules import total_steps, warmup_schedule
 from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUShardedStrategy, ShardMemory
 
 __version__ = "0.1.0.dev0"
@@ -21,18 +25,24 @@ __all__ = [
     "COMM_HOOKS",
     "PRESETS",
     "CommStats",
+    "DeviceMonitor",
     "EveryNth",
     "MGPUDDPStrategy",
     "MGPUShardedStrategy",
     "ManualAccumulation",
+    "ScaleLR",
     "ShardMemory",
     "__version__",
     "allreduce_gradients",
     "apply_activation_checkpointing",
     "checkpointed_modules",
+    "distributed",
+    "effective_batch_size",
     "preset_table",
     "register_presets",
     "remove_activation_checkpointing",
+    "total_steps",
+    "warmup_schedule",
 ]
 
 register_presets()

@@ -1,0 +1,93 @@
+"""LR schedules whose length comes from the Trainer, so changing devices or accumulation keeps them right.
+
+With N devices each rank sees 1/N of the data, and with accumulation k one optimizer step takes k batches:
+a schedule written as "total_steps = len(dataset) // batch_size * epochs" is N*k times too long and never
+finishes its decay (seed 000, "lr_scheduler 会有所影响"). Lightning already counts the real number:
+``trainer.estimated_stepping_batches`` (devices, nodes, accumulation, ``max_steps`` and
+``limit_train_batches`` included). :func:`warmup_schedule` builds on it::
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return {"optimizer": opt, "lr_scheduler": lightning_mgpu.warmup_schedule(opt, self.trainer, warmup=0.1)}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Union
+
+import pytorch_lightning as pl
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+__all__ = ["total_steps", "warmup_schedule"]
+
+_DECAYS = ("cosine", "linear", "constant")
+
+
+def total_steps(trainer: pl.Trainer) -> int:
+    """Optimizer steps the coming ``fit`` will take: ``trainer.estimated_stepping_batches`` as an int, with
+    a clear error for an endless run (``max_epochs=-1`` without ``max_steps``)."""
+    steps = trainer.estimated_stepping_batches
+    if math.isinf(steps):
+        raise ValueError(
+            "The number of optimizer steps is unbounded (max_epochs=-1 and max_steps=-1, or an endless "
+            "DataLoader): a schedule needs a length. Set Trainer(max_steps=...) or Trainer(max_epochs=...)."
+        )
+    return int(steps)
+
+
+def warmup_schedule(
+    optimizer: torch.optim.Optimizer,
+    trainer: pl.Trainer,
+    *,
+    warmup: Union[int, float] = 0.05,
+    decay: Literal["cosine", "linear", "constant"] = "cosine",
+    final_lr_ratio: float = 0.0,
+) -> dict[str, Any]:
+    """A Lightning ``lr_scheduler`` config (stepped every optimizer step): linear warmup from 0, then
+    ``decay`` down to ``final_lr_ratio`` x the peak LR exactly at the last step of the run.
+
+    Args:
+        warmup: warmup length; a float in [0, 1) is a fraction of :func:`total_steps`, an int is steps.
+        decay: ``"cosine"``, ``"linear"`` or ``"constant"`` after the warmup.
+        final_lr_ratio: LR at the end as a fraction of the peak, in [0, 1].
+    """
+    if decay not in _DECAYS:
+        raise ValueError(f"warmup_schedule(decay={decay!r}): choose one of {', '.join(map(repr, _DECAYS))}.")
+    if not 0.0 <= final_lr_ratio <= 1.0:
+        raise ValueError(f"warmup_schedule(final_lr_ratio={final_lr_ratio!r}): must be in [0, 1].")
+    total = total_steps(trainer)
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)):
+        raise TypeError(f"warmup_schedule(warmup={warmup!r}): an int (steps) or a float in [0, 1) (fraction).")
+    if isinstance(warmup, float):
+        if not 0.0 <= warmup < 1.0:
+            raise ValueError(
+                f"warmup_schedule(warmup={warmup!r}): a float is a fraction of the run and must be in [0, 1); "
+                f"pass an int for a number of steps."
+            )
+        warmup_steps = round(warmup * total)
+    else:
+        if not 0 <= warmup < max(total, 1):
+            raise ValueError(f"warmup_schedule(warmup={warmup}): must be in [0, {total}) steps (the whole run).")
+        warmup_steps = warmup
+    lam = _Schedule(warmup_steps, total, decay, final_lr_ratio)
+    return {"scheduler": LambdaLR(optimizer, lam), "interval": "step", "frequency": 1}
+
+
+class _Schedule:
+    """Picklable LR multiplier (checkpoints store LambdaLR's state, not the function; spawn pickles it)."""
+
+    def __init__(self, warmup: int, total: int, decay: str, final: float) -> None:
+        self.warmup, self.total, self.decay, self.final = warmup, total, decay, final
+
+    def __call__(self, step: int) -> float:
+        # LambdaLR calls this with the number of steps taken; the LR of step s is lambda(s)
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.decay == "constant":
+            return 1.0
+        span = max(self.total - 1 - self.warmup, 1)
+        progress = min(max(step - self.warmup, 0) / span, 1.0)
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.decay == "cosine" else 1.0 - progress
+        return self.final + (1.0 - self.final) * shape
