@@ -77,64 +77,69 @@ class IntervalReport:
 
 
 def analyze(times: torch.Tensor, steps: int) -> IntervalReport:
-    """``times``: float64 ``(world, batches, 5)`` on a common clock; ``steps``: optimizer steps in it."""
+    """``times``: float64 ``(world, batches, 6)`` on a common clock; ``steps``: optimizer steps in it.
+    (Plain Python on the few hundred numbers of an interval: faster than torch ops on tiny tensors.)"""
     if times.dim() != 3 or times.shape[2] != COLUMNS:
         raise ValueError(f"expected (world, batches, {COLUMNS}) timestamps, got {tuple(times.shape)}")
-    world, batches, _ = times.shape
+    world = times.shape[0]
     steps = max(steps, 1)
-    t = times.to(torch.float64)
-    # the probe sequence: start, before_backward, after_backward, end of each batch, preceded by the
-    # previous end when the gap to it is a data wait; a column is used only if every rank has it
-    seq: list[torch.Tensor] = []
+    per_batch = times.to(torch.float64).permute(1, 2, 0).tolist()  # [batch][column][rank]
+    # the probe sequence: start, before_backward, grads_ready, after_backward, end of each batch, preceded by
+    # the previous end when the gap to it is a data wait; a column is used only if every rank has it
+    seq: list[list[float]] = []
     kinds: list[int] = []  # phase of the segment that ends at this probe; -1: no segment (a break before)
-    for b in range(batches):
-        connected = not torch.isnan(t[:, b, PREV_END]).any()
+    for batch in per_batch:
+        present = [not any(math.isnan(v) for v in column) for column in batch]
         for col in (PREV_END, START, BEFORE_BACKWARD, GRADS_READY, AFTER_BACKWARD, END):
-            column = t[:, b, col]
-            if torch.isnan(column).any():
+            if not present[col]:
                 continue  # a missing probe (no backward in this batch): the segment spans it
             if col == PREV_END:
-                if not (seq and torch.equal(column, seq[-1])):  # not the previous batch's end already in seq
-                    seq.append(column)
+                if not (seq and batch[col] == seq[-1]):  # not the previous batch's end already in seq
+                    seq.append(batch[col])
                     kinds.append(-1)  # the first batch of an interval: its data wait starts here
                 continue
-            seq.append(column)
+            seq.append(batch[col])
             # after an interruption (validation, a checkpoint) the gap before this start is not data time
-            kinds.append(_segment_phase(col, t[:, b]) if connected or col != START else -1)
-    phase = {name: torch.zeros(world, dtype=torch.float64) for name in _PHASES}
-    wait = torch.zeros(world, dtype=torch.float64)
-    elapsed = torch.zeros(world, dtype=torch.float64)
+            kinds.append(_segment_phase(col, present) if present[PREV_END] or col != START else -1)
+    phase = [[0.0] * world for _ in _PHASES]
+    wait = [0.0] * world
+    elapsed = [0.0] * world
     for i in range(1, len(seq)):
         if kinds[i] < 0:
             continue
-        duration = seq[i] - seq[i - 1]
-        phase[_PHASES[kinds[i]]] += duration
-        elapsed += duration
-        lead_before = seq[i - 1].max() - seq[i - 1]
-        lead_after = seq[i].max() - seq[i]
-        wait += (lead_before - lead_after).clamp(min=0.0)
-    busy = elapsed - wait
+        before, after = seq[i - 1], seq[i]
+        latest_before, latest_after = max(before), max(after)
+        for r in range(world):
+            duration = after[r] - before[r]
+            phase[kinds[i]][r] += duration
+            elapsed[r] += duration
+            wait[r] += max((latest_before - before[r]) - (latest_after - after[r]), 0.0)
+    busy = [e - w for e, w in zip(elapsed, wait)]
     ms = 1000.0 / steps
-    straggler = int(torch.argmax(busy))
-    fastest = float(busy.min())
-    ratio = float(busy.max()) / fastest if fastest > 0 else math.inf
+    straggler = max(range(world), key=busy.__getitem__)
+    fastest = min(busy)
+    ratio = max(busy) / fastest if fastest > 0 else math.inf
+
+    def per_step(values: list[float]) -> list[float]:
+        return [v * ms for v in values]
+
     return IntervalReport(
         steps=steps,
-        step_ms=(elapsed * ms).tolist(),
-        data_ms=(phase["data"] * ms).tolist(),
-        forward_ms=(phase["forward"] * ms).tolist(),
-        backward_ms=(phase["backward"] * ms).tolist(),
-        comm_ms=(phase["comm"] * ms).tolist(),
-        optimizer_ms=(phase["optimizer"] * ms).tolist(),
-        wait_ms=(wait * ms).tolist(),
-        busy_ms=(busy * ms).tolist(),
+        step_ms=per_step(elapsed),
+        data_ms=per_step(phase[0]),
+        forward_ms=per_step(phase[1]),
+        backward_ms=per_step(phase[2]),
+        comm_ms=per_step(phase[3]),
+        optimizer_ms=per_step(phase[4]),
+        wait_ms=per_step(wait),
+        busy_ms=per_step(busy),
         straggler_rank=straggler,
         straggler_ratio=ratio,
     )
 
 
-def _segment_phase(col: int, batch: torch.Tensor) -> int:
-    """The phase of the segment ending at ``col`` of one batch, given which earlier columns exist."""
+def _segment_phase(col: int, present: list[bool]) -> int:
+    """The phase of the segment ending at ``col`` of one batch, given which of its columns exist."""
     if col == START:
         return 0  # data: previous end -> start
     if col == BEFORE_BACKWARD:
@@ -143,7 +148,7 @@ def _segment_phase(col: int, batch: torch.Tensor) -> int:
         return 2  # backward compute
     if col == AFTER_BACKWARD:
         # the gradient all-reduce's tail (and the wait for slower ranks); all of backward if not measured
-        return 3 if not torch.isnan(batch[:, GRADS_READY]).any() else 2
+        return 3 if present[GRADS_READY] else 2
     # end: after the last backward -> end is the optimizer step; without a backward the whole batch is
     # counted as forward (an evaluation-like batch or a skipped step)
-    return 4 if not torch.isnan(batch[:, AFTER_BACKWARD]).any() else 1
+    return 4 if present[AFTER_BACKWARD] else 1

@@ -183,8 +183,6 @@ class DeviceMonitor(Callback):
         if not self._rows:
             return
         self._rows[-1][END] = self._last_end = self._clock.stamp()
-        if pl_module.device.type != "cuda":
-            self._rss_peak = max(self._rss_peak, _rss_mb())
         if len(self._rows) >= self._interval_batches:
             self._flush(trainer, pl_module)
 

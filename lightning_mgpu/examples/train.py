@@ -39,6 +39,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     gpu = torch.cuda.is_available()
     devices = args.devices or (torch.cuda.device_count() if gpu else 2)
     pl.seed_everything(args.seed, workers=True, verbose=False)
+    monitor = lightning_mgpu.DeviceMonitor()
     trainer = pl.Trainer(
         accelerator="gpu" if gpu else "cpu",
         devices=devices,
@@ -49,6 +50,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         log_every_n_steps=10,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[monitor],
     )
     start = time.perf_counter()
     model = DigitsCNN(lr=args.lr)
@@ -69,6 +71,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         stats = getattr(strategy, "comm_stats", None)
         if stats is not None:
             print(f"comm ledger (rank 0): {stats.summary()}")
+        if monitor.history:
+            last = monitor.history[-1]
+            ranks = sorted({k.split("/")[1] for k in last if k.startswith("device/rank")})
+            busy = ", ".join(f"{r} {last[f'device/{r}/busy_ms']:.1f}" for r in ranks)
+            print(
+                f"device monitor (last interval): busy ms/step {busy}; straggler ratio "
+                f"{last['device/imbalance/straggler_ratio']:.2f} (rank {int(last['device/imbalance/straggler_rank'])})"
+            )
         print(f"logs: {log_dir}")
     release_process_group()
     return 0 if accuracy >= args.min_accuracy else 1
