@@ -22,7 +22,6 @@ Without an initialised process group (one process), every helper computes the lo
 
 from __future__ import annotations
 
-import builtins
 import math
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -182,24 +181,34 @@ def gather(value: Union[Tensor, Mapping[str, Tensor]], *, dst: Optional[int] = 0
         dtype=torch.int64,
         device=device,
     )
-    metas = [torch.empty_like(meta) for _ in range(world)]
-    dist.all_gather(metas, meta, group=group)
+    metas = all_gather_rows(meta, group).tolist()  # [rank][key][size, dims, fingerprint]
     out: dict[str, Tensor] = {}
     for i, (key, t) in enumerate(tensors.items()):
-        sizes = [int(m[i, 0]) for m in metas]
-        if builtins.sum(len({int(m[i, j]) for m in metas}) > 1 for j in (1, 2)):
+        sizes = [m[i][0] for m in metas]
+        if any(len({m[i][j] for m in metas}) > 1 for j in (1, 2)):
             raise ValueError(
                 f"gather(): key {key!r} has shape {tuple(t.shape)} on rank {_rank(group)} but a different number "
                 f"of dimensions or trailing shape on another rank; only dim 0 may differ."
             )
         padded = torch.zeros((max(sizes), *t.shape[1:]), dtype=t.dtype, device=device)
         padded[: t.shape[0]] = t.detach().to(device)
-        chunks = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(chunks, padded, group=group)
-        out[key] = torch.cat([c[:n] for c, n in zip(chunks, sizes)]).to(t.device)
+        chunks = all_gather_rows(padded, group)
+        out[key] = torch.cat([chunks[r, :n] for r, n in enumerate(sizes)]).to(t.device)
     if dst is not None and _rank(group) != dst:
         return None
     return _result(out, was_dict)
+
+
+def all_gather_rows(tensor: Tensor, group: Optional[Any] = None) -> Tensor:
+    """``(world, *tensor.shape)``: every rank's tensor of the same shape, in rank order, in one ``all_gather``
+    (moved to CUDA under NCCL, kept on CPU under gloo). Without a process group: ``tensor[None]``."""
+    world = _world(group)
+    if world == 1:
+        return tensor.unsqueeze(0)
+    tensor = tensor.to(_comm_device(group, [tensor]))
+    out = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(out, tensor, group=group)
+    return torch.stack(out)
 
 
 def per_device_batch_size(trainer: pl.Trainer) -> int:

@@ -9,7 +9,6 @@ from typing import Any, Optional, Union
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -22,8 +21,10 @@ from lightning_mgpu.callbacks._timeline import (
     GRADS_READY,
     PREV_END,
     START,
+    IntervalReport,
     analyze,
 )
+from lightning_mgpu.distributed import all_gather_rows
 
 __all__ = ["DeviceMonitor"]
 
@@ -107,7 +108,6 @@ class DeviceMonitor(Callback):
         self._stepped = 0
         self._last_end: Stamp = None
         self._sync_exit = math.nan
-        self._rss_peak = 0.0
         self._warned: set[str] = set()
         self._nvml_ok = False
         self._grads_ready: Stamp = None
@@ -126,7 +126,7 @@ class DeviceMonitor(Callback):
         self.intervals = 0
         # the clocks' common instant for the first interval (ranks leave a collective together): the only
         # collective outside the intervals, once per fit
-        self._gather(torch.zeros(1, dtype=torch.float64), device)
+        all_gather_rows(torch.zeros(1, dtype=torch.float64))
         self._sync_exit = time.perf_counter()
         self._clock.anchor()
         self._reset_peak(device)
@@ -221,7 +221,8 @@ class DeviceMonitor(Callback):
             [len(rows), self._stepped, self._sync_exit, *self._memory(device), *self._gpu(device)], dtype=torch.float64
         )
         local = torch.cat([header, times.flatten()])
-        gathered = self._gather(local, device)  # (world, len): the interval's one collective
+        # (world, len): the interval's one collective; on GPU the copy back waits for it, so ranks leave together
+        gathered = all_gather_rows(local).cpu()
         self._sync_exit = time.perf_counter()
         self._clock.anchor()
         self._rows, self._stepped = [], 0
@@ -252,7 +253,7 @@ class DeviceMonitor(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
         self._warn(report, metrics)
 
-    def _warn(self, report: Any, metrics: dict[str, float]) -> None:
+    def _warn(self, report: IntervalReport, metrics: dict[str, float]) -> None:
         r, ratio = report.straggler_rank, report.straggler_ratio
         if ratio > self.straggler_warn and f"straggler{r}" not in self._warned:
             self._warned.add(f"straggler{r}")
@@ -285,26 +286,17 @@ class DeviceMonitor(Callback):
 
     # -------------------------------------------------------------------------------------------- helpers
     @staticmethod
-    def _gather(local: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return local.unsqueeze(0)
-        comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        local = local.to(comm_device)
-        out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, local)
-        return torch.stack(out).cpu()  # on GPU the copy waits for the gather: ranks leave together
-
-    def _reset_peak(self, device: torch.device) -> None:
+    def _reset_peak(device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            self._rss_peak = _rss_mb()
             _reset_rss_peak()
 
-    def _memory(self, device: torch.device) -> tuple[float, float]:
+    @staticmethod
+    def _memory(device: torch.device) -> tuple[float, float]:
         if device.type == "cuda":
             return torch.cuda.max_memory_allocated(device) / _MB, torch.cuda.memory_allocated(device) / _MB
-        return max(self._rss_peak, _rss_peak_mb()), _rss_mb()
+        return _rss_peak_mb(), _rss_mb()
 
     def _gpu(self, device: torch.device) -> tuple[float, float]:
         if not self._nvml_ok:
