@@ -301,14 +301,19 @@ def test_nvml_required_without_bindings_names_the_package(monkeypatch):
         DeviceMonitor(nvml=True)
 
 
-def test_nvml_bindings_import_and_fail_cleanly_without_a_driver():
+def test_nvml_bindings_import_and_fail_cleanly_without_a_driver(monkeypatch):
     """Up to the device boundary: the bindings import; without an NVIDIA driver NVML init raises, which
-    the monitor turns into a one-time warning (auto mode) instead of a crash."""
+    the monitor turns into a one-time warning (auto mode) instead of a crash. Without CUDA the real query
+    fails; on a machine with a GPU the driver's absence is simulated with the error NVML raises then."""
     import pynvml
 
     assert callable(pynvml.nvmlInit)
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the NVML figures are checked on the device run instead")
+
+        def no_driver(device: Any = None) -> int:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+        monkeypatch.setattr(torch.cuda, "utilization", no_driver)
     monitor = DeviceMonitor()
     monitor._nvml_ok = True
     with pytest.warns(UserWarning, match="NVML unavailable"):
