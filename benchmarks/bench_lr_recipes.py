@@ -95,9 +95,9 @@ def train(optimizer: str, lr: float, batch: int, k: int, devices: int, epochs: i
     eval_model.load_state_dict(state)
     data = DigitsDataModule()
     data.setup()
-    x, y = (torch.stack(t) for t in zip(*[data._splits[2][i] for i in range(len(data._splits[2]))]))  # type: ignore[index]
     with torch.no_grad():
-        accuracy = (eval_model(x.double()).argmax(1) == y).double().mean().item()
+        correct = sum(int((eval_model(x.double()).argmax(1) == y).sum()) for x, y in data.test_dataloader())
+    accuracy = correct / data.hparams["test_size"]
     return {"state": state, "accuracy": accuracy}
 
 

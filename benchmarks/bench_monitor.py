@@ -50,19 +50,16 @@ class TimedMonitor(DeviceMonitor):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.spent = 0.0
-        self.by_hook: dict[str, float] = {}
         for name in _HOOKS:
-            setattr(self, name, self._timed(name, getattr(self, name)))
+            setattr(self, name, self._timed(getattr(self, name)))
 
-    def _timed(self, name: str, fn: Any) -> Any:
+    def _timed(self, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                took = time.perf_counter() - start
-                self.spent += took
-                self.by_hook[name] = self.by_hook.get(name, 0.0) + took
+                self.spent += time.perf_counter() - start
 
         return wrapper
 
@@ -79,8 +76,6 @@ class Timer(Callback):
             elapsed = time.perf_counter() - self.start
             spent = getattr(self.monitor, "spent", 0.0)
             (self.out / "result.txt").write_text(f"{elapsed} {trainer.global_step} {spent}")
-            if self.monitor is not None and "MGPU_BENCH_DEBUG" in __import__("os").environ:
-                print({k: round(v / trainer.global_step * 1e6, 1) for k, v in self.monitor.by_hook.items()})
 
 
 def run(variant: str, args: argparse.Namespace, root: Path) -> tuple[float, float]:
