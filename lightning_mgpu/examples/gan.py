@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from typing_extensions import override
 
 from lightning_mgpu.accumulation import ManualAccumulation
+from lightning_mgpu.examples._cli import fit_then_test
 
 
 def mmd2(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -139,24 +140,17 @@ class DigitsGAN(ManualAccumulation, pl.LightningModule):
 
 def main(args: Optional[list[str]] = None) -> None:
     """``LightningCLI`` over :class:`DigitsGAN` and the digits; ``fit`` is followed by ``test`` and a summary."""
-    from pytorch_lightning.cli import LightningCLI
 
-    import lightning_mgpu  # noqa: F401  (registers the strategy names used in the config)
-    from lightning_mgpu.examples.digits import DigitsDataModule
-    from lightning_mgpu.strategies._launchers import release_process_group
+    def report(trainer: pl.Trainer, result: dict[str, float]) -> None:
+        print(
+            f"test MMD^2 generated vs held-out digits: {result['test/mmd']:.4f} trained, "
+            f"{result['test/mmd_untrained']:.4f} untrained"
+        )
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        if stats is not None:
+            print(f"comm ledger (rank 0): {stats.summary()}")
 
-    cli = LightningCLI(DigitsGAN, DigitsDataModule, args=args, seed_everything_default=0)
-    if cli.subcommand == "fit":
-        (result,) = cli.trainer.test(cli.model, cli.datamodule, verbose=False)
-        if cli.trainer.is_global_zero:
-            stats = getattr(cli.trainer.strategy, "comm_stats", None)
-            print(
-                f"test MMD^2 generated vs held-out digits: {result['test/mmd']:.4f} trained, "
-                f"{result['test/mmd_untrained']:.4f} untrained"
-            )
-            if stats is not None:
-                print(f"comm ledger (rank 0): {stats.summary()}")
-    release_process_group()
+    fit_then_test(DigitsGAN, args, report)
 
 
 if __name__ == "__main__":

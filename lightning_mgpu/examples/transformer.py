@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
 from typing_extensions import override
 
+from lightning_mgpu.examples._cli import fit_then_test
 from lightning_mgpu.examples.classifier import DigitsClassifier
 
 
@@ -68,19 +70,12 @@ class DigitsTransformer(DigitsClassifier):
 
 def main(args: Optional[list[str]] = None) -> None:
     """``LightningCLI`` over :class:`DigitsTransformer` and the digits; ``fit`` is followed by ``test``."""
-    from pytorch_lightning.cli import LightningCLI
 
-    import lightning_mgpu  # noqa: F401  (registers the strategy names used in the config)
-    from lightning_mgpu.examples.digits import DigitsDataModule
-    from lightning_mgpu.strategies._launchers import release_process_group
+    def report(trainer: pl.Trainer, result: dict[str, float]) -> None:
+        policy = getattr(trainer.strategy, "activation_checkpointing", None)
+        print(f"held-out test accuracy {result['test_acc']:.4f}; activation_checkpointing={policy!r}")
 
-    cli = LightningCLI(DigitsTransformer, DigitsDataModule, args=args, seed_everything_default=0)
-    if cli.subcommand == "fit":
-        (result,) = cli.trainer.test(cli.model, cli.datamodule, verbose=False)
-        if cli.trainer.is_global_zero:
-            policy = getattr(cli.trainer.strategy, "activation_checkpointing", None)
-            print(f"held-out test accuracy {result['test_acc']:.4f}; activation_checkpointing={policy!r}")
-    release_process_group()
+    fit_then_test(DigitsTransformer, args, report)
 
 
 if __name__ == "__main__":
