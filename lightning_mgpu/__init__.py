@@ -15,6 +15,7 @@ from lightning_mgpu.checkpointing import (
 )
 from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
 from lightning_mgpu.distributed import effective_batch_size
+from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets
 from lightning_mgpu.schedules import total_steps, warmup_schedule
 from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUShardedStrategy, ShardMemory
@@ -28,6 +29,7 @@ __all__ = [
     "DeviceMonitor",
     "EveryNth",
     "MGPUDDPStrategy",
+    "MGPUPrecision",
     "MGPUShardedStrategy",
     "ManualAccumulation",
     "ScaleLR",

@@ -107,8 +107,9 @@ class ShardingBackend:
         self.stage = stage
 
     # --- model and optimizers -----------------------------------------------------------------------
-    def shard_model(self, module: nn.Module, mesh: Any) -> Optional[nn.Module]:
-        """Before the optimizers exist. Returns the module to train, or None to keep the strategy's."""
+    def shard_model(self, module: nn.Module, mesh: Any, mp_policy: Any = None) -> Optional[nn.Module]:
+        """Before the optimizers exist. Returns the module to train, or None to keep the strategy's.
+        ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` from the precision plugin (master modes)."""
         return None
 
     def wrap_optimizer(self, optimizer: Optimizer, group: Any) -> Optimizer:
@@ -319,17 +320,18 @@ class FSDP2Backend(ShardingBackend):
                 return [c for c in module.children() if any(True for _ in c.parameters())]
         return [m for m in module.modules() if m is not module and isinstance(m, classes)]
 
-    def shard_model(self, module: nn.Module, mesh: Any) -> Optional[nn.Module]:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+    def shard_model(self, module: nn.Module, mesh: Any, mp_policy: Any = None) -> Optional[nn.Module]:
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         if isinstance(module, FSDPModule):  # fit() again in the same process: already sharded
             return module
         reshard = self.stage == 3
+        policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
         # innermost first: fully_shard on a parent leaves parameters already owned by a child unit alone
         for unit in reversed(self._unit_roots(module)):
             if not isinstance(unit, FSDPModule):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         return module
 
     @contextlib.contextmanager

@@ -52,6 +52,7 @@ from lightning_mgpu.comm import (
     check_comm_hook,
     register_comm_hook,
 )
+from lightning_mgpu.precision import MGPUPrecision, adopt
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
 
 log = logging.getLogger(__name__)
@@ -233,10 +234,26 @@ class MGPUDDPStrategy(DDPStrategy):
         return self._static_graph
 
     @override
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # precision="16-mixed"/"bf16-mixed" -> MGPUPrecision: overflow agreed across ranks, counted and logged
+        self._precision_plugin = adopt(plugin)
+
+    def _check_precision(self) -> None:
+        plugin = self._precision_plugin
+        if isinstance(plugin, MGPUPrecision) and self.parallel_devices:
+            plugin.check(self.parallel_devices[0].type)
+
     def _configure_launcher(self) -> None:
         # Runs in the main process at Trainer construction, after accelerator and devices are known:
         # the last moment to refuse a configuration before any process is started.
         check_backend(self._comm_hook, self._get_process_group_backend())
+        self._check_precision()
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _CheckedSubprocessScriptLauncher(
@@ -287,16 +304,34 @@ class MGPUDDPStrategy(DDPStrategy):
         if not self._manual_sync or trainer.state.fn != TrainerFn.FITTING:
             return
         self._manual_params = {}
+        plugin = self.precision_plugin
         for opt in self.optimizers:
             seen: set[int] = set()  # per optimizer: a parameter shared by two optimizers is synced for each
             params = []
             for group in opt.param_groups:
                 for p in group["params"]:
+                    if isinstance(plugin, MGPUPrecision):
+                        p = plugin.model_parameter(p)  # master mode: sync the half gradients, before the copy
                     if p.requires_grad and id(p) not in seen:
                         seen.add(id(p))
                         params.append(p)
             self._manual_params[id(opt)] = params
             self._step_guards.append(opt.register_step_pre_hook(self._refuse_unsynced_step))
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if isinstance(self.precision_plugin, MGPUPrecision) and trainer.state.fn == TrainerFn.FITTING:
+            # before any wrapper (ZeroRedundancyOptimizer) is built around them
+            self.precision_plugin.attach_master_weights(self.optimizers)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        plugin = self.precision_plugin
+        if isinstance(plugin, MGPUPrecision) and self.lightning_module is not None:
+            state = plugin.fp32_state_dict(self.lightning_module, state)
+        return state
 
     def _refuse_unsynced_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if not self._in_optimizer_step:

@@ -36,6 +36,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher
 from lightning_mgpu.strategies._sharding import (
     FSDP2Backend,
@@ -163,6 +164,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         self._checkpoint_layout: str = checkpoint
         self._sharding: ShardingBackend = make_backend(stage, backend, classes)
         self._loaded_sharded = False
+        self._mp_policy: Any = None
 
     @property
     def stage(self) -> int:
@@ -182,6 +184,26 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         return self._sharding.wraps_with_ddp
 
     # --- launch ---------------------------------------------------------------------------------------
+    @override
+    def _check_precision(self) -> None:
+        super()._check_precision()
+        plugin = self._precision_plugin
+        if not (isinstance(plugin, MGPUPrecision) and plugin.master):
+            return
+        if self._backend_name == "fairscale":
+            raise ValueError(
+                f"MGPUPrecision({plugin.mode!r}) with backend='fairscale': fairscale's ShardedDataParallel reduces "
+                f"each gradient to the rank whose optimizer owns that very parameter, so the optimizer cannot hold "
+                f"separate FP32 masters. Use strategy='mgpu_sharded' (FSDP2 keeps sharded FP32 masters) or "
+                f"'mgpu_zero1', or MGPUPrecision('{plugin.mode.replace('master', 'mixed')}') with fairscale."
+            )
+        if self._stage == 1 and self._checkpoint_layout == "sharded":
+            raise ValueError(
+                f"MGPUPrecision({plugin.mode!r}) with stage=1 and checkpoint='sharded' is not supported: the sharded "
+                f"optimizer checkpoint is keyed by the model's parameter names and the optimizer steps FP32 masters. "
+                f"Use checkpoint='consolidated' (the default) or stage=2/3, whose FP32 masters FSDP2 shards itself."
+            )
+
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
@@ -211,6 +233,10 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
             self.accelerator.setup(trainer)
             self.setup_precision_plugin()
             return
+        plugin = self.precision_plugin
+        if isinstance(self._sharding, FSDP2Backend) and isinstance(plugin, MGPUPrecision):
+            # master modes: FSDP2's sharded FP32 parameters are the master copy, gathered in half for compute
+            self._mp_policy = plugin.keep_masters_in_fsdp()
         super().setup(trainer)
 
     @override
@@ -225,7 +251,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        sharded = self._sharding.shard_model(self.model, mesh)
+        sharded = self._sharding.shard_model(self.model, mesh, self._mp_policy)
         if sharded is not None:
             self.model = sharded
         self._comm_stats.world_size = self.world_size
@@ -350,10 +376,16 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
+        module = self.lightning_module
+        assert module is not None
         if self._checkpoint_layout == "sharded":
-            return self.lightning_module.state_dict()
-        return self._sharding.full_model_state(self.lightning_module)
+            state = module.state_dict()
+        else:
+            state = self._sharding.full_model_state(module)
+        plugin = self.precision_plugin
+        if isinstance(plugin, MGPUPrecision) and state:
+            state = plugin.fp32_state_dict(module, state)  # ZeRO-1 master modes: the FP32 masters
+        return state
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -455,6 +487,9 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
             return  # loaded in place by load_checkpoint
         assert self.lightning_module is not None
         self._sharding.load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict)
+        plugin = self.precision_plugin
+        if isinstance(plugin, MGPUPrecision):
+            plugin.load_masters(self.lightning_module, checkpoint["state_dict"])  # loaded after set-up
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -1,0 +1,534 @@
+"""MGPUPrecision: mixed precision and half precision with an FP32 master copy, for every mgpu strategy.
+
+Modes (``MGPUPrecision(mode)``):
+
+* ``"16-mixed"`` / ``"bf16-mixed"``: FP32 weights, ``torch.autocast`` forward (Lightning's mixed precision).
+  fp16 gets a dynamic loss scaler; it runs on CPU too (torch's CPU autocast and ``GradScaler("cpu")``), where
+  Lightning turns ``precision="16-mixed"`` into bf16.
+* ``"16-master"`` / ``"bf16-master"``: seed 000's flow. The model's weights and activations are half; the
+  optimizer holds an FP32 master copy of every parameter it steps. Half gradients are copied into the
+  masters, unscaled in FP32, clipped and stepped in FP32, and copied back to the half weights. Under FSDP2
+  (``mgpu_sharded`` / ``mgpu_zero3``) the master copy is FSDP's own sharded FP32 parameter and the gathered
+  compute parameters are half (``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)``).
+* ``"32-true"``: plain FP32, for side-by-side runs and configs.
+
+In every half mode a step whose gradients hold inf/NaN on *any* rank is skipped on *every* rank (the check
+is all-reduced, so a rank-local overflow cannot make the replicas diverge). For fp16 the loss scale then
+backs off. ``precision/skipped_steps`` and ``precision/loss_scale`` are logged through ``self.log``.
+
+Example::
+
+    import pytorch_lightning as pl
+    from lightning_mgpu import MGPUPrecision
+
+    trainer = pl.Trainer(strategy="mgpu_ddp", devices=2, plugins=[MGPUPrecision("bf16-master")])
+
+``Trainer(strategy="mgpu_*", precision="16-mixed" | "bf16-mixed")`` picks this plugin automatically.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Callable, Literal, Optional, cast
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning_fabric.utilities.types import Optimizable
+from lightning_utilities.core.apply_func import apply_to_collection
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+Mode = Literal["32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master"]
+
+#: mode -> (compute dtype, FP32 master copy held by the optimizer step)
+MODES: dict[str, tuple[torch.dtype, bool]] = {
+    "32-true": (torch.float32, False),
+    "16-mixed": (torch.float16, False),
+    "bf16-mixed": (torch.bfloat16, False),
+    "16-master": (torch.float16, True),
+    "bf16-master": (torch.bfloat16, True),
+}
+
+# what people type, and the mode they most likely mean
+_ALIASES = {
+    "16": "16-mixed",
+    "fp16": "16-mixed",
+    "half": "16-mixed",
+    "amp": "16-mixed",
+    "bf16": "bf16-mixed",
+    "bfloat16": "bf16-mixed",
+    "16-true": "16-master",
+    "bf16-true": "bf16-master",
+    "32": "32-true",
+    "fp32": "32-true",
+    "64-true": "32-true",
+    "transformer-engine": "bf16-mixed",
+}
+
+
+def check_mode(mode: Any) -> str:
+    """Returns ``mode`` if it is one of :data:`MODES`; otherwise a ``ValueError`` naming the valid modes."""
+    if isinstance(mode, str) and mode in MODES:
+        return mode
+    hint = ""
+    if isinstance(mode, (str, int)) and str(mode).lower() in _ALIASES:
+        guess = _ALIASES[str(mode).lower()]
+        hint = f" Did you mean {guess!r}?"
+        if str(mode) in ("16-true", "bf16-true"):
+            hint += (
+                f" (Lightning's {mode!r} keeps no FP32 copy of the weights; {guess!r} has the same memory for "
+                f"the model and keeps FP32 masters in the optimizer step.)"
+            )
+    raise ValueError(f"MGPUPrecision(mode={mode!r}) is not a mode. Use one of {list(MODES)}.{hint}")
+
+
+def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast(device_type, dtype)`` really runs (torch disables itself, with a warning, for
+    a dtype the device's autocast lacks)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autocast(device_type, dtype=dtype):
+                return torch.is_autocast_enabled(device_type)
+    except (RuntimeError, ValueError):
+        return False
+
+
+def check_device(mode: str, device_type: str) -> None:
+    """Raises ``RuntimeError`` naming the alternative when ``device_type`` cannot run ``mode``."""
+    dtype, master = MODES[mode]
+    if dtype == torch.float32:
+        return
+    half = "bf16" if dtype == torch.bfloat16 else "16"
+    other = "16" if half == "bf16" else "bf16"
+    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name()
+        raise RuntimeError(
+            f"MGPUPrecision({mode!r}) needs bfloat16, which {name} does not support (it needs compute capability "
+            f"8.0, Ampere, or newer). Use MGPUPrecision('16-mixed') or '16-master' (fp16 with loss scaling)."
+        )
+    if not master and not autocast_supported(device_type, dtype):
+        raise RuntimeError(
+            f"MGPUPrecision({mode!r}): torch.autocast on {device_type!r} does not support {dtype}. Use "
+            f"MGPUPrecision('{other}-mixed'), or '{half}-master' (no autocast: the model itself runs in {dtype})."
+        )
+
+
+def _local(t: Tensor) -> Tensor:
+    # a DTensor (FSDP2 shard) -> this rank's shard; a plain tensor -> itself
+    to_local = getattr(t, "to_local", None)
+    return cast(Tensor, to_local()) if callable(to_local) else t
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def any_nonfinite(grads: list[Tensor]) -> bool:
+    """True if any gradient holds inf/NaN on any rank (one all-reduce when a process group is up)."""
+    device = grads[0].device if grads else torch.device("cpu")
+    if grads:
+        norms = [n.to(device) for n in torch._foreach_norm([_local(g) for g in grads], float("inf"))]
+        found = torch.logical_not(torch.stack(norms).isfinite().all()).float().reshape(1)
+    else:
+        found = torch.zeros(1, device=device)
+    if _world() > 1:
+        if dist.get_backend() == "nccl" and found.device.type != "cuda":
+            found = found.cuda()
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item() > 0)
+
+
+class MGPUPrecision(Precision):
+    """Mixed (``16-mixed``, ``bf16-mixed``) and master-weight (``16-master``, ``bf16-master``) precision.
+
+    Args:
+        mode: one of :data:`MODES`.
+        device: the autocast / loss-scaler device type; ``None`` takes the model's device at set-up.
+        init_scale, growth_factor, backoff_factor, growth_interval: the fp16 loss scaler's settings
+            (``torch.amp.GradScaler``'s, same defaults).
+        log_metrics: log ``precision/skipped_steps`` and ``precision/loss_scale`` each optimizer step.
+
+    Attributes:
+        skipped_steps: optimizer steps skipped because a gradient was inf/NaN on some rank.
+        optimizer_steps: optimizer steps taken or skipped.
+        loss_scale: the current fp16 loss scale (1.0 for bf16 and fp32).
+    """
+
+    def __init__(
+        self,
+        mode: Mode = "16-mixed",
+        device: Optional[str] = None,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        log_metrics: bool = True,
+    ) -> None:
+        self.mode: str = check_mode(mode)
+        if device is not None and not isinstance(device, str):
+            raise TypeError(f"device must be a device type such as 'cuda' or 'cpu' (or None), got {device!r}.")
+        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"init_scale must be a finite number > 0 (default 65536.0), got {init_scale!r}.")
+        if not (isinstance(growth_factor, (int, float)) and growth_factor > 1):
+            raise ValueError(f"growth_factor must be > 1 (default 2.0), got {growth_factor!r}.")
+        if not (isinstance(backoff_factor, (int, float)) and 0 < backoff_factor < 1):
+            raise ValueError(f"backoff_factor must be between 0 and 1 (default 0.5), got {backoff_factor!r}.")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be an int >= 1 (default 2000), got {growth_interval!r}.")
+        self.dtype, self.master = MODES[self.mode]
+        # Lightning reads `precision` (Trainer.precision, ModelSummary's size estimate: "16"/"bf16" prefix)
+        self.precision = cast(Any, self.mode)
+        self.device = device
+        self._scaler_kwargs = {
+            "init_scale": float(init_scale),
+            "growth_factor": float(growth_factor),
+            "backoff_factor": float(backoff_factor),
+            "growth_interval": growth_interval,
+        }
+        self.log_metrics = log_metrics
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        self._scaler_state: Optional[dict[str, Any]] = None
+        self.skipped_steps = 0
+        self.optimizer_steps = 0
+        self._scale = float(init_scale) if self.dtype == torch.float16 else 1.0
+        # master modes: FP32 copies taken before the module is cast (convert_module -> attach_master_weights)
+        self._fp32_source: dict[int, Tensor] = {}
+        self._model_param: dict[int, Tensor] = {}  # id(master) -> half model parameter
+        self._master_of: dict[int, Tensor] = {}  # id(half model parameter) -> master
+        self._pairs: list[tuple[Tensor, Tensor]] = []  # (master, half model parameter)
+        self._requires_grad: list[bool] = []  # the half parameters' flags while a backward mirrors the toggle
+        self._fsdp_masters = False
+
+    # --- properties -------------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self._scale
+
+    @property
+    def uses_scaler(self) -> bool:
+        return self.dtype == torch.float16
+
+    @property
+    def masters_in_fsdp(self) -> bool:
+        return self._fsdp_masters
+
+    def __repr__(self) -> str:
+        return f"MGPUPrecision({self.mode!r})"
+
+    # --- set-up -----------------------------------------------------------------------------------------
+    def check(self, device_type: str) -> None:
+        """Refuses a mode ``device_type`` cannot run (called by the mgpu strategies before launching)."""
+        if self.device is not None and self.device != device_type:
+            raise ValueError(
+                f"MGPUPrecision({self.mode!r}, device={self.device!r}) but the Trainer runs on {device_type!r}. "
+                f"Leave device=None (the model's device is used) or pass device={device_type!r}."
+            )
+        check_device(self.mode, device_type)
+
+    def keep_masters_in_fsdp(self) -> Optional[Any]:
+        """Called by the FSDP2 strategies before the module is sharded: in the master modes FSDP's sharded FP32
+        parameters become the master copy and this returns the ``MixedPrecisionPolicy`` to shard with
+        (half compute parameters, FP32 gradient reduction); ``None`` in the other modes."""
+        if not self.master:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        self._fsdp_masters = True
+        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if not self.master:
+            return module
+        if self._fsdp_masters:
+            # FSDP2 casts the parameters it gathers, not buffers: the BatchNorm statistics must be half too,
+            # as in the DDP master modes (torch's CPU batch_norm refuses half input with FP32 statistics)
+            for sub in module.modules():
+                for name, buf in sub._buffers.items():
+                    if buf is not None and buf.is_floating_point():
+                        sub._buffers[name] = buf.to(self.dtype)
+            return module
+        # The masters start from the FP32 weights (a loaded fp32 checkpoint included), not from their rounding
+        self._fp32_source = {
+            id(p): p.detach().to(torch.float32, copy=True) for p in module.parameters() if p.is_floating_point()
+        }
+        return module.to(dtype=self.dtype)
+
+    def attach_master_weights(self, optimizers: list[Optimizer]) -> None:
+        """Master modes: point every optimizer parameter group at FP32 copies of the half parameters (before a
+        strategy wraps the optimizers, e.g. in ``ZeroRedundancyOptimizer``)."""
+        if not self.master or self._fsdp_masters:
+            return
+        for opt in optimizers:
+            if isinstance(opt, LBFGS):
+                raise MisconfigurationException(
+                    f"MGPUPrecision({self.mode!r}) cannot drive LBFGS (it re-evaluates the closure inside step). "
+                    f"Use MGPUPrecision('32-true') or another optimizer."
+                )
+            for group in opt.param_groups:
+                masters = []
+                for p in group["params"]:
+                    if id(p) in self._model_param:  # already a master (a second fit() in this process)
+                        masters.append(p)
+                        continue
+                    master = self._master_of.get(id(p))
+                    if master is None:
+                        src = self._fp32_source.get(id(p), p.detach())
+                        master = src.to(device=p.device, dtype=torch.float32, copy=True).requires_grad_(p.requires_grad)
+                        self._model_param[id(master)] = p
+                        self._master_of[id(p)] = master
+                        self._pairs.append((master, p))
+                    masters.append(master)
+                group["params"] = masters
+        self._fp32_source = {}
+
+    def model_parameter(self, param: Tensor) -> Tensor:
+        """The half model parameter behind a master (``param`` itself if it is not a master)."""
+        return self._model_param.get(id(param), param)
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        device = self.device
+        if device is None:
+            param = next(iter(model.parameters()), None)
+            device = param.device.type if param is not None else "cpu"
+            self.device = device
+        if self.uses_scaler and self.scaler is None:
+            self.scaler = self._make_scaler(device)
+            if self._scaler_state is not None:
+                self.scaler.load_state_dict(self._scaler_state)
+                self._scaler_state = None
+        if self.master and not self._fsdp_masters:
+            # Lightning's own strategies (single device, ...) never call attach_master_weights; the mgpu
+            # strategies did already (the masters are skipped here)
+            self.attach_master_weights(optimizers)
+            for opt in optimizers:
+                self._clear_half_grads_on_zero_grad(opt)
+        return model, optimizers, lr_schedulers
+
+    def _make_scaler(self, device: str) -> torch.amp.GradScaler:
+        if _world() > 1:
+            # All-reduces found_inf in unscale_: every rank skips together, whatever the strategy
+            # (DDP, ZeRO, FSDP2 shards); torch's scaler for sharded gradients, usable with any process group.
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(device=device, **self._scaler_kwargs)  # type: ignore[arg-type]
+        return torch.amp.GradScaler(device=device, **self._scaler_kwargs)  # type: ignore[arg-type]
+
+    def _clear_half_grads_on_zero_grad(self, optimizer: Optimizer) -> None:
+        # optimizer.zero_grad() clears the masters' gradients; the half gradients accumulated since the last
+        # step (e.g. a GAN's generator backward reaching the discriminator) must go too, as they would in FP32.
+        if getattr(optimizer, "_mgpu_zero_grad_wrapped", False):
+            return
+        original = optimizer.zero_grad
+        plugin = self
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            original(set_to_none)
+            for group in optimizer.param_groups:
+                for m in group["params"]:
+                    p = plugin._model_param.get(id(m))
+                    if p is not None:
+                        p.grad = None
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        optimizer._mgpu_zero_grad_wrapped = True  # type: ignore[attr-defined]
+
+    # --- forward ----------------------------------------------------------------------------------------
+    def _autocast(self) -> AbstractContextManager:
+        if self.master or self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device or "cpu", dtype=self.dtype, cache_enabled=False)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        if self.master and not self._fsdp_masters:
+            return _DtypeContextManager(self.dtype)
+        return nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        dtype_ctx = _DtypeContextManager(self.dtype) if self.master else nullcontext()
+        with dtype_ctx, self._autocast():
+            yield
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if not self.master:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.dtype)
+
+    # --- backward and step ------------------------------------------------------------------------------
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.master and not self._fsdp_masters and not module.automatic_optimization:
+            # Lightning's toggle_optimizer switches requires_grad on the optimizer's parameters, the masters:
+            # mirror it onto the half parameters for this backward (autograd accumulates no gradient into a
+            # leaf whose requires_grad is off), so the toggled-off optimizer's weights get none, as in FP32.
+            # post_backward switches them back: the next forward must build the graph through every weight.
+            self._requires_grad = [p.requires_grad for _, p in self._pairs]
+            for master, p in self._pairs:
+                p.requires_grad_(master.requires_grad)
+        if self.dtype != torch.float32 and tensor.is_floating_point() and tensor.dtype != torch.float32:
+            tensor = tensor.float()  # a half loss times 65536 overflows fp16; the backward casts back to half
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self._requires_grad:
+            for (_, p), flag in zip(self._pairs, self._requires_grad):
+                p.requires_grad_(flag)
+            self._requires_grad = []
+        return super().post_backward(tensor, module)
+
+    def _grads_to_masters(self, optimizer: Optimizer) -> None:
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for m in group["params"]:
+                    p = self._model_param.get(id(m))
+                    if p is None:
+                        continue
+                    if p.grad is None:
+                        m.grad = None
+                    elif m.grad is None:
+                        m.grad = p.grad.to(torch.float32, copy=True)
+                    else:
+                        m.grad.copy_(p.grad)
+                    p.grad = None  # the half gradient is now in the master's
+
+    def _masters_to_model(self, optimizer: Optimizer) -> None:
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for m in group["params"]:
+                    p = self._model_param.get(id(m))
+                    if p is not None:
+                        p.copy_(m)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizable,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if self.dtype == torch.float32:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        opt = cast(Optimizer, optimizer)
+        if isinstance(opt, LBFGS):
+            raise MisconfigurationException(f"MGPUPrecision({self.mode!r}) and the LBFGS optimizer are not compatible.")
+        closure_result = closure()
+        # automatic optimization with a training_step that returned None: no backward ran, nothing to step
+        if closure_result is None and model.automatic_optimization:
+            self._after_closure(model, opt)
+            return closure_result
+        if self.master and not self._fsdp_masters:
+            self._grads_to_masters(opt)
+        output = None
+        if self.scaler is not None:
+            before = self._scale
+            self.scaler.unscale_(opt)  # all ranks agree on found_inf (ShardedGradScaler)
+            self._after_closure(model, opt)  # on_before_optimizer_step, then clipping: on unscaled gradients
+            output = self.scaler.step(opt, **kwargs)  # skipped when found_inf
+            self.scaler.update()
+            self._scale = float(self.scaler.get_scale())
+            skipped = self._scale < before
+        else:
+            grads = [m.grad for group in opt.param_groups for m in group["params"] if m.grad is not None]
+            skipped = any_nonfinite(grads)
+            self._after_closure(model, opt)
+            if not skipped:
+                output = opt.step(**kwargs)
+        if self.master and not self._fsdp_masters and not skipped:
+            self._masters_to_model(opt)
+        self.optimizer_steps += 1
+        self.skipped_steps += int(skipped)
+        self._log(model)
+        return output
+
+    def _log(self, model: pl.LightningModule) -> None:
+        if not self.log_metrics or getattr(model, "_current_fx_name", None) is None or model._trainer is None:
+            return
+        model.log("precision/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
+        model.log("precision/loss_scale", self._scale, on_step=True, on_epoch=False)
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def fp32_state_dict(self, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (the module's state dict) with each parameter's FP32 master in place of its half value:
+        checkpoints hold the weights at full precision, so a resume (or an FP32 user) gets them exactly."""
+        if not self._master_of:
+            return state
+        state = dict(state)
+        for name, p in module.named_parameters():
+            master = self._master_of.get(id(p))
+            if master is not None and name in state:
+                state[name] = master.detach().clone()
+        return state
+
+    def load_masters(self, module: nn.Module, state: dict[str, Any]) -> None:
+        """Master modes, a strategy that loads model weights after set-up (sharded): refresh the masters from the
+        checkpoint's FP32 values."""
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                master = self._master_of.get(id(p))
+                if master is not None and name in state:
+                    master.copy_(state[name])
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "skipped_steps": self.skipped_steps,
+            "optimizer_steps": self.optimizer_steps,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+        scaler_state = state_dict.get("scaler")
+        if scaler_state and self.uses_scaler:
+            if self.scaler is not None:
+                self.scaler.load_state_dict(scaler_state)
+                self._scale = float(self.scaler.get_scale())
+            else:
+                self._scaler_state = scaler_state
+                self._scale = float(scaler_state.get("scale", self._scale))
+
+
+def adopt(plugin: Optional[Precision]) -> Optional[Precision]:
+    """What an mgpu strategy runs for the plugin Lightning chose: ``precision="16-mixed"/"bf16-mixed"`` (a
+    plain :class:`MixedPrecision`) becomes :class:`MGPUPrecision` with the same scaler settings, so the
+    overflow check is agreed across ranks and logged. Anything else is kept as it is."""
+    if type(plugin) is not MixedPrecision:
+        return plugin
+    kwargs: dict[str, Any] = {}
+    scaler = plugin.scaler
+    if scaler is not None:
+        kwargs = {
+            "init_scale": float(scaler._init_scale),
+            "growth_factor": float(scaler.get_growth_factor()),
+            "backoff_factor": float(scaler.get_backoff_factor()),
+            "growth_interval": int(scaler.get_growth_interval()),
+        }
+    return MGPUPrecision(cast(Mode, plugin.precision), device=plugin.device, **kwargs)
