@@ -352,15 +352,8 @@ class MGPUPrecision(Precision):
             return nullcontext()
         return torch.autocast(self.device or "cpu", dtype=self.dtype, cache_enabled=False)
 
-    @override
-    def tensor_init_context(self) -> AbstractContextManager:
-        if self.master and not self._fsdp_masters:
-            return _DtypeContextManager(self.dtype)
-        return nullcontext()
-
-    @override
-    def module_init_context(self) -> AbstractContextManager:
-        return self.tensor_init_context()
+    # tensor_init_context / module_init_context stay Lightning's FP32 defaults, unlike bf16-true: the masters
+    # are copied from the weights as created, so `trainer.init_module()` must not round them to half first.
 
     @override
     @contextmanager

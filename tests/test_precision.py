@@ -341,6 +341,7 @@ def test_scaler_updates_once_per_optimizer_step_with_accumulation(tmp_path: Path
     assert r["global_step"] == r["optimizer_steps"] == 3
     assert r["skipped"][-1] == 0
     assert r["scales"][-1] == 256.0 * 2  # grew once (2 good steps); per micro-batch it would be 256 * 2**6
+    assert r["callback_metrics"]["precision/loss_scale"] == 512.0  # logged through self.log
 
 
 class ClipProbe(Callback):
