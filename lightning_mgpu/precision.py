@@ -32,7 +32,7 @@ import math
 import warnings
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Literal, Optional, cast
+from typing import Any, Callable, Literal, Optional, Union, cast
 
 import pytorch_lightning as pl
 import torch
@@ -41,6 +41,7 @@ from lightning_fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeC
 from lightning_fabric.utilities.types import Optimizable
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.utilities import GradClipAlgorithmType
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
@@ -207,6 +208,10 @@ class MGPUPrecision(Precision):
         self._master_of: dict[int, Tensor] = {}  # id(half model parameter) -> master
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (master, half model parameter)
         self._requires_grad: list[bool] = []  # the half parameters' flags while a backward mirrors the toggle
+        self._prepared: set[int] = set()  # optimizers whose gradients are in the masters and unscaled
+        #: set by mgpu_ddp under manual optimization: averages an optimizer's gradients across ranks (once per
+        #: step), so that gradients are synced before they move into the masters or are clipped
+        self.sync_gradients: Optional[Callable[[Optimizer], None]] = None
         self._fsdp_masters = False
 
     # --- properties -------------------------------------------------------------------------------------
@@ -290,6 +295,12 @@ class MGPUPrecision(Precision):
                         self._pairs.append((master, p))
                     masters.append(master)
                 group["params"] = masters
+        if self._fp32_source and _world() > 1:
+            # DDP copied rank 0's weights into the half parameters when it wrapped the model; the masters were
+            # taken before that, from each rank's own initialisation: rank 0's are the ones to train
+            with torch.no_grad():
+                for master, _ in self._pairs:
+                    dist.broadcast(master, src=0)
         self._fp32_source = {}
 
     def model_parameter(self, param: Tensor) -> Tensor:
@@ -416,6 +427,34 @@ class MGPUPrecision(Precision):
                     if p is not None:
                         p.copy_(m)
 
+    def _prepare_gradients(self, optimizer: Optimizer) -> None:
+        # once per optimizer step: the half gradients into the masters, then unscaled (ShardedGradScaler
+        # all-reduces found_inf, so every rank agrees). Manual optimization may get here first through
+        # self.clip_gradients(opt, ...), called between manual_backward and opt.step().
+        if id(optimizer) in self._prepared:
+            return
+        if self.sync_gradients is not None:
+            self.sync_gradients(optimizer)
+        if self.master and not self._fsdp_masters:
+            self._grads_to_masters(optimizer)
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        self._prepared.add(id(optimizer))
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        inner = cast(Optimizer, getattr(optimizer, "_optimizer", optimizer))
+        if clip_val > 0 and self.dtype != torch.float32:
+            self._prepare_gradients(inner)
+        elif clip_val > 0 and self.sync_gradients is not None:
+            self.sync_gradients(inner)
+        super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
     @override
     def optimizer_step(  # type: ignore[override]
         self,
@@ -434,12 +473,22 @@ class MGPUPrecision(Precision):
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, opt)
             return closure_result
-        if self.master and not self._fsdp_masters:
-            self._grads_to_masters(opt)
+        self._prepare_gradients(opt)
+        try:
+            skipped, output = self._step(opt, model, **kwargs)
+        finally:
+            self._prepared.discard(id(opt))
+        if self.master and not self._fsdp_masters and not skipped:
+            self._masters_to_model(opt)
+        self.optimizer_steps += 1
+        self.skipped_steps += int(skipped)
+        self._log(model)
+        return output
+
+    def _step(self, opt: Optimizer, model: pl.LightningModule, **kwargs: Any) -> tuple[bool, Any]:
         output = None
         if self.scaler is not None:
             before = self._scale
-            self.scaler.unscale_(opt)  # all ranks agree on found_inf (ShardedGradScaler)
             self._after_closure(model, opt)  # on_before_optimizer_step, then clipping: on unscaled gradients
             output = self.scaler.step(opt, **kwargs)  # skipped when found_inf
             self.scaler.update()
@@ -451,12 +500,7 @@ class MGPUPrecision(Precision):
             self._after_closure(model, opt)
             if not skipped:
                 output = opt.step(**kwargs)
-        if self.master and not self._fsdp_masters and not skipped:
-            self._masters_to_model(opt)
-        self.optimizer_steps += 1
-        self.skipped_steps += int(skipped)
-        self._log(model)
-        return output
+        return skipped, output
 
     def _log(self, model: pl.LightningModule) -> None:
         if not self.log_metrics or getattr(model, "_current_fx_name", None) is None or model._trainer is None:
@@ -471,23 +515,25 @@ class MGPUPrecision(Precision):
         if not self._master_of:
             return state
         state = dict(state)
-        for name, p in module.named_parameters():
+        for name, p in module.named_parameters(remove_duplicate=False):  # a tied weight under every name
             master = self._master_of.get(id(p))
             if master is not None and name in state:
                 state[name] = master.detach().clone()
         return state
 
     def load_masters(self, module: nn.Module, state: dict[str, Any]) -> None:
-        """Master modes, a strategy that loads model weights after set-up (sharded): refresh the masters from the
-        checkpoint's FP32 values."""
+        """Master modes, model weights loaded while masters exist (a sharded strategy's restore after set-up,
+        LearningRateFinder's restore, a second fit): refresh the masters from the checkpoint's FP32 values."""
         with torch.no_grad():
-            for name, p in module.named_parameters():
+            for name, p in module.named_parameters(remove_duplicate=False):
                 master = self._master_of.get(id(p))
                 if master is not None and name in state:
                     master.copy_(state[name])
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        if self.dtype == torch.float32:
+            return {}  # nothing to restore: checkpoints stay what Lightning's own Precision writes
         return {
             "mode": self.mode,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -512,7 +558,11 @@ class MGPUPrecision(Precision):
 def adopt(plugin: Optional[Precision]) -> Optional[Precision]:
     """What an mgpu strategy runs for the plugin Lightning chose: ``precision="16-mixed"/"bf16-mixed"`` (a
     plain :class:`MixedPrecision`) becomes :class:`MGPUPrecision` with the same scaler settings, so the
-    overflow check is agreed across ranks and logged. Anything else is kept as it is."""
+    overflow check is agreed across ranks and logged; the default ``"32-true"`` (a plain :class:`Precision`)
+    becomes ``MGPUPrecision("32-true")``, which behaves the same except that ``self.clip_gradients`` in
+    manual optimization clips the gradient averaged over the ranks. Anything else is kept as it is."""
+    if type(plugin) is Precision:
+        return MGPUPrecision("32-true")
     if type(plugin) is not MixedPrecision:
         return plugin
     kwargs: dict[str, Any] = {}

@@ -210,6 +210,11 @@ def test_master_mode_with_fairscale_is_refused_at_trainer_construction() -> None
         )
 
 
+def test_default_precision_runs_as_mgpu_32_true() -> None:
+    plugin = pl.Trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp_fork").precision_plugin
+    assert isinstance(plugin, MGPUPrecision) and plugin.mode == "32-true" and plugin.state_dict() == {}
+
+
 def test_check_mode_accepts_every_mode() -> None:
     assert [check_mode(m) for m in ["32-true", *HALF_MODES]] == ["32-true", *HALF_MODES]
 
@@ -259,9 +264,17 @@ def test_loss_curve_stays_within_tolerance_of_fp32(
 
 
 def _regressor_run(
-    out_dir: Path, mode: str, strat: Any, devices: int, batch: int, accumulate: int, **kwargs: Any
+    out_dir: Path,
+    mode: str,
+    strat: Any,
+    devices: int,
+    batch: int,
+    accumulate: int,
+    growth_interval: int = 2000,
+    model: Optional[pl.LightningModule] = None,
+    **kwargs: Any,
 ) -> list[dict[str, Any]]:
-    model = Regressor(lr=0.05).float()
+    model = model if model is not None else Regressor(lr=0.05).float()
     fit(
         model,
         strat,
@@ -271,7 +284,7 @@ def _regressor_run(
         accumulate=accumulate,
         devices=devices,
         # a scale the regressor's fp16 gradients never overflow: the only skipped steps are injected ones
-        plugins=[MGPUPrecision(mode, init_scale=2.0**10)],  # type: ignore[arg-type]
+        plugins=[MGPUPrecision(mode, init_scale=2.0**10, growth_interval=growth_interval)],  # type: ignore[arg-type]
         callbacks=[Track(out_dir, kwargs.pop("inject", None)), *kwargs.pop("extra", [])],
         **kwargs,
     )
@@ -385,7 +398,12 @@ def test_clipping_sees_unscaled_gradients(tmp_path: Path, mode: str) -> None:
 @pytest.mark.parametrize("strat", ["ddp", "zero1", "fsdp2"])
 @pytest.mark.parametrize("mode", MASTER_MODES)
 def test_resume_restores_fp32_masters_and_the_scaler(tmp_path: Path, mode: str, strat: str) -> None:
-    whole = _regressor_run(tmp_path / "whole", mode, strategy(strat), WORLD, batch=8, accumulate=1, max_epochs=4)
+    # growth_interval 5: the fp16 scale grows during both halves, so a resume that lost the scaler's state
+    # (scale, growth tracker) would end on another scale
+    grow = 5
+    whole = _regressor_run(
+        tmp_path / "whole", mode, strategy(strat), WORLD, batch=8, accumulate=1, max_epochs=4, growth_interval=grow
+    )
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     _regressor_run(
         tmp_path / "first",
@@ -395,6 +413,7 @@ def test_resume_restores_fp32_masters_and_the_scaler(tmp_path: Path, mode: str, 
         batch=8,
         accumulate=1,
         max_epochs=2,
+        growth_interval=grow,
         enable_checkpointing=True,
         extra=[ckpt],
     )
@@ -412,6 +431,7 @@ def test_resume_restores_fp32_masters_and_the_scaler(tmp_path: Path, mode: str, 
         batch=8,
         accumulate=1,
         max_epochs=4,
+        growth_interval=grow,
         ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
     )
     for a, b in zip(whole, resumed):
@@ -419,7 +439,7 @@ def test_resume_restores_fp32_masters_and_the_scaler(tmp_path: Path, mode: str, 
         assert torch.equal(a["final"], b["final"])
         assert a["master_dtypes"] == {"torch.float32"} and a["forward_dtypes"] == {str(half)}
         if mode.startswith("16"):
-            assert a["scales"][-1] == b["scales"][-1]
+            assert a["scales"][-1] == b["scales"][-1] == 2.0**10 * 2**4  # 24 good steps: grew 4 times
 
 
 # --- manual optimization ---------------------------------------------------------------------------------
@@ -486,3 +506,109 @@ def test_manual_optimization_with_toggling_matches_fp32(tmp_path: Path) -> None:
     bad = relative_distance(_two_opt(tmp_path / "nomirror", NoMirror("bf16-master")), ref, w0)
     assert good < 2e-2, good
     assert bad > 5 * good, (good, bad)  # the comparison can fail: stray gradients reach A's weights
+
+
+class RankInit(Regressor):
+    """Each rank initialises its own weights (no common seed, as under torchrun without seed_everything)."""
+
+    def setup(self, stage: str) -> None:
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(0.1 * (self.trainer.global_rank + 1))
+
+
+@pytest.mark.parametrize("strat", ["ddp", "zero1"])
+def test_masters_start_from_rank_zero_weights(tmp_path: Path, strat: str) -> None:
+    # DDP copies rank 0's weights into the half parameters; the FP32 masters must follow, or each rank would
+    # copy its own masters back after the first step and the replicas would never meet again
+    ranks = _regressor_run(
+        tmp_path, "bf16-master", strategy(strat), WORLD, batch=8, accumulate=1, model=RankInit(lr=0.05).float()
+    )
+    assert torch.equal(ranks[0]["before"][0], ranks[1]["before"][0])
+    assert torch.equal(ranks[0]["masters"], ranks[1]["masters"])
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
+
+
+class PlainSGD(Regressor):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)  # no state: a reload repeats the run exactly
+
+
+class ReloadAtEpochOne(Callback):
+    """Loads the start-of-training weights through the strategy at the start of epoch 1 (what
+    LearningRateFinder's restore or a second fit does while the masters exist)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            trainer.strategy.load_model_state_dict({"state_dict": self.state})
+
+
+@pytest.mark.parametrize("strat", ["ddp", "zero1"])
+def test_weights_loaded_after_setup_reach_the_masters(tmp_path: Path, strat: str) -> None:
+    ranks = _regressor_run(
+        tmp_path,
+        "bf16-master",
+        strategy(strat),
+        WORLD,
+        batch=8,
+        accumulate=1,
+        model=PlainSGD(lr=0.05).float(),
+        extra=[ReloadAtEpochOne()],
+    )
+    after = ranks[0]["after"]  # 6 batches per epoch
+    assert not torch.equal(after[5], ranks[0]["before"][0])  # epoch 0 moved the weights
+    for i in range(6):
+        assert torch.equal(after[6 + i], after[i])  # epoch 1 restarted from the reloaded FP32 weights
+
+
+class ManualClip(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(F.mse_loss(self(x), y))
+        self.clip_gradients(opt, gradient_clip_val=1e-3, gradient_clip_algorithm="norm")  # type: ignore[arg-type]
+        opt.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+@pytest.mark.parametrize("mode", ["32-true", "16-mixed", "16-master", "bf16-master"])
+def test_manual_clip_gradients_acts_on_unscaled_master_gradients(tmp_path: Path, mode: str) -> None:
+    model = ManualClip().float()
+    w0 = torch.cat([p.detach().flatten() for p in model.parameters()])
+    fit(
+        model,
+        strategy("ddp"),
+        tmp_path,
+        dataset=make_data(dtype=torch.float32),
+        batch_size=8,
+        max_steps=1,
+        # 32-true: Lightning's default Precision, which mgpu_ddp runs as MGPUPrecision("32-true")
+        plugins=[MGPUPrecision(mode, init_scale=2.0**10)] if mode != "32-true" else [],  # type: ignore[arg-type]
+        callbacks=[ClipProbe(tmp_path)],
+    )
+    step = (torch.load(tmp_path / "masters0.pt") - w0).norm()
+    # clip_gradients must see the gradient averaged over the ranks (clipping each rank's own and averaging
+    # them gives a shorter step), in FP32 in the master modes (else nothing is clipped) and unscaled (else
+    # 1024x less)
+    assert 0.99e-3 < step < 1.01e-3, step
+    assert torch.equal(torch.load(tmp_path / "masters0.pt"), torch.load(tmp_path / "masters1.pt"))
+
+
+@pytest.mark.parametrize("strat", ["ddp", "zero1"])
+def test_fork_launch_hands_the_fp32_masters_back_to_the_main_process(tmp_path: Path, strat: str) -> None:
+    model = Regressor(lr=0.05).float()
+    ranks = _regressor_run(tmp_path, "bf16-master", strategy(strat), WORLD, batch=8, accumulate=1, model=model)
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert weights.dtype == torch.float32
+    assert torch.equal(weights, ranks[0]["masters"])  # not the bf16 rounding of them
+    assert not torch.equal(weights, weights.to(torch.bfloat16).float())

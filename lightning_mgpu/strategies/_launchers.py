@@ -9,6 +9,9 @@ from typing import Any, Callable, Optional
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from pytorch_lightning.strategies.launchers.multiprocessing import _WorkerOutput
+
+from lightning_mgpu.precision import MGPUPrecision
 
 PreLaunchCheck = Callable[["pl.Trainer"], None]
 
@@ -35,6 +38,17 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, _MultiProcessingLauncher)
         super()._wrapping_function(*args, **kwargs)
         # The worker process ends right after this: leave the process group together first.
         release_process_group()
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Optional[_WorkerOutput]:
+        output = super()._collect_rank_zero_results(trainer, results)
+        plugin = trainer.precision_plugin
+        if output is not None and output.weights_path is not None and isinstance(plugin, MGPUPrecision):
+            # the main process's model gets the FP32 masters, not their half rounding
+            module = trainer.lightning_module
+            self._strategy.checkpoint_io.save_checkpoint(
+                plugin.fp32_state_dict(module, module.state_dict()), output.weights_path
+            )
+        return output
 
 
 def release_process_group() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import logging
 import multiprocessing
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -210,6 +211,7 @@ class MGPUDDPStrategy(DDPStrategy):
         # manual optimization: per optimizer, the parameters to sync (trainable at setup, in optimizer order)
         self._manual_params: dict[int, list[torch.Tensor]] = {}
         self._in_optimizer_step = False
+        self._synced: set[int] = set()  # manual optimization: optimizers whose gradients are averaged this step
         self._step_guards: list[Any] = []
         self._activation_checkpointing = activation_checkpointing
         self._activation_checkpointing_reentrant = activation_checkpointing_reentrant
@@ -317,6 +319,8 @@ class MGPUDDPStrategy(DDPStrategy):
                         params.append(p)
             self._manual_params[id(opt)] = params
             self._step_guards.append(opt.register_step_pre_hook(self._refuse_unsynced_step))
+        if isinstance(plugin, MGPUPrecision):
+            plugin.sync_gradients = self._sync_manual_gradients
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -332,6 +336,15 @@ class MGPUDDPStrategy(DDPStrategy):
         if isinstance(plugin, MGPUPrecision) and self.lightning_module is not None:
             state = plugin.fp32_state_dict(self.lightning_module, state)
         return state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        plugin = self.precision_plugin
+        if isinstance(plugin, MGPUPrecision) and self.lightning_module is not None:
+            # masters that exist already (a restore after set-up: LearningRateFinder, a second fit) take the
+            # checkpoint's FP32 values; otherwise the next step would copy the stale masters back
+            plugin.load_masters(self.lightning_module, checkpoint["state_dict"])
 
     def _refuse_unsynced_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if not self._in_optimizer_step:
@@ -423,17 +436,11 @@ class MGPUDDPStrategy(DDPStrategy):
                 )
             user_closure = closure
 
-            def closure(params: list[torch.Tensor] = params) -> Any:
+            def closure(inner: Optimizer = inner) -> Any:
                 # after the user's closure (its backward), before unscaling and on_before_optimizer_step:
                 # where DDP would have finished its all-reduce in automatic optimization
                 out = user_closure()
-                allreduce_gradients(
-                    params,
-                    group=ddp.process_group,
-                    compress=self._comm_hook,
-                    ledger=self._comm_stats,
-                    bucket_cap_mb=self._ddp_kwargs.get("bucket_cap_mb", 25.0),
-                )
+                self._sync_manual_gradients(inner)
                 return out
 
         self._in_optimizer_step = True
@@ -441,10 +448,31 @@ class MGPUDDPStrategy(DDPStrategy):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             self._in_optimizer_step = False
+            self._synced.clear()
         self._comm_stats.optimizer_steps += 1
         if self._log_comm_stats:
             self._maybe_log_comm_stats()
         return output
+
+    def _sync_manual_gradients(self, optimizer: Optimizer) -> None:
+        """Manual optimization: average ``optimizer``'s gradients across ranks, once per step. Runs in the
+        step's closure, or earlier when the precision plugin needs the averaged gradients (``clip_gradients``
+        called between ``manual_backward`` and ``opt.step()`` must clip the global gradient)."""
+        ddp = self.model
+        inner = optimizer.optimizer if isinstance(optimizer, pl.core.optimizer.LightningOptimizer) else optimizer
+        params = self._manual_params.get(id(inner))
+        if not self._manual_sync or not isinstance(ddp, DistributedDataParallel) or params is None:
+            return
+        if id(inner) in self._synced:
+            return
+        allreduce_gradients(
+            params,
+            group=ddp.process_group,
+            compress=self._comm_hook,
+            ledger=self._comm_stats,
+            bucket_cap_mb=self._ddp_kwargs.get("bucket_cap_mb", 25.0),
+        )
+        self._synced.add(id(inner))
 
     def _maybe_log_comm_stats(self, force: bool = False) -> None:
         module = self.lightning_module

@@ -535,6 +535,9 @@ class _ShardedMultiProcessingLauncher(_CheckedMultiProcessingLauncher):
         assert isinstance(strategy, MGPUShardedStrategy) and strategy.lightning_module is not None
         # collective: every rank takes part
         state_dict = strategy._sharding.full_model_state(strategy.lightning_module)
+        plugin = strategy.precision_plugin
+        if isinstance(plugin, MGPUPrecision):
+            state_dict = plugin.fp32_state_dict(strategy.lightning_module, state_dict)  # ZeRO-1 master modes
         if strategy.local_rank != 0:
             return None
         checkpoint_callback = trainer.checkpoint_callback
