@@ -612,3 +612,27 @@ def test_fork_launch_hands_the_fp32_masters_back_to_the_main_process(tmp_path: P
     assert weights.dtype == torch.float32
     assert torch.equal(weights, ranks[0]["masters"])  # not the bf16 rounding of them
     assert not torch.equal(weights, weights.to(torch.bfloat16).float())
+
+
+def test_gan_sample_trains_with_master_weights_from_a_cli_config(tmp_path: Path) -> None:
+    """The user path: MGPUPrecision chosen in LightningCLI by class_path, the GAN sample (manual
+    optimization, two optimizers, accumulation 4) on mgpu_ddp launched as a script (popen)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    plugin = '{"class_path": "lightning_mgpu.MGPUPrecision", "init_args": {"mode": "bf16-master"}}'
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "lightning_mgpu.examples.gan", "fit",
+            "--config", str(root / "configs" / "gan.yaml"),
+            "--trainer.plugins", plugin, "--trainer.max_epochs", "2",
+            "--trainer.default_root_dir", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("test MMD^2"))
+    trained = float(line.split(":")[1].split()[0])
+    assert math.isfinite(trained)
+    assert "optimizer steps 40" in proc.stdout  # 2 epochs x 20 accumulated steps

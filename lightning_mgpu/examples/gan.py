@@ -25,8 +25,9 @@ from lightning_mgpu.examples._cli import fit_then_test
 
 
 def mmd2(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Squared MMD between samples ``x`` and ``y`` (rows), RBF kernel with the median-distance bandwidth."""
-    xy = torch.cat([x, y])
+    """Squared MMD between samples ``x`` and ``y`` (rows), RBF kernel with the median-distance bandwidth.
+    Computed in FP32 whatever the training precision (``cdist`` has no bf16 kernel on CPU)."""
+    xy = torch.cat([x, y]).float()
     d2 = torch.cdist(xy, xy).pow(2)
     bandwidth = d2[d2 > 0].median().clamp_min(1e-6)
     k = torch.exp(-d2 / bandwidth)
