@@ -368,13 +368,8 @@ class ClipProbe(Callback):
         )
 
 
-@pytest.mark.parametrize("mode", ["16-mixed", "16-master"])
-def test_clipping_sees_unscaled_gradients(tmp_path: Path, mode: str) -> None:
-    class OneStep(Regressor):
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=1.0)
-
-    model = OneStep().float()
+def one_clipped_step(tmp_path: Path, model: pl.LightningModule, mode: str, **trainer_kwargs: Any) -> list[torch.Tensor]:
+    """One optimizer step (SGD lr 1) on 2 ranks; returns (step norm on rank 0, each rank's masters after)."""
     w0 = torch.cat([p.detach().flatten() for p in model.parameters()])
     fit(
         model,
@@ -383,11 +378,23 @@ def test_clipping_sees_unscaled_gradients(tmp_path: Path, mode: str) -> None:
         dataset=make_data(dtype=torch.float32),
         batch_size=8,
         max_steps=1,
-        gradient_clip_val=1e-3,
-        plugins=[MGPUPrecision(mode, init_scale=2.0**10)],  # type: ignore[arg-type]
+        # 32-true: Lightning's default Precision, which mgpu_ddp runs as MGPUPrecision("32-true")
+        plugins=[MGPUPrecision(mode, init_scale=2.0**10)] if mode != "32-true" else [],  # type: ignore[arg-type]
         callbacks=[ClipProbe(tmp_path)],
+        **trainer_kwargs,
     )
-    step = (torch.load(tmp_path / "masters0.pt") - w0).norm()
+    masters = [torch.load(tmp_path / f"masters{r}.pt") for r in range(WORLD)]
+    return [(masters[0] - w0).norm(), *masters]
+
+
+class OneStep(Regressor):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+@pytest.mark.parametrize("mode", ["16-mixed", "16-master"])
+def test_clipping_sees_unscaled_gradients(tmp_path: Path, mode: str) -> None:
+    step, *_ = one_clipped_step(tmp_path, OneStep().float(), mode, gradient_clip_val=1e-3)
     # clipped to norm 1e-3 after unscaling (lr 1): clipping the scaled gradient would move 1024x less
     assert 0.95e-3 < step < 1.01e-3, step
 
@@ -583,25 +590,12 @@ class ManualClip(Regressor):
 
 @pytest.mark.parametrize("mode", ["32-true", "16-mixed", "16-master", "bf16-master"])
 def test_manual_clip_gradients_acts_on_unscaled_master_gradients(tmp_path: Path, mode: str) -> None:
-    model = ManualClip().float()
-    w0 = torch.cat([p.detach().flatten() for p in model.parameters()])
-    fit(
-        model,
-        strategy("ddp"),
-        tmp_path,
-        dataset=make_data(dtype=torch.float32),
-        batch_size=8,
-        max_steps=1,
-        # 32-true: Lightning's default Precision, which mgpu_ddp runs as MGPUPrecision("32-true")
-        plugins=[MGPUPrecision(mode, init_scale=2.0**10)] if mode != "32-true" else [],  # type: ignore[arg-type]
-        callbacks=[ClipProbe(tmp_path)],
-    )
-    step = (torch.load(tmp_path / "masters0.pt") - w0).norm()
+    step, masters0, masters1 = one_clipped_step(tmp_path, ManualClip().float(), mode)
     # clip_gradients must see the gradient averaged over the ranks (clipping each rank's own and averaging
     # them gives a shorter step), in FP32 in the master modes (else nothing is clipped) and unscaled (else
     # 1024x less)
     assert 0.99e-3 < step < 1.01e-3, step
-    assert torch.equal(torch.load(tmp_path / "masters0.pt"), torch.load(tmp_path / "masters1.pt"))
+    assert torch.equal(masters0, masters1)
 
 
 @pytest.mark.parametrize("strat", ["ddp", "zero1"])
