@@ -22,8 +22,11 @@ is emulated and slower than FP32; GPU figures need a GPU (``--accelerator gpu``)
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import pytorch_lightning as pl
@@ -42,15 +45,15 @@ def nbytes(tensors: Any) -> int:
 
 
 class Measure(Callback):
-    """Rank 0: tensor bytes of the training state, and the wall time of every optimizer step."""
+    """Rank 0 writes to ``out`` (JSON): tensor bytes of the training state, and the median optimizer-step time."""
 
-    def __init__(self) -> None:
-        self.weights = self.grads = self.masters = self.state = self.activations = 0
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.grads = self.activations = self.masters = 0
         self.step_times: list[float] = []
+        self._start: Optional[float] = None
         self._saved = 0
         self._hooks: Any = None
-        self._start: Optional[float] = None
-        self.result: dict[str, Any] = {}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._saved += t.numel() * t.element_size()
@@ -91,37 +94,20 @@ class Measure(Callback):
         self._start = now
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.weights = nbytes(pl_module.parameters())
-        self.state = sum(nbytes(s.values()) for opt in trainer.optimizers for s in opt.state.values())
-        self.result = {
-            "weights": self.weights,
+        if not trainer.is_global_zero:
+            return
+        result = {
+            "weights": nbytes(pl_module.parameters()),
             "grads": self.grads,
             "activations": self.activations,
             "masters": self.masters,
-            "state": self.state,
+            "state": sum(nbytes(s.values()) for opt in trainer.optimizers for s in opt.state.values()),
             "step_ms": 1e3 * statistics.median(self.step_times[5:] or self.step_times),
-            "dtype": str(next(pl_module.parameters()).dtype).replace("torch.", ""),
         }
+        self.out.write_text(json.dumps(result))
 
 
-class Report(Callback):
-    def __init__(self, measure: Measure) -> None:
-        self.measure = measure
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
-            import json
-            import os
-
-            with open(os.environ["BENCH_PRECISION_OUT"], "w") as f:
-                json.dump(self.measure.result, f)
-
-
-def run(label: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
-    import json
-    import os
-
-    os.environ["BENCH_PRECISION_OUT"] = out
+def run(label: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     model = DigitsCNN(lr=0.01, channels=args.channels)
     plugins: list[Any] = []
@@ -133,7 +119,6 @@ def run(label: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
         strategy = MGPUDDPStrategy(start_method="fork")
         if label != "32-true":
             plugins = [MGPUPrecision(label)]  # type: ignore[arg-type]
-    measure = Measure()
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=2,
@@ -145,10 +130,10 @@ def run(label: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[measure, Report(measure)],
+        callbacks=[Measure(out)],
     )
     trainer.fit(model, datamodule=DigitsDataModule(batch_size=args.batch_size))
-    result = json.load(open(out))
+    result = json.loads(out.read_text())
     result["val_acc"] = float(trainer.callback_metrics.get("val_acc", float("nan")))
     return result
 
@@ -160,12 +145,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--accelerator", default="cpu")
     args = parser.parse_args(argv)
-    import tempfile
-
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label in [*MODES, "lightning bf16-mixed", "lightning bf16-true"]:
-            rows.append((label, run(label, args, f"{tmp}/r.json")))
+            rows.append((label, run(label, args, Path(tmp) / "r.json")))
     base = rows[0][1]
     print(
         f"digits CNN (channels {args.channels}), 2 {args.accelerator} processes, batch {args.batch_size}/rank, "

@@ -224,8 +224,9 @@ class MGPUPrecision(Precision):
         return self.dtype == torch.float16
 
     @property
-    def masters_in_fsdp(self) -> bool:
-        return self._fsdp_masters
+    def holds_masters(self) -> bool:
+        """Whether the optimizers step FP32 masters this plugin keeps (master modes outside FSDP2, once set up)."""
+        return bool(self._pairs)
 
     def __repr__(self) -> str:
         return f"MGPUPrecision({self.mode!r})"
@@ -512,7 +513,7 @@ class MGPUPrecision(Precision):
     def fp32_state_dict(self, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (the module's state dict) with each parameter's FP32 master in place of its half value:
         checkpoints hold the weights at full precision, so a resume (or an FP32 user) gets them exactly."""
-        if not self._master_of:
+        if not self.holds_masters:
             return state
         state = dict(state)
         for name, p in module.named_parameters(remove_duplicate=False):  # a tied weight under every name

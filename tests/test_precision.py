@@ -357,17 +357,6 @@ def test_scaler_updates_once_per_optimizer_step_with_accumulation(tmp_path: Path
     assert r["callback_metrics"]["precision/loss_scale"] == 512.0  # logged through self.log
 
 
-class ClipProbe(Callback):
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = Path(out_dir)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        torch.save(
-            torch.cat([full(p.detach()).flatten().float() for p in optimizer_params(trainer)]),
-            self.out_dir / f"masters{trainer.global_rank}.pt",
-        )
-
-
 def one_clipped_step(tmp_path: Path, model: pl.LightningModule, mode: str, **trainer_kwargs: Any) -> list[torch.Tensor]:
     """One optimizer step (SGD lr 1) on 2 ranks; returns (step norm on rank 0, each rank's masters after)."""
     w0 = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -380,10 +369,10 @@ def one_clipped_step(tmp_path: Path, model: pl.LightningModule, mode: str, **tra
         max_steps=1,
         # 32-true: Lightning's default Precision, which mgpu_ddp runs as MGPUPrecision("32-true")
         plugins=[MGPUPrecision(mode, init_scale=2.0**10)] if mode != "32-true" else [],  # type: ignore[arg-type]
-        callbacks=[ClipProbe(tmp_path)],
+        callbacks=[Track(tmp_path)],
         **trainer_kwargs,
     )
-    masters = [torch.load(tmp_path / f"masters{r}.pt") for r in range(WORLD)]
+    masters = [r["masters"] for r in tracked(tmp_path)]
     return [(masters[0] - w0).norm(), *masters]
 
 

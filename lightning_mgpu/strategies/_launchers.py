@@ -42,8 +42,13 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, _MultiProcessingLauncher)
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Optional[_WorkerOutput]:
         output = super()._collect_rank_zero_results(trainer, results)
         plugin = trainer.precision_plugin
-        if output is not None and output.weights_path is not None and isinstance(plugin, MGPUPrecision):
-            # the main process's model gets the FP32 masters, not their half rounding
+        if (
+            output is not None
+            and output.weights_path is not None
+            and isinstance(plugin, MGPUPrecision)
+            and plugin.holds_masters
+        ):
+            # the main process's model gets the FP32 masters, not their half rounding (written again: only then)
             module = trainer.lightning_module
             self._strategy.checkpoint_io.save_checkpoint(
                 plugin.fp32_state_dict(module, module.state_dict()), output.weights_path

@@ -331,20 +331,28 @@ class MGPUDDPStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
+        state = self._module_state()
         plugin = self.precision_plugin
         if isinstance(plugin, MGPUPrecision) and self.lightning_module is not None:
-            state = plugin.fp32_state_dict(self.lightning_module, state)
+            state = plugin.fp32_state_dict(self.lightning_module, state)  # master modes: the FP32 masters
         return state
+
+    def _module_state(self) -> dict[str, Any]:
+        """The module's weights as this strategy saves them, before the precision plugin puts in its masters."""
+        return super().lightning_module_state_dict()
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
+        self._load_module_state(checkpoint, strict)
         plugin = self.precision_plugin
-        if isinstance(plugin, MGPUPrecision) and self.lightning_module is not None:
-            # masters that exist already (a restore after set-up: LearningRateFinder, a second fit) take the
-            # checkpoint's FP32 values; otherwise the next step would copy the stale masters back
-            plugin.load_masters(self.lightning_module, checkpoint["state_dict"])
+        state = checkpoint.get("state_dict")
+        if isinstance(plugin, MGPUPrecision) and self.lightning_module is not None and state is not None:
+            # masters that exist already (a restore after set-up: sharded strategies, LearningRateFinder, a
+            # second fit) take the checkpoint's FP32 values; otherwise the next step would copy stale ones back
+            plugin.load_masters(self.lightning_module, state)
+
+    def _load_module_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     def _refuse_unsynced_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if not self._in_optimizer_step:

@@ -375,17 +375,12 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         return True
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def _module_state(self) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
         if self._checkpoint_layout == "sharded":
-            state = module.state_dict()
-        else:
-            state = self._sharding.full_model_state(module)
-        plugin = self.precision_plugin
-        if isinstance(plugin, MGPUPrecision) and state:
-            state = plugin.fp32_state_dict(module, state)  # ZeRO-1 master modes: the FP32 masters
-        return state
+            return module.state_dict()
+        return self._sharding.full_model_state(module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -482,14 +477,11 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         return checkpoint
 
     @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    def _load_module_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
         if self._loaded_sharded:
             return  # loaded in place by load_checkpoint
         assert self.lightning_module is not None
         self._sharding.load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict)
-        plugin = self.precision_plugin
-        if isinstance(plugin, MGPUPrecision):
-            plugin.load_masters(self.lightning_module, checkpoint["state_dict"])  # loaded after set-up
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
