@@ -7,8 +7,9 @@ harmless because entries are registered with ``override=True``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
+from pytorch_lightning.accelerators import AcceleratorRegistry
 from pytorch_lightning.strategies import StrategyRegistry
 
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
@@ -86,10 +87,98 @@ PRESETS: tuple[Preset, ...] = (
 )
 
 
-def register_presets(registry: Any = StrategyRegistry) -> list[str]:
-    """Register every preset with Lightning's ``StrategyRegistry``; returns the names."""
+@dataclass(frozen=True)
+class Renamed:
+    """A name Lightning 1.x accepted and 2.x dropped (the seeds' code uses them), and what to write now."""
+
+    old: str
+    registry: str  # "strategy" or "accelerator": the Trainer argument the old code passed it to
+    replacement: str
+    why: str
+
+    @property
+    def message(self) -> str:
+        return f"{self.registry}={self.old!r} is not a Lightning 2 name: {self.why} Write {self.replacement}."
+
+
+_DDP = "strategy='mgpu_ddp' (one process per device; 'mgpu_ddp_notebook' inside Jupyter)"
+_SPLIT = (
+    "Lightning 1.x chose the distributed mode with `accelerator`; Lightning 2 splits it into the device kind "
+    "and the strategy."
+)
+RENAMED: tuple[Renamed, ...] = (
+    Renamed(
+        "dp",
+        "strategy",
+        _DDP,
+        "nn.DataParallel (Lightning 1.x 'dp') was removed in Lightning 2.0; one process scattered every batch "
+        "and gathered every output on the first GPU, which made it the slowest and least balanced choice.",
+    ),
+    Renamed(
+        "ddp2",
+        "strategy",
+        _DDP + "; for statistics over the whole batch, log with sync_dist=True or use self.all_gather",
+        "ddp2 (one process per node, DataParallel inside it) was removed in Lightning 1.8.",
+    ),
+    Renamed(
+        "ddp_sharded",
+        "strategy",
+        "strategy='mgpu_sharded' (ZeRO-2 on torch FSDP2), or 'mgpu_sharded_fairscale' for the same fairscale "
+        "OSS + ShardedDataParallel backend (pip install 'lightning-mgpu[fairscale]')",
+        "fairscale's sharded DDP was removed in Lightning 2.0.",
+    ),
+    Renamed(
+        "ddp_sharded_spawn",
+        "strategy",
+        "strategy='mgpu_sharded_spawn' (ZeRO-2 on torch FSDP2, spawn launch)",
+        "fairscale's sharded DDP was removed in Lightning 2.0.",
+    ),
+    Renamed(
+        "horovod",
+        "strategy",
+        _DDP + ", launched on many machines with torchrun or SLURM srun (README: Multi-node)",
+        "Horovod support was removed in Lightning 2.0; torch.distributed (NCCL/gloo) does the same ring all-reduce.",
+    ),
+    Renamed("dp", "accelerator", "accelerator='gpu', " + _DDP, _SPLIT),
+    Renamed("ddp", "accelerator", "accelerator='gpu' (or 'cpu'), strategy='mgpu_ddp'", _SPLIT),
+    Renamed("ddp_spawn", "accelerator", "accelerator='gpu' (or 'cpu'), strategy='mgpu_ddp_spawn'", _SPLIT),
+    Renamed("ddp_cpu", "accelerator", "accelerator='cpu', devices=<processes>, strategy='mgpu_ddp'", _SPLIT),
+    Renamed("ddp2", "accelerator", "accelerator='gpu', " + _DDP, _SPLIT),
+    Renamed("horovod", "accelerator", "accelerator='gpu', " + _DDP + ", launched with torchrun or SLURM", _SPLIT),
+)
+
+
+def renamed(registry: str, name: str) -> Optional[Renamed]:
+    """The :data:`RENAMED` entry for ``name`` passed as ``registry`` (``"strategy"``/``"accelerator"``), if any."""
+    return next((r for r in RENAMED if r.registry == registry and r.old == name.lower()), None)
+
+
+class _RenamedName:
+    """Registered under a dropped Lightning 1.x name so that ``Trainer(strategy='dp')`` (or
+    ``accelerator='ddp'``) raises the migration hint instead of Lightning's generic "invalid name". Lightning
+    instantiates a registered name only once it has chosen it, so constructing this is the error."""
+
+    def __init__(self, message: str) -> None:
+        raise ValueError(message)
+
+    @staticmethod
+    def is_available() -> bool:  # Lightning lists available accelerators in some of its own errors
+        return False
+
+
+def register_presets(registry: Any = StrategyRegistry, accelerators: Any = AcceleratorRegistry) -> list[str]:
+    """Register every preset with Lightning's ``StrategyRegistry``; returns the names.
+
+    The dropped Lightning 1.x names in :data:`RENAMED` are registered too, each raising its migration hint
+    when chosen; a name Lightning itself (or a user) registered is never shadowed."""
     for p in PRESETS:
         registry.register(p.name, p.strategy, description=p.description, override=True, **p.init_params)
+    for r in RENAMED:
+        target = registry if r.registry == "strategy" else accelerators
+        if r.old not in target or target[r.old].get(r.registry) is _RenamedName:
+            target.register(
+                r.old, _RenamedName, description=f"removed: {r.replacement}", override=True, message=r.message
+            )
     return [p.name for p in PRESETS]
 
 

@@ -14,13 +14,19 @@ def fit_then_test(
 ) -> None:
     """``LightningCLI`` over ``model_class`` and :class:`DigitsDataModule`; after ``fit`` the held-out split
     is tested and ``report(trainer, test_result)`` prints on rank 0. Every rank leaves the process group."""
-    from pytorch_lightning.cli import LightningCLI
-
-    import lightning_mgpu  # noqa: F401  (registers the strategy names used in the config)
+    from lightning_mgpu.cli import MGPUCLI
     from lightning_mgpu.examples.digits import DigitsDataModule
     from lightning_mgpu.strategies._launchers import release_process_group
 
-    cli: Any = LightningCLI(model_class, DigitsDataModule, args=args, seed_everything_default=0)
+    # subclass mode: the configs name their classes (class_path), so the general `lightning-mgpu fit` runs them too
+    cli: Any = MGPUCLI(
+        model_class,
+        DigitsDataModule,
+        args=args,
+        seed_everything_default=0,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+    )
     if cli.subcommand == "fit":
         (result,) = cli.trainer.test(cli.model, cli.datamodule, verbose=False)
         if cli.trainer.is_global_zero:

@@ -79,4 +79,8 @@ def main(args: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # run the importable module's main: under `python -m` this file is `__main__`, and the config's
+    # class_path (lightning_mgpu.examples.DigitsTransformer) must match the class the CLI was given
+    from lightning_mgpu.examples.transformer import main as _main
+
+    _main()
