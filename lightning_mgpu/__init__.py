@@ -7,6 +7,7 @@ with Lightning, so ``Trainer(strategy="mgpu_ddp")`` works.
 from lightning_mgpu import distributed
 from lightning_mgpu.accumulation import ManualAccumulation
 from lightning_mgpu.callbacks import DeviceMonitor, ScaleLR
+from lightning_mgpu.checkpoint_io import AtomicCheckpointIO, IncompleteCheckpointError
 from lightning_mgpu.checkpointing import (
     EveryNth,
     apply_activation_checkpointing,
@@ -25,9 +26,11 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "COMM_HOOKS",
     "PRESETS",
+    "AtomicCheckpointIO",
     "CommStats",
     "DeviceMonitor",
     "EveryNth",
+    "IncompleteCheckpointError",
     "MGPUDDPStrategy",
     "MGPUPrecision",
     "MGPUShardedStrategy",

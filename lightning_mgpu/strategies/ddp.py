@@ -25,6 +25,7 @@ import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.plugins.io.wrapper import _WrappingCheckpointIO
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -38,6 +39,7 @@ from typing_extensions import override
 
 from lightning_mgpu._compat import _DDP_HAS_SET_STATIC_GRAPH
 from lightning_mgpu.accumulation import check_accumulate_grad_batches, check_manual_accumulation
+from lightning_mgpu.checkpoint_io import AtomicCheckpointIO
 from lightning_mgpu.checkpointing import (
     ActivationCheckpointingPolicy,
     apply_activation_checkpointing,
@@ -98,6 +100,8 @@ class MGPUDDPStrategy(DDPStrategy):
       that optimizer steps, and never on the micro-batches in between; DDP's reducer stays out of it, so
       toggling the other optimizer's parameters off (``toggle_model``) needs no ``find_unused_parameters``.
       With :class:`~lightning_mgpu.ManualAccumulation` on the module, ``accumulate_grad_batches`` works too.
+    * Checkpoint files are written atomically (:class:`~lightning_mgpu.AtomicCheckpointIO`): a kill during a
+      save leaves the previous checkpoint whole.
     * :attr:`comm_stats`: a ledger of all-reduce calls and bytes handed to the collective, sync rounds and
       optimizer steps, with the ring all-reduce lower bound beside it; logged as ``comm/*`` every
       ``log_every_n_steps`` optimizer steps through the Trainer's loggers.
@@ -123,6 +127,8 @@ class MGPUDDPStrategy(DDPStrategy):
             Checked against the model before any process starts.
         activation_checkpointing_reentrant: use torch's reentrant checkpointing instead of the non-reentrant
             default.
+        checkpoint_io: how checkpoint files are written; default :class:`~lightning_mgpu.AtomicCheckpointIO`.
+            A plugin you pass is used as it is (atomic saves are then up to it).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``).
     """
 
@@ -234,6 +240,22 @@ class MGPUDDPStrategy(DDPStrategy):
     @property
     def static_graph(self) -> bool:
         return self._static_graph
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """:class:`~lightning_mgpu.AtomicCheckpointIO` unless a plugin was given (then that one, as it is; a
+        wrapping plugin without a base, e.g. ``AsyncCheckpointIO()``, gets ``AtomicCheckpointIO`` as its base)."""
+        # Lightning's Strategy.checkpoint_io with our default in place of TorchCheckpointIO
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # ignored when it has a base already
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
 
     @override
     @property

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -36,6 +35,15 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mgpu.checkpoint_io import (
+    begin_dir,
+    check_complete,
+    commit_dir,
+    local_path,
+    recover_dir,
+    remove_dir,
+    write_file_atomic,
+)
 from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher
 from lightning_mgpu.strategies._sharding import (
@@ -89,6 +97,11 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
       loads on one device without this package;
     * ``checkpoint="sharded"``: a directory written by every rank in parallel with
       ``torch.distributed.checkpoint`` (no rank ever holds the whole state).
+
+    Both are atomic: a save killed on any rank leaves the previous checkpoint complete under its name. A
+    sharded directory is written under a hidden name and swapped in only after every rank has written and rank
+    0 has added its completion marker; loading a directory without the marker raises
+    :class:`~lightning_mgpu.IncompleteCheckpointError`.
 
     Args:
         stage: 1, 2 or 3 (see above).
@@ -404,20 +417,26 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         self._refuse_main_process_save()
+        filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
+        local = local_path(filepath)
         if self._checkpoint_layout == "consolidated":
-            path = Path(self.broadcast(str(filepath)))
-            if path.is_dir():
+            if local is not None and os.path.isdir(local):
                 raise IsADirectoryError(
-                    f"{path} is a directory (a sharded checkpoint?); a consolidated checkpoint is one file. Choose "
+                    f"{local} is a directory (a sharded checkpoint?); a consolidated checkpoint is one file. Choose "
                     f"another file name, or save with MGPUShardedStrategy(checkpoint='sharded')."
                 )
-            super().save_checkpoint(checkpoint, path, storage_options)
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # checkpoint_io: atomic by default
             return
         import torch.distributed.checkpoint as dcp
 
         if storage_options is not None:
             raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
-        path = Path(self.broadcast(str(filepath)))
+        if local is None:
+            raise ValueError(
+                f"checkpoint='sharded' writes to a local or mounted filesystem; {filepath} is remote. Save to a "
+                f"local path, or use checkpoint='consolidated' (one file, which Lightning uploads)."
+            )
+        path = Path(local)
         if path.is_file():
             raise FileExistsError(
                 f"{path} is a file (a consolidated checkpoint?); a sharded checkpoint is a directory. Choose another "
@@ -429,24 +448,52 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
             tensors[f"optimizer_{i}"] = state
         # None: saved with weights only (Lightning then refuses to resume training from it, as for a file)
         checkpoint[_OPTIMIZER_COUNT] = None if optimizer_states is None else len(optimizer_states)
-        if self.is_global_zero and path.is_dir():
-            shutil.rmtree(path)  # ModelCheckpoint(save_last=True) overwrites last.ckpt: no stale shard files
-        self.barrier("mgpu_sharded_save_clean")
-        dcp.save(tensors, checkpoint_id=str(path), process_group=self._process_group())
+        # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
+        # does rank 0 mark it complete and swap it in under `path`. A save killed or failing on any rank
+        # leaves the previous checkpoint under `path` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
+        staging = Path(self.broadcast(str(begin_dir(path)) if self.is_global_zero else ""))
+        dcp.save(tensors, checkpoint_id=str(staging), process_group=self._process_group())
         if self.is_global_zero:
-            torch.save(checkpoint, path / _METADATA)
+            write_file_atomic(staging / _METADATA, lambda f: torch.save(checkpoint, f))
+        self.barrier("mgpu_sharded_save_written")  # every rank's shards are on disk
+        if self.is_global_zero:
+            info = {
+                "format": "lightning_mgpu.sharded",
+                "version": 1,
+                "world_size": self.world_size,
+                "stage": self._stage,
+                "backend": self._backend_name,
+                "layout": self._checkpoint_layout,
+                "optimizers": checkpoint[_OPTIMIZER_COUNT],
+                "epoch": checkpoint.get("epoch"),
+                "global_step": checkpoint.get("global_step"),
+            }
+            commit_dir(staging, path, info)
         self.barrier("mgpu_sharded_save_done")
 
     @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        local = local_path(filepath)
+        if self.is_global_zero and local is not None and os.path.isdir(local):
+            remove_dir(local)  # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
+            return
+        super().remove_checkpoint(filepath)
+
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
+        if self.is_global_zero and (local := local_path(checkpoint_path)) is not None:
+            recover_dir(local)  # a save killed in the instant of its swap; the broadcast below waits for it
+        checkpoint_path = self.broadcast(str(checkpoint_path))
+        local = local_path(checkpoint_path)
+        if local is None or not os.path.isdir(local):
             self._loaded_sharded = False
-            return super().load_checkpoint(path, weights_only=weights_only)
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = Path(local)
+        check_complete(path)  # never load half a checkpoint
         if not (path / _METADATA).is_file():
             raise FileNotFoundError(
-                f"{path} is a directory without {_METADATA}: not a sharded checkpoint of mgpu_sharded (or one whose "
-                f"save was interrupted). Pass the checkpoint directory written by trainer.save_checkpoint."
+                f"{path} is a directory without {_METADATA}: not a sharded checkpoint of mgpu_sharded. Pass the "
+                f"checkpoint directory written by trainer.save_checkpoint."
             )
         import torch.distributed.checkpoint as dcp
 

@@ -1,0 +1,263 @@
+"""Checkpoints that are never half-written: a kill, an exception or a crashed rank during a save leaves the
+previous checkpoint under its name, complete and loadable.
+
+* One file (every ``mgpu_*`` strategy, and ``MGPUShardedStrategy(checkpoint="consolidated")``):
+  :class:`AtomicCheckpointIO` writes ``.<name>.tmp-<pid>`` beside the checkpoint, flushes and fsyncs it, and
+  ``os.replace``\\ s it onto the name (then fsyncs the directory). A reader sees the old file or the new one.
+* A directory (``MGPUShardedStrategy(checkpoint="sharded")``): every rank writes into a hidden sibling
+  ``.<name>.tmp-<pid>``; once all have written, rank 0 puts a completion marker (:data:`COMPLETE_MARKER`) in it
+  and swaps it in place of the old directory (:func:`commit_dir`). A directory without the marker is refused
+  on load (:class:`IncompleteCheckpointError`).
+
+Leftovers of a killed save start with a dot and do not end in ``.ckpt``: ``ModelCheckpoint`` and
+``ckpt_path="last"`` never take them for checkpoints; the next save of the same name removes them.
+
+Example::
+
+    from lightning_mgpu import AtomicCheckpointIO
+    from pytorch_lightning import Trainer
+
+    # the default of every mgpu strategy; name it to wrap it, e.g. AsyncCheckpointIO(AtomicCheckpointIO())
+    trainer = Trainer(strategy="mgpu_ddp", plugins=[AtomicCheckpointIO()])
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from contextlib import suppress
+from pathlib import Path
+from typing import IO, Any, Callable, Optional
+
+import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning_fabric.utilities.types import _PATH
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+COMPLETE_MARKER = "mgpu_complete.json"
+"""Written last, by rank 0, into a sharded checkpoint directory once every rank has written its part."""
+_TMP = ".tmp-"  # a save in progress (or killed): .<name>.tmp-<pid>
+_OLD = ".old-"  # the previous directory, set aside for the instant of the swap: .<name>.old-<pid>
+_DEL = ".del-"  # a directory being removed: .<name>.del-<pid>
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """A sharded checkpoint directory whose save did not finish (no completion marker, or files missing)."""
+
+
+def local_path(path: _PATH) -> Optional[str]:
+    """``path`` on the local filesystem (``file://`` stripped), or ``None`` for a remote fsspec URL."""
+    fs, urlpath = url_to_fs(str(path))
+    return urlpath if isinstance(fs, LocalFileSystem) else None
+
+
+def _sibling(path: Path, kind: str) -> Path:
+    # hidden, and never ending in ".ckpt" (ModelCheckpoint lists "*.ckpt" as checkpoints)
+    return path.with_name(f".{path.name}{kind}{os.getpid()}")
+
+
+def _siblings(path: Path, kinds: Iterable[str]) -> list[Path]:
+    found: list[Path] = []
+    for kind in kinds:
+        pattern = os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}{kind}*")
+        found += (Path(p) for p in glob.glob(pattern))
+    return found
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with suppress(FileNotFoundError):
+            path.unlink()
+
+
+def fsync_dir(path: _PATH) -> None:
+    """Make renames and new entries in directory ``path`` durable (POSIX: a rename survives a power loss only
+    once its directory is synced). Windows cannot open a directory, and some filesystems refuse to sync one:
+    skipped there, the rename itself is still atomic."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: _PATH, write: Callable[[IO[bytes]], object]) -> None:
+    """Write a local file through ``write(f)`` so that ``path`` holds its old content or the whole new one, at
+    every instant and after a power loss; the temporary file goes on a failure, and leftovers of earlier
+    killed writes of this name go after a success. One writer per name at a time (rank 0 for checkpoints)."""
+    final = Path(path)
+    tmp = _sibling(final, _TMP)
+    try:
+        # "w", not exclusive: a leftover with our pid is from a dead process that had it (pid reuse)
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points to it
+        os.replace(tmp, final)  # atomic on POSIX and Windows, on the same filesystem (same directory: always)
+    except BaseException:
+        with suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(final.parent)
+    for stale in _siblings(final, (_TMP,)):
+        _remove(stale)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's :class:`~lightning_fabric.plugins.io.TorchCheckpointIO`, with saves that are atomic and
+    durable on local (and mounted network) filesystems: a process killed during a save leaves the previous
+    checkpoint complete under its name, and a hidden ``.<name>.tmp-<pid>`` that the next save of that name
+    removes. The checkpoint is streamed to disk (no in-memory copy of the serialized bytes).
+
+    Lightning's own plugin writes the file to ``$TMPDIR`` and moves it into place. On the checkpoint's
+    filesystem the move is a rename (atomic, but nothing is fsynced); on another one (a local ``/tmp`` or
+    ``/dev/shm`` beside a network checkpoint directory) it is a copy onto the checkpoint, which a kill
+    truncates. Either way a killed save leaves its file in ``$TMPDIR``, where nothing removes it.
+
+    Every mgpu strategy uses this plugin unless you pass your own ``checkpoint_io`` (strategy argument or
+    ``Trainer(plugins=[...])``): yours is then used as it is, and single-file atomicity is up to it. A wrapping
+    plugin without a base (``AsyncCheckpointIO()``) gets this one as its base. Sharded checkpoint directories
+    are committed atomically by :class:`~lightning_mgpu.MGPUShardedStrategy` whatever the plugin.
+
+    Remote paths (``s3://``, ``gs://``, ...) are saved by Lightning's code, unchanged.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        local = local_path(path)
+        if local is None or storage_options is not None:
+            # Remote (fsspec, non-local): Lightning's code, an fsspec transaction; object stores have no rename
+            # and publish an object only once its upload completes. storage_options: Lightning raises its error.
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
+        write_file_atomic(local, lambda f: torch.save(checkpoint, f))
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        local = local_path(path)
+        if local is not None and os.path.isdir(local) and not os.path.islink(local):
+            remove_dir(local)
+            return
+        super().remove_checkpoint(path)
+
+
+# --- sharded checkpoint directories ---------------------------------------------------------------------
+# The protocol (MGPUShardedStrategy.save_checkpoint): rank 0 calls begin_dir; every rank writes into the
+# staging directory; barrier; rank 0 calls commit_dir. Under the final name there is, at every instant, the
+# old complete directory or the new complete one, except between the two renames of the swap (microseconds),
+# where both exist under hidden names and recover_dir (run by the next save or load of that name) renames the
+# new one in.
+
+
+def begin_dir(path: _PATH) -> Path:
+    """Rank 0, before a sharded save to ``path``: finish an interrupted swap, remove leftovers of killed saves
+    of this name, and create the empty staging directory every rank writes into."""
+    final = Path(path)
+    recover_dir(final)
+    for stale in _siblings(final, (_TMP, _OLD, _DEL)):
+        _remove(stale)
+    staging = _sibling(final, _TMP)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def commit_dir(staging: Path, path: _PATH, info: dict[str, Any]) -> None:
+    """Rank 0, once every rank has written into ``staging``: mark it complete (``info`` and the list of its
+    files go into the marker) and swap it in under ``path``; the previous directory is then removed."""
+    final = Path(path)
+    fsync_dir(staging)  # torch.distributed.checkpoint fsyncs each rank's files; this syncs their names
+    marker = {**info, "files": sorted(p.name for p in staging.iterdir())}
+    write_file_atomic(staging / COMPLETE_MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
+    old: Optional[Path] = None
+    if final.exists():
+        old = _sibling(final, _OLD)
+        os.rename(final, old)
+    # A kill between these two renames leaves no directory under the name: recover_dir renames staging in.
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        _remove(old)
+
+
+def recover_dir(path: _PATH) -> Optional[Path]:
+    """If ``path`` is missing because a save was killed in the middle of its swap, rename the complete new
+    directory in (or, failing that, the old one back); returns what was renamed in."""
+    final = Path(path)
+    if final.exists() or final.is_symlink():
+        return None
+    for kind in (_TMP, _OLD):  # the new one, complete, was being swapped in: finish the commit
+        complete = [p for p in _siblings(final, (kind,)) if (p / COMPLETE_MARKER).is_file()]
+        if complete:
+            found = max(complete, key=lambda p: (p / COMPLETE_MARKER).stat().st_mtime)
+            os.rename(found, final)
+            fsync_dir(final.parent)
+            log.warning(f"{final} was missing after an interrupted save; recovered it from {found.name}.")
+            return found
+    return None
+
+
+def check_complete(path: _PATH) -> dict[str, Any]:
+    """The marker of sharded checkpoint directory ``path``; raises :class:`IncompleteCheckpointError` if the
+    save that wrote it did not finish."""
+    final = Path(path)
+    fix = _previous_checkpoints(final)
+    marker_path = final / COMPLETE_MARKER
+    if not marker_path.is_file():
+        raise IncompleteCheckpointError(
+            f"{final} is not a complete sharded checkpoint: it has no {COMPLETE_MARKER}, which lightning_mgpu "
+            f"writes only after every rank has saved its part. Its save was interrupted (a process was killed or "
+            f"a rank failed), or another program wrote it. {fix}"
+        )
+    marker: dict[str, Any] = json.loads(marker_path.read_text())
+    missing = sorted(set(marker.get("files", [])) - {p.name for p in final.iterdir()})
+    if missing:
+        raise IncompleteCheckpointError(f"{final} is damaged: {missing}, listed in {COMPLETE_MARKER}, are gone. {fix}")
+    return marker
+
+
+def _previous_checkpoints(final: Path) -> str:
+    """The fix for a refused directory: the complete checkpoints beside it, newest first."""
+    try:
+        found = [
+            p
+            for p in final.parent.iterdir()
+            if p != final
+            and not p.name.startswith(".")
+            and ((p.is_file() and p.suffix == ".ckpt") or (p / COMPLETE_MARKER).is_file())
+        ]
+    except OSError:
+        found = []
+    if not found:
+        return "Resume from an earlier checkpoint, or start without ckpt_path, and delete this directory."
+    found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    names = ", ".join(str(p) for p in found[:5])
+    return f"Resume from the previous checkpoint instead: ckpt_path='{found[0]}' (beside it, newest first: {names})."
+
+
+def remove_dir(path: _PATH) -> None:
+    """Remove a checkpoint directory so that a kill midway never leaves a partial one under its name (it is
+    renamed aside first; a leftover ``.<name>.del-<pid>`` is no checkpoint)."""
+    final = Path(path)
+    aside = _sibling(final, _DEL)
+    _remove(aside)
+    try:
+        os.rename(final, aside)
+    except OSError:
+        aside = final
+    shutil.rmtree(aside, ignore_errors=True)

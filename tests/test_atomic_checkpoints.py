@@ -1,0 +1,429 @@
+"""Atomic checkpoints: a process killed in the middle of a save leaves the previous checkpoint complete and
+loadable under its name, for one file (AtomicCheckpointIO, the default of every mgpu strategy) and for a
+sharded directory (MGPUShardedStrategy(checkpoint="sharded"): marked complete only once every rank wrote).
+
+The kill tests fork a worker into its own session; it fits on 2 fork-launched ranks and saves ``last.ckpt``
+after every epoch. The worker's second save stops at a chosen point, signals a ``ready`` file and blocks;
+the test then SIGKILLs the worker's whole process group (the ranks included) and inspects the directory.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any, Optional
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins import TorchCheckpointIO
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.plugins.io import AsyncCheckpointIO
+from typing_extensions import override
+
+import lightning_mgpu.strategies.sharded as sharded_module
+from lightning_mgpu import AtomicCheckpointIO, IncompleteCheckpointError, MGPUDDPStrategy, MGPUShardedStrategy
+from lightning_mgpu.checkpoint_io import COMPLETE_MARKER, check_complete, recover_dir
+from tests.models import RankData, Regressor, make_data
+
+STEPS_PER_EPOCH = 2  # 16 samples, 2 ranks x batch 4
+DEADLINE_S = 120.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the kill harness
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _block_until_killed(ready: Path, content: str = "") -> None:
+    ready.with_suffix(".part").write_text(content)
+    ready.with_suffix(".part").replace(ready)  # the test reads it as soon as it exists
+    threading.Event().wait()  # the test SIGKILLs this process
+
+
+def _wait_for(path: Path, deadline: float) -> None:
+    """In a worker rank: wait for another rank's signal file (bounded, so a broken test cannot hang)."""
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.01)
+
+
+class _HalfWrite:
+    """Installed in a worker before fit (its forked ranks inherit it): every file opened for writing in
+    ``directory`` is counted; the second one stops after half as many bytes as the first one had, writes
+    that count into ``ready`` and blocks. One rule for every writer: bytes reach the checkpoint directory
+    through Python file objects (ours through ``torch.save(obj, file)``, Lightning's through a copy)."""
+
+    def __init__(self, directory: Path, ready: Path) -> None:
+        self.directory = directory.resolve()
+        self.ready = ready
+        self.first_size: Optional[int] = None
+        self.opened = 0
+        self._open = builtins.open
+        builtins.open = self.open  # type: ignore[assignment]
+
+    def open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = self._open(file, mode, *args, **kwargs)
+        if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wxa"):
+            if Path(file).resolve().parent == self.directory:
+                self.opened += 1
+                return _CountingFile(f, self, self.opened)
+        return f
+
+
+class _CountingFile:
+    def __init__(self, f: IO[bytes], trip: _HalfWrite, index: int) -> None:
+        self._f = f
+        self._trip = trip
+        self._index = index
+        self._written = 0
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if self._index == 2:
+            assert self._trip.first_size is not None
+            limit = self._trip.first_size // 2
+            if self._written + n >= limit:
+                self._f.write(memoryview(data).cast("B")[: limit - self._written])
+                self._f.flush()
+                _block_until_killed(self._trip.ready, str(limit))
+        self._written += n
+        return self._f.write(data)
+
+    def close(self) -> None:
+        if self._index == 1 and self._trip.first_size is None:
+            self._trip.first_size = self._written
+        self._f.close()
+
+    def __enter__(self) -> _CountingFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def _hang_before_rank1_writes(ckpt_dir: Path, signals: Path) -> None:
+    """Rank 1 stops before writing its shard of the second save, once rank 0 has written its own."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+    calls = [0]
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2 and torch.distributed.get_rank() == 1:
+            _wait_for(signals / "rank0_wrote", time.monotonic() + DEADLINE_S)
+            _block_until_killed(signals / "ready")
+        result = original(self, plan, planner)  # synchronous: the shard file is written and fsynced
+        if calls[0] == 2:
+            (signals / "rank0_wrote").touch()
+        return result
+
+    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+
+
+def _hang_before_the_marker(ckpt_dir: Path, signals: Path) -> None:
+    """Rank 0 stops after every rank has written the second save, before it marks it complete."""
+    original = sharded_module.commit_dir
+    calls = [0]
+
+    def commit_dir(staging: Path, path: Any, info: dict[str, Any]) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            _block_until_killed(signals / "ready")
+        original(staging, path, info)
+
+    sharded_module.commit_dir = commit_dir
+
+
+class _FirstEpoch(Callback):
+    """Rank 0 writes the epoch its fit starts at (1 after a resume from the end of epoch 0)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.out.write_text(str(trainer.current_epoch))
+
+
+def _fit(strategy: Any, ckpt_dir: Path, max_epochs: int, ckpt_path: Optional[Path] = None) -> int:
+    """Fit on 2 fork-launched ranks, saving last.ckpt at the end of every epoch; returns the first epoch."""
+    first_epoch = ckpt_dir.parent / "first_epoch.txt"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=max_epochs,
+        # every epoch to the same name, last.ckpt (save_last=True alone saves only at the end of fit)
+        callbacks=[
+            ModelCheckpoint(dirpath=ckpt_dir, filename="last", enable_version_counter=False),
+            _FirstEpoch(first_epoch),
+        ],
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regressor().double(), datamodule=RankData(make_data(n=16), 4), ckpt_path=ckpt_path)
+    return int(first_epoch.read_text())
+
+
+def _worker(setup: Callable[[Path, Path], Any], strategy: Any, ckpt_dir: Path, signals: Path) -> None:
+    os.setsid()  # its own process group: the test kills it and the ranks it forks at once
+    setup(ckpt_dir, signals)
+    _fit(strategy, ckpt_dir, max_epochs=3)
+    (signals / "finished").touch()  # only if the save did not stop: the test fails
+
+
+def _kill_during_second_save(setup: Callable[[Path, Path], Any], strategy: Any, ckpt_dir: Path, signals: Path) -> str:
+    """Run the worker until its second save stops, SIGKILL its process group; returns ``ready``'s content."""
+    signals.mkdir()
+    worker = multiprocessing.get_context("fork").Process(target=_worker, args=(setup, strategy, ckpt_dir, signals))
+    worker.start()
+    ready = signals / "ready"
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ready.exists():
+            assert worker.is_alive(), f"the worker ended (exit code {worker.exitcode}) without stopping mid-save"
+            assert time.monotonic() < deadline, "the worker did not reach the second save in time"
+            worker.join(timeout=0.05)  # returns at once if the worker dies
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        worker.join()
+    assert worker.exitcode == -signal.SIGKILL
+    return ready.read_text()
+
+
+def _entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one file
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _half_write(ckpt_dir: Path, signals: Path) -> None:
+    _HalfWrite(ckpt_dir, signals / "ready")
+
+
+def _half_write_lightning_copy(tmpdir: str, ckpt_dir: Path, signals: Path) -> None:
+    # Lightning's TorchCheckpointIO writes to tempfile.mkstemp() in $TMPDIR and moves it into place: on
+    # another filesystem (here tmpfs /dev/shm beside the checkpoint directory) the move is a copy, whose
+    # open(checkpoint, "wb") has truncated the previous checkpoint before the first byte. Python copies with
+    # sendfile(2) on Linux, which the harness cannot stop midway; without it, copyfileobj writes the same
+    # bytes through the file object.
+    tempfile.tempdir = tmpdir
+    shutil._USE_CP_SENDFILE = False  # type: ignore[attr-defined]
+    _half_write(ckpt_dir, signals)
+
+
+FILE_STRATEGIES = {
+    "mgpu_ddp": lambda: MGPUDDPStrategy(start_method="fork"),
+    "zero3-consolidated": lambda: MGPUShardedStrategy(stage=3, start_method="fork"),
+}
+
+
+@pytest.mark.parametrize("name", FILE_STRATEGIES)
+def test_kill_during_a_file_save_keeps_the_previous_checkpoint(tmp_path, name):
+    ckpt_dir = tmp_path / "ckpt"
+    strategy = FILE_STRATEGIES[name]
+    written = int(_kill_during_second_save(_half_write, strategy(), ckpt_dir, tmp_path / "signals"))
+
+    saved = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
+    assert (saved["epoch"], saved["global_step"]) == (0, STEPS_PER_EPOCH)  # the first save, whole
+    (temp, last) = _entries(ckpt_dir)  # a leftover, hidden and not *.ckpt: never taken for a checkpoint
+    assert last == "last.ckpt" and temp.startswith(".last.ckpt.tmp-") and not temp.endswith(".ckpt")
+    assert (ckpt_dir / temp).stat().st_size == written  # killed mid-write
+
+    # resume from it; the next save of last.ckpt replaces it and removes the leftover
+    assert _fit(strategy(), ckpt_dir, max_epochs=2, ckpt_path=ckpt_dir / "last.ckpt") == 1
+    assert _entries(ckpt_dir) == ["last.ckpt"]
+    saved = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
+    assert (saved["epoch"], saved["global_step"]) == (1, 2 * STEPS_PER_EPOCH)
+
+
+def test_kill_during_lightnings_plain_save_truncates_the_checkpoint(tmp_path):
+    """Negative control: the same kill with Lightning's TorchCheckpointIO, $TMPDIR on another filesystem."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the checkpoint directory")
+    ckpt_dir = tmp_path / "ckpt"
+    with tempfile.TemporaryDirectory(dir=shm) as tmpdir:
+        strategy = MGPUDDPStrategy(start_method="fork", checkpoint_io=TorchCheckpointIO())
+        setup = functools.partial(_half_write_lightning_copy, tmpdir)
+        written = int(_kill_during_second_save(setup, strategy, ckpt_dir, tmp_path / "signals"))
+
+        assert _entries(ckpt_dir) == ["last.ckpt"]
+        assert (ckpt_dir / "last.ckpt").stat().st_size == written  # the previous checkpoint is gone...
+        with pytest.raises(RuntimeError, match="zip archive"):
+            torch.load(ckpt_dir / "last.ckpt", weights_only=False)  # ...and this one is truncated
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a sharded directory
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _sharded(stage: int = 2, backend: str = "torch") -> MGPUShardedStrategy:
+    return MGPUShardedStrategy(stage=stage, backend=backend, checkpoint="sharded", start_method="fork")  # type: ignore[arg-type]
+
+
+_RANK1_WROTE = (_hang_before_rank1_writes, ["__0_0.distcp"])
+_ALL_WROTE = (_hang_before_the_marker, [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"])
+
+
+# every stage and backend at the first kill point; the marker is written by the same code for all of them
+@pytest.mark.parametrize(
+    ("stage", "backend", "setup", "staged"),
+    [
+        (2, "torch", *_RANK1_WROTE),
+        (2, "torch", *_ALL_WROTE),
+        (1, "torch", *_RANK1_WROTE),
+        (3, "torch", *_RANK1_WROTE),
+        (2, "fairscale", *_RANK1_WROTE),
+    ],
+    ids=[
+        "zero2-fsdp2-before-rank1-wrote",
+        "zero2-fsdp2-before-the-marker",
+        "zero1-before-rank1-wrote",
+        "zero3-fsdp2-before-rank1-wrote",
+        "zero2-fairscale-before-rank1-wrote",
+    ],
+)
+def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path, stage, backend, setup, staged):
+    ckpt_dir = tmp_path / "ckpt"
+    _kill_during_second_save(setup, _sharded(stage, backend), ckpt_dir, tmp_path / "signals")
+
+    (temp, last) = _entries(ckpt_dir)
+    assert last == "last.ckpt" and temp.startswith(".last.ckpt.tmp-")
+    marker = check_complete(ckpt_dir / last)  # the first save, whole
+    assert (marker["epoch"], marker["global_step"], marker["world_size"]) == (0, STEPS_PER_EPOCH, 2)
+    assert _entries(ckpt_dir / temp) == staged  # the interrupted save: no marker
+    with pytest.raises(IncompleteCheckpointError, match="save was interrupted") as err:
+        _sharded().load_checkpoint(ckpt_dir / temp)
+    assert str(ckpt_dir / temp) in str(err.value) and COMPLETE_MARKER in str(err.value)
+    assert f"ckpt_path='{ckpt_dir / 'last.ckpt'}'" in str(err.value)  # the fix: the previous checkpoint
+
+    # resume from the previous one; the next save of last.ckpt replaces it and removes the leftover
+    assert _fit(_sharded(stage, backend), ckpt_dir, max_epochs=2, ckpt_path=ckpt_dir / "last.ckpt") == 1
+    assert _entries(ckpt_dir) == ["last.ckpt"]
+    marker = check_complete(ckpt_dir / "last.ckpt")
+    assert (marker["epoch"], marker["global_step"]) == (1, 2 * STEPS_PER_EPOCH)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the pieces, in one process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_atomic_io_replaces_the_file_and_leaves_nothing_else(tmp_path):
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, tmp_path / "sub" / "last.ckpt")
+    io.save_checkpoint({"step": 2}, tmp_path / "sub" / "last.ckpt")
+    assert _entries(tmp_path / "sub") == ["last.ckpt"]
+    assert io.load_checkpoint(tmp_path / "sub" / "last.ckpt") == {"step": 2}
+
+
+def test_atomic_io_removes_leftovers_of_killed_saves_of_the_same_name_only(tmp_path):
+    for name in (".last.ckpt.tmp-1", ".last.ckpt.tmp-999999", ".other.ckpt.tmp-1"):
+        (tmp_path / name).write_bytes(b"half")
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+    assert _entries(tmp_path) == [".other.ckpt.tmp-1", "last.ckpt"]
+
+
+def test_a_failing_save_keeps_the_previous_file_and_leaves_no_temporary(tmp_path):
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+    with pytest.raises(Exception, match="pickle"):
+        io.save_checkpoint({"step": 2, "bad": lambda: None}, tmp_path / "last.ckpt")
+    assert _entries(tmp_path) == ["last.ckpt"]
+    assert io.load_checkpoint(tmp_path / "last.ckpt") == {"step": 1}
+
+
+def test_remote_paths_are_saved_by_lightnings_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 3}, "memory://ckpts/last.ckpt")
+    assert io.load_checkpoint("memory://ckpts/last.ckpt") == {"step": 3}
+    strategy = MGPUShardedStrategy(stage=3)  # consolidated: through the strategy, which kept the URL whole
+    strategy.save_checkpoint({"step": 4}, "memory://ckpts/zero3.ckpt")
+    assert strategy.load_checkpoint("memory://ckpts/zero3.ckpt") == {"step": 4}
+    assert _entries(tmp_path) == []  # nothing written locally (a Path() would have made "memory:/ckpts")
+    for name in ("last.ckpt", "zero3.ckpt"):
+        io.remove_checkpoint(f"memory://ckpts/{name}")
+    with pytest.raises(ValueError, match="remote"):
+        _sharded().save_checkpoint({"state_dict": {}}, "memory://ckpts/sharded.ckpt")
+
+
+@pytest.mark.parametrize("strategy", ["mgpu_ddp_fork", "mgpu_sharded_notebook", "mgpu_zero1", "mgpu_zero3"])
+def test_every_strategy_saves_atomically_unless_given_its_own_plugin(strategy):
+    def io(**kwargs: Any) -> Any:
+        return pl.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, logger=False, **kwargs
+        ).strategy.checkpoint_io
+
+    assert type(io()) is AtomicCheckpointIO
+    mine = TorchCheckpointIO()
+    assert io(plugins=[mine]) is mine  # respected as it is
+    wrapped = io(plugins=[AsyncCheckpointIO()])
+    assert isinstance(wrapped, AsyncCheckpointIO) and type(wrapped.checkpoint_io) is AtomicCheckpointIO
+    assert MGPUShardedStrategy(checkpoint_io=mine).checkpoint_io is mine
+
+
+def _complete(directory: Path, step: int) -> Path:
+    directory.mkdir()
+    (directory / COMPLETE_MARKER).write_text(json.dumps({"global_step": step, "files": [COMPLETE_MARKER]}))
+    return directory
+
+
+def test_a_swap_interrupted_between_its_renames_is_finished_on_the_next_load(tmp_path):
+    """The one instant with no directory under the name: old set aside, new not yet renamed in."""
+    final = tmp_path / "last.ckpt"
+    _complete(tmp_path / ".last.ckpt.old-7", step=2)
+    _complete(tmp_path / ".last.ckpt.tmp-7", step=4)
+    with pytest.raises(FileNotFoundError, match=r"meta\.pt"):  # recovered first; this stand-in holds no state
+        _sharded().load_checkpoint(final)
+    assert check_complete(final)["global_step"] == 4
+    assert _entries(tmp_path) == [".last.ckpt.old-7", "last.ckpt"]  # removed by the next save of the name
+
+
+def test_recovery_falls_back_to_the_old_directory_and_never_to_an_incomplete_one(tmp_path):
+    final = tmp_path / "last.ckpt"
+    (tmp_path / ".last.ckpt.tmp-7").mkdir()  # no marker
+    _complete(tmp_path / ".last.ckpt.old-7", step=2)
+    assert recover_dir(final) == tmp_path / ".last.ckpt.old-7"
+    assert check_complete(final)["global_step"] == 2
+    shutil.rmtree(final)
+    assert recover_dir(final) is None and not final.exists()
+
+
+def test_loading_a_damaged_directory_is_refused(tmp_path):
+    path = _complete(tmp_path / "last.ckpt", step=2)
+    (path / COMPLETE_MARKER).write_text(json.dumps({"files": [COMPLETE_MARKER, "__1_0.distcp"]}))
+    with pytest.raises(IncompleteCheckpointError, match=r"damaged.*__1_0\.distcp"):
+        _sharded().load_checkpoint(path)
+
+
+def test_removing_a_sharded_checkpoint_leaves_nothing(tmp_path):
+    path = _complete(tmp_path / "epoch=0.ckpt", step=2)
+    _sharded().remove_checkpoint(path)
+    assert _entries(tmp_path) == []
