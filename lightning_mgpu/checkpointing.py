@@ -116,8 +116,8 @@ def validate_policy(policy: Any) -> None:
     if isinstance(policy, (list, tuple, set, frozenset)):
         if not policy:
             raise ValueError(
-                "activation_checkpointing is an empty collection: it would checkpoint nothing. Pass None to turn "
-                "checkpointing off, or name module classes, e.g. ['TransformerEncoderLayer']."
+                f"activation_checkpointing={policy!r} is an empty collection: it would checkpoint nothing. Pass None "
+                f"to turn checkpointing off, or name module classes, e.g. ['TransformerEncoderLayer']."
             )
         for item in policy:
             if isinstance(item, (list, tuple, set, frozenset, EveryNth)) or not (

@@ -169,9 +169,11 @@ def fit(
     profile: bool = False,
     grads: bool = False,
     callbacks: Optional[list[Callback]] = None,
+    datamodule: Optional[pl.LightningDataModule] = None,
     **trainer_kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """Fit ``model`` on ``devices`` CPU processes with our own sampler; returns each rank's record."""
+    """Fit ``model`` on ``devices`` CPU processes with our own sampler (or on ``datamodule``'s loaders);
+    returns each rank's record."""
     dataset = dataset if dataset is not None else make_data()
     kwargs: dict[str, Any] = {
         "accelerator": "cpu",
@@ -189,7 +191,8 @@ def fit(
     kwargs.update(trainer_kwargs)
     ckpt_path = kwargs.pop("ckpt_path", None)
     trainer = pl.Trainer(**kwargs)
-    trainer.fit(model, datamodule=RankData(dataset, batch_size), ckpt_path=ckpt_path)
+    datamodule = datamodule if datamodule is not None else RankData(dataset, batch_size)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     return load_ranks(out_dir, devices)
 
 

@@ -292,6 +292,16 @@ class MGPUDDPStrategy(DDPStrategy):
         """Runs in the main process when fit() is called, before any worker starts (and in each torchrun or
         SLURM process before it joins the group)."""
         check_accumulate_grad_batches(trainer.accumulate_grad_batches)
+        backend = self._get_process_group_backend()
+        if backend == "nccl" and self.root_device.type != "cuda":
+            # torch fails only inside every worker ("Distributed package doesn't have NCCL built in" on a CPU
+            # build; NCCL collectives take CUDA tensors only). Refused here, not at Trainer construction, so that
+            # a configuration can still be built and inspected on a machine without GPUs.
+            raise MisconfigurationException(
+                f"process_group_backend={backend!r} needs CUDA devices, but this Trainer runs on "
+                f"{self.root_device.type!r}. Use process_group_backend='gloo' (or leave it None: gloo on CPU, nccl "
+                f"on CUDA), or train on GPUs with Trainer(accelerator='gpu')."
+            )
         model = self._lightning_module
         if model is None or trainer.state.fn != TrainerFn.FITTING:
             return

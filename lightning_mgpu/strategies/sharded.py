@@ -160,16 +160,20 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
                 )
             if stage == 1 or backend == "fairscale":
                 raise ValueError(
-                    "wrap_modules chooses FSDP units, which only stages 2 and 3 with backend='torch' have. Remove it."
+                    f"wrap_modules chooses FSDP units, which only stages 2 and 3 with backend='torch' have; got "
+                    f"stage={stage}, backend={backend!r}. Use stage=2 or 3 with backend='torch', or remove "
+                    f"wrap_modules."
                 )
         if stage != 1 or backend == "fairscale":
-            ddp_only = sorted(
-                k for k in ("comm_hook", "static_graph", "find_unused_parameters") if kwargs.get(k) not in (None, False)
-            )
+            ddp_only = [
+                f"{k}={kwargs[k]!r}"
+                for k in ("comm_hook", "static_graph", "find_unused_parameters")
+                if kwargs.get(k) not in (None, False)
+            ]
             if stage != 1 and ddp_only:
                 raise ValueError(
-                    f"{ddp_only} configure DDP's all-reduce, which stage {stage} does not use (gradients are "
-                    f"reduce-scattered). Use stage=1 for them, or remove them."
+                    f"{', '.join(ddp_only)}: DDP all-reduce settings, which stage {stage} does not use (gradients are "
+                    f"reduce-scattered). Use stage=1 (the preset 'mgpu_zero1') for them, or remove them."
                 )
         super().__init__(**kwargs)
         self._stage: int = stage
