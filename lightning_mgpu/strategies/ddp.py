@@ -56,6 +56,7 @@ from lightning_mgpu.comm import (
     register_comm_hook,
 )
 from lightning_mgpu.precision import MGPUPrecision, adopt
+from lightning_mgpu.strategies import _failures
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
 
 log = logging.getLogger(__name__)
@@ -281,7 +282,11 @@ class MGPUDDPStrategy(DDPStrategy):
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _CheckedSubprocessScriptLauncher(
-                self._check_before_launch, self.cluster_environment, self.num_processes, self.num_nodes
+                self._check_before_launch,
+                self.cluster_environment,
+                self.num_processes,
+                self.num_nodes,
+                grace_s=self._roll_call_s() + 3.0,  # rank 0's roll call, then a margin to raise and print
             )
         else:
             self._launcher = _CheckedMultiProcessingLauncher(
@@ -603,6 +608,29 @@ class MGPUDDPStrategy(DDPStrategy):
                 "static_graph=True can help when the graph is the same every step."
             ),
         )
+        self._end_group_after(exception)
+
+    def _roll_call_s(self) -> float:
+        """How long a rank whose collective failed waits for the others to answer: a quarter of the timeout,
+        within [2 s, 10 s] (the healthy ranks fail in the same collective within moments of each other)."""
+        return min(10.0, max(2.0, self._timeout.total_seconds() / 4)) if self._timeout else 5.0
+
+    def _end_group_after(self, exception: BaseException) -> None:
+        """One rank failed: say which, and leave the group so that no rank waits for it (``_failures.py``).
+
+        A rank whose own code raised announces it; a rank whose collective failed because of another rank
+        takes a roll call and names the ranks that raised or stopped answering. Either way it then leaves the
+        process group, so its peers' collectives fail at once instead of after the timeout."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or self.world_size < 2:
+            return
+        grace_s = self._roll_call_s()
+        if _failures.is_peer_failure(exception):
+            _failures.prepend(
+                exception, _failures.explain(self.global_rank, self.world_size, grace_s, self._timeout, str(exception))
+            )
+        else:
+            _failures.announce(self.global_rank, exception, grace_s)
+        _failures.tear_down()
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,140 @@
+"""One rank fails -- raises, is SIGKILLed, or hangs in user code -- and the whole job ends on every rank within
+the strategy's ``timeout`` plus a short roll call, with an error that names the rank and what became of it; no
+child process is left running or unreaped, and the failed ranks leave the process group.
+
+What plain Lightning does on CPU (measured with the same faults, ``timeout=3 s``, popen launch): rank 1
+raising left rank 0 with "The client socket has timed out ... while trying to connect" (nothing about rank 1);
+rank 1 SIGKILLed left "Connection closed by peer" and a zombie child; rank 1 hanging kept the job alive until
+the outer limit killed it. Fork launches end on their own (torch joins the workers), but a hang there only
+says "Timed out waiting 3000ms for recv operation"."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import psutil
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lightning_mgpu import MGPUDDPStrategy
+from tests.models import RankData, Regressor, make_data
+
+ROOT = Path(__file__).resolve().parents[1]
+LIVENESS_S = 120  # far above timeout + roll call (~5 s); Lightning's default timeout would be 1800 s
+
+
+class Faulty(Regressor):
+    """Rank ``rank`` raises, kills itself or sleeps for an hour at its third training batch."""
+
+    def __init__(self, fault: str, rank: int = 1) -> None:
+        super().__init__()
+        self.fault, self.faulty_rank = fault, rank
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.faulty_rank and batch_idx == 2:
+            if self.fault == "raise":
+                raise ValueError(f"boom on rank {self.global_rank}")
+            if self.fault == "kill":
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "hang":
+                time.sleep(3600)
+        return super().training_step(batch, batch_idx)
+
+
+SCRIPT = """
+import os, sys, psutil, torch, pytorch_lightning as pl
+from datetime import timedelta
+sys.path.insert(0, {root!r})
+from lightning_mgpu import MGPUDDPStrategy
+from tests.models import RankData, make_data
+from tests.test_failures import Faulty
+
+fault, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+strategy = MGPUDDPStrategy(start_method="popen", timeout=timedelta(seconds=3))
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+try:
+    trainer.fit(Faulty(fault, rank), datamodule=RankData(make_data(dtype=torch.float32), 4))
+except BaseException as error:
+    me = trainer.global_rank
+    children = [(c.pid, c.status()) for c in psutil.Process().children(recursive=True)]
+    torch.save({{"message": str(error), "in_group": torch.distributed.is_initialized(), "children": children}},
+               f"{{out}}/rank{{me}}.pt")
+    sys.exit(1)
+"""
+
+
+def run_popen(fault: str, rank: int, tmp_path: Path) -> dict[int, dict]:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(root=str(ROOT)))
+    proc = subprocess.run(
+        [sys.executable, str(script), fault, str(rank), str(tmp_path)],
+        capture_output=True, text=True, timeout=LIVENESS_S, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(script) in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers, f"ranks still running after the job ended: {leftovers}"
+    return {r: torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1) if (tmp_path / f"rank{r}.pt").exists()}
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_is_named_with_its_exception_by_the_others(tmp_path):
+    ranks = run_popen("raise", 1, tmp_path)
+    assert ranks[1]["message"] == "boom on rank 1"
+    message = ranks[0]["message"]
+    assert message.startswith("lightning-mgpu: rank 1 of 2 failed with ValueError: boom on rank 1.")
+    assert "original error:" in message  # gloo's own message is kept after ours
+    assert not ranks[0]["in_group"] and not ranks[1]["in_group"]
+    assert ranks[0]["children"] == []  # rank 1's process ended and was reaped
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_as_gone_and_reaped(tmp_path):
+    ranks = run_popen("kill", 1, tmp_path)
+    assert set(ranks) == {0}
+    message = ranks[0]["message"]
+    assert "lightning-mgpu: rank 1 of 2 is gone: its connection closed" in message
+    assert "had ended with signal SIGKILL]" in message  # the launcher's account of its child
+    assert not ranks[0]["in_group"] and ranks[0]["children"] == []  # no zombie
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_named_after_the_timeout_and_killed(tmp_path):
+    ranks = run_popen("hang", 1, tmp_path)
+    assert set(ranks) == {0}
+    message = ranks[0]["message"]
+    assert "rank 1 of 2 stopped answering: the collective timed out after 3 s (the strategy's timeout)" in message
+    assert "was still running and has been killed]" in message
+    assert not ranks[0]["in_group"] and ranks[0]["children"] == []
+
+
+@pytest.mark.slow
+def test_when_rank_0_raises_the_other_ranks_are_ended_too(tmp_path):
+    ranks = run_popen("raise", 0, tmp_path)
+    message = ranks[0]["message"]
+    assert message.startswith("boom on rank 0")
+    assert "[rank 1 (pid" in message  # ended by rank 0's launcher, whatever it was doing
+    assert not ranks[0]["in_group"] and ranks[0]["children"] == []
+
+
+def test_a_hung_rank_is_named_in_a_fork_launch(tmp_path):
+    strategy = MGPUDDPStrategy(start_method="fork", timeout=timedelta(seconds=2))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(Exception) as info:
+        trainer.fit(Faulty("hang"), datamodule=RankData(make_data(dtype=torch.float32), 4))
+    assert "rank 1 of 2 stopped answering: the collective timed out after 2 s" in str(info.value)
+    deadline = time.monotonic() + 10
+    while psutil.Process().children() and time.monotonic() < deadline:  # torch reaps the workers it ended
+        time.sleep(0.1)
+    assert psutil.Process().children() == []
