@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench lint
+.PHONY: setup train test bench lint notebooks
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# Re-run every notebook and store its outputs (tests/test_notebooks.py fails on outputs older than the cells).
+notebooks: $(STAMP)
+	$(BIN)/python notebooks/execute.py --write notebooks/*.ipynb
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_ddp.py
