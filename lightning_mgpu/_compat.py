@@ -76,3 +76,32 @@ def init_optimizer_state(optimizer: Any) -> None:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(optimizer)
+
+
+def _torchelastic_shares_its_store() -> bool:
+    """Under torchrun (torch >= 2.5) the workers' ``init_process_group`` uses the elastic agent's own TCPStore
+    (``TORCHELASTIC_USE_AGENT_STORE=True``), and that store outlives a restart. The restarted workers then read
+    the previous attempt's gloo/NCCL addresses from it and hang in ``init_process_group`` or fail with
+    "Connection refused" (https://github.com/pytorch/pytorch/issues/135712; reproduced here with torch 2.13,
+    gloo, plain ``torch.distributed`` and ``torchrun --max-restarts 1``, with static and c10d rendezvous).
+    Setting ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids it for c10d rendezvous only."""
+    import os
+
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "TORCHELASTIC_RESTART_COUNT" in os.environ
+
+
+def _elastic_attempt_store(timeout: Any) -> Any:
+    """A client of the agent's store whose keys are prefixed by the restart attempt, so that each attempt's
+    process group meets only its own attempt's addresses (the prefix torch's own rendezvous used to add)."""
+    import os
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return PrefixStore(f"/lightning_mgpu/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)

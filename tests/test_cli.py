@@ -20,7 +20,8 @@ from lightning_mgpu.presets import PRESETS, RENAMED
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-SAMPLES = {"gan.yaml", "transformer.yaml"}  # sample modules; every other config is named after its preset
+# sample modules and the elastic-restart recipe; every other config is named after its preset
+EXTRAS = {"gan.yaml", "transformer.yaml", "elastic.yaml"}
 
 
 def print_config(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -55,7 +56,7 @@ def test_list_prints_the_preset_table_and_version_the_version(capsys):
 
 def test_there_is_a_config_per_preset_and_sample():
     names = {c.name for c in CONFIGS}
-    assert {f"{p.name.removeprefix('mgpu_')}.yaml" for p in PRESETS} | SAMPLES == names
+    assert {f"{p.name.removeprefix('mgpu_')}.yaml" for p in PRESETS} | EXTRAS == names
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=[p.name for p in PRESETS])

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mgpu._compat import _DDP_HAS_SET_STATIC_GRAPH
+from lightning_mgpu._compat import _DDP_HAS_SET_STATIC_GRAPH, _elastic_attempt_store, _torchelastic_shares_its_store
 from lightning_mgpu.accumulation import check_accumulate_grad_batches, check_manual_accumulation
 from lightning_mgpu.checkpoint_io import AtomicCheckpointIO
 from lightning_mgpu.checkpointing import (
@@ -609,6 +609,23 @@ class MGPUDDPStrategy(DDPStrategy):
             ),
         )
         self._end_group_after(exception)
+
+    @override
+    def setup_distributed(self) -> None:
+        if _torchelastic_shares_its_store() and not torch.distributed.is_initialized():
+            # Lightning's _init_dist_connection would init from env:// on the agent's store, which keeps the
+            # previous attempt's addresses after a torchrun restart (_compat.py); give it a per-attempt prefix.
+            # Lightning's setup_distributed then finds the group initialised and only sets the ranks and seed.
+            self.set_world_ranks()
+            torch.distributed.init_process_group(
+                self._get_process_group_backend(),
+                store=_elastic_attempt_store(self._timeout),
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=self._timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,  # as Lightning passes it
+            )
+        super().setup_distributed()
 
     def _roll_call_s(self) -> float:
         """How long a rank whose collective failed waits for the others to answer: a quarter of the timeout,
