@@ -2,7 +2,8 @@
 the strategy's ``timeout`` plus a short roll call, with an error that names the rank and what became of it; no
 child process is left running or unreaped, and the failed ranks leave the process group.
 
-What plain Lightning does on CPU (measured with the same faults, ``timeout=3 s``, popen launch): rank 1
+What Lightning's popen launcher and error handling did before (measured with our strategy before this
+change, the same faults, ``timeout=3 s``): rank 1
 raising left rank 0 with "The client socket has timed out ... while trying to connect" (nothing about rank 1);
 rank 1 SIGKILLed left "Connection closed by peer" and a zombie child; rank 1 hanging kept the job alive until
 the outer limit killed it. Fork launches end on their own (torch joins the workers), but a hang there only
