@@ -18,6 +18,7 @@ from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
 from lightning_mgpu.distributed import effective_batch_size
 from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets
+from lightning_mgpu.sampler import ResumableDistributedSampler
 from lightning_mgpu.schedules import total_steps, warmup_schedule
 from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUShardedStrategy, ShardMemory
 
@@ -35,6 +36,7 @@ __all__ = [
     "MGPUPrecision",
     "MGPUShardedStrategy",
     "ManualAccumulation",
+    "ResumableDistributedSampler",
     "ScaleLR",
     "ShardMemory",
     "__version__",

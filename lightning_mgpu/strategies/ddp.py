@@ -56,6 +56,7 @@ from lightning_mgpu.comm import (
     register_comm_hook,
 )
 from lightning_mgpu.precision import MGPUPrecision, adopt
+from lightning_mgpu.sampler import move_position, resumable_train_loader, take_position
 from lightning_mgpu.strategies import _failures
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
 
@@ -552,6 +553,7 @@ class MGPUDDPStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         self._refuse_main_process_save()
+        move_position(checkpoint)  # the sampler's mid-epoch position: out of Lightning's loop state
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _refuse_main_process_save(self) -> None:
@@ -648,6 +650,38 @@ class MGPUDDPStrategy(DDPStrategy):
         else:
             _failures.announce(self.global_rank, exception, grace_s)
         _failures.tear_down()
+
+    # --- mid-epoch resume: the training sampler's position travels in the checkpoint (sampler.py) -------
+    _sampler_injected = False  # Lightning has just put its automatic DistributedSampler into a loader
+    _sampler_position: Optional[dict[str, Any]] = None  # the mid-epoch position of the checkpoint being resumed
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Lightning reads these (`_DataConnector._resolve_sampler`) only to build its automatic
+        # DistributedSampler, and hands that loader to process_dataloader next: the flag tells process_dataloader
+        # that a DistributedSampler it finds there is Lightning's, not one the user set.
+        self._sampler_injected = True
+        return super().distributed_sampler_kwargs
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        injected, self._sampler_injected = self._sampler_injected, False
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader  # evaluation loaders are read whole: nothing to resume
+        position, self._sampler_position = self._sampler_position, None
+        if not trainer.fit_loop.is_resuming:
+            position = None  # a later reload (reload_dataloaders_every_n_epochs) starts its epoch whole
+        return resumable_train_loader(dataloader, trainer, injected=injected, position=position)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._sampler_position = take_position(checkpoint)  # applied when the training loader is built
+        return checkpoint
 
     def __repr__(self) -> str:
         return (

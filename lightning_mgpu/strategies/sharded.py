@@ -45,6 +45,7 @@ from lightning_mgpu.checkpoint_io import (
     write_file_atomic,
 )
 from lightning_mgpu.precision import MGPUPrecision
+from lightning_mgpu.sampler import move_position, take_position
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher
 from lightning_mgpu.strategies._sharding import (
     FSDP2Backend,
@@ -421,6 +422,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         self._refuse_main_process_save()
+        move_position(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
         filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
         local = local_path(filepath)
         if self._checkpoint_layout == "consolidated":
@@ -525,6 +527,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         elif saved_optimizers is not None:
             checkpoint["optimizer_states"] = []
         self._loaded_sharded = True
+        self._sampler_position = take_position(checkpoint)  # the file branch does it in super().load_checkpoint
         return checkpoint
 
     @override
