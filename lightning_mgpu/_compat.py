@@ -84,15 +84,29 @@ def _torchelastic_shares_its_store() -> bool:
     the previous attempt's gloo/NCCL addresses from it and hang in ``init_process_group`` or fail with
     "Connection refused" (https://github.com/pytorch/pytorch/issues/135712; reproduced here with torch 2.13,
     gloo, plain ``torch.distributed`` and ``torchrun --max-restarts 1``, with static and c10d rendezvous).
-    Setting ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids it for c10d rendezvous only."""
+
+    Only single-node jobs get the workaround below: ``TORCHELASTIC_RESTART_COUNT`` is counted by each node's
+    agent, and after a failure on one node the other node's agent restarts without counting (pytorch#135712),
+    so a per-attempt prefix would keep the nodes apart. Multi-node jobs: set
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` with c10d rendezvous (a fresh store per round; seen to work here)."""
     import os
 
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "TORCHELASTIC_RESTART_COUNT" in os.environ
+    env = os.environ
+    return (
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and "TORCHELASTIC_RESTART_COUNT" in env
+        and env.get("LOCAL_WORLD_SIZE") is not None
+        and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE")
+    )
+
+
+_ELASTIC_INITS = [0]  # process groups this process has initialised on the agent's store, this attempt
 
 
 def _elastic_attempt_store(timeout: Any) -> Any:
-    """A client of the agent's store whose keys are prefixed by the restart attempt, so that each attempt's
-    process group meets only its own attempt's addresses (the prefix torch's own rendezvous used to add)."""
+    """A client of the agent's store whose keys are prefixed by the restart attempt and by how many groups this
+    process has initialised in it (a script that catches a failed ``fit`` and fits again re-initialises after
+    the failure path left the group), so that each group meets only its own addresses."""
     import os
 
     from torch.distributed import PrefixStore, TCPStore
@@ -104,4 +118,6 @@ def _elastic_attempt_store(timeout: Any) -> Any:
         is_master=False,
         timeout=timeout,
     )
-    return PrefixStore(f"/lightning_mgpu/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    _ELASTIC_INITS[0] += 1
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return PrefixStore(f"/lightning_mgpu/attempt_{attempt}/group_{_ELASTIC_INITS[0]}", store)

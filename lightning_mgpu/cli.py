@@ -40,7 +40,11 @@ def strategy_hint(name: Optional[str] = None) -> str:
     presets = _preset_names()
     lines = []
     if name is not None:
-        known = dict.fromkeys(presets + StrategyRegistry.available_strategies())  # ordered, no repeats
+        from lightning_mgpu.presets import RENAMED
+
+        dropped = {r.old for r in RENAMED if r.registry == "strategy"}  # registered only to explain themselves
+        names = [n for n in presets + StrategyRegistry.available_strategies() if n not in dropped]
+        known = dict.fromkeys(names)  # ordered, no repeats
         close = difflib.get_close_matches(name.lower(), list(known), n=3)
         if close:
             lines.append(f"did you mean {' or '.join(repr(c) for c in close)}?")
@@ -114,6 +118,7 @@ class MGPUArgumentParser(LightningArgumentParser):
             lines.append(strategy_hint(named.group(1) if named else None))
         return "\n".join(lines)
 
+    @override
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         hint = self.hint(message)
         super().error(f"{message}\n{hint}" if hint else message, ex)
@@ -135,6 +140,7 @@ class MGPUCLI(LightningCLI):
         kwargs.setdefault("parser_class", MGPUArgumentParser)
         super().__init__(*args, **kwargs)
 
+    @override
     def before_instantiate_classes(self) -> None:
         """An unknown strategy *name* passes parsing (``trainer.strategy`` is ``Union[str, Strategy]``) and would
         only fail inside ``Trainer``; refuse it here, before any process starts, with the parser's usage

@@ -13,6 +13,9 @@ import torch
 torch.set_num_threads(1)
 
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+# seed_everything (LightningCLI runs it in this process for the fork/spawn configs) leaves these behind, and
+# reset_seed() in later tests' workers would re-seed from them
+_SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +23,9 @@ def _fresh_distributed_env():
     """Lightning's launchers write MASTER_PORT etc. into this process's environment; a later test would
     reuse a port still in TIME_WAIT. Start every test without them."""
     saved = {k: os.environ.pop(k) for k in _DIST_ENV if k in os.environ}
+    saved_seed = {k: os.environ[k] for k in _SEED_ENV if k in os.environ}
     yield
-    for k in _DIST_ENV:
+    for k in (*_DIST_ENV, *_SEED_ENV):
         os.environ.pop(k, None)
     os.environ.update(saved)
+    os.environ.update(saved_seed)

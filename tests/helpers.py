@@ -293,3 +293,35 @@ def run_sample_config(module: str, config: str, out_dir: Path) -> str:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+def run_isolated(cmd: list[str], *, timeout: float, **kwargs: Any) -> tuple[Any, list[int]]:
+    """``subprocess.run`` in a session of its own. Returns the completed process and the pids of its session
+    still alive when it ended (what it left behind: the caller asserts on it); then, and also when it times
+    out or the test fails, SIGKILLs the whole session, so no launched rank outlives the test."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    )
+    leftovers: list[int] = []
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        leftovers = _session_members(proc.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), leftovers
+
+
+def _session_members(sid: int) -> list[int]:
+    members = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else []:
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == sid and pid != sid:
+                members.append(pid)
+    return members

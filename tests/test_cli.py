@@ -15,8 +15,10 @@ import yaml
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_mgpu
+import lightning_mgpu.cli
 from lightning_mgpu.cli import main
 from lightning_mgpu.presets import PRESETS, RENAMED
+from tests.helpers import run_isolated
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -106,9 +108,7 @@ def test_config_trains_with_fast_dev_run(config, tmp_path, capfd, monkeypatch):
         str(tmp_path),
     ]
     if launch_of(config) == "popen":
-        proc = subprocess.run(
-            [sys.executable, "-m", "lightning_mgpu", *args], capture_output=True, text=True, timeout=240, cwd=tmp_path
-        )
+        proc, _ = run_isolated([sys.executable, "-m", "lightning_mgpu", *args], timeout=240, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out = proc.stdout
     else:
@@ -200,3 +200,21 @@ def test_a_users_own_lightningcli_takes_the_class_path_without_import_and_names_
     assert "class_path: MGPUDDPStrategy(comm_hook='fp16'" in proc.stdout
     assert "name before import: You selected an invalid strategy name" in proc.stdout  # Lightning's own refusal
     assert "name after import: MGPUDDPStrategy" in proc.stdout
+
+
+def test_a_dropped_name_that_someone_else_registered_is_left_to_them():
+    saved = StrategyRegistry.pop("dp")
+    try:
+        StrategyRegistry.register("dp", DDPStrategy, description="a user's own 'dp'")
+        lightning_mgpu.register_presets()  # as on a re-import
+        assert StrategyRegistry["dp"]["strategy"] is DDPStrategy
+    finally:
+        StrategyRegistry.register(
+            "dp", saved["strategy"], description=saved["description"], override=True, **saved["init_params"]
+        )
+
+
+def test_the_hint_never_suggests_a_dropped_name():
+    hint = lightning_mgpu.cli.strategy_hint("dp2")
+    assert "'dp'" not in hint and "'ddp2'" not in hint
+    assert "did you mean 'ddp'" in hint

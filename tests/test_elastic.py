@@ -11,12 +11,13 @@ from its beginning replays the same data order (the sampler is seeded by seed an
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import run_isolated
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,13 +71,13 @@ def torchrun(workdir: Path, kill: bool) -> dict:
         callbacks += ["--trainer.callbacks+=probe.KillOnce"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(workdir), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
+    proc, _ = run_isolated(
         [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", "1", "-m", "lightning_mgpu", "fit", "--config", str(ROOT / "configs" / "elastic.yaml"),
             "--trainer.max_epochs", "3", *callbacks,
         ],
-        capture_output=True, text=True, timeout=300, cwd=workdir, env=env,
+        timeout=300, cwd=workdir, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = torch.load(workdir / "final.pt")

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import psutil
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import nn
 
@@ -486,13 +488,23 @@ CASES = [
 ]
 
 
+def _launched(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a worker process was launched before the bad input was refused")
+
+
 @pytest.mark.parametrize(("call", "exc", "fragments"), CASES)
-def test_bad_input_is_refused_before_launch_naming_the_value_and_the_fix(call, exc, fragments):
+def test_bad_input_is_refused_before_launch_naming_the_value_and_the_fix(call, exc, fragments, monkeypatch):
+    # Every way our strategies start workers fails the case: fork/spawn (torch.multiprocessing) and popen
+    # (Lightning re-running the script). A refusal that came only from inside a worker would surface as this
+    # AssertionError instead of the expected error.
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", _launched)
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", _launched)
     with pytest.raises(exc) as info:
         call()
     for fragment in fragments:
         assert fragment in str(info.value), f"{fragment!r} missing from: {info.value}"
-    assert not torch.distributed.is_initialized()  # nothing was launched
+    assert not torch.distributed.is_initialized()
+    assert psutil.Process().children() == []
 
 
 def test_bf16_hook_on_gloo_is_refused_before_launch_naming_the_alternative():

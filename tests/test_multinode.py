@@ -5,7 +5,9 @@ detect the cluster, not relaunch (the cluster made the processes), and the two n
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -60,11 +62,18 @@ def launch(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(cwd), str(ROOT), env.get("PYTHONPATH", "")])
     procs = [
         subprocess.Popen(
-            cmd, env={**env, **extra}, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, env={**env, **extra}, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
         )
         for cmd, extra in commands
-    ]
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    ]  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:  # a hung node must not outlive the test, nor the ranks it launched
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
 

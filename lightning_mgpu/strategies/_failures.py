@@ -10,8 +10,8 @@ them.
 
 The store is torch's own TCPStore behind the default process group, so this needs no extra collective: it
 still works when a peer is dead, where a gloo ``monitored_barrier`` would fail on the dead peer's closed
-connection before it could say who else is missing. It is hosted by rank 0's process; when rank 0 is the one
-that died, the others say so.
+connection before it could say who else is missing. Lightning's own launches host it in rank 0's process
+(torchrun: in the elastic agent); when rank 0's process is gone, the others say so.
 """
 
 from __future__ import annotations
@@ -93,9 +93,13 @@ def roll_call(rank: int, world_size: int, grace_s: float) -> tuple[dict[int, str
         return raised, [r for r in others if r not in raised and r not in present], False
 
 
-def explain(rank: int, world_size: int, grace_s: float, timeout: Optional[timedelta], error: str) -> str:
-    """What this rank can say about the others after its collective failed with ``error``."""
+def explain(
+    rank: int, world_size: int, grace_s: float, timeout: Optional[timedelta], error: str
+) -> tuple[str, list[int]]:
+    """What this rank can say about the others after its collective failed with ``error``, and the ranks that
+    did not answer the roll call."""
     raised, missing, reachable = roll_call(rank, world_size, grace_s)
+    unanswered = list(missing)
     parts = [f"rank {r} of {world_size} failed with {text}" for r, text in sorted(raised.items())]
     if not reachable and 0 in missing:
         parts.append(
@@ -119,7 +123,8 @@ def explain(rank: int, world_size: int, grace_s: float, timeout: Optional[timede
             )
     if not parts:
         parts.append("every other rank answered (its collective failed too); the cause is in this error")
-    return f"lightning-mgpu: {'; '.join(parts)}. Rank {rank} stopped waiting and is ending; original error: "
+    text = f"lightning-mgpu: {'; '.join(parts)}. Rank {rank} stopped waiting and is ending; original error: "
+    return text, unanswered
 
 
 def prepend(exception: BaseException, text: str) -> None:

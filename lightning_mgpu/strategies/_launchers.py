@@ -4,6 +4,7 @@ launches). Subclasses, so Lightning's ``isinstance`` checks on launchers still h
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -48,14 +49,28 @@ def _exit_status(code: int) -> str:
 
 class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, _SubprocessScriptLauncher):
     """Lightning's popen launcher (rank 0 is this process; the other local ranks re-run the command) with a
-    failure path that ends every rank and names the one that failed. Lightning's own observer polls the
-    children every 5 s and SIGKILLs this process the moment one exits non-zero, before rank 0 can say why, and
-    nothing ends or reaps the children when rank 0 itself raises (they wait in a collective until the timeout,
-    or forever when stuck in user code; a dead one stays a zombie)."""
+    failure path that names the failed rank and leaves no process behind.
 
-    def __init__(self, check: PreLaunchCheck, *args: Any, grace_s: float = 5.0, **kwargs: Any) -> None:
+    Lightning's own observer polls the children every 5 s and SIGKILLs this process the moment one exits
+    non-zero, before rank 0 can say why; and nothing ends a child that is stuck, or reaps one that died. Here,
+    when ``fit`` raises in rank 0: the observer stands down, rank 0 takes its roll call first (``on_failure``:
+    the strategy's ``_end_group_after``, which returns the ranks that did not answer), then kills only those
+    children (stuck or dead ones; a child that answered is handling the failure itself and may go on, e.g. a
+    script that catches the exception and fits again) and reaps every child that has ended. Children still
+    running when this process exits are ended and reaped then."""
+
+    def __init__(
+        self,
+        check: PreLaunchCheck,
+        *args: Any,
+        on_failure: Optional[Callable[[BaseException], list[int]]] = None,
+        grace_s: float = 5.0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(check, *args, **kwargs)
+        self._on_failure = on_failure
         self._grace_s = grace_s
+        self._observer: Optional[_ChildObserver] = None
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
@@ -63,30 +78,39 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, _SubprocessScriptLaunche
             self._check(trainer)
         # Lightning's _SubprocessScriptLauncher.launch, with _ChildObserver in place of its process observer
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
+        if not self.cluster_environment.creates_processes_externally and not self.procs:
             self._call_children_scripts()
-            _ChildObserver(self.procs, self._node_rank_offset(), self._grace_s).start()
+            self._observer = _ChildObserver(self.procs, self._node_rank_offset(), self._grace_s)
+            self._observer.start()
+            atexit.register(_end_and_reap, self.procs, self._grace_s)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as exception:
-            self._end_children(exception)
+            if self._observer is not None:
+                self._observer.stand_down.set()  # rank 0 is handling it: no SIGKILL from behind
+            missing = self._on_failure(exception) if self._on_failure is not None else []
+            self._end_children(exception, missing)
             raise
+        finally:
+            if self._observer is not None:
+                self._observer.stand_down.set()
 
     def _node_rank_offset(self) -> int:
         return self.cluster_environment.node_rank() * self.num_processes
 
-    def _end_children(self, exception: BaseException) -> None:
-        """Rank 0 failed: end and reap every child, and add what became of each to the error."""
+    def _end_children(self, exception: BaseException, missing: list[int]) -> None:
+        """Kill the children the roll call found missing, reap every child that has ended, and add what became
+        of each to the error."""
         fates = []
         for local_rank, proc in enumerate(self.procs, start=1):
             rank = self._node_rank_offset() + local_rank
             code = proc.poll()
-            if code is None:
+            if code is None and rank in missing:
                 proc.kill()
                 proc.wait()
                 fates.append(f"rank {rank} (pid {proc.pid}) was still running and has been killed")
-            else:
+            elif code is not None:
                 fates.append(f"rank {rank} (pid {proc.pid}) had ended with {_exit_status(code)}")
         if fates:
             exception.args = (
@@ -95,28 +119,51 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, _SubprocessScriptLaunche
             )
 
 
+def _end_and_reap(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """At exit of the process that launched them: leave the process group (a child still waiting in a
+    collective for this rank, e.g. after rank 0 raised, fails at once and ends), give the child ranks
+    ``grace_s`` to finish, then kill the rest; reap all (no zombie outlives its parent's job)."""
+    if any(proc.poll() is None for proc in procs):
+        from lightning_mgpu.strategies._failures import tear_down
+
+        tear_down()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL (Lightning uses SIGTERM there)
+
+
 class _ChildObserver(threading.Thread):
-    """Watches the child ranks. When one ends with an error, rank 0 (this process) gets ``grace_s`` to notice
-    in its collective, name it and end by itself (its error is the one the user reads); if it has not, the
-    observer names the child, kills the others and this process, as Lightning's observer does at once."""
+    """Watches the child ranks while rank 0 is in ``fit``. When one ends with an error, rank 0 (this process)
+    gets ``grace_s`` to notice in its collective and raise, which makes it stand down (its error is the one the
+    user reads); if rank 0 has not, it is stuck (e.g. in user code): the observer names the child, kills the
+    others and this process, as Lightning's observer does at once."""
 
     def __init__(self, procs: list[subprocess.Popen], rank_offset: int, grace_s: float) -> None:
         super().__init__(daemon=True, name="mgpu-child-observer")  # ends with this process
         self._procs = procs
         self._offset = rank_offset
         self._grace_s = grace_s
+        self.stand_down = threading.Event()
 
     @override
     def run(self) -> None:
-        while True:
-            time.sleep(0.5)
+        failed: list[tuple[int, int]] = []
+        while not failed:
+            if self.stand_down.wait(0.5):
+                return
             codes = [p.poll() for p in self._procs]
             if all(c == 0 for c in codes):
                 return
             failed = [(i, c) for i, c in enumerate(codes, start=1) if c not in (None, 0)]
-            if failed:
-                break
-        time.sleep(self._grace_s)
+        if self.stand_down.wait(self._grace_s):
+            return
         names = ", ".join(
             f"rank {self._offset + i} (pid {self._procs[i - 1].pid}) ended with {_exit_status(c)}" for i, c in failed
         )
@@ -129,10 +176,11 @@ class _ChildObserver(threading.Thread):
         for p in self._procs:
             if p.poll() is None:
                 p.kill()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), _KILL)
 
 
 class _CheckedMultiProcessingLauncher(_PreLaunchCheck, _MultiProcessingLauncher):
+    @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         try:
             super()._wrapping_function(*args, **kwargs)

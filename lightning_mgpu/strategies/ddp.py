@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import inspect
 import logging
 import multiprocessing
@@ -24,6 +26,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities.distributed import _destroy_dist_connection
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.plugins.io.wrapper import _WrappingCheckpointIO
 from pytorch_lightning.plugins.precision import Precision
@@ -287,7 +290,8 @@ class MGPUDDPStrategy(DDPStrategy):
                 self.cluster_environment,
                 self.num_processes,
                 self.num_nodes,
-                grace_s=self._roll_call_s() + 3.0,  # rank 0's roll call, then a margin to raise and print
+                on_failure=self._end_group_after,
+                grace_s=self._roll_call_s() + 5.0,  # rank 0's roll call, then a margin to raise and print
             )
         else:
             self._launcher = _CheckedMultiProcessingLauncher(
@@ -627,6 +631,8 @@ class MGPUDDPStrategy(DDPStrategy):
                 timeout=self._timeout,
                 device_id=self.root_device if self.root_device.type != "cpu" else None,  # as Lightning passes it
             )
+            if self._get_process_group_backend() == "nccl":  # what Lightning's _init_dist_connection does for NCCL
+                atexit.register(_destroy_dist_connection)
         super().setup_distributed()
 
     def _roll_call_s(self) -> float:
@@ -634,22 +640,33 @@ class MGPUDDPStrategy(DDPStrategy):
         within [2 s, 10 s] (the healthy ranks fail in the same collective within moments of each other)."""
         return min(10.0, max(2.0, self._timeout.total_seconds() / 4)) if self._timeout else 5.0
 
-    def _end_group_after(self, exception: BaseException) -> None:
+    def _end_group_after(self, exception: BaseException) -> list[int]:
         """One rank failed: say which, and leave the group so that no rank waits for it (``_failures.py``).
 
-        A rank whose own code raised announces it; a rank whose collective failed because of another rank
-        takes a roll call and names the ranks that raised or stopped answering. Either way it then leaves the
-        process group, so its peers' collectives fail at once instead of after the timeout."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or self.world_size < 2:
-            return
-        grace_s = self._roll_call_s()
-        if _failures.is_peer_failure(exception):
-            _failures.prepend(
-                exception, _failures.explain(self.global_rank, self.world_size, grace_s, self._timeout, str(exception))
-            )
-        else:
-            _failures.announce(self.global_rank, exception, grace_s)
-        _failures.tear_down()
+        A rank whose own code raised announces it and keeps its process group: the group is healthy, and a
+        script that catches the exception on every rank (a pruning callback, say) fits again on it; when the
+        process ends instead, its connections close and the peers' collectives fail at once. A rank whose
+        collective failed because of another rank takes a roll call, names the ranks that raised or stopped
+        answering, and leaves the broken group. Returns the ranks that did not answer the roll call (the popen
+        launcher kills those of its children). Runs once per exception: from the launcher in the workers and
+        in popen's rank 0, then again (a no-op) from Lightning's ``on_exception``."""
+        done = getattr(exception, "_mgpu_missing_ranks", None)
+        if done is not None:
+            return list(done)
+        missing: list[int] = []
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
+            grace_s = self._roll_call_s()
+            if _failures.is_peer_failure(exception):
+                text, missing = _failures.explain(
+                    self.global_rank, self.world_size, grace_s, self._timeout, str(exception)
+                )
+                _failures.prepend(exception, text)
+                _failures.tear_down()
+            else:
+                _failures.announce(self.global_rank, exception, grace_s)
+        with contextlib.suppress(AttributeError, TypeError):  # a few built-in exception types take no attributes
+            exception._mgpu_missing_ranks = missing  # type: ignore[attr-defined]
+        return missing
 
     # --- mid-epoch resume: the training sampler's position travels in the checkpoint (sampler.py) -------
     _sampler_injected = False  # Lightning has just put its automatic DistributedSampler into a loader
