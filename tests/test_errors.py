@@ -499,12 +499,13 @@ def test_bad_input_is_refused_before_launch_naming_the_value_and_the_fix(call, e
     # AssertionError instead of the expected error.
     monkeypatch.setattr(torch.multiprocessing, "start_processes", _launched)
     monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", _launched)
+    before = {p.pid for p in psutil.Process().children()}  # e.g. multiprocessing's resource tracker, kept by torch
     with pytest.raises(exc) as info:
         call()
     for fragment in fragments:
         assert fragment in str(info.value), f"{fragment!r} missing from: {info.value}"
     assert not torch.distributed.is_initialized()
-    assert psutil.Process().children() == []
+    assert {p.pid for p in psutil.Process().children()} <= before
 
 
 def test_bf16_hook_on_gloo_is_refused_before_launch_naming_the_alternative():
