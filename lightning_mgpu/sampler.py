@@ -153,7 +153,7 @@ def mid_epoch(trainer: pl.Trainer) -> bool:
 
 def resumable_train_loader(
     dataloader: object, trainer: pl.Trainer, *, injected: bool, position: Optional[dict[str, Any]]
-) -> object:
+) -> tuple[object, bool]:
     """The training loader with a resumable sampler, whose position Lightning saves and restores with its
     loop state (the loader gets ``state_dict``/``load_state_dict``).
 
@@ -164,14 +164,15 @@ def resumable_train_loader(
     kept and resumes as in plain Lightning. (A ``DistributedSampler`` you build from
     ``trainer.distributed_sampler_kwargs`` inside ``train_dataloader`` also sets that flag and is replaced,
     by one with its own arguments: the same order.) ``position``: what :func:`take_position` found in the
-    checkpoint.
+    checkpoint. Returns the loader and whether it took ``position`` (with several training loaders, the
+    position belongs to the one that can take it).
     """
     sampler = getattr(dataloader, "sampler", None)
     if not isinstance(sampler, ResumableDistributedSampler):
         # exactly torch's class: a subclass or Lightning's DistributedSamplerWrapper has an order of its own
         if not (injected and type(sampler) is DistributedSampler and isinstance(dataloader, DataLoader)):
             _warn_if_resuming_mid_epoch(position, f"its sampler ({type(sampler).__name__}) is yours")
-            return dataloader
+            return dataloader, False
         ours = ResumableDistributedSampler(
             sampler.dataset,
             num_replicas=sampler.num_replicas,
@@ -188,13 +189,13 @@ def resumable_train_loader(
             dataloader = _update_dataloader(dataloader, ours, mode=RunningStage.TRAINING)
         except MisconfigurationException as err:
             _warn_if_resuming_mid_epoch(position, f"it cannot be re-created with another sampler ({err})")
-            return dataloader
+            return dataloader, False
         sampler = ours
     assert isinstance(dataloader, DataLoader)
     if dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
         # a batch sampler of the user's decides the batches: the position cannot be counted in samples
         _warn_if_resuming_mid_epoch(position, "it has a batch_sampler of its own")
-        return dataloader
+        return dataloader, False
     _attach_position(dataloader, sampler, trainer)
     if trainer.fit_loop.is_resuming:  # a checkpoint was loaded (`restarting` is False after a finished epoch)
         # Lightning creates the epoch's iterator in setup_data, before its set_epoch in on_advance_start, and
@@ -204,7 +205,8 @@ def resumable_train_loader(
         sampler.set_epoch(resumed_epoch(trainer))
     if position is not None:
         apply_position(sampler, position, dataloader.batch_size, trainer.accumulate_grad_batches)
-    elif trainer.fit_loop.is_resuming and mid_epoch(trainer):
+        return dataloader, True
+    if trainer.fit_loop.is_resuming and mid_epoch(trainer):
         rank_zero_warn(
             f"This checkpoint was written {batches_done(trainer)} batches into an epoch without a sampler position "
             f"(by plain Lightning, or with another training loader): the resumed epoch starts again at its first "
@@ -212,7 +214,7 @@ def resumable_train_loader(
             f"twice and as many are left out. Resume from an end-of-epoch checkpoint, or from one written with "
             f"lightning_mgpu's resumable sampler."
         )
-    return dataloader
+    return dataloader, False
 
 
 def _attach_position(dataloader: DataLoader, sampler: ResumableDistributedSampler, trainer: pl.Trainer) -> None:

@@ -87,14 +87,13 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, _SubprocessScriptLaunche
         try:
             return function(*args, **kwargs)
         except BaseException as exception:
+            # rank 0 is handling a failure: no SIGKILL from behind. The observer otherwise keeps watching for
+            # the children's lifetime, through later calls (trainer.test after fit) that start no children.
             if self._observer is not None:
-                self._observer.stand_down.set()  # rank 0 is handling it: no SIGKILL from behind
+                self._observer.stand_down.set()
             missing = self._on_failure(exception) if self._on_failure is not None else []
             self._end_children(exception, missing)
             raise
-        finally:
-            if self._observer is not None:
-                self._observer.stand_down.set()
 
     def _node_rank_offset(self) -> int:
         return self.cluster_environment.node_rank() * self.num_processes
@@ -140,10 +139,10 @@ _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL (Li
 
 
 class _ChildObserver(threading.Thread):
-    """Watches the child ranks while rank 0 is in ``fit``. When one ends with an error, rank 0 (this process)
-    gets ``grace_s`` to notice in its collective and raise, which makes it stand down (its error is the one the
-    user reads); if rank 0 has not, it is stuck (e.g. in user code): the observer names the child, kills the
-    others and this process, as Lightning's observer does at once."""
+    """Watches the child ranks for their lifetime (every Trainer call of this process). When one ends with an
+    error, rank 0 (this process) gets ``grace_s`` to notice in its collective and raise, which makes it stand
+    down (its error is the one the user reads); if rank 0 has not, it is stuck (e.g. in user code): the
+    observer names the child, kills the others and this process, as Lightning's observer does at once."""
 
     def __init__(self, procs: list[subprocess.Popen], rank_offset: int, grace_s: float) -> None:
         super().__init__(daemon=True, name="mgpu-child-observer")  # ends with this process

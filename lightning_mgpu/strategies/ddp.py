@@ -689,10 +689,14 @@ class MGPUDDPStrategy(DDPStrategy):
         trainer = module._trainer if module is not None else None
         if trainer is None or not trainer.training:
             return dataloader  # evaluation loaders are read whole: nothing to resume
-        position, self._sampler_position = self._sampler_position, None
         if not trainer.fit_loop.is_resuming:
-            position = None  # a later reload (reload_dataloaders_every_n_epochs) starts its epoch whole
-        return resumable_train_loader(dataloader, trainer, injected=injected, position=position)
+            self._sampler_position = None  # a later reload (reload_dataloaders_every_n_epochs) starts its epoch whole
+        dataloader, took = resumable_train_loader(
+            dataloader, trainer, injected=injected, position=self._sampler_position
+        )
+        if took:  # with several training loaders, the position is for the one that can take it, not the first
+            self._sampler_position = None
+        return dataloader
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
