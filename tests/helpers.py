@@ -279,17 +279,16 @@ def plain_ddp_weights(
 def run_sample_config(module: str, config: str, out_dir: Path) -> str:
     """Run ``python -m lightning_mgpu.examples.<module> fit --config configs/<config>`` as a user does, with
     logs under ``out_dir``; asserts exit 0 and returns its standard output."""
-    import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
+    proc, _ = run_isolated(
         [
             sys.executable, "-m", f"lightning_mgpu.examples.{module}", "fit",
             "--config", str(root / "configs" / config),
             "--trainer.default_root_dir", str(out_dir),
         ],
-        capture_output=True, text=True, timeout=300, cwd=out_dir,
+        timeout=300, cwd=out_dir,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout

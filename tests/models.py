@@ -33,6 +33,20 @@ class Regressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class ManualRegressor(Regressor):
+    """Manual optimization without :class:`~lightning_mgpu.ManualAccumulation` (what the strategies refuse
+    to accumulate, and what the sharded strategies refuse outright)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+
+
 def make_data(n: int = 96, d_in: int = 6, d_out: int = 3, dtype: torch.dtype = torch.float64) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, d_in, generator=g, dtype=dtype)

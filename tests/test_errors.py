@@ -35,7 +35,7 @@ from lightning_mgpu import (
     warmup_schedule,
 )
 from tests.helpers import WORLD
-from tests.models import BlockRegressor, RankData, Regressor, make_data
+from tests.models import BlockRegressor, ManualRegressor, RankData, Regressor, make_data
 
 
 def trainer(strategy: Any = "mgpu_ddp_fork", **kwargs: Any) -> pl.Trainer:
@@ -57,20 +57,6 @@ def fit(model: pl.LightningModule, strategy: Any = "mgpu_ddp_fork", **kwargs: An
 
 def sgd() -> torch.optim.Optimizer:
     return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
-
-
-class ManualRegressor(Regressor):
-    """Manual optimization without the accumulation mixin."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(super().training_step(batch, batch_idx))
-        opt.step()
 
 
 class AutomaticWithMixin(ManualAccumulation, Regressor):

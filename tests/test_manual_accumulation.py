@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from lightning_mgpu import ManualAccumulation, MGPUDDPStrategy
 from tests.gan_helpers import TinyGAN, gan_reference, make_gan_data, weights
 from tests.helpers import WORLD, RankData, Regressor, fit
+from tests.models import ManualRegressor as ManualWithoutMixin  # manual optimization without the mixin
 
 B = 4
 EPOCHS = 2
@@ -259,19 +260,6 @@ def test_last_short_window_steps_at_epoch_end_like_automatic_optimization(tmp_pa
 
 class AutomaticWithMixin(ManualAccumulation, Regressor):
     """Mixes Lightning's automatic optimization with the manual switch."""
-
-
-class ManualWithoutMixin(Regressor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        opt = self.optimizers()
-        x, y = batch
-        self.manual_backward(F.mse_loss(self(x), y))
-        opt.step()
-        opt.zero_grad()
 
 
 class RawStep(TinyGAN):
