@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import functools
 import json
 import multiprocessing
@@ -227,11 +228,20 @@ def _half_write(ckpt_dir: Path, signals: Path) -> None:
 
 def _half_write_lightning_copy(tmpdir: str, ckpt_dir: Path, signals: Path) -> None:
     # Lightning's TorchCheckpointIO writes to tempfile.mkstemp() in $TMPDIR and moves it into place: on
-    # another filesystem (here tmpfs /dev/shm beside the checkpoint directory) the move is a copy, whose
-    # open(checkpoint, "wb") has truncated the previous checkpoint before the first byte. Python copies with
-    # sendfile(2) on Linux, which the harness cannot stop midway; without it, copyfileobj writes the same
-    # bytes through the file object.
+    # another filesystem (tmpfs /dev/shm beside the checkpoint directory: seen here) rename(2) fails with
+    # EXDEV and shutil.move copies instead, whose open(checkpoint, "wb") has truncated the previous checkpoint
+    # before the first byte. The worker's os.rename answers EXDEV for renames out of ``tmpdir`` as the kernel
+    # does across filesystems, so this runs on any machine. Python copies with sendfile(2) on Linux, which the
+    # harness cannot stop midway; without it, copyfileobj writes the same bytes through the file object.
     tempfile.tempdir = tmpdir
+    rename = os.rename
+
+    def cross_device_rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if str(src).startswith(tmpdir):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
+        rename(src, dst, *args, **kwargs)
+
+    os.rename = cross_device_rename  # type: ignore[assignment]
     shutil._USE_CP_SENDFILE = False  # type: ignore[attr-defined]
     _half_write(ckpt_dir, signals)
 
@@ -263,11 +273,8 @@ def test_kill_during_a_file_save_keeps_the_previous_checkpoint(tmp_path, name):
 
 def test_kill_during_lightnings_plain_save_truncates_the_checkpoint(tmp_path):
     """Negative control: the same kill with Lightning's TorchCheckpointIO, $TMPDIR on another filesystem."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
-        pytest.skip("needs /dev/shm on another filesystem than the checkpoint directory")
     ckpt_dir = tmp_path / "ckpt"
-    with tempfile.TemporaryDirectory(dir=shm) as tmpdir:
+    with tempfile.TemporaryDirectory(dir=tmp_path) as tmpdir:
         strategy = MGPUDDPStrategy(start_method="fork", checkpoint_io=TorchCheckpointIO())
         setup = functools.partial(_half_write_lightning_copy, tmpdir)
         written = int(_kill_during_second_save(setup, strategy, ckpt_dir, tmp_path / "signals"))
