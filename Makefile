@@ -1,14 +1,22 @@
 # Set-up is part of every target: on a fresh machine `make train` or `make test` is all it takes.
 # torch is pinned *before* the package is installed: an unpinned torch pulls several GB of CUDA wheels
 # (on this project's CPU machines `torch==2.13.0` resolves to the CPU wheel on disk). Override with
-# `make test TORCH=torch==2.4.1` (or TORCH= to keep whatever torch the interpreter already has).
+# `make test TORCH=torch==2.14.1` (or TORCH= to keep whatever torch the interpreter already has).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench lint notebooks
+# The compatibility tiers (`make test-compat`): the `-m compat` subset (parity of every preset at k=1, 2, manual
+# accumulation, sharded resume at another world size, CLI round trip; each also from the `lightning` copy of
+# the tests) in a venv of its own per tier. Oldest declared Lightning, both distributions, on the CPU wheel;
+# the newest declared Lightning on torch's CUDA wheel (which installs and runs without a GPU).
+OLDEST_LIGHTNING ?= 2.6.0
+CUDA_TORCH ?= torch==2.14.1
+COMPAT_DEPS := "pytest>=8" "pytest-timeout>=2.3" "jsonargparse[signatures]>=4.27" "fairscale==0.4.13"
+
+.PHONY: setup train test test-suite test-compat test-compat-oldest test-compat-cuda bench lint notebooks
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +30,36 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(BIN)/python -m lightning_mgpu.examples.train
 
-test: $(STAMP)
+# What CI runs: the whole suite (both Lightning namespaces), then the compatibility tiers.
+test: test-suite test-compat
+
+test-suite: $(STAMP)
 	$(BIN)/python -m pytest
+
+test-compat: test-compat-oldest test-compat-cuda
+
+.venv-oldest/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv .venv-oldest
+	.venv-oldest/bin/python -m pip install -q "$(TORCH)" "pytorch-lightning==$(OLDEST_LIGHTNING)" \
+		"lightning==$(OLDEST_LIGHTNING)" $(COMPAT_DEPS)
+	.venv-oldest/bin/python -m pip install -q -e .
+	touch $@
+
+test-compat-oldest: .venv-oldest/.installed
+	.venv-oldest/bin/python -c "import lightning, pytorch_lightning, torch; \
+		print('compat tier: lightning', lightning.__version__, 'pytorch_lightning', pytorch_lightning.__version__, 'torch', torch.__version__)"
+	.venv-oldest/bin/python -m pytest -m compat -p no:cacheprovider
+
+.venv-cuda/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv .venv-cuda
+	.venv-cuda/bin/python -m pip install -q "$(CUDA_TORCH)"
+	.venv-cuda/bin/python -m pip install -q -e . $(COMPAT_DEPS)
+	touch $@
+
+test-compat-cuda: .venv-cuda/.installed
+	.venv-cuda/bin/python -c "import lightning, torch; \
+		print('compat tier: lightning', lightning.__version__, 'torch', torch.__version__, 'CUDA build', torch.version.cuda)"
+	.venv-cuda/bin/python -m pytest -m compat -p no:cacheprovider
 
 # Re-run every notebook and store its outputs (tests/test_notebooks.py fails on outputs older than the cells).
 notebooks: $(STAMP)

@@ -1,8 +1,25 @@
 """lightning-mgpu: multi-GPU training plugins for PyTorch Lightning.
 
 ``import lightning_mgpu`` registers the preset strategy names (``"mgpu_ddp"``, ``"mgpu_ddp_spawn"``, ...)
-with Lightning, so ``Trainer(strategy="mgpu_ddp")`` works.
+with Lightning, in both of its namespaces, so ``Trainer(strategy="mgpu_ddp")`` works with
+``import lightning as L`` and with ``import pytorch_lightning as pl``.
+
+Instances (strategies, precision plugins, callbacks) belong to one namespace, as Lightning's own do:
+
+    from lightning_mgpu import MGPUDDPStrategy            # for pytorch_lightning.Trainer
+    from lightning_mgpu.lightning import MGPUDDPStrategy  # for lightning.Trainer (import lightning as L)
 """
+
+import os as _os
+
+from lightning_mgpu import _namespace
+
+if __name__ == "lightning_mgpu":  # not in the `lightning` copy, which is this file loaded again
+    _namespace.install(
+        _namespace.MirrorFinder(
+            "lightning_mgpu", "lightning_mgpu.lightning", [_os.path.dirname(__file__)], requires="lightning"
+        )
+    )
 
 from lightning_mgpu import distributed
 from lightning_mgpu.accumulation import ManualAccumulation
@@ -53,3 +70,8 @@ __all__ = [
 ]
 
 register_presets()
+
+if __name__ == "lightning_mgpu" and _namespace.lightning_available():
+    # the `lightning` namespace: the same package loaded again with its imports rewritten (_namespace.py);
+    # importing it registers the presets in lightning.pytorch's StrategyRegistry
+    import lightning_mgpu.lightning  # noqa: F401

@@ -5,6 +5,8 @@ Nothing else in the package may test a version or probe a private API inline: im
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
@@ -121,3 +123,29 @@ def _elastic_attempt_store(timeout: Any) -> Any:
     _ELASTIC_INITS[0] += 1
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     return PrefixStore(f"/lightning_mgpu/attempt_{attempt}/group_{_ELASTIC_INITS[0]}", store)
+
+
+@contextlib.contextmanager
+def cpu_fork_despite_cuda_probe() -> Iterator[None]:
+    """Lightning's fork launcher without its "Cannot re-initialize CUDA in forked subprocess" refusal, for a
+    launch whose workers run on CPU.
+
+    On torch's CUDA wheel without a GPU, ``torch.cuda.device_count()`` (which every ``Trainer`` calls) asks the
+    CUDA runtime, because NVML is absent, and torch then marks every process forked afterwards as a "bad fork"
+    (``torch.cuda._is_in_bad_fork()``). Lightning's fork launcher refuses to start in such a process
+    (``lightning_fabric.strategies.launchers.multiprocessing._check_bad_cuda_fork``, imported by name into
+    ``pytorch_lightning.strategies.launchers.multiprocessing``; checked on Lightning 2.6.0 and 2.6.6, torch 2.13.0 and
+    2.14.1+cu130): a CPU fit forked from a process that was itself forked after a ``Trainer`` was built fails,
+    although its workers never touch CUDA. Where the name is missing (another release), Lightning's check runs
+    unchanged."""
+    from pytorch_lightning.strategies.launchers import multiprocessing as launchers
+
+    original = getattr(launchers, "_check_bad_cuda_fork", None)
+    if original is None:  # pragma: no cover - another Lightning release
+        yield
+        return
+    launchers._check_bad_cuda_fork = lambda: None  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        launchers._check_bad_cuda_fork = original  # type: ignore[attr-defined]

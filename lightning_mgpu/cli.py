@@ -21,12 +21,22 @@ import re
 import sys
 from typing import Any, NoReturn, Optional
 
+from jsonargparse import ActionConfigFile
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.strategies import StrategyRegistry
 from typing_extensions import override
 
 __all__ = ["MGPUCLI", "MGPUArgumentParser", "main", "strategy_hint"]
+
+# "lightning_mgpu" here, "lightning_mgpu.lightning" in the `lightning` namespace's copy of this module
+_PACKAGE = __name__.rpartition(".")[0]
+
+
+def _version() -> str:
+    from lightning_mgpu import __version__
+
+    return __version__
 
 
 def _preset_names() -> list[str]:
@@ -51,7 +61,7 @@ def strategy_hint(name: Optional[str] = None) -> str:
     lines.append(f"lightning-mgpu presets: {', '.join(presets)} (`lightning-mgpu --list` describes them).")
     lines.append(
         "A strategy class works without importing the pack: "
-        "`strategy: {class_path: lightning_mgpu.MGPUDDPStrategy, init_args: {...}}`."
+        f"`strategy: {{class_path: {_PACKAGE}.MGPUDDPStrategy, init_args: {{...}}}}`."
     )
     return "\n".join(lines)
 
@@ -101,6 +111,9 @@ class MGPUArgumentParser(LightningArgumentParser):
 
     def hint(self, message: str) -> str:
         lines = []
+        mixed = _namespace_hint(message)
+        if mixed:
+            lines.append(mixed)
         unknown = _UNKNOWN_KEY.search(message)
         key = next((g for g in unknown.groups() if g), None) if unknown else None
         if key:
@@ -137,8 +150,18 @@ class MGPUCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import lightning_mgpu  # noqa: F401  (registers the preset names before the config is parsed)
 
-        kwargs.setdefault("parser_class", MGPUArgumentParser)
         super().__init__(*args, **kwargs)
+
+    @override
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # LightningCLI's own init_parser with MGPUArgumentParser (its `parser_class` argument exists only since
+        # Lightning 2.6; this hook is in every 2.x release)
+        kwargs.setdefault("dump_header", [f"lightning-mgpu=={_version()}"])
+        parser = MGPUArgumentParser(**kwargs)
+        parser.add_argument(
+            "-c", "--config", action=ActionConfigFile, help="Path to a configuration file in json or yaml format."
+        )
+        return parser
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -165,6 +188,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lightning_mgpu.strategies._launchers import release_process_group
 
     args = sys.argv[1:] if argv is None else list(argv)
+    if __name__ == "lightning_mgpu.cli" and _model_namespace(args) == "lightning":
+        # a model written against `import lightning as L`: the same CLI, from the `lightning` copy of the pack
+        from lightning_mgpu.lightning.cli import main as lightning_main
+
+        return lightning_main(argv)
     if args[:1] == ["--list"]:
         print(lightning_mgpu.preset_table())
         return 0
@@ -185,6 +213,86 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     release_process_group()
     return 0
+
+
+def _model_class_paths(args: list[str]) -> list[str]:
+    """The ``model`` class paths named by ``args``: ``--model X``, ``--model.class_path X`` or in a ``--config``
+    file (at its top level or under a subcommand). Unreadable configs are left to LightningCLI to report."""
+    import yaml
+
+    found: list[str] = []
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if key in ("--model", "--model.class_path") and value and not value.lstrip().startswith("{"):
+            found.append(value)
+        elif key in ("--config", "-c") and value:
+            try:
+                with open(value) as f:
+                    config = yaml.safe_load(f)
+            except (OSError, yaml.YAMLError):
+                continue
+            sections = (
+                [config] + [v for v in config.values() if isinstance(v, dict)] if isinstance(config, dict) else []
+            )
+            for section in sections:
+                model = section.get("model")
+                path = model.get("class_path") if isinstance(model, dict) else model
+                if isinstance(path, str):
+                    found.append(path)
+    return found
+
+
+def _class_namespace(class_path: str) -> Optional[str]:
+    """``"lightning"`` or ``"pytorch_lightning"``: the Lightning namespace the class at ``class_path`` is built
+    on (the first Lightning class in its MRO); None if it cannot be imported or is not a Lightning class."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    for klass in getattr(cls, "__mro__", ()):
+        if klass.__module__.startswith(("lightning.pytorch.", "lightning.fabric.")):
+            return "lightning"
+        if klass.__module__.startswith(("pytorch_lightning.", "lightning_fabric.")):
+            return "pytorch_lightning"
+    return None
+
+
+def _model_namespace(args: list[str]) -> str:
+    """``"lightning"`` when the model class named in ``args`` subclasses ``lightning.pytorch.LightningModule``
+    (``import lightning as L``), else ``"pytorch_lightning"``. The last one named wins, as in LightningCLI."""
+    for path in reversed(_model_class_paths(args)):
+        namespace = _class_namespace(path)
+        if namespace is not None:
+            return namespace
+    return "pytorch_lightning"
+
+
+_NOT_A_SUBCLASS = re.compile(r"Import path ([\w.]+) does not correspond to a subclass of")
+
+
+def _namespace_hint(message: str) -> Optional[str]:
+    """A class of the other Lightning namespace than this CLI's: say so, and name the class to write instead."""
+    running = "lightning" if _PACKAGE == "lightning_mgpu.lightning" else "pytorch_lightning"
+    for path in dict.fromkeys(_NOT_A_SUBCLASS.findall(message)):
+        namespace = _class_namespace(path)
+        if namespace is None or namespace == running:
+            continue
+        if running == "lightning" and path.startswith("lightning_mgpu.") and not path.startswith(_PACKAGE):
+            instead = f"lightning_mgpu.lightning.{path[len('lightning_mgpu.') :]}"
+        elif running == "pytorch_lightning" and path.startswith("lightning_mgpu.lightning."):
+            instead = f"lightning_mgpu.{path[len('lightning_mgpu.lightning.') :]}"
+        else:
+            instead = "the same class written against " + (
+                "`lightning`" if running == "lightning" else "`pytorch_lightning`"
+            )
+        return (
+            f"{path} is built on `{namespace}`, but this run uses `{running}` (chosen by the model class): every "
+            f"class of one run must come from one Lightning namespace. Write {instead}."
+        )
+    return None
 
 
 class FitSummary(Callback):

@@ -1,0 +1,19 @@
+"""The tests, and their `lightning` namespace copy ``tests.lightning_ns``: the same files loaded again with
+``pytorch_lightning`` -> ``lightning.pytorch``, ``lightning_mgpu`` -> ``lightning_mgpu.lightning`` and ``tests`` ->
+``tests.lightning_ns`` in their imports (the package's own mechanism, ``lightning_mgpu/_namespace.py``).
+``tests/test_namespaces.py`` runs the compatibility subset (``-m compat``) from that copy. Installed here, in the
+package every test module and worker imports first, so that spawned workers unpickle the copy's functions too."""
+
+import os
+
+from lightning_mgpu import _namespace
+
+_namespace.install(
+    _namespace.MirrorFinder(
+        "tests",
+        "tests.lightning_ns",
+        [os.path.dirname(__file__)],
+        renames={**_namespace.LIGHTNING_RENAMES, "tests": "tests.lightning_ns"},
+        requires="lightning",
+    )
+)

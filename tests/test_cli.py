@@ -72,6 +72,7 @@ def test_a_preset_config_selects_its_preset(preset):
         assert preset.init_params.items() <= strategy["init_args"].items()
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_config_round_trips_through_print_config(config, capsys, tmp_path):
     first = print_config(capsys, "--config", str(config))

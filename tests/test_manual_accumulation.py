@@ -30,6 +30,7 @@ def _split(flat: torch.Tensor, model: TinyGAN) -> dict[str, torch.Tensor]:
     return {"generator": flat[:n_g], "discriminator": flat[n_g:]}
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_two_optimizers_equal_single_process_with_global_batch(tmp_path, k):
     dataset = make_gan_data()

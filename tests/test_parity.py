@@ -12,6 +12,7 @@ B = 4
 EPOCHS = 2
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("static_graph", [False, True], ids=["dynamic", "static_graph"])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_ddp_weights_equal_single_process_with_global_batch(tmp_path, k, static_graph):
@@ -37,6 +38,7 @@ def test_ddp_weights_equal_single_process_with_global_batch(tmp_path, k, static_
     assert (expected - initial).abs().max() > 1e-2, "weights did not move: the comparison would prove nothing"
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(
     ("global_batch", "lr"),
     [(WORLD * B, 0.1), (WORLD * B * 2, 0.1 * (1 + 1e-5))],

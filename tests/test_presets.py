@@ -37,6 +37,7 @@ def test_registering_twice_is_harmless():
         assert after[name]["description"] == before[name]["description"]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset", PRESETS, ids=NAMES)
 def test_trainer_builds_the_preset_configuration(preset):
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=preset.name, logger=False)
@@ -57,6 +58,7 @@ def test_list_prints_every_name_description_and_launch_mode():
         assert p.description in line and line.rstrip().endswith(p.launch)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", ["mgpu_ddp_fork", "mgpu_ddp_notebook"])
 def test_fork_presets_train(tmp_path, name):
     model = Regressor().double()

@@ -73,6 +73,7 @@ def assert_same_optimizer_state(got: dict[str, Any], expected: dict[str, Any]) -
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize(("stage", "backend"), CONFIGS, ids=IDS)
@@ -101,6 +102,7 @@ def test_sharded_training_equals_single_process_with_global_batch(tmp_path, stag
     assert_same_optimizer_state(final(tmp_path)["optim"][0], expected_optim)
 
 
+@pytest.mark.compat
 def test_sharded_parity_check_can_fail(tmp_path):
     """Negative control: the same comparison fails against a reference that ignores accumulation."""
     dataset = make_data()
@@ -242,6 +244,7 @@ def _assert_resumed_like_straight(tmp: Path, ranks: list[dict[str, Any]]) -> Non
     assert_same_optimizer_state(final(tmp)["optim"][0], expected_optim)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(("save_world", "resume_worlds"), [(2, (1, 3)), (1, (2,))], ids=["2to1,2to3", "1to2"])
 @pytest.mark.parametrize("layout", ["consolidated", "sharded"])
 @pytest.mark.parametrize(("stage", "backend"), CONFIGS, ids=IDS)

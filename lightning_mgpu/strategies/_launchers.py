@@ -20,6 +20,7 @@ from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _Su
 from pytorch_lightning.strategies.launchers.multiprocessing import _WorkerOutput
 from typing_extensions import override
 
+from lightning_mgpu._compat import cpu_fork_despite_cuda_probe
 from lightning_mgpu.precision import MGPUPrecision
 
 PreLaunchCheck = Callable[["pl.Trainer"], None]
@@ -179,6 +180,16 @@ class _ChildObserver(threading.Thread):
 
 
 class _CheckedMultiProcessingLauncher(_PreLaunchCheck, _MultiProcessingLauncher):
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        if self._start_method in ("fork", "forkserver") and self._strategy.root_device.type == "cpu":
+            # CPU workers never initialise CUDA, so a fork is safe even in a process that torch marks as a "bad
+            # fork" (on the CUDA wheel without a GPU, asking for the device count marks every later fork child
+            # so). Lightning refuses such forks on any device; on CUDA its refusal stands.
+            with cpu_fork_despite_cuda_probe():
+                return super().launch(function, *args, trainer=trainer, **kwargs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         try:

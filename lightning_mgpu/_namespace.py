@@ -1,0 +1,171 @@
+"""Both Lightning namespaces from one source: ``lightning_mgpu`` for ``pytorch_lightning``, and
+``lightning_mgpu.lightning`` for ``lightning`` (``import lightning as L``, what Lightning's docs use).
+
+Lightning ships its code twice: ``pytorch_lightning`` (the ``pytorch-lightning`` distribution) and
+``lightning.pytorch`` (the ``lightning`` distribution) are the same source with separate classes and a
+``StrategyRegistry`` each, and a Trainer accepts only strategies, plugins and callbacks of its own namespace
+(``isinstance(strategy, Strategy)``). So the pack too exists once per namespace. Lightning makes its second
+copy by rewriting the imports of its source when it builds the ``lightning`` wheel; this module does the same
+when a module of ``lightning_mgpu.lightning`` is imported: it reads the file of the matching
+``lightning_mgpu`` module and rewrites its *import statements* (nothing else: no string, no name),
+
+    ``import pytorch_lightning as pl``        -> ``import lightning.pytorch as pl``
+    ``from lightning_fabric.x import Y``      -> ``from lightning.fabric.x import Y``
+    ``from lightning_mgpu.x import Y``        -> ``from lightning_mgpu.lightning.x import Y``
+    ``import lightning_mgpu``                 -> ``import lightning_mgpu.lightning as lightning_mgpu``
+
+so every file has one source of truth, tracebacks point at it, and the two copies cannot drift apart.
+``import lightning_mgpu`` imports the ``lightning`` copy too when ``lightning`` is installed, so the preset
+names are registered in both namespaces whichever Trainer the user builds. The copy is a real package:
+``lightning_mgpu.lightning.MGPUDDPStrategy`` pickles and unpickles (spawn launches) by its module path.
+
+This module imports nothing of torch or Lightning, so that it can be loaded on its own.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Optional
+
+__all__ = ["LIGHTNING_RENAMES", "MirrorFinder", "install", "lightning_available", "rewrite_imports"]
+
+#: top-level module renames that turn the ``pytorch_lightning`` copy into the ``lightning`` one
+LIGHTNING_RENAMES: Mapping[str, str] = {
+    "pytorch_lightning": "lightning.pytorch",
+    "lightning_fabric": "lightning.fabric",
+    "lightning_mgpu": "lightning_mgpu.lightning",
+}
+
+
+def _renamed(module: str, renames: Mapping[str, str]) -> Optional[str]:
+    """``module`` with its renamed prefix replaced (``pytorch_lightning.cli`` -> ``lightning.pytorch.cli``);
+    None if no prefix applies. The longest prefix wins, and a name already in its target stays."""
+    for old in sorted(renames, key=len, reverse=True):
+        new = renames[old]
+        if module == new or module.startswith(new + "."):
+            return None
+        if module == old or module.startswith(old + "."):
+            return new + module[len(old) :]
+    return None
+
+
+class _ImportRewriter(ast.NodeTransformer):
+    def __init__(self, renames: Mapping[str, str]) -> None:
+        self.renames = renames
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.ImportFrom:
+        if node.level == 0 and node.module:
+            node.module = _renamed(node.module, self.renames) or node.module
+        return node
+
+    def visit_Import(self, node: ast.Import) -> ast.Import:
+        names: list[ast.alias] = []
+        for alias in node.names:
+            new = _renamed(alias.name, self.renames)
+            if new is None:
+                names.append(alias)
+            elif alias.asname is not None:  # import pytorch_lightning.cli as cli
+                names.append(ast.alias(new, alias.asname))
+            else:
+                # `import a.b` binds `a`; bind the same local name to the renamed module instead, and import the
+                # submodule first so that `a.b` is an attribute of it
+                top = alias.name.split(".")[0]
+                if "." in alias.name:
+                    names.append(ast.alias(new))
+                names.append(ast.alias(_renamed(top, self.renames) or top, top))
+        node.names = names
+        return node
+
+
+def rewrite_imports(source: str, filename: str, renames: Mapping[str, str] = LIGHTNING_RENAMES) -> ast.Module:
+    """The module ``source`` parsed, with the import statements of every renamed module rewritten (line numbers
+    unchanged). Compile the result with ``compile(tree, filename, "exec")``."""
+    tree = ast.parse(source, filename)
+    tree = _ImportRewriter(renames).visit(tree)
+    return ast.fix_missing_locations(tree)
+
+
+class _MirrorLoader(importlib.machinery.SourceFileLoader):
+    """Loads a source file under the mirror's name with its imports rewritten. Never reads or writes the
+    bytecode cache: the cached file belongs to the original module."""
+
+    def __init__(self, fullname: str, path: str, renames: Mapping[str, str]) -> None:
+        super().__init__(fullname, path)
+        self.renames = renames
+
+    def get_code(self, fullname: str):  # type: ignore[override]
+        source = importlib.util.decode_source(self.get_data(self.path))
+        return compile(rewrite_imports(source, self.path, self.renames), self.path, "exec", dont_inherit=True)
+
+
+class MirrorFinder(importlib.abc.MetaPathFinder):
+    """Finds ``target[.x.y]`` as the source file of ``source[.x.y]``, loaded with :func:`rewrite_imports`.
+
+    Args:
+        source: the package whose files are loaded again (``"lightning_mgpu"``).
+        target: the name of the copy (``"lightning_mgpu.lightning"``).
+        directories: where the source package's files are (its ``__path__``).
+        renames: the import renames (default: :data:`LIGHTNING_RENAMES`).
+        requires: a module the copy needs, named in the ``ImportError`` when it is missing.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        target: str,
+        directories: Sequence[str],
+        renames: Mapping[str, str] = LIGHTNING_RENAMES,
+        requires: Optional[str] = None,
+    ) -> None:
+        self.source, self.target = source, target
+        self.directories = list(directories)
+        self.renames = renames
+        self.requires = requires
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[ModuleType] = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != self.target and not fullname.startswith(self.target + "."):
+            return None
+        if self.requires is not None and importlib.util.find_spec(self.requires) is None:
+            raise ModuleNotFoundError(
+                f"{fullname} serves the `{self.requires}` namespace (`import lightning as L`), but `{self.requires}` "
+                f"is not installed: `pip install {self.requires}`. With `pytorch_lightning`, import from "
+                f"{self.source} instead.",
+                name=fullname,
+            )
+        parts = fullname[len(self.target) :].lstrip(".").split(".") if fullname != self.target else []
+        for directory in self.directories:
+            base = os.path.join(directory, *parts)
+            package_init = os.path.join(base, "__init__.py")
+            if os.path.isfile(package_init):
+                loader = _MirrorLoader(fullname, package_init, self.renames)
+                return importlib.util.spec_from_file_location(
+                    fullname, package_init, loader=loader, submodule_search_locations=[base]
+                )
+            if parts and os.path.isfile(base + ".py"):
+                loader = _MirrorLoader(fullname, base + ".py", self.renames)
+                return importlib.util.spec_from_file_location(fullname, base + ".py", loader=loader)
+        return None
+
+
+def install(finder: MirrorFinder) -> MirrorFinder:
+    """Put ``finder`` first on ``sys.meta_path`` (before the path finders, which would load the same files
+    under the copy's name without rewriting them); one finder per target. Returns the installed finder."""
+    for existing in sys.meta_path:
+        if isinstance(existing, MirrorFinder) and existing.target == finder.target:
+            return existing
+    sys.meta_path.insert(0, finder)
+    return finder
+
+
+def lightning_available() -> bool:
+    """Whether the ``lightning`` distribution (``import lightning``) is installed."""
+    return importlib.util.find_spec("lightning") is not None
