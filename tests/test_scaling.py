@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 import lightning_mgpu
 from lightning_mgpu import MGPUDDPStrategy, ScaleLR, effective_batch_size, warmup_schedule
@@ -218,3 +219,52 @@ def test_gathering_helpers_with_uneven_sizes_and_dicts(tmp_path):
     assert r1["sum"]["n"].item() == 8
     assert torch.equal(r0["gather"]["loss"], everything) and r1["gather"] is None
     assert r0["gather"]["rows"].tolist() == [[0, 0]] * 3 + [[1, 1]] * 5
+
+
+_COLLECTIVES = ("all_gather", "all_reduce", "reduce", "broadcast", "barrier", "all_gather_object", "gather")
+
+
+def _count_worker(rank: int, port: int, out: str) -> None:
+    """Per helper call, the collectives it issues (a spy on torch.distributed's functions, which the helpers
+    look up at call time)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    calls: list[str] = []
+    for name in _COLLECTIVES:
+        original = getattr(dist, name)
+
+        def spy(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, spy)
+    n = 3 if rank == 0 else 5  # uneven
+    three = {"loss": torch.arange(n, dtype=torch.float32), "rows": torch.ones(n, 4), "mask": torch.ones(n) > 0}
+    counts: dict[str, list[str]] = {}
+    for label, call in (
+        ("mean", lambda: mdist.mean(three)),
+        ("mean_everywhere", lambda: mdist.mean(three, dst=None)),
+        ("sum", lambda: mdist.sum(three, dst=1)),
+        ("gather_one", lambda: mdist.gather(three["rows"], dst=None)),
+        ("gather_three", lambda: mdist.gather(three, dst=None)),
+        ("torchmetrics_three", lambda: [gather_all_tensors(v) for v in three.values()]),
+    ):
+        calls.clear()
+        call()
+        counts[label] = list(calls)
+    torch.save(counts, Path(out) / f"count{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_collectives_per_call_one_for_mean_and_sum_one_plus_keys_for_gather(tmp_path):
+    """The module docstring's count, and why gather is not torchmetrics' gather_all_tensors (in 1.9 a barrier
+    and two all_gathers per key: 9 collectives for these 3 keys)."""
+    mp.start_processes(_count_worker, nprocs=WORLD, start_method="fork", args=(find_free_network_port(), str(tmp_path)))
+    for rank in range(WORLD):
+        counts = torch.load(tmp_path / f"count{rank}.pt")
+        assert counts["mean"] == ["reduce"] and counts["sum"] == ["reduce"]
+        assert counts["mean_everywhere"] == ["all_reduce"]
+        assert counts["gather_one"] == ["all_gather"] * 2  # the sizes, then the padded rows
+        assert counts["gather_three"] == ["all_gather"] * 4  # the sizes of all keys, then one per key
+        # the reason to keep our own: torchmetrics (1.9: barrier, shape, tensor per key) takes more
+        assert len(counts["torchmetrics_three"]) > len(counts["gather_three"]), counts["torchmetrics_three"]
