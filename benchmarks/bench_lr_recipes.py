@@ -1,14 +1,15 @@
-"""Seed 000's two recipes for reproducing a batch-64 result on a batch-16 device, measured.
+"""The multi-GPU training article's two recipes for reproducing a batch-64 result on a batch-16 device, measured.
 
     python benchmarks/bench_lr_recipes.py              # digits MLP, float64, SGD and Adam, 10 epochs
 
-The paper's setting: batch 64, learning rate lr. The seed's two ways to get there with batch 16:
+The paper's setting: batch 64, learning rate lr. The two ways the article ("深度学习多卡训练", on multi-GPU
+training, its gradient-accumulation section) gives to get there with batch 16:
 
 * recipe 1: batch 16, lr/4, no accumulation (4 small steps per 64 samples);
 * recipe 2: batch 16, lr, accumulation 4 (one step on the mean gradient of 64 samples);
 
 against the reference (batch 64, lr, 1 process) and ``mgpu_ddp`` on 2 processes x batch 8 x accumulation 4
-(effective 64, lr). The seed argues both recipes equal the reference. Reported per optimizer: test
+(effective 64, lr). The article argues both recipes equal the reference. Reported per optimizer: test
 accuracy, and the distance of the final weights to the reference's, relative to how far the reference
 moved from the initial weights. The model has no BatchNorm (BN statistics depend on the micro-batch).
 """

@@ -3,8 +3,8 @@
 Inside a LightningModule, ``self.log(name, value, sync_dist=True)`` already averages a scalar over ranks and
 torchmetrics metrics gather their counts across ranks; use those first. These helpers are for what they do
 not cover: a value computed outside ``self.log`` (a custom progress line, a dict of losses written to your
-own file, per-sample losses of an uneven last batch), gathered with **one collective per call** however
-many keys the dict has::
+own file, per-sample losses of an uneven last batch). ``mean`` and ``sum`` take **one collective per call**
+however many keys the dict has; ``gather`` takes one for the sizes of all keys, then one per key::
 
     from lightning_mgpu import distributed as mdist
 
@@ -18,6 +18,14 @@ many keys the dict has::
 for exactly its samples (``sync_dist=True`` averages per-rank means instead: every rank weighs the same).
 For per-rank scalars that already are means, pass ``weight=`` (the number of samples behind each).
 Without an initialised process group (one process), every helper computes the local result.
+
+Why ``gather`` is not torchmetrics' ``gather_all_tensors`` (torchmetrics 1.9, which also pads uneven sizes):
+that function takes one tensor, and for each one runs a ``barrier``, an ``all_gather`` of its shape, then an
+``all_gather`` of the padded tensor: 3 collectives per key (2 for a 0-dim tensor), where ``gather`` takes
+1 + number of keys, without a barrier (a dict of 3 uneven keys on 2 gloo ranks: 9 against 4, counted with
+torch.profiler; ``tests/test_scaling.py`` pins our count). It also pads every dimension, so ranks whose
+trailing shapes differ get tensors that cannot be concatenated, where ``gather`` names the key and the shape.
+The padding itself is a ``torch.zeros`` and a slice: no code worth a dependency's semantics.
 """
 
 from __future__ import annotations

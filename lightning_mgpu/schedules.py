@@ -2,13 +2,29 @@
 
 With N devices each rank sees 1/N of the data, and with accumulation k one optimizer step takes k batches:
 a schedule written as "total_steps = len(dataset) // batch_size * epochs" is N*k times too long and never
-finishes its decay (seed 000, "lr_scheduler 会有所影响"). Lightning already counts the real number:
+finishes its decay (the multi-GPU training article "深度学习多卡训练": "lr_scheduler 会有所影响"). Lightning
+already counts the real number:
 ``trainer.estimated_stepping_batches`` (devices, nodes, accumulation, ``max_steps`` and
 ``limit_train_batches`` included). :func:`warmup_schedule` builds on it::
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
         return {"optimizer": opt, "lr_scheduler": lightning_mgpu.warmup_schedule(opt, self.trainer, warmup=0.1)}
+
+Why a ``LambdaLR`` with our formula rather than torch's ``SequentialLR(LinearLR, CosineAnnealingLR / LinearLR /
+ConstantLR)``: within the run the two give the same LRs to float rounding (``tests/test_scaling.py`` compares
+them step by step; the warmup's first step, ``peak / warmup``, is ``LinearLR(start_factor=1 / warmup)``, so
+LinearLR's ``start_factor > 0`` is no obstacle), and both checkpoints resume exactly. They differ where it
+matters to a run whose length is an estimate:
+
+* torch's ``CosineAnnealingLR`` is periodic: one step past ``T_max`` its LR climbs back towards the peak (23
+  steps, warmup 4, final 0.1 x peak: 5 steps past the end take it from 0.1 x to 0.26 x the peak), where ours
+  holds ``final_lr_ratio``. ``estimated_stepping_batches`` is an estimate (a loader whose length changes, a
+  finished run resumed with a larger ``max_epochs``), so steps past the end do happen;
+* torch's chainable schedulers are recursive (each step multiplies the current LR), so the last step's LR is
+  ``final_lr_ratio`` x peak only to rounding (linear: ``0.009999999999999997`` for ``0.1 x 0.1``); ``LambdaLR``
+  computes every step from the base LR in closed form and lands on it exactly (``tests/test_scaling.py``);
+* closed form also means an LR a callback changes for one step does not carry into the next ones.
 """
 
 from __future__ import annotations
@@ -45,8 +61,9 @@ def warmup_schedule(
     decay: Literal["cosine", "linear", "constant"] = "cosine",
     final_lr_ratio: float = 0.0,
 ) -> dict[str, Any]:
-    """A Lightning ``lr_scheduler`` config (stepped every optimizer step): linear warmup from 0, then
-    ``decay`` down to ``final_lr_ratio`` x the peak LR exactly at the last step of the run.
+    """A Lightning ``lr_scheduler`` config (stepped every optimizer step): linear warmup from 0 (warmup step
+    ``s`` uses ``(s + 1) / warmup`` of the peak LR, so none is spent at 0), then ``decay`` down to
+    ``final_lr_ratio`` x the peak LR exactly at the last step of the run, held after it.
 
     Args:
         warmup: warmup length; a float in [0, 1) is a fraction of :func:`total_steps`, an int is steps.

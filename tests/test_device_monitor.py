@@ -6,6 +6,7 @@ import csv
 import math
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -319,6 +320,48 @@ def test_nvml_bindings_import_and_fail_cleanly_without_a_driver(monkeypatch):
     with pytest.warns(UserWarning, match="NVML unavailable"):
         util, mem = monitor._gpu(torch.device("cuda", 0))
     assert math.isnan(util) and math.isnan(mem) and monitor._nvml_ok is False
+
+
+def test_host_memory_is_psutils_rss(monkeypatch):
+    import psutil
+
+    import lightning_mgpu.callbacks.device_monitor as dm
+
+    class FakeProcess:
+        def memory_info(self) -> Any:
+            return SimpleNamespace(rss=123 * 2**20)
+
+    monkeypatch.setattr(psutil, "Process", FakeProcess)
+    assert dm._rss_mb() == 123.0
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux: VmHWM and /proc/self/clear_refs")
+def test_host_peak_is_the_intervals_peak_reset_through_clear_refs():
+    """psutil has no resettable peak RSS: on Linux the monitor keeps VmHWM and resets it between intervals,
+    so a large allocation freed before the reset does not count for the next interval."""
+    import lightning_mgpu.callbacks.device_monitor as dm
+
+    block = b"\x01" * (256 * 2**20)  # every page written: resident
+    before = dm._rss_peak_mb()
+    del block
+    dm._reset_rss_peak()
+    after = dm._rss_peak_mb()
+    assert before - after > 200, (before, after)
+    assert after >= dm._rss_mb() - 1  # the peak is never below the current RSS (1 MB of slack: two reads)
+
+
+@pytest.mark.parametrize(("platform", "maxrss"), [("darwin", 300 * 2**20), ("linux", 300 * 1024)])
+def test_host_peak_without_proc_reads_getrusage_in_the_platforms_unit(monkeypatch, tmp_path, platform, maxrss):
+    """Without /proc (macOS, the BSDs) the peak since the process started comes from getrusage, whose
+    ru_maxrss is in bytes on macOS and in KiB elsewhere."""
+    import resource
+
+    import lightning_mgpu.callbacks.device_monitor as dm
+
+    monkeypatch.setattr(dm, "_PROC_STATUS", str(tmp_path / "no-proc-status"))
+    monkeypatch.setattr(dm.sys, "platform", platform)
+    monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=maxrss))
+    assert dm._rss_peak_mb() == 300.0
 
 
 def test_plots_draw_one_series_per_rank_from_the_csv_log(tmp_path):

@@ -3,6 +3,7 @@ gathering helpers with uneven sizes and dicts."""
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from pathlib import Path
@@ -16,6 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 import lightning_mgpu
 from lightning_mgpu import MGPUDDPStrategy, ScaleLR, effective_batch_size, warmup_schedule
@@ -127,6 +130,68 @@ def test_warmup_schedule_shapes():
     assert lightning_mgpu.total_steps(trainer) == 11
 
 
+def _lrs(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> list[float]:
+    """The LR of each of ``steps`` optimizer steps (read before the step, as Lightning steps the scheduler after)."""
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def _torchs_schedule(optimizer: torch.optim.Optimizer, warmup: int, total: int, decay: str, final: float) -> Any:
+    """The same schedule from torch's chainable schedulers: what schedules.py's docstring compares with."""
+    span = total - 1 - warmup
+    after: Any = {
+        "cosine": lambda: CosineAnnealingLR(optimizer, T_max=span, eta_min=final * BASE_LR),
+        "linear": lambda: LinearLR(optimizer, start_factor=1.0, end_factor=final, total_iters=span),
+        "constant": lambda: ConstantLR(optimizer, factor=1.0, total_iters=0),
+    }[decay]()
+    ramp = LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup - 1)
+    return SequentialLR(optimizer, [ramp, after], milestones=[warmup])
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_warmup_schedule_follows_torchs_schedulers_and_holds_the_final_lr_exactly(decay):
+    """Step by step the LambdaLR schedule equals SequentialLR(LinearLR, CosineAnnealingLR / LinearLR /
+    ConstantLR) to float rounding, reaches final_lr_ratio x peak exactly (bitwise) at the last step, and keeps
+    it on steps past the estimate, where torch's cosine climbs back towards the peak."""
+    total, warmup, final = 23, 4, 0.1
+    ours_opt, torchs_opt = _opt(BASE_LR), _opt(BASE_LR)
+    ours = warmup_schedule(ours_opt, _trainer(total), warmup=warmup, decay=decay, final_lr_ratio=final)["scheduler"]
+    torchs = _torchs_schedule(torchs_opt, warmup, total, decay, final)
+    extra = 5  # optimizer steps past the estimated total
+    mine, theirs = _lrs(ours_opt, ours, total + extra), _lrs(torchs_opt, torchs, total + extra)
+    assert mine[:total] == pytest.approx(theirs[:total], rel=1e-12, abs=0.0)
+    assert mine[0] == BASE_LR / warmup  # the ramp's first step is not spent at LR 0
+    end = BASE_LR if decay == "constant" else BASE_LR * final
+    assert mine[total - 1] == end and mine[total:] == [end] * extra
+    if decay == "cosine":  # why schedules.py keeps LambdaLR: torch's cosine is periodic past T_max
+        assert theirs[total:] != [end] * extra and max(theirs[total:]) > 2 * end
+
+
+def test_warmup_schedule_resumes_from_its_state_dict():
+    """The state Lightning checkpoints (LambdaLR's state_dict, with the multiplier's fields) continues the
+    schedule exactly, also through torch.save/torch.load as in a checkpoint file."""
+    total, cut = 17, 7
+    straight_opt = _opt(BASE_LR)
+    straight = warmup_schedule(straight_opt, _trainer(total), warmup=3, final_lr_ratio=0.05)["scheduler"]
+    expected = _lrs(straight_opt, straight, total)
+    first_opt = _opt(BASE_LR)
+    first = warmup_schedule(first_opt, _trainer(total), warmup=3, final_lr_ratio=0.05)["scheduler"]
+    before = _lrs(first_opt, first, cut)
+    buffer = io.BytesIO()
+    torch.save({"scheduler": first.state_dict(), "optimizer": first_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed_opt = _opt(BASE_LR)
+    resumed = warmup_schedule(resumed_opt, _trainer(total), warmup=3, final_lr_ratio=0.05)["scheduler"]
+    resumed_opt.load_state_dict(saved["optimizer"])
+    resumed.load_state_dict(saved["scheduler"])
+    assert before + _lrs(resumed_opt, resumed, total - cut) == expected
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
@@ -153,8 +218,8 @@ def test_bad_input_names_the_value_and_the_fix(call, error, match):
         call()
 
 
-def _opt() -> torch.optim.Optimizer:
-    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+def _opt(lr: float = 1.0) -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
 
 
 def _trainer(steps: float) -> Any:
@@ -218,3 +283,52 @@ def test_gathering_helpers_with_uneven_sizes_and_dicts(tmp_path):
     assert r1["sum"]["n"].item() == 8
     assert torch.equal(r0["gather"]["loss"], everything) and r1["gather"] is None
     assert r0["gather"]["rows"].tolist() == [[0, 0]] * 3 + [[1, 1]] * 5
+
+
+_COLLECTIVES = ("all_gather", "all_reduce", "reduce", "broadcast", "barrier", "all_gather_object", "gather")
+
+
+def _count_worker(rank: int, port: int, out: str) -> None:
+    """Per helper call, the collectives it issues (a spy on torch.distributed's functions, which the helpers
+    look up at call time)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    calls: list[str] = []
+    for name in _COLLECTIVES:
+        original = getattr(dist, name)
+
+        def spy(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, spy)
+    n = 3 if rank == 0 else 5  # uneven
+    three = {"loss": torch.arange(n, dtype=torch.float32), "rows": torch.ones(n, 4), "mask": torch.ones(n) > 0}
+    counts: dict[str, list[str]] = {}
+    for label, call in (
+        ("mean", lambda: mdist.mean(three)),
+        ("mean_everywhere", lambda: mdist.mean(three, dst=None)),
+        ("sum", lambda: mdist.sum(three, dst=1)),
+        ("gather_one", lambda: mdist.gather(three["rows"], dst=None)),
+        ("gather_three", lambda: mdist.gather(three, dst=None)),
+        ("torchmetrics_three", lambda: [gather_all_tensors(v) for v in three.values()]),
+    ):
+        calls.clear()
+        call()
+        counts[label] = list(calls)
+    torch.save(counts, Path(out) / f"count{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_collectives_per_call_one_for_mean_and_sum_one_plus_keys_for_gather(tmp_path):
+    """The module docstring's count, and why gather is not torchmetrics' gather_all_tensors (in 1.9 a barrier
+    and two all_gathers per key: 9 collectives for these 3 keys)."""
+    mp.start_processes(_count_worker, nprocs=WORLD, start_method="fork", args=(find_free_network_port(), str(tmp_path)))
+    for rank in range(WORLD):
+        counts = torch.load(tmp_path / f"count{rank}.pt")
+        assert counts["mean"] == ["reduce"] and counts["sum"] == ["reduce"]
+        assert counts["mean_everywhere"] == ["all_reduce"]
+        assert counts["gather_one"] == ["all_gather"] * 2  # the sizes, then the padded rows
+        assert counts["gather_three"] == ["all_gather"] * 4  # the sizes of all keys, then one per key
+        # the reason to keep our own: torchmetrics (1.9: barrier, shape, tensor per key) takes more
+        assert len(counts["torchmetrics_three"]) > len(counts["gather_three"]), counts["torchmetrics_three"]

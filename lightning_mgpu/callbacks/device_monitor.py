@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
+import sys
 import time
 from typing import Any, Optional, Union
 
+import psutil
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
@@ -31,6 +32,8 @@ __all__ = ["DeviceMonitor"]
 Stamp = Union[float, "torch.cuda.Event", None]
 _HEADER = ("batches", "steps", "sync_exit", "mem_peak_mb", "mem_mb", "gpu_util", "gpu_mem_mb")
 _MB = 2.0**20
+_PROC_STATUS = "/proc/self/status"  # Linux: VmHWM, the peak RSS since the last reset
+_PROC_CLEAR_REFS = "/proc/self/clear_refs"
 
 
 class DeviceMonitor(Callback):
@@ -47,7 +50,8 @@ class DeviceMonitor(Callback):
       last gradient was ready; on GPU it is part of ``backward_ms``) + ``optimizer_ms``; ``wait_ms``: the
       part of those spent blocked in collectives for slower ranks; ``busy_ms`` = ``step_ms - wait_ms``,
       the rank's own work;
-    * ``device/rank{r}/mem_peak_mb`` (CUDA allocator peak on GPU; peak process RSS on CPU) and ``mem_mb``;
+    * ``device/rank{r}/mem_peak_mb`` (CUDA allocator peak on GPU; on CPU the process's peak RSS, over the
+      interval on Linux, since the process started elsewhere) and ``mem_mb`` (RSS through psutil);
       ``gpu_util`` (%) and ``gpu_mem_mb`` from NVML when available;
     * ``device/imbalance/straggler_ratio`` (max/min ``busy_ms``), ``straggler_rank``, ``max_wait_ms`` and
       ``memory_ratio`` (max/min ``mem_peak_mb``),
@@ -363,33 +367,51 @@ def _nvml_importable() -> bool:
 
 
 def _rss_mb() -> float:
+    """Current RSS of this process (psutil; on Linux it reads ``/proc/self/statm`` as we used to)."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / _MB
-    except (OSError, ValueError, IndexError):
+        # a fresh Process each call, never a cached one: ranks are forked from the launching process, and a
+        # Process made before the fork would go on reading the parent's pid
+        return psutil.Process().memory_info().rss / _MB
+    except (psutil.Error, OSError):
         return math.nan
+
+
+# Peak RSS: psutil has no resettable peak. Its only peak field is Windows' ``peak_wset`` (since the process
+# started); on Linux ``memory_info()`` has no peak at all (psutil 7.2: rss, vms, shared, text, lib, data, dirty).
+# The monitor logs the peak *per interval* (the memory_ratio compares ranks interval by interval), so on Linux
+# it keeps reading VmHWM from /proc/self/status and resetting it by writing 5 to /proc/self/clear_refs (proc(5)),
+# which no library wraps. Elsewhere the peak is the process's peak since it started (not reset per interval).
 
 
 def _rss_peak_mb() -> float:
-    """Peak RSS since the last reset (Linux VmHWM), else since the process started (getrusage)."""
+    """Peak RSS since the last reset (Linux VmHWM), else since the process started (Windows ``peak_wset``
+    through psutil, other POSIX ``getrusage``)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(_PROC_STATUS) as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024.0
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
+    try:
+        peak = getattr(psutil.Process().memory_info(), "peak_wset", None)  # Windows only
+    except (psutil.Error, OSError):
+        peak = None
+    if peak is not None:
+        return peak / _MB
     try:
         import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     except (ImportError, OSError):
         return math.nan
+    # ru_maxrss is in bytes on macOS, in KiB on Linux and the BSDs (getrusage(2) of each)
+    return maxrss / _MB if sys.platform == "darwin" else maxrss / 1024.0
 
 
 def _reset_rss_peak() -> None:
-    try:  # Linux: writing 5 to clear_refs resets VmHWM to the current RSS (proc(5))
-        with open("/proc/self/clear_refs", "w") as f:
+    try:  # Linux: writing 5 to clear_refs resets VmHWM to the current RSS (proc(5)); no psutil equivalent
+        with open(_PROC_CLEAR_REFS, "w") as f:
             f.write("5")
     except OSError:
         pass
