@@ -33,6 +33,7 @@ from lightning_mgpu.checkpointing import (
 )
 from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
 from lightning_mgpu.distributed import effective_batch_size
+from lightning_mgpu.migration import RemovedTrainerArgument, guard_trainer
 from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets
 from lightning_mgpu.sampler import ResumableDistributedSampler
@@ -53,6 +54,7 @@ __all__ = [
     "MGPUPrecision",
     "MGPUShardedStrategy",
     "ManualAccumulation",
+    "RemovedTrainerArgument",
     "ResumableDistributedSampler",
     "ScaleLR",
     "ShardMemory",
@@ -70,6 +72,7 @@ __all__ = [
 ]
 
 register_presets()
+guard_trainer()  # Trainer(gpus=2) and the other Lightning 1.x arguments name their replacement
 
 if __name__ == "lightning_mgpu" and _namespace.lightning_available():
     # the `lightning` namespace: the same package loaded again with its imports rewritten (_namespace.py);

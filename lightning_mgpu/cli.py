@@ -27,6 +27,8 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.strategies import StrategyRegistry
 from typing_extensions import override
 
+from lightning_mgpu.migration import REMOVED_TRAINER_ARGUMENTS
+
 __all__ = ["MGPUCLI", "MGPUArgumentParser", "main", "strategy_hint"]
 
 # "lightning_mgpu" here, "lightning_mgpu.lightning" in the `lightning` namespace's copy of this module
@@ -95,6 +97,32 @@ def _init_arg_names(class_path: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _inline_class_problem(value: str) -> str:
+    """Why ``{"class_path": ..., "init_args": {...}}`` given inline could not be built: an unknown argument (with
+    the closest valid one), or an unreadable value."""
+    import yaml
+
+    try:
+        spec = yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        return f"{value!r} is neither a strategy name nor a readable class (JSON/YAML): {err}"
+    class_path = spec.get("class_path") if isinstance(spec, dict) else None
+    if not isinstance(class_path, str):
+        return f'{value!r} names no class_path: write {{"class_path": "{_PACKAGE}.MGPUDDPStrategy", ...}}.'
+    known = _init_arg_names(class_path)
+    if not known:
+        return f"class_path {class_path!r} cannot be imported."
+    init_args = spec.get("init_args") or {}
+    unknown = [k for k in init_args if k not in known]
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, known, n=2, cutoff=0.6)
+            hints.append(f"{k!r}" + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""))
+        return f"{class_path} does not take {', '.join(hints)}."
+    return f"{class_path} could not be built from init_args {init_args!r}: check each value's type."
+
+
 class MGPUArgumentParser(LightningArgumentParser):
     """``LightningArgumentParser`` whose errors end with a hint: the closest valid option for a misspelled one,
     and the presets when the strategy is involved. jsonargparse's own message comes first, unchanged."""
@@ -116,7 +144,11 @@ class MGPUArgumentParser(LightningArgumentParser):
             lines.append(mixed)
         unknown = _UNKNOWN_KEY.search(message)
         key = next((g for g in unknown.groups() if g), None) if unknown else None
-        if key:
+        removed = key.split(".", 1)[1] if key and key.startswith("trainer.") else None
+        if removed in REMOVED_TRAINER_ARGUMENTS:
+            replacement = REMOVED_TRAINER_ARGUMENTS[removed].format(value="N")
+            lines.append(f"{key} was removed in Lightning 2.0: write {replacement}.")
+        elif key:
             close = difflib.get_close_matches(key, self._known_keys(), n=3, cutoff=0.75)
             if close:
                 lines.append(f"did you mean {' or '.join(f'{c!r}' for c in close)} instead of {key!r}?")
@@ -178,6 +210,10 @@ class MGPUCLI(LightningCLI):
             old = renamed(key.split(".")[1], value)
             if old is not None:
                 self.parser.error(f"{key}: {old.message}")
+            if key == "trainer.strategy" and value.lstrip().startswith("{"):
+                # a class given inline (JSON on the command line) that jsonargparse could not build falls back to
+                # the `str` of `Union[str, Strategy]`: say what is wrong with it, as it says for a YAML config
+                self.parser.error(f"trainer.strategy: {_inline_class_problem(value)}")
             if key == "trainer.strategy" and value != "auto" and value.lower() not in StrategyRegistry:
                 self.parser.error(f"trainer.strategy: {value!r} is not a registered strategy name.")
 

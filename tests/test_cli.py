@@ -148,6 +148,21 @@ def test_a_misspelled_strategy_argument_names_the_closest_argument(capsys, tmp_p
     assert "comm_hok" in err and "did you mean 'comm_hook'" in err
 
 
+def test_a_misspelled_strategy_argument_in_inline_json_names_the_closest_argument(capsys):
+    """On the command line the class comes as JSON; jsonargparse, failing to build it, keeps it as a string."""
+    inline = '{"class_path": "lightning_mgpu.MGPUDDPStrategy", "init_args": {"comm_hok": "fp16"}}'
+    err = refused(capsys, "--config", str(ROOT / "configs" / "ddp.yaml"), "--trainer.strategy", inline)
+    assert "lightning_mgpu.MGPUDDPStrategy does not take 'comm_hok' (did you mean 'comm_hook'" in err
+    assert "is not a registered strategy name" not in err
+
+
+def test_a_lightning_1x_trainer_option_names_its_replacement(capsys):
+    err = refused(capsys, "--config", str(ROOT / "configs" / "ddp.yaml"), "--trainer.gpus", "2")
+    assert "unrecognized arguments: --trainer.gpus 2" in err  # jsonargparse's own message, first
+    assert "trainer.gpus was removed in Lightning 2.0: write Trainer(accelerator='gpu', devices=N)" in err
+    assert "did you mean 'trainer.plugins'" not in err  # the closest spelling is no help here
+
+
 @pytest.mark.parametrize("old", RENAMED, ids=[f"{r.registry}={r.old}" for r in RENAMED])
 def test_a_dropped_lightning_1x_name_is_refused_with_its_replacement(old):
     with pytest.raises(ValueError) as info:
