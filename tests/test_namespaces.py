@@ -249,3 +249,14 @@ def test_the_lightning_copies_run_on_lightning():
     assert module.pl is lightning.pytorch
     assert issubclass(module.Regressor, L.LightningModule)
     assert torch.equal(torch.ones(1), torch.ones(1))
+
+
+@pytest.mark.parametrize("name", ["DeviceMonitor", "ScaleLR"])
+def test_a_callback_given_to_the_other_namespaces_trainer_says_which_to_use(name, tmp_path):
+    """Lightning takes any object with hook methods as a callback; ours refuse the other namespace's Trainer."""
+    callback = getattr(lightning_mgpu, name)(**({"base_batch_size": 32} if name == "ScaleLR" else {}))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, callbacks=[callback])
+    with pytest.raises(TypeError) as info:
+        trainer.fit(importlib.import_module("tests.lightning_user_model").TinyLightningModel())
+    assert f"lightning_mgpu.{name} serves `pytorch_lightning`, but this Trainer is `lightning`'s" in str(info.value)
+    assert f"Use lightning_mgpu.lightning.{name}" in str(info.value)

@@ -10,10 +10,10 @@ from typing import Any, Optional, Union
 import psutil
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mgpu.callbacks._base import MGPUCallback
 from lightning_mgpu.callbacks._timeline import (
     AFTER_BACKWARD,
     BEFORE_BACKWARD,
@@ -36,7 +36,7 @@ _PROC_STATUS = "/proc/self/status"  # Linux: VmHWM, the peak RSS since the last 
 _PROC_CLEAR_REFS = "/proc/self/clear_refs"
 
 
-class DeviceMonitor(Callback):
+class DeviceMonitor(MGPUCallback):
     """Per-rank step time, data wait, forward/backward/optimizer time, time waiting for other ranks, peak
     memory and (on NVIDIA GPUs with ``nvidia-ml-py``) utilization, for every rank, in any Lightning logger.
 

@@ -7,11 +7,11 @@ from typing import Any, Literal, Optional
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_mgpu.callbacks._base import MGPUCallback
 from lightning_mgpu.distributed import effective_batch_size
 
 __all__ = ["ScaleLR"]
@@ -25,7 +25,7 @@ _SCHEDULER_LISTS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs")  # most schedu
 _SCHEDULER_SCALARS = ("eta_min",)  # CosineAnnealingLR(WarmRestarts)
 
 
-class ScaleLR(Callback):
+class ScaleLR(MGPUCallback):
     """Scale every optimizer's learning rates by the effective batch size relative to ``base_batch_size``
     (the batch the LRs in ``configure_optimizers`` were tuned for), before the first optimizer step.
 
