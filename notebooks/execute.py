@@ -41,12 +41,17 @@ def execute(path: Path, workdir: Path) -> Any:
 
 
 def write(path: Path, nb: Any) -> None:
+    import lightning
     import pytorch_lightning
     import torch
 
     nb.metadata["lightning_mgpu"] = {
         "sources_sha256": sources_sha256(nb),
-        "executed_with": {"torch": torch.__version__, "pytorch_lightning": pytorch_lightning.__version__},
+        "executed_with": {
+            "torch": torch.__version__,
+            "pytorch_lightning": pytorch_lightning.__version__,
+            "lightning": lightning.__version__,
+        },
     }
     nbformat.write(nb, str(path))
 
