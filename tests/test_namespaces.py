@@ -138,6 +138,16 @@ def test_the_lightning_copy_pickles_by_its_own_module_path():
     strategy = lightning_mgpu.lightning.MGPUDDPStrategy(start_method="spawn", comm_hook="fp16")
     clone = pickle.loads(pickle.dumps(strategy))
     assert type(clone) is lightning_mgpu.lightning.MGPUDDPStrategy
+    # a fresh interpreter (what a spawn launch starts) unpickles it with no import of its own
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; print(type(pickle.loads(sys.stdin.buffer.read())).__module__)"],
+        input=pickle.dumps(strategy),
+        capture_output=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert fresh.returncode == 0, fresh.stderr.decode()[-2000:]
+    assert fresh.stdout.decode().strip() == "lightning_mgpu.lightning.strategies.ddp"
 
 
 # --- the lightning-mgpu command with a model written against `import lightning as L` ----------------------------
