@@ -6,14 +6,18 @@ package every test module and worker imports first, so that spawned workers unpi
 
 import os
 
-from lightning_mgpu import _namespace
+try:
+    from lightning_mgpu import _namespace
+except ImportError:  # a test that proves a checkpoint loads without the pack blocks `lightning_mgpu` on purpose
+    _namespace = None  # type: ignore[assignment]
 
-_namespace.install(
-    _namespace.MirrorFinder(
-        "tests",
-        "tests.lightning_ns",
-        [os.path.dirname(__file__)],
-        renames={**_namespace.LIGHTNING_RENAMES, "tests": "tests.lightning_ns"},
-        requires="lightning",
+if _namespace is not None:
+    _namespace.install(
+        _namespace.MirrorFinder(
+            "tests",
+            "tests.lightning_ns",
+            [os.path.dirname(__file__)],
+            renames={**_namespace.LIGHTNING_RENAMES, "tests": "tests.lightning_ns"},
+            requires="lightning",
+        )
     )
-)
