@@ -270,3 +270,20 @@ def test_a_callback_given_to_the_other_namespaces_trainer_says_which_to_use(name
         trainer.fit(importlib.import_module("tests.lightning_user_model").TinyLightningModel())
     assert f"lightning_mgpu.{name} serves `pytorch_lightning`, but this Trainer is `lightning`'s" in str(info.value)
     assert f"Use lightning_mgpu.lightning.{name}" in str(info.value)
+
+
+@pytest.mark.slow
+def test_the_main_job_trains_the_sample_in_the_lightning_namespace(tmp_path):
+    """``python -m lightning_mgpu.lightning.examples.train``: the sample module and the popen launch (each rank
+    re-runs the module) from the `lightning` copy."""
+    job = ["-m", "lightning_mgpu.lightning.examples.train", "--min-accuracy", "0.9", "--default-root-dir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, *job],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "strategy mgpu_ddp" in proc.stdout and "on 2 x CPUAccelerator" in proc.stdout
+    assert float(proc.stdout.split("held-out test accuracy ")[1].split()[0]) >= 0.9
