@@ -14,7 +14,6 @@ STAMP := $(VENV)/.installed
 # the newest declared Lightning on torch's CUDA wheel (which installs and runs without a GPU).
 OLDEST_LIGHTNING ?= 2.6.0
 CUDA_TORCH ?= torch==2.14.1
-COMPAT_DEPS := "pytest>=8" "pytest-timeout>=2.3" "jsonargparse[signatures]>=4.27" "fairscale==0.4.13"
 
 .PHONY: setup train test test-suite test-compat test-compat-oldest test-compat-cuda bench lint notebooks
 
@@ -41,8 +40,8 @@ test-compat: test-compat-oldest test-compat-cuda
 .venv-oldest/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv .venv-oldest
 	.venv-oldest/bin/python -m pip install -q "$(TORCH)" "pytorch-lightning==$(OLDEST_LIGHTNING)" \
-		"lightning==$(OLDEST_LIGHTNING)" $(COMPAT_DEPS)
-	.venv-oldest/bin/python -m pip install -q -e .
+		"lightning==$(OLDEST_LIGHTNING)"
+	.venv-oldest/bin/python -m pip install -q -e ".[test]"
 	touch $@
 
 test-compat-oldest: .venv-oldest/.installed
@@ -53,7 +52,7 @@ test-compat-oldest: .venv-oldest/.installed
 .venv-cuda/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv .venv-cuda
 	.venv-cuda/bin/python -m pip install -q "$(CUDA_TORCH)"
-	.venv-cuda/bin/python -m pip install -q -e . $(COMPAT_DEPS)
+	.venv-cuda/bin/python -m pip install -q -e ".[test]"
 	touch $@
 
 test-compat-cuda: .venv-cuda/.installed

@@ -19,14 +19,14 @@ from typing import Any
 
 import lightning as L
 import lightning.pytorch
-import lightning_mgpu.lightning
-import lightning_mgpu.lightning.examples
 import pytest
 import pytorch_lightning as pl
 import torch
 
 import lightning_mgpu
 import lightning_mgpu.examples
+import lightning_mgpu.lightning
+import lightning_mgpu.lightning.examples
 from lightning_mgpu._namespace import LIGHTNING_RENAMES, rewrite_imports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,9 +276,9 @@ def test_a_callback_given_to_the_other_namespaces_trainer_says_which_to_use(name
 def test_the_main_job_trains_the_sample_in_the_lightning_namespace(tmp_path):
     """``python -m lightning_mgpu.lightning.examples.train``: the sample module and the popen launch (each rank
     re-runs the module) from the `lightning` copy."""
-    job = ["-m", "lightning_mgpu.lightning.examples.train", "--min-accuracy", "0.9", "--default-root-dir", str(tmp_path)]
+    job = ["-m", "lightning_mgpu.lightning.examples.train", "--min-accuracy", "0.9", "--default-root-dir"]
     proc = subprocess.run(
-        [sys.executable, *job],
+        [sys.executable, *job, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
