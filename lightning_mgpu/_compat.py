@@ -144,8 +144,8 @@ def cpu_fork_despite_cuda_probe() -> Iterator[None]:
     if original is None:  # pragma: no cover - another Lightning release
         yield
         return
-    launchers._check_bad_cuda_fork = lambda: None  # type: ignore[attr-defined]
+    launchers._check_bad_cuda_fork = lambda: None
     try:
         yield
     finally:
-        launchers._check_bad_cuda_fork = original  # type: ignore[attr-defined]
+        launchers._check_bad_cuda_fork = original

@@ -32,7 +32,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["LIGHTNING_RENAMES", "MirrorFinder", "install", "lightning_available", "rewrite_imports"]
 
@@ -100,7 +100,7 @@ class _MirrorLoader(importlib.machinery.SourceFileLoader):
         super().__init__(fullname, path)
         self.renames = renames
 
-    def get_code(self, fullname: str):  # type: ignore[override]
+    def get_code(self, fullname: str) -> Any:
         source = importlib.util.decode_source(self.get_data(self.path))
         return compile(rewrite_imports(source, self.path, self.renames), self.path, "exec", dont_inherit=True)
 

@@ -61,7 +61,7 @@ def removed_argument_message(name: str, value: Any = "...") -> str:
 def guard_trainer(trainer_class: type = pl.Trainer) -> type:
     """Make ``trainer_class(...)`` raise :class:`RemovedTrainerArgument` for Lightning 1.x arguments (all of
     them at once, with a dropped accelerator name too); idempotent. Returns the class."""
-    init: Callable[..., None] = trainer_class.__init__
+    init: Callable[..., None] = vars(trainer_class)["__init__"]
     if getattr(init, "_mgpu_guard", False):
         return trainer_class
 
@@ -80,5 +80,5 @@ def guard_trainer(trainer_class: type = pl.Trainer) -> type:
         init(self, *args, **kwargs)
 
     __init__._mgpu_guard = True  # type: ignore[attr-defined]
-    trainer_class.__init__ = __init__  # type: ignore[method-assign]
+    setattr(trainer_class, "__init__", __init__)  # noqa: B010 (a class attribute: mypy refuses the assignment)
     return trainer_class
