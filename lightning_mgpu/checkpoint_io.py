@@ -261,3 +261,26 @@ def remove_dir(path: _PATH) -> None:
     except OSError:
         aside = final
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def sharded_directory_message(path: _PATH, owner: str) -> str:
+    """Why ``owner`` (a strategy that reads one-file checkpoints) cannot load the directory ``path``, and the
+    strategy to resume with: the one that wrote it, from its completion marker where there is one."""
+    final = Path(path)
+    marker_path = final / COMPLETE_MARKER
+    stage, backend = 2, "torch"
+    try:
+        marker = json.loads(marker_path.read_text()) if marker_path.is_file() else {}
+        stage = int(marker.get("stage", stage))
+        backend = str(marker.get("backend", backend))
+    except (OSError, ValueError, TypeError):  # a damaged marker: name the default sharded strategy
+        pass
+    args = f"stage={stage}" + (f", backend={backend!r}" if backend != "torch" else "")
+    preset = {1: "mgpu_zero1", 2: "mgpu_sharded", 3: "mgpu_zero3"}.get(stage, "mgpu_sharded")
+    if backend == "fairscale":
+        preset = "mgpu_sharded_fairscale"
+    return (
+        f"{final} is a directory: a sharded checkpoint (written by MGPUShardedStrategy(checkpoint='sharded')), which "
+        f"{owner} cannot load; it reads one-file checkpoints. Resume with the strategy that wrote it: "
+        f"strategy=MGPUShardedStrategy({args}, checkpoint='sharded') (the preset {preset!r} with checkpoint='sharded')."
+    )

@@ -138,7 +138,8 @@ def validate_policy(policy: Any) -> None:
     )
 
 
-def _classes_present(model: nn.Module) -> list[str]:
+def classes_present(model: nn.Module) -> list[str]:
+    """The class names of ``model``'s modules, sorted (what an error about a module class lists as choices)."""
     return sorted({type(m).__name__ for m in model.modules()})
 
 
@@ -153,7 +154,7 @@ def _class_matcher(items: Iterable[Union[type[nn.Module], str]], model: nn.Modul
             if item not in present:
                 raise ValueError(
                     f"activation_checkpointing: no module class named {item!r} in {type(model).__name__}. The "
-                    f"module classes present are {_classes_present(model)}."
+                    f"module classes present are {classes_present(model)}."
                 )
             names.add(item)
         else:
@@ -211,7 +212,7 @@ def select_modules(model: nn.Module, policy: ActivationCheckpointingPolicy) -> l
             raise ValueError(
                 f"activation_checkpointing={policy!r} found no Sequential/ModuleList blocks in "
                 f"{type(model).__name__}. Name the blocks' classes instead; the module classes present are "
-                f"{_classes_present(model)}."
+                f"{classes_present(model)}."
             )
         return chosen
     if isinstance(policy, (str, type)):
@@ -225,7 +226,7 @@ def select_modules(model: nn.Module, policy: ActivationCheckpointingPolicy) -> l
             f"activation_checkpointing={_describe(policy)} matches the root module {type(model).__name__}. "
             f"Checkpointing the whole model frees nothing (the recompute needs all its activations at once) and "
             f"would run Lightning's hooks twice. Checkpoint its blocks instead; the module classes present are "
-            f"{_classes_present(model)}."
+            f"{classes_present(model)}."
         )
     chosen = []
     for name, m in model.named_modules():
@@ -234,7 +235,7 @@ def select_modules(model: nn.Module, policy: ActivationCheckpointingPolicy) -> l
     if not chosen:
         raise ValueError(
             f"activation_checkpointing={_describe(policy)} matches no module of {type(model).__name__}, so nothing "
-            f"would be checkpointed. The module classes present are {_classes_present(model)}."
+            f"would be checkpointed. The module classes present are {classes_present(model)}."
         )
     return chosen
 

@@ -180,6 +180,42 @@ CASES = [
         ["process_group_backend='nccl'", "'cpu'", "process_group_backend='gloo'"],
         id="ddp-nccl-backend-on-cpu-is-refused-before-launch",
     ),
+    pytest.param(
+        lambda: MGPUDDPStrategy(bogus_flag=3),
+        TypeError,
+        ["'bogus_flag'", "did you mean", "Valid keywords", "bucket_cap_mb"],
+        id="ddp-unknown-keyword-names-the-closest-valid-one",
+    ),
+    pytest.param(
+        lambda: MGPUDDPStrategy(bucket_cap_mbs=10),
+        TypeError,
+        ["'bucket_cap_mbs'", "did you mean 'bucket_cap_mb'?"],
+        id="ddp-misspelt-ddp-keyword-names-the-torch-one",
+    ),
+    pytest.param(
+        lambda: MGPUDDPStrategy(gradient_as_bucket_view="x"),
+        TypeError,
+        ["gradient_as_bucket_view='x'", "True or False"],
+        id="ddp-gradient_as_bucket_view-must-be-a-bool",
+    ),
+    pytest.param(
+        lambda: MGPUDDPStrategy(timeout=30),  # type: ignore[arg-type]
+        TypeError,
+        ["timeout=30", "datetime.timedelta", "timedelta(seconds=30)"],
+        id="ddp-timeout-must-be-a-timedelta",
+    ),
+    pytest.param(
+        lambda: MGPUDDPStrategy(log_comm_stats="no"),  # type: ignore[arg-type]
+        TypeError,
+        ["log_comm_stats='no'", "True or False"],
+        id="ddp-log_comm_stats-must-be-a-bool",
+    ),
+    pytest.param(
+        lambda: _load_sharded_directory_with(MGPUDDPStrategy()),
+        IsADirectoryError,
+        ["last.ckpt", "sharded checkpoint", "MGPUShardedStrategy(stage=3, checkpoint='sharded')", "'mgpu_zero3'"],
+        id="ddp-resuming-a-sharded-checkpoint-directory-names-the-strategy-that-wrote-it",
+    ),
     # --- MGPUShardedStrategy ---------------------------------------------------------------------------------
     pytest.param(
         lambda: MGPUShardedStrategy(stage=4),
@@ -207,6 +243,54 @@ CASES = [
         ValueError,
         ["stage=3", "backend='fairscale'", "MGPUShardedStrategy(stage=3)", "'mgpu_zero3'"],
         id="sharded-fairscale-has-no-stage-3-use-fsdp2",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=2, bogus_flag=3),
+        TypeError,
+        ["'bogus_flag'", "did you mean", "Valid keywords", "wrap_modules"],
+        id="sharded-unknown-keyword-names-the-closest-valid-one",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=2, wrap_module=[nn.Linear]),
+        TypeError,
+        ["'wrap_module'", "did you mean 'wrap_modules'?"],
+        id="sharded-misspelt-keyword-names-the-right-one",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=2, bucket_cap_mb=10),
+        ValueError,
+        ["bucket_cap_mb=10", "stage 2", "stage=1"],
+        id="sharded-ddp-keyword-needs-stage-1",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=2.0),  # type: ignore[arg-type]
+        ValueError,
+        ["stage=2.0", "stage=1", "as an int"],
+        id="sharded-stage-float-is-not-a-zero-stage",
+    ),
+    pytest.param(
+        lambda: fit(BlockRegressor(), MGPUShardedStrategy(wrap_modules=[nn.Conv2d], start_method="fork")),
+        ValueError,
+        ["wrap_modules=['Conv2d']", "matches no module of BlockRegressor", "'Block'", "wrap_modules=None"],
+        id="sharded-wrap_modules-matching-no-module-is-refused-before-launch",
+    ),
+    pytest.param(
+        lambda: _rewritten_by_on_exception(
+            MGPUShardedStrategy(stage=1),
+            RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one."),
+        ),
+        RuntimeError,
+        ["MGPUShardedStrategy(stage=1, find_unused_parameters=True)", "not used to produce the loss"],
+        id="sharded-zero1-unused-parameter-hint-names-the-sharded-flag",
+    ),
+    pytest.param(
+        lambda: _rewritten_by_on_exception(
+            MGPUDDPStrategy(),
+            RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one."),
+        ),
+        RuntimeError,
+        ["MGPUDDPStrategy(find_unused_parameters=True)"],
+        id="ddp-unused-parameter-hint-names-the-ddp-flag",
     ),
     pytest.param(
         lambda: MGPUShardedStrategy(wrap_modules=[int]),
@@ -472,6 +556,27 @@ CASES = [
         id="distributed-mean-dst-outside-the-ranks",
     ),
 ]
+
+
+def _rewritten_by_on_exception(strategy: Any, error: BaseException) -> None:
+    """What the user reads when ``error`` ends a fit: the strategy's ``on_exception`` rewrites it first."""
+    strategy.on_exception(error)
+    raise error
+
+
+def _load_sharded_directory_with(strategy: Any) -> None:
+    """A sharded checkpoint directory (as MGPUShardedStrategy(stage=3, checkpoint='sharded') commits it) given
+    to a strategy that reads one-file checkpoints."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from lightning_mgpu.checkpoint_io import COMPLETE_MARKER
+
+    path = Path(tempfile.mkdtemp()) / "last.ckpt"
+    path.mkdir()
+    (path / COMPLETE_MARKER).write_text(json.dumps({"stage": 3, "backend": "torch", "files": []}))
+    strategy.load_checkpoint(path)
 
 
 def _launched(*args: object, **kwargs: object) -> None:

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import inspect
 import logging
-import multiprocessing
+import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import pytorch_lightning as pl
 import torch
@@ -42,52 +41,36 @@ from typing_extensions import override
 
 from lightning_mgpu._compat import _DDP_HAS_SET_STATIC_GRAPH, _elastic_attempt_store, _torchelastic_shares_its_store
 from lightning_mgpu.accumulation import check_accumulate_grad_batches, check_manual_accumulation
-from lightning_mgpu.checkpoint_io import AtomicCheckpointIO
+from lightning_mgpu.checkpoint_io import AtomicCheckpointIO, local_path, sharded_directory_message
 from lightning_mgpu.checkpointing import (
     ActivationCheckpointingPolicy,
     apply_activation_checkpointing,
     remove_activation_checkpointing,
     select_modules,
-    validate_policy,
 )
 from lightning_mgpu.comm import (
     CommStats,
     allreduce_gradients,
     buckets_from_grad_views,
     check_backend,
-    check_comm_hook,
     register_comm_hook,
 )
 from lightning_mgpu.precision import MGPUPrecision, adopt
 from lightning_mgpu.sampler import move_position, resumable_train_loader, take_position
+from lightning_mgpu.settings import CommHookName, DDPSettings, StartMethod, split_ddp_kwargs
 from lightning_mgpu.strategies import _failures
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
 
 log = logging.getLogger(__name__)
 
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-CommHookName = Literal["fp16", "bf16", "powersgd", "batched_powersgd"]
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-# Arguments of Lightning's DDPStrategy that this class replaces with named ones.
-_REPLACED_KWARGS = {
-    "ddp_comm_hook": "comm_hook='fp16' | 'bf16' | 'powersgd' | 'batched_powersgd'",
-    "ddp_comm_state": "comm_state={...} (keyword arguments of the hook's state, e.g. PowerSGDState)",
-    "ddp_comm_wrapper": "comm_hook='fp16' (compression) or comm_hook='powersgd'",
-    "model_averaging_period": "Lightning's DDPStrategy (post-local SGD is not supported by mgpu_ddp)",
-}
-
-
-_DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
-
-
-def _is_default(name: str, value: Any) -> bool:
-    """Whether ``value`` for DDP keyword ``name`` is what leaving it out gives (None, or DDP's own default)."""
-    if value is None:
-        return True
-    param = _DDP_PARAMETERS.get(name)
-    if param is None or param.default is inspect.Parameter.empty:
-        return False
-    return type(value) is type(param.default) and value == param.default
+_OWN_KEYWORDS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    *DDPSettings.keywords(),
+)
 
 
 class MGPUDDPStrategy(DDPStrategy):
@@ -159,40 +142,21 @@ class MGPUDDPStrategy(DDPStrategy):
         activation_checkpointing_reentrant: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
-        # LightningCLI (jsonargparse) follows **ddp_kwargs through DDPStrategy into DistributedDataParallel's
-        # signature and passes every argument it finds there with its default value (None for Lightning's
-        # ddp_comm_* arguments): keep only what was set.
-        ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if not _is_default(k, v)}
-        replaced = sorted(set(ddp_kwargs) & set(_REPLACED_KWARGS))
-        if replaced:
-            hints = "; ".join(f"{k} -> {_REPLACED_KWARGS[k]}" for k in replaced)
-            raise TypeError(f"MGPUDDPStrategy does not take {replaced}. Use instead: {hints}.")
-        if start_method not in _START_METHODS:
-            raise ValueError(
-                f"Unknown start_method={start_method!r}. Choose one of {list(_START_METHODS)}: 'popen' for "
-                f"scripts/torchrun/SLURM, 'fork' in notebooks (or the preset 'mgpu_ddp_notebook'), 'spawn' otherwise."
-            )
-        if start_method != "popen" and start_method not in multiprocessing.get_all_start_methods():
-            raise ValueError(
-                f"start_method={start_method!r} is not available on this platform; available: "
-                f"{multiprocessing.get_all_start_methods()} or 'popen'."
-            )
-        check_comm_hook(comm_hook, comm_state)
-        for flag_name, flag in (("static_graph", static_graph), ("find_unused_parameters", find_unused_parameters)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{flag_name} must be True or False, got {flag!r}.")
-        validate_policy(activation_checkpointing)
-        if not isinstance(activation_checkpointing_reentrant, bool):
-            raise TypeError(
-                f"activation_checkpointing_reentrant must be True or False, got {activation_checkpointing_reentrant!r}."
-            )
-        if activation_checkpointing_reentrant and find_unused_parameters and activation_checkpointing is not None:
-            raise ValueError(
-                "activation_checkpointing_reentrant=True cannot run with find_unused_parameters=True: DDP marks a "
-                "parameter ready once in the forward's graph and again in the reentrant recompute's backward "
-                "(torch: 'Expected to mark a variable ready only once'). Use the default non-reentrant "
-                "checkpointing (activation_checkpointing_reentrant=False), which works with both."
-            )
+        ddp_kwargs = split_ddp_kwargs(type(self).__name__, ddp_kwargs, _OWN_KEYWORDS)
+        self._settings = DDPSettings(
+            start_method=start_method,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            log_comm_stats=log_comm_stats,
+            comm_hook=comm_hook,
+            comm_state=dict(comm_state) if isinstance(comm_state, Mapping) else comm_state,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_reentrant=activation_checkpointing_reentrant,
+            ddp_kwargs=ddp_kwargs,
+        )
         if static_graph and not _DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4
             raise RuntimeError("static_graph=True needs DistributedDataParallel._set_static_graph (torch>=2.4).")
         super().__init__(
@@ -226,6 +190,16 @@ class MGPUDDPStrategy(DDPStrategy):
         self._step_guards: list[Any] = []
         self._activation_checkpointing = activation_checkpointing
         self._activation_checkpointing_reentrant = activation_checkpointing_reentrant
+
+    @property
+    def settings(self) -> DDPSettings:
+        """The validated settings this strategy was built with."""
+        return self._settings
+
+    @property
+    def ddp_settings(self) -> DDPSettings:
+        """The DDP settings (for the sharded strategy's stage 1: those of its DDP wrapper)."""
+        return self._settings
 
     @property
     def activation_checkpointing(self) -> Optional[ActivationCheckpointingPolicy]:
@@ -591,14 +565,18 @@ class MGPUDDPStrategy(DDPStrategy):
             self._maybe_log_comm_stats(force=True)
         super().on_train_end()
 
+    def _find_unused_parameters_fix(self) -> str:
+        """The strategy, as the user writes it, with DDP's ``find_unused_parameters`` on (for error messages)."""
+        return "strategy=MGPUDDPStrategy(find_unused_parameters=True)"
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         _augment_message(
             exception,
             pattern=".*Expected to have finished reduction in the prior iteration.*",
             new_message=(
-                "Some parameters of your LightningModule were not used to produce the loss returned by "
-                "training_step. If that is intended, pass `strategy=MGPUDDPStrategy(find_unused_parameters=True)` "
+                f"Some parameters of your LightningModule were not used to produce the loss returned by "
+                f"training_step. If that is intended, pass `{self._find_unused_parameters_fix()}` "
                 "(slower: a graph traversal per step); better, remove or freeze (requires_grad=False) the unused "
                 "parameters."
             ),
@@ -700,6 +678,9 @@ class MGPUDDPStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        local = local_path(checkpoint_path)
+        if local is not None and os.path.isdir(local):
+            raise IsADirectoryError(sharded_directory_message(local, type(self).__name__))
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._sampler_position = take_position(checkpoint)  # applied when the training loader is built
         return checkpoint

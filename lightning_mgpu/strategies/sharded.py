@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import tempfile
@@ -21,7 +20,7 @@ from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -44,8 +43,10 @@ from lightning_mgpu.checkpoint_io import (
     remove_dir,
     write_file_atomic,
 )
+from lightning_mgpu.checkpointing import classes_present
 from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.sampler import move_position, take_position
+from lightning_mgpu.settings import Backend, CheckpointLayout, ShardedSettings, Stage, split_ddp_kwargs
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher
 from lightning_mgpu.strategies._sharding import (
     FSDP2Backend,
@@ -55,18 +56,14 @@ from lightning_mgpu.strategies._sharding import (
     make_backend,
     rebind_schedulers,
 )
+from lightning_mgpu.strategies.ddp import _OWN_KEYWORDS as _DDP_OWN_KEYWORDS
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 
 log = logging.getLogger(__name__)
 
-Stage = Literal[1, 2, 3]
-Backend = Literal["torch", "fairscale"]
-CheckpointLayout = Literal["consolidated", "sharded"]
-_BACKENDS = ("torch", "fairscale")
-_LAYOUTS = ("consolidated", "sharded")
+_SHARDED_KEYWORDS = ("stage", "backend", "checkpoint", "wrap_modules")
 _METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint (Lightning's ModelParallelStrategy name)
 _OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
-FAIRSCALE_INSTALL = "pip install 'lightning-mgpu[fairscale]'"
 
 
 @dataclass(frozen=True)
@@ -126,63 +123,33 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         wrap_modules: Optional[Sequence[type[nn.Module]]] = None,
         **kwargs: Any,
     ) -> None:
-        if isinstance(stage, bool) or stage not in (1, 2, 3):
-            raise ValueError(
-                f"stage={stage!r} is not a ZeRO stage. Use stage=1 (optimizer state sharded), 2 (+ gradients, "
-                f"the default) or 3 (+ parameters)."
-            )
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend={backend!r} is unknown. Use backend='torch' (default) or 'fairscale'.")
-        if backend == "fairscale":
-            if stage == 3:
-                raise ValueError(
-                    "stage=3 with backend='fairscale' is not supported: fairscale's FullyShardedDataParallel needs "
-                    "CUDA and is unmaintained. Use MGPUShardedStrategy(stage=3) (torch FSDP2, any device), or the "
-                    "preset 'mgpu_zero3'."
-                )
-            if importlib.util.find_spec("fairscale") is None:
-                raise ModuleNotFoundError(
-                    f"backend='fairscale' needs fairscale, which is not installed. Install it with "
-                    f"`{FAIRSCALE_INSTALL}`, or use the torch-native backend: strategy='mgpu_sharded' (stage 2) / "
-                    f"'mgpu_zero1' (stage 1)."
-                )
-        if checkpoint not in _LAYOUTS:
-            raise ValueError(
-                f"checkpoint={checkpoint!r} is unknown. Use 'consolidated' (one file, loads anywhere) or 'sharded' "
-                f"(a torch.distributed.checkpoint directory written by all ranks)."
-            )
-        classes: Optional[tuple[type[nn.Module], ...]] = None
-        if wrap_modules is not None:
-            classes = tuple(wrap_modules)
-            bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
-            if bad:
-                raise TypeError(
-                    f"wrap_modules must be nn.Module classes, e.g. [nn.TransformerEncoderLayer]; got {bad}."
-                )
-            if stage == 1 or backend == "fairscale":
-                raise ValueError(
-                    f"wrap_modules chooses FSDP units, which only stages 2 and 3 with backend='torch' have; got "
-                    f"stage={stage}, backend={backend!r}. Use stage=2 or 3 with backend='torch', or remove "
-                    f"wrap_modules."
-                )
-        if stage != 1 or backend == "fairscale":
-            ddp_only = [
-                f"{k}={kwargs[k]!r}"
-                for k in ("comm_hook", "static_graph", "find_unused_parameters")
-                if kwargs.get(k) not in (None, False)
-            ]
-            if stage != 1 and ddp_only:
-                raise ValueError(
-                    f"{', '.join(ddp_only)}: DDP all-reduce settings, which stage {stage} does not use (gradients are "
-                    f"reduce-scattered). Use stage=1 (the preset 'mgpu_zero1') for them, or remove them."
-                )
-        super().__init__(**kwargs)
+        sharded = ShardedSettings(stage=stage, backend=backend, checkpoint=checkpoint, wrap_modules=wrap_modules)
+        ddp_kwargs = split_ddp_kwargs(type(self).__name__, kwargs, [*_SHARDED_KEYWORDS, *_DDP_OWN_KEYWORDS])
+        sharded.check_ddp_settings(
+            {
+                **{k: kwargs.get(k) for k in ("comm_hook", "static_graph", "find_unused_parameters")},
+                **{k: v for k, v in ddp_kwargs.items() if k not in _DDP_OWN_KEYWORDS},
+            }
+        )
+        classes = sharded.wrap_modules
+        super().__init__(**kwargs)  # as it is: LightningCLI follows **kwargs into the parent signature
+        self._sharded_settings = sharded
         self._stage: int = stage
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
         self._sharding: ShardingBackend = make_backend(stage, backend, classes)
         self._loaded_sharded = False
         self._mp_policy: Any = None
+
+    @override
+    def _find_unused_parameters_fix(self) -> str:
+        return f"strategy=MGPUShardedStrategy(stage={self._stage}, find_unused_parameters=True)"
+
+    @property
+    @override
+    def settings(self) -> ShardedSettings:  # type: ignore[override]
+        """The validated sharding settings (``ddp_settings``: the launch and, at stage 1, DDP ones)."""
+        return self._sharded_settings
 
     @property
     def stage(self) -> int:
@@ -234,6 +201,15 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
     def _check_before_launch(self, trainer: pl.Trainer) -> None:
         super()._check_before_launch(trainer)
         model = self._lightning_module
+        wrap = self._sharded_settings.wrap_modules
+        if model is not None and wrap is not None and not any(isinstance(m, wrap) for m in model.modules()):
+            # FSDP2 would silently make the whole model one unit (all parameters gathered at once)
+            names = [c.__name__ for c in wrap]
+            raise ValueError(
+                f"wrap_modules={names} matches no module of {type(model).__name__}, so the whole model would be "
+                f"one FSDP unit. Name classes the model has; the module classes present are "
+                f"{classes_present(model)}. Or leave wrap_modules=None (the model's blocks are chosen for you)."
+            )
         if model is not None and not model.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
             raise MisconfigurationException(
                 f"{type(model).__name__} uses manual optimization, which {type(self).__name__} does not support yet "

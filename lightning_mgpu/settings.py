@@ -1,0 +1,291 @@
+"""Typed settings of the strategies, validated at construction (STYLE.md rule 3).
+
+The strategies keep their keyword signatures (LightningCLI reads them from ``__init__``) and build one of these
+from them; every check of a single argument, or of arguments that only make sense together, lives here, and each
+error names the field, the bad value and the fix.
+
+Example::
+
+    from lightning_mgpu.settings import DDPSettings
+
+    DDPSettings(comm_hook="fp16", ddp_kwargs={"bucket_cap_mb": 50})   # valid
+    DDPSettings(timeout=30)  # TypeError: timeout=30 must be a datetime.timedelta, e.g. timedelta(minutes=30)
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import inspect
+import multiprocessing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from typing import Any, Literal, Optional
+
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy, validate_policy
+from lightning_mgpu.comm import check_comm_hook
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+CommHookName = Literal["fp16", "bf16", "powersgd", "batched_powersgd"]
+Stage = Literal[1, 2, 3]
+Backend = Literal["torch", "fairscale"]
+CheckpointLayout = Literal["consolidated", "sharded"]
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+BACKENDS = ("torch", "fairscale")
+LAYOUTS = ("consolidated", "sharded")
+FAIRSCALE_INSTALL = "pip install 'lightning-mgpu[fairscale]'"
+
+# Arguments of Lightning's DDPStrategy that the mgpu strategies replace with named ones.
+REPLACED_KWARGS = {
+    "ddp_comm_hook": "comm_hook='fp16' | 'bf16' | 'powersgd' | 'batched_powersgd'",
+    "ddp_comm_state": "comm_state={...} (keyword arguments of the hook's state, e.g. PowerSGDState)",
+    "ddp_comm_wrapper": "comm_hook='fp16' (compression) or comm_hook='powersgd'",
+    "model_averaging_period": "Lightning's DDPStrategy (post-local SGD is not supported by mgpu_ddp)",
+}
+
+_DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
+# DistributedDataParallel keywords a user may pass through the strategy; Lightning sets the others itself.
+DDP_KEYWORDS = tuple(
+    name
+    for name, p in _DDP_PARAMETERS.items()
+    if name not in ("self", "module", "device_ids", "output_device", "process_group", "device_mesh")
+    and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+)
+
+
+def is_default_ddp_kwarg(name: str, value: Any) -> bool:
+    """Whether ``value`` for DDP keyword ``name`` is what leaving it out gives (None, or DDP's own default).
+
+    LightningCLI (jsonargparse) follows ``**kwargs`` through Lightning's DDPStrategy into
+    DistributedDataParallel's signature and passes every argument it finds there with its default value (None
+    for Lightning's ``ddp_comm_*`` arguments): those count as not given."""
+    if value is None:
+        return True
+    param = _DDP_PARAMETERS.get(name)
+    if param is None or param.default is inspect.Parameter.empty:
+        return False
+    return type(value) is type(param.default) and value == param.default
+
+
+def check_keywords(owner: str, given: Iterable[str], valid: Iterable[str]) -> None:
+    """Raise ``TypeError`` for a keyword ``owner`` does not take, naming the closest valid one (difflib)."""
+    valid = sorted(set(valid))
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.0)  # cutoff 0: always name the nearest
+        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    raise TypeError(
+        f"{owner} got unknown keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(hints)}. "
+        f"Valid keywords: {', '.join(valid)}."
+    )
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} is not a bool: {name} must be True or False.")
+
+
+def _check_start_method(start_method: Any) -> None:
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"Unknown start_method={start_method!r}. Choose one of {list(START_METHODS)}: 'popen' for "
+            f"scripts/torchrun/SLURM, 'fork' in notebooks (or the preset 'mgpu_ddp_notebook'), 'spawn' otherwise."
+        )
+    if start_method != "popen" and start_method not in multiprocessing.get_all_start_methods():
+        raise ValueError(
+            f"start_method={start_method!r} is not available on this platform; available: "
+            f"{multiprocessing.get_all_start_methods()} or 'popen'."
+        )
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What every mgpu strategy needs to start and join its process group."""
+
+    start_method: StartMethod = "popen"
+    """``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``."""
+    process_group_backend: Optional[str] = None
+    """``"gloo"``, ``"nccl"``, ...; ``None``: gloo on CPU, nccl on CUDA."""
+    timeout: Optional[timedelta] = default_pg_timeout
+    """How long a collective waits for the other ranks (a :class:`datetime.timedelta`)."""
+    log_comm_stats: bool = True
+    """Log the ledger's ``comm/*`` metrics through the Trainer's loggers."""
+
+    def __post_init__(self) -> None:
+        _check_start_method(self.start_method)
+        if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
+            raise TypeError(
+                f"process_group_backend={self.process_group_backend!r} must be a string ('gloo', 'nccl') or None."
+            )
+        if self.timeout is not None and not isinstance(self.timeout, timedelta):
+            raise TypeError(
+                f"timeout={self.timeout!r} must be a datetime.timedelta, not a number of seconds: write "
+                f"timeout=datetime.timedelta(seconds={self.timeout!r}) (or timedelta(minutes=30))."
+            )
+        _check_bool("log_comm_stats", self.log_comm_stats)
+
+
+@dataclass(frozen=True)
+class DDPSettings(LaunchSettings):
+    """Settings of :class:`~lightning_mgpu.MGPUDDPStrategy` (and of stage 1 of the sharded strategy)."""
+
+    comm_hook: Optional[CommHookName] = None
+    """``None`` (plain averaging all-reduce), ``"fp16"``, ``"bf16"``, ``"powersgd"`` or ``"batched_powersgd"``."""
+    comm_state: Optional[dict[str, Any]] = None
+    """Keyword arguments of the hook's state, e.g. ``{"matrix_approximation_rank": 2}`` for PowerSGD."""
+    static_graph: bool = False
+    """Tell DDP the graph is the same every iteration."""
+    find_unused_parameters: bool = False
+    """DDP's flag; costs a graph traversal per step."""
+    gradient_as_bucket_view: bool = True
+    """Gradients are views into DDP's all-reduce buckets."""
+    activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None
+    """Which blocks to checkpoint (see :func:`lightning_mgpu.apply_activation_checkpointing`)."""
+    activation_checkpointing_reentrant: bool = False
+    """Use torch's reentrant checkpointing instead of the non-reentrant default."""
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments of :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``...)."""
+
+    def __post_init__(self) -> None:
+        replaced = sorted(set(self.ddp_kwargs) & set(REPLACED_KWARGS))
+        if replaced:
+            hints = "; ".join(f"{k} -> {REPLACED_KWARGS[k]}" for k in replaced)
+            raise TypeError(f"MGPUDDPStrategy does not take {replaced}. Use instead: {hints}.")
+        super().__post_init__()
+        check_comm_hook(self.comm_hook, self.comm_state)
+        for name in ("static_graph", "find_unused_parameters", "gradient_as_bucket_view"):
+            _check_bool(name, getattr(self, name))
+        validate_policy(self.activation_checkpointing)
+        _check_bool("activation_checkpointing_reentrant", self.activation_checkpointing_reentrant)
+        if (
+            self.activation_checkpointing_reentrant
+            and self.find_unused_parameters
+            and self.activation_checkpointing is not None
+        ):
+            raise ValueError(
+                "activation_checkpointing_reentrant=True cannot run with find_unused_parameters=True: DDP marks a "
+                "parameter ready once in the forward's graph and again in the reentrant recompute's backward "
+                "(torch: 'Expected to mark a variable ready only once'). Use the default non-reentrant "
+                "checkpointing (activation_checkpointing_reentrant=False), which works with both."
+            )
+
+    @property
+    def all_ddp_kwargs(self) -> dict[str, Any]:
+        """Every keyword argument handed to torch's DistributedDataParallel (the named ones and the rest)."""
+        return {
+            "find_unused_parameters": self.find_unused_parameters,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+            **self.ddp_kwargs,
+        }
+
+    @property
+    def count_from_buckets(self) -> bool:
+        """Plain all-reduce with bucket views runs DDP's built-in C++ path (no Python in the reduction); the
+        ledger then counts from the bucket storages after each synchronised backward instead of in a hook."""
+        return self.comm_hook is None and self.gradient_as_bucket_view
+
+    @classmethod
+    def keywords(cls) -> tuple[str, ...]:
+        """The strategy keywords these settings take (``ddp_kwargs`` is the ``**`` remainder, not a keyword)."""
+        return tuple(f.name for f in fields(cls) if f.name != "ddp_kwargs")
+
+
+def split_ddp_kwargs(owner: str, kwargs: Mapping[str, Any], own: Iterable[str]) -> dict[str, Any]:
+    """The keyword arguments meant for torch's DistributedDataParallel, with the ones LightningCLI passes at
+    their default value dropped; an unknown keyword raises, naming the closest valid one."""
+    given = {k: v for k, v in kwargs.items() if not is_default_ddp_kwarg(k, v)}
+    check_keywords(owner, [k for k in given if k not in REPLACED_KWARGS], [*own, *DDP_KEYWORDS])
+    return given
+
+
+def _wrap_classes(value: Any) -> Optional[tuple[type[nn.Module], ...]]:
+    if value is None:
+        return None
+    # A single class is accepted as a one-element list (the common case: one block type per model).
+    classes = (value,) if isinstance(value, type) else tuple(value)
+    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+    if bad or not classes:
+        raise TypeError(
+            f"wrap_modules must be nn.Module classes, e.g. [nn.TransformerEncoderLayer]; got {bad or value!r}."
+        )
+    return classes
+
+
+@dataclass(frozen=True)
+class ShardedSettings:
+    """What :class:`~lightning_mgpu.MGPUShardedStrategy` adds to the launch (and, at stage 1, DDP) settings."""
+
+    stage: Stage = 2
+    """1: optimizer state sharded; 2: + gradients; 3: + parameters."""
+    backend: Backend = "torch"
+    """``"torch"`` (ZeroRedundancyOptimizer / FSDP2) or ``"fairscale"`` (OSS / ShardedDataParallel)."""
+    checkpoint: CheckpointLayout = "consolidated"
+    """``"consolidated"`` (one file, gathered on rank 0) or ``"sharded"`` (a DCP directory)."""
+    wrap_modules: Optional[tuple[type[nn.Module], ...]] = None
+    """Stages 2/3 torch: module classes that each become an FSDP unit; a single class is taken as ``[cls]``."""
+
+    def __post_init__(self) -> None:
+        stage = self.stage
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
+            raise ValueError(
+                f"stage={stage!r} is not a ZeRO stage. Use stage=1 (optimizer state sharded), 2 (+ gradients, "
+                f"the default) or 3 (+ parameters), as an int."
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is unknown. Use backend='torch' (default) or 'fairscale'.")
+        if self.backend == "fairscale":
+            if stage == 3:
+                raise ValueError(
+                    "stage=3 with backend='fairscale' is not supported: fairscale's FullyShardedDataParallel needs "
+                    "CUDA and is unmaintained. Use MGPUShardedStrategy(stage=3) (torch FSDP2, any device), or the "
+                    "preset 'mgpu_zero3'."
+                )
+            if importlib.util.find_spec("fairscale") is None:
+                raise ModuleNotFoundError(
+                    f"backend='fairscale' needs fairscale, which is not installed. Install it with "
+                    f"`{FAIRSCALE_INSTALL}`, or use the torch-native backend: strategy='mgpu_sharded' (stage 2) / "
+                    f"'mgpu_zero1' (stage 1)."
+                )
+        if self.checkpoint not in LAYOUTS:
+            raise ValueError(
+                f"checkpoint={self.checkpoint!r} is unknown. Use 'consolidated' (one file, loads anywhere) or "
+                f"'sharded' (a torch.distributed.checkpoint directory written by all ranks)."
+            )
+        classes = _wrap_classes(self.wrap_modules)
+        object.__setattr__(self, "wrap_modules", classes)
+        if classes is not None and not self.uses_fsdp2:
+            raise ValueError(
+                f"wrap_modules chooses FSDP units, which only stages 2 and 3 with backend='torch' have; got "
+                f"stage={stage}, backend={self.backend!r}. Use stage=2 or 3 with backend='torch', or remove "
+                f"wrap_modules."
+            )
+
+    @property
+    def uses_ddp(self) -> bool:
+        """Stage 1 (either backend): the model is wrapped in torch's DistributedDataParallel."""
+        return self.stage == 1
+
+    @property
+    def uses_fsdp2(self) -> bool:
+        return self.stage in (2, 3) and self.backend == "torch"
+
+    def check_ddp_settings(self, given: Mapping[str, Any]) -> None:
+        """Refuse DDP all-reduce settings (``comm_hook=...``, ``bucket_cap_mb=...``) where the gradients are not
+        all-reduced by DDP (stages 2 and 3)."""
+        if self.uses_ddp:
+            return
+        ddp_only = [f"{k}={v!r}" for k, v in given.items() if v not in (None, False)]
+        if ddp_only:
+            raise ValueError(
+                f"{', '.join(ddp_only)}: DDP all-reduce settings, which stage {self.stage} does not use (gradients "
+                f"are reduce-scattered). Use stage=1 (the preset 'mgpu_zero1') for them, or remove them."
+            )
