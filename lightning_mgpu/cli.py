@@ -112,6 +112,9 @@ def _inline_class_problem(value: str) -> str:
     known = _init_arg_names(class_path)
     if not known:
         return f"class_path {class_path!r} cannot be imported."
+    from lightning_mgpu.settings import REPLACED_KWARGS
+
+    known = [k for k in known if k not in REPLACED_KWARGS]  # Lightning's names the mgpu strategies refuse
     init_args = spec.get("init_args") or {}
     unknown = [k for k in init_args if k not in known]
     if unknown:

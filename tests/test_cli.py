@@ -152,7 +152,7 @@ def test_a_misspelled_strategy_argument_in_inline_json_names_the_closest_argumen
     """On the command line the class comes as JSON; jsonargparse, failing to build it, keeps it as a string."""
     inline = '{"class_path": "lightning_mgpu.MGPUDDPStrategy", "init_args": {"comm_hok": "fp16"}}'
     err = refused(capsys, "--config", str(ROOT / "configs" / "ddp.yaml"), "--trainer.strategy", inline)
-    assert "lightning_mgpu.MGPUDDPStrategy does not take 'comm_hok' (did you mean 'comm_hook'" in err
+    assert "lightning_mgpu.MGPUDDPStrategy does not take 'comm_hok' (did you mean 'comm_hook'?)" in err
     assert "is not a registered strategy name" not in err
 
 
