@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mgpu._compat import check_norm_input_dim, tensor_version
+from lightning_mgpu.parts.process_group import group_is_up
 
 # torch's public normalisation layers with running statistics (their common bases _BatchNorm/_InstanceNorm are
 # private; a lazy layer becomes its plain class once initialised)
@@ -387,7 +388,7 @@ class _SyncBNForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         bn, region = self.bn, getattr(_active, "region", None)
-        group = bn.process_group or (dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
+        group = bn.process_group or (dist.group.WORLD if group_is_up() else None)
         if region is None or not bn.training or group is None or dist.get_world_size(group) < 2:
             return type(bn).forward(bn, x)
         check_norm_input_dim(bn, x)

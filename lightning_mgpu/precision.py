@@ -55,6 +55,7 @@ from lightning_mgpu._compat import (
 )
 from lightning_mgpu.parts.ledger import attached_trainer
 from lightning_mgpu.parts.optimizers import unwrap_optimizer
+from lightning_mgpu.parts.process_group import group_is_up
 
 Mode = Literal["32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master"]
 
@@ -139,7 +140,7 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if group_is_up() else 1
 
 
 def any_nonfinite(grads: list[Tensor]) -> bool:

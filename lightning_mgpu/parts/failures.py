@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from lightning_mgpu._compat import default_store
+from lightning_mgpu.parts.process_group import group_is_up
 
 _PREFIX = "mgpu/failure"
 # Errors a rank gets *because of another rank*: a peer's process is gone, a peer stopped answering, or the
@@ -44,7 +45,7 @@ def is_peer_failure(exception: BaseException) -> bool:
 
 
 def _store(grace_s: float) -> Optional[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not group_is_up():
         return None
     try:
         store = default_store()
@@ -139,7 +140,7 @@ def prepend(exception: BaseException, text: str) -> None:
 
 def tear_down() -> None:
     """Leave the process group without waiting for peers (they may be dead or stuck)."""
-    if dist.is_available() and dist.is_initialized():
+    if group_is_up():
         try:
             dist.destroy_process_group()
         except Exception:  # torch versions differ in what a broken group raises on destroy; we are exiting
@@ -178,7 +179,7 @@ class FailureHandling:
         if done is not None:
             return list(done)
         missing: list[int] = []
-        if dist.is_available() and dist.is_initialized() and world_size > 1:
+        if group_is_up() and world_size > 1:
             grace_s = self.roll_call_s()
             if is_peer_failure(exception):
                 text, missing = explain(rank, world_size, grace_s, self.timeout, str(exception))

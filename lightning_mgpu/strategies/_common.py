@@ -26,6 +26,7 @@ from lightning_mgpu.parts.checkpoint_io import choose_checkpoint_io
 from lightning_mgpu.parts.failures import FailureHandling
 from lightning_mgpu.parts.ledger import Ledger, attached_trainer
 from lightning_mgpu.parts.precision import PrecisionAdoption
+from lightning_mgpu.parts.process_group import group_is_up
 from lightning_mgpu.parts.resume import MidEpochResume
 from lightning_mgpu.settings import CommonSettings
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
@@ -161,7 +162,7 @@ class MGPUStrategyMixin:
 
     def _join_elastic_store(self) -> None:
         strategy: Any = self
-        if _compat.torchelastic_shares_its_store() and not torch.distributed.is_initialized():
+        if _compat.torchelastic_shares_its_store() and not group_is_up():
             # Lightning's init would use env:// on the agent's store, which keeps the previous attempt's addresses
             # after a torchrun restart (_compat.py); give it a per-attempt prefix. Lightning's setup_distributed
             # then finds the group initialised and only sets the ranks and seed.
@@ -212,7 +213,7 @@ class MGPUStrategyMixin:
         strategy: Any = self
         if (
             self._launch.start_method != "popen"
-            and not torch.distributed.is_initialized()
+            and not group_is_up()
             and strategy.num_processes * strategy.num_nodes > 1
         ):
             raise RuntimeError(

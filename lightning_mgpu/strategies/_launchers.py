@@ -26,6 +26,7 @@ from lightning_mgpu._compat import (
     set_num_threads_if_needed,
     worker_output,
 )
+from lightning_mgpu.parts.process_group import group_is_up
 
 PreLaunchCheck = Callable[["pl.Trainer"], None]
 
@@ -246,6 +247,6 @@ def release_process_group() -> None:
     """Every rank leaves the process group together. Left to interpreter exit, the group's C++ threads were
     sometimes destroyed while still running ("terminate called without an active exception", SIGABRT, seen
     intermittently here on spawn workers and on the popen rank 0)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if group_is_up():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -22,6 +22,7 @@ from torch.distributed import ReduceOp
 from typing_extensions import override
 
 from lightning_mgpu import _compat
+from lightning_mgpu.parts.process_group import group_is_up
 from lightning_mgpu.settings import CommonSettings
 from lightning_mgpu.strategies._common import MGPUStrategyMixin
 
@@ -108,7 +109,7 @@ class MGPUParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         self._join_elastic_store()  # when torchrun restarted this job (_compat.torchelastic_shares_its_store)
         reset_seed()
         self.set_world_ranks()
-        if not torch.distributed.is_initialized():
+        if not group_is_up():
             assert self.cluster_environment is not None
             _compat.init_dist_connection(
                 self.cluster_environment,
@@ -131,7 +132,7 @@ class MGPUParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if not group_is_up():
             return
         if torch.distributed.get_backend() == "nccl":
             torch.distributed.barrier(device_ids=[self.root_device.index])
@@ -140,7 +141,7 @@ class MGPUParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if not group_is_up():
             return obj
         box = [obj]
         torch.distributed.broadcast_object_list(box, src, group=torch.distributed.group.WORLD)

@@ -17,7 +17,7 @@ import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import pytorch_lightning as pl
 import torch
@@ -233,19 +233,22 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         self._checkpointing.apply(self.lightning_module)
         super().configure_ddp()
 
+    @property
+    def _ddp(self) -> DistributedDataParallel:
+        """The model while fitting: Lightning's ``configure_ddp`` wrapped it (this family always trains a DDP
+        module; the sharded stages 2/3, which do not, are another class)."""
+        return cast(DistributedDataParallel, self.model)
+
     @override
     def _register_ddp_hooks(self) -> None:
-        assert isinstance(self.model, DistributedDataParallel)
-        self._ledger.start(self.model, self.world_size)
+        self._ledger.start(self._ddp, self.world_size)
         # Lightning registers hooks only when the device is CUDA; ours run on every device
-        self._comm_hook_state = self._wrapping.register_hooks(self.model, self._ledger, self._manual_sync)
+        self._comm_hook_state = self._wrapping.register_hooks(self._ddp, self._ledger, self._manual_sync)
 
     # --- steps --------------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        model = self.model
-        if not isinstance(model, DistributedDataParallel):  # fairscale's ShardedDataParallel (sharded stage 2)
-            return super().training_step(*args, **kwargs)
+        model = self._ddp
         if self._manual_sync:
             # Manual optimization: DDP's reducer would sync every backward (and, without
             # find_unused_parameters, wait forever for the toggled-off optimizer's gradients). Keep it out of
@@ -266,13 +269,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        model = self.model
-        if (
-            self._settings.count_from_buckets
-            and isinstance(model, DistributedDataParallel)
-            and model.require_backward_grad_sync
-        ):
-            self._ledger.record_buckets(model)
+        if self._settings.count_from_buckets and self._ddp.require_backward_grad_sync:
+            self._ledger.record_buckets(self._ddp)
 
     @override
     def optimizer_step(
@@ -282,11 +280,10 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         model: Optional[Union[pl.LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        ddp = self.model
-        if self._manual_sync and isinstance(ddp, DistributedDataParallel):
+        if self._manual_sync:
             # after the user's closure (its backward), before unscaling and on_before_optimizer_step: where DDP
             # would have finished its all-reduce in automatic optimization
-            closure = self._manual.wrap_closure(optimizer, closure, ddp.process_group, self._ledger.stats)
+            closure = self._manual.wrap_closure(optimizer, closure, self._ddp.process_group, self._ledger.stats)
         with self._manual.stepping():
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._ledger.optimizer_stepped(self.lightning_module, self.is_global_zero)
@@ -295,9 +292,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
     def _sync_manual_gradients(self, optimizer: Optimizer) -> None:
         """Manual optimization: average ``optimizer``'s gradients across ranks, once per step; handed to the
         precision plugin, which calls it before it moves or clips the gradients."""
-        ddp = self.model
-        if self._manual_sync and isinstance(ddp, DistributedDataParallel):
-            self._manual.sync(optimizer, ddp.process_group, self._ledger.stats)
+        if self._manual_sync:
+            self._manual.sync(optimizer, self._ddp.process_group, self._ledger.stats)
 
     # --- checkpoints --------------------------------------------------------------------------------------
     @override

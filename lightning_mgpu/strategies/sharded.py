@@ -48,6 +48,7 @@ from lightning_mgpu.checkpoint_io import (
 )
 from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy, classes_present
 from lightning_mgpu.parts.optimizers import unwrap_optimizer
+from lightning_mgpu.parts.process_group import group_is_up
 from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.settings import (
     Backend,
@@ -299,7 +300,7 @@ class MGPUShardedStrategy(ParallelStrategy, metaclass=_StageDispatch):
         self.model = self._sharding.wrap_after_optimizers(self.model, wrapped, group)
 
     def _process_group(self) -> Any:
-        return torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        return torch.distributed.group.WORLD if group_is_up() else None
 
     # --- memory ---------------------------------------------------------------------------------------
     def memory_report(self) -> ShardMemory:
