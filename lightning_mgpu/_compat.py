@@ -1,6 +1,12 @@
-"""Torch / Lightning version differences, each behind one named flag (STYLE.md rule 5).
+"""Every private name of torch and Lightning the package touches, and every version difference (STYLE.md
+rule 5). Nothing else in the package may import a ``_``-prefixed name from torch / pytorch_lightning /
+lightning_fabric, or read a ``_``-prefixed attribute their objects define: it goes through a function or flag
+here (``tests/test_compat.py`` enforces it).
 
-Nothing else in the package may test a version or probe a private API inline: import a flag from here.
+Each entry says which releases it was checked on and what happens when the name is gone. "Checked" means:
+read in the installed sources and exercised by the test suite, on torch 2.13.0 and pytorch-lightning /
+lightning-fabric 2.6.6 (the pinned set). Where a public API exists it is used instead (e.g. ``typing`` for
+Lightning's ``_PATH``, the BatchNorm classes for torch's ``_BatchNorm``, ``LightningOptimizer.optimizer``).
 """
 
 from __future__ import annotations
@@ -9,7 +15,18 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from lightning_fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch.nn.parallel import DistributedDataParallel
+
+# Lightning's launchers, which ours subclass (its Trainer checks launcher types; pytorch-lightning 2.6.6
+# checked). Missing: ImportError when lightning_mgpu is imported, naming them.
+MultiProcessingLauncher = _MultiProcessingLauncher
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+# Lightning Fabric's precision helpers (lightning-fabric 2.6.6 checked): cast a tensor's floating-point
+# values; a context manager that sets the default dtype. Missing: ImportError at import.
+convert_fp_tensor = _convert_fp_tensor
+DtypeContextManager = _DtypeContextManager
 
 # ``DistributedDataParallel._set_static_graph`` switches static-graph mode on after construction; the
 # reducer accepts it until the first *synchronised* forward (its ``num_iterations_`` is still 0, and only
@@ -22,6 +39,13 @@ from torch.nn.parallel import DistributedDataParallel
 # of the first window and afterwards waits for k firings per parameter (weights diverge; measured).
 # The method exists in every torch this package supports (>= 2.4); the flag guards against its removal.
 _DDP_HAS_SET_STATIC_GRAPH = hasattr(DistributedDataParallel, "_set_static_graph")
+DDP_HAS_SET_STATIC_GRAPH = _DDP_HAS_SET_STATIC_GRAPH
+
+
+def enable_static_graph(ddp: DistributedDataParallel) -> None:
+    """``ddp._set_static_graph()`` (torch 2.4-2.13 checked). Missing: ``static_graph=True`` is refused at
+    construction (``DDP_HAS_SET_STATIC_GRAPH``), so this is never reached."""
+    ddp._set_static_graph()
 
 
 def _batched_powersgd_is_broken() -> bool:
@@ -38,6 +62,11 @@ def _batched_powersgd_is_broken() -> bool:
 
 
 _TORCH_BATCHED_POWERSGD_BROKEN = _batched_powersgd_is_broken()
+
+
+def orthogonalize_accepts_2d() -> bool:
+    """Whether torch's ``powerSGD_hook._orthogonalize`` takes a 2-D matrix (torch 2.13: no, see below)."""
+    return not _TORCH_BATCHED_POWERSGD_BROKEN
 
 
 def patch_batched_powersgd() -> None:
@@ -60,6 +89,120 @@ def patch_batched_powersgd() -> None:
     powerSGD_hook._orthogonalize = _orthogonalize
 
 
+# --- Lightning ---------------------------------------------------------------------------------------------
+# Strategy attributes Lightning's base classes define and read (pytorch-lightning 2.6.6 checked: Strategy
+# ``_checkpoint_io``, ``_precision_plugin``, ``_launcher``, ``_layer_sync``; DDPStrategy ``_ddp_kwargs``). They
+# are the storage behind the public properties our strategies override; missing, the AttributeError names them.
+
+
+def strategy_checkpoint_io(strategy: Any) -> Any:
+    """The checkpoint IO plugin given to the strategy (``None``: not chosen yet)."""
+    return strategy._checkpoint_io
+
+
+def set_strategy_checkpoint_io(strategy: Any, io: Any) -> None:
+    strategy._checkpoint_io = io
+
+
+def strategy_precision_plugin(strategy: Any) -> Any:
+    """The precision plugin given to the strategy, or ``None`` (the public property makes a default one)."""
+    return strategy._precision_plugin
+
+
+def set_strategy_precision_plugin(strategy: Any, plugin: Any) -> None:
+    strategy._precision_plugin = plugin
+
+
+def set_strategy_launcher(strategy: Any, launcher: Any) -> None:
+    """What Lightning's ``_configure_launcher`` hook sets (the Trainer reads ``strategy.launcher``)."""
+    strategy._launcher = launcher
+
+
+def strategy_layer_sync(strategy: Any) -> Any:
+    """``Trainer(sync_batchnorm=True)``'s plugin on the strategy, or ``None``. Missing: ``None`` (no check)."""
+    return getattr(strategy, "_layer_sync", None)
+
+
+def strategy_ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The DistributedDataParallel keyword arguments of a Lightning ``DDPStrategy``. Missing: ``{}``."""
+    return dict(getattr(strategy, "_ddp_kwargs", {}) or {})
+
+
+def augment_message(exception: BaseException, pattern: str, new_message: str) -> None:
+    """Lightning's ``pytorch_lightning.utilities.exceptions._augment_message`` (2.6.6 checked): replaces the
+    message of an exception that matches ``pattern``. Missing: the same, done here."""
+    try:
+        from pytorch_lightning.utilities.exceptions import _augment_message
+    except ImportError:  # pragma: no cover - present in every supported Lightning
+        import re
+
+        if exception.args and isinstance(exception.args[0], str) and re.match(pattern, exception.args[0], re.DOTALL):
+            exception.args = (new_message, *exception.args[1:])
+        return
+    _augment_message(exception, pattern=pattern, new_message=new_message)
+
+
+def is_wrapping_checkpoint_io(io: Any) -> bool:
+    """Whether ``io`` is one of Lightning's wrapping checkpoint IO plugins (``AsyncCheckpointIO``...), whose
+    base is set later (``pytorch_lightning.plugins.io.wrapper._WrappingCheckpointIO``, 2.6.6 checked).
+    Missing: False (a wrapping plugin without a base then fails as it does in plain Lightning)."""
+    try:
+        from pytorch_lightning.plugins.io.wrapper import _WrappingCheckpointIO
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(io, _WrappingCheckpointIO)
+
+
+def worker_output(*fields: Any) -> Any:
+    """Lightning's ``_WorkerOutput`` (what a spawn/fork worker hands to the main process; 2.6.6 checked:
+    best_model_path, weights_path, trainer_state, trainer_results, extra). Missing: ImportError at the first
+    spawn/fork fit, naming it."""
+    from pytorch_lightning.strategies.launchers.multiprocessing import _WorkerOutput
+
+    return _WorkerOutput(*fields)
+
+
+def update_dataloader(dataloader: Any, sampler: Any, mode: Any) -> Any:
+    """Lightning's ``pytorch_lightning.utilities.data._update_dataloader`` (2.6.6 checked): the loader re-created
+    with another sampler, custom DataLoader subclasses included. Missing: ImportError when a resumable sampler
+    is put in."""
+    from pytorch_lightning.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler, mode=mode)
+
+
+def destroy_dist_connection() -> None:
+    """``lightning_fabric.utilities.distributed._destroy_dist_connection`` (2.6.6 checked). Missing: torch's
+    ``destroy_process_group`` when a group exists."""
+    try:
+        from lightning_fabric.utilities.distributed import _destroy_dist_connection
+    except ImportError:  # pragma: no cover
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    _destroy_dist_connection()
+
+
+def set_num_threads_if_needed(num_processes: int) -> None:
+    """``lightning_fabric.utilities.distributed._set_num_threads_if_needed`` (2.6.6 checked): one CPU thread
+    per process unless OMP_NUM_THREADS is set. Missing: nothing is changed."""
+    try:
+        from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
+    except ImportError:  # pragma: no cover
+        return
+    _set_num_threads_if_needed(num_processes=num_processes)
+
+
+def default_store() -> Any:
+    """torch's ``distributed_c10d._get_default_store()`` (2.13 checked): the rendezvous store behind the default
+    group, which the failure roll call uses. Missing: AttributeError, which the caller treats as "no store"."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
 def should_accumulate(trainer: Any) -> bool:
     """Whether the current training micro-batch only accumulates (does not end an accumulation window).
 
@@ -80,7 +223,7 @@ def init_optimizer_state(optimizer: Any) -> None:
     _init_optim_state(optimizer)
 
 
-def _torchelastic_shares_its_store() -> bool:
+def torchelastic_shares_its_store() -> bool:
     """Under torchrun (torch >= 2.5) the workers' ``init_process_group`` uses the elastic agent's own TCPStore
     (``TORCHELASTIC_USE_AGENT_STORE=True``), and that store outlives a restart. The restarted workers then read
     the previous attempt's gloo/NCCL addresses from it and hang in ``init_process_group`` or fail with
@@ -105,7 +248,7 @@ def _torchelastic_shares_its_store() -> bool:
 _ELASTIC_INITS = [0]  # process groups this process has initialised on the agent's store, this attempt
 
 
-def _elastic_attempt_store(timeout: Any) -> Any:
+def elastic_attempt_store(timeout: Any) -> Any:
     """A client of the agent's store whose keys are prefixed by the restart attempt and by how many groups this
     process has initialised in it (a script that catches a failed ``fit`` and fits again re-initialises after
     the failure path left the group), so that each group meets only its own addresses."""
@@ -149,3 +292,136 @@ def cpu_fork_despite_cuda_probe() -> Iterator[None]:
         yield
     finally:
         launchers._check_bad_cuda_fork = original
+
+
+def sync_param_groups(wrapper: Any, local: Any) -> None:
+    """The wrapper's ``param_groups`` hyper-parameters -> its local optimizer's: what torch's
+    ``ZeroRedundancyOptimizer.step`` does first (``_sync_param_groups``, a staticmethod, torch 2.13 checked) and
+    fairscale's ``OSS._sync_param_groups`` (0.4.13). Missing: the same copy, done here."""
+    method = getattr(type(wrapper), "_sync_param_groups", None)
+    if method is not None:
+        method(wrapper.param_groups, local.param_groups)
+        return
+    for src, dst in zip(wrapper.param_groups, local.param_groups):  # pragma: no cover
+        for key, value in src.items():
+            if key != "params":
+                dst[key] = value
+
+
+def copy_lr_scheduler_step_tracking(old: Any, new: Any) -> None:
+    """torch's LR schedulers wrap ``optimizer.step`` to record that it was called (``_wrapped_by_lr_sched`` on
+    the wrapper, ``_opt_called`` on the optimizer; torch 2.13 checked), and warn "lr_scheduler.step() before
+    optimizer.step()" otherwise. A scheduler re-pointed at a wrapping optimizer gets the same tracking, so no
+    spurious warning appears. Missing (torch renamed them): at worst that warning."""
+    import functools
+
+    if hasattr(old.step, "_wrapped_by_lr_sched") and not hasattr(new.step, "_wrapped_by_lr_sched"):
+        step = new.step
+
+        @functools.wraps(step)
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            new._opt_called = True
+            return step(*args, **kwargs)
+
+        tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        new.step = tracked
+
+
+# --- Lightning launchers, strategy and optimizer internals (pytorch-lightning 2.6.6 checked) -----------------
+
+
+def call_children_scripts(launcher: Any) -> None:
+    """``_SubprocessScriptLauncher._call_children_scripts``: start the other local ranks (re-run the command)."""
+    launcher._call_children_scripts()
+
+
+def process_group_backend(strategy: Any) -> str:
+    """``DDPStrategy._get_process_group_backend()``: the backend asked for, else the device's default."""
+    return str(strategy._get_process_group_backend())
+
+
+def reset_optimizers_and_schedulers(strategy: Any) -> None:
+    """``Strategy._reset_optimizers_and_schedulers()``: a second fit starts from the module's own optimizers."""
+    strategy._reset_optimizers_and_schedulers()
+
+
+def forward_redirection(strategy: Any) -> Any:
+    """``DDPStrategy._forward_redirection``: runs a LightningModule step method through the wrapper's forward."""
+    return strategy._forward_redirection
+
+
+def share_optimizer_strategy(source: Any, target: Any) -> None:
+    """``LightningOptimizer._strategy`` (which its step machinery calls): ``target`` steps through ``source``'s
+    strategy."""
+    target._strategy = source._strategy
+
+
+# --- torch internals (torch 2.13.0 checked) ---------------------------------------------------------------
+def foreach_norm(tensors: Any, ord: float) -> Any:
+    """``torch._foreach_norm`` (one kernel for many norms). Missing: one ``torch.linalg.vector_norm`` each."""
+    import torch
+
+    fn = getattr(torch, "_foreach_norm", None)
+    if fn is None:  # pragma: no cover
+        return [torch.linalg.vector_norm(t, ord) for t in tensors]
+    return fn(tensors, ord)
+
+
+def tensor_version(tensor: Any) -> int:
+    """``Tensor._version``: the in-place modification counter (autograd's saved-tensor check reads it).
+    Missing: -1, which makes every buffer look modified (safe: it is then restored after a recompute)."""
+    return int(getattr(tensor, "_version", -1))
+
+
+def check_norm_input_dim(norm: Any, x: Any) -> None:
+    """``_BatchNorm._check_input_dim``: the layer's own input-shape check. Missing: no check."""
+    check = getattr(norm, "_check_input_dim", None)
+    if check is not None:
+        check(x)
+
+
+def scaler_init_scale(scaler: Any) -> float:
+    """``GradScaler._init_scale`` (the scale it started from; there is no public getter). Missing: the current
+    scale."""
+    value = getattr(scaler, "_init_scale", None)
+    return float(value if value is not None else scaler.get_scale())
+
+
+def precision_after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
+    """Lightning's ``Precision._after_closure``: ``on_before_optimizer_step`` hooks, then gradient clipping
+    (pytorch-lightning 2.6.6 checked). Missing: AttributeError naming it at the first step."""
+    plugin._after_closure(model, optimizer)
+
+
+def init_dist_connection(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
+    """``lightning_fabric.utilities.distributed._init_dist_connection`` (2.6.6 checked): reads MASTER_ADDR/PORT,
+    rank and world size from the cluster environment and calls ``init_process_group``. Missing: ImportError at
+    set-up, naming it."""
+    from lightning_fabric.utilities.distributed import _init_dist_connection
+
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def sync_ddp_if_available(tensor: Any, group: Any, reduce_op: Any) -> Any:
+    """``lightning_fabric.utilities.distributed._sync_ddp_if_available`` (2.6.6 checked): all-reduce with
+    Lightning's "mean"/"sum" semantics when a group is up. Missing: ImportError at the first reduce."""
+    from lightning_fabric.utilities.distributed import _sync_ddp_if_available
+
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def sync_module_states(module: Any) -> None:
+    """``pytorch_lightning.overrides.distributed._sync_module_states`` (2.6.6 checked): rank 0's parameters and
+    buffers broadcast to all ranks (what DDP does at construction), for evaluation without a wrapper. Missing:
+    ImportError, naming it."""
+    from pytorch_lightning.overrides.distributed import _sync_module_states
+
+    _sync_module_states(module)
+
+
+def optimizers_to_device(optimizers: Any, device: Any) -> None:
+    """``lightning_fabric.utilities.optimizer._optimizers_to_device`` (2.6.6 checked): optimizer state tensors
+    moved to ``device``. Missing: ImportError, naming it."""
+    from lightning_fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)

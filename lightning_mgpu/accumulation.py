@@ -56,7 +56,8 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mgpu._compat import should_accumulate
+from lightning_mgpu._compat import share_optimizer_strategy, should_accumulate, strategy_ddp_kwargs
+from lightning_mgpu.parts.ledger import attached_trainer
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -103,9 +104,9 @@ class _AccumulatingOptimizer(LightningOptimizer):
 
     def __init__(self, inner: LightningOptimizer, module: ManualAccumulation, index: int) -> None:
         super().__init__(inner.optimizer)
-        self._strategy = inner._strategy
+        share_optimizer_strategy(inner, self)  # Lightning's step machinery of this wrapper needs the strategy
         self._inner = inner
-        self._module = module
+        self._owner = module
         self._index = index
         self.absorbed_steps = 0
         """``step()`` calls taken as "accumulate" since this optimizer last stepped."""
@@ -114,14 +115,14 @@ class _AccumulatingOptimizer(LightningOptimizer):
     def toggle_model(self, sync_grad: Optional[bool] = None) -> Generator[None, None, None]:
         """Lightning's ``toggle_model``; ``sync_grad`` defaults to "only on the micro-batch that steps"."""
         if sync_grad is None:
-            sync_grad = not self._module.is_accumulating
-        _refuse_toggling_under_plain_ddp(self._strategy)
+            sync_grad = not self._owner.is_accumulating
+        _refuse_toggling_under_plain_ddp(attached_trainer(self._owner).strategy)
         with self._inner.toggle_model(sync_grad=sync_grad):
             yield
 
     @override
     def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-        if self._module.is_accumulating:
+        if self._owner.is_accumulating:
             self.absorbed_steps += 1
             return closure() if closure is not None else None
         self.absorbed_steps = 0
@@ -139,10 +140,10 @@ class _WindowScheduler:
 
     def __init__(self, scheduler: Any, module: ManualAccumulation) -> None:
         self.scheduler = scheduler
-        self._module = module
+        self._owner = module
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self._module.is_accumulating:
+        if not self._owner.is_accumulating:
             self.scheduler.step(*args, **kwargs)
 
     def __getattr__(self, item: str) -> Any:
@@ -152,10 +153,9 @@ class _WindowScheduler:
 def _refuse_toggling_under_plain_ddp(strategy: Any) -> None:
     # Lightning's DDPStrategy cannot sync a backward pass in which the other optimizer's parameters were
     # toggled off: the reducer waits for their gradients ("Expected to have finished reduction ...").
-    from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
-
-    if isinstance(strategy, DDPStrategy) and not isinstance(strategy, MGPUDDPStrategy):
-        if not strategy._ddp_kwargs.get("find_unused_parameters", False):
+    # mgpu_ddp syncs each optimizer at its step (it says so by a class attribute: no import of the strategy).
+    if isinstance(strategy, DDPStrategy) and not getattr(strategy, "syncs_manual_optimization", False):
+        if not strategy_ddp_kwargs(strategy).get("find_unused_parameters", False):
             raise MisconfigurationException(
                 "toggle_model() under Lightning's DDPStrategy without find_unused_parameters=True fails at the "
                 "first synchronised backward (the other optimizer's parameters get no gradient). Use "
@@ -181,7 +181,7 @@ class ManualAccumulation:
     def is_accumulating(self) -> bool:
         """True inside a training micro-batch that does not end an accumulation window: ``step``,
         ``zero_grad`` and scheduler steps wait, and gradients are not synchronised."""
-        trainer = self._trainer  # type: ignore[attr-defined]
+        trainer = attached_trainer(self)  # type: ignore[arg-type]
         if trainer is None or not trainer.training or trainer.accumulate_grad_batches == 1:
             return False
         return should_accumulate(trainer)
@@ -215,7 +215,7 @@ class ManualAccumulation:
         return wrapped if isinstance(schedulers, list) else wrapped[0]
 
     def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        trainer = self._trainer  # type: ignore[attr-defined]
+        trainer = attached_trainer(self)  # type: ignore[arg-type]
         k = trainer.accumulate_grad_batches if trainer is not None and trainer.training else 1
         if k > 1:
             # Lightning's automatic optimization divides by k on every micro-batch, the last shorter window
@@ -230,7 +230,7 @@ class ManualAccumulation:
 
     def configure_callbacks(self) -> Union[Sequence[Callback], Callback]:
         callbacks = super().configure_callbacks()  # type: ignore[misc]
-        trainer = self._trainer  # type: ignore[attr-defined]
+        trainer = attached_trainer(self)  # type: ignore[arg-type]
         if trainer is None:
             return callbacks
         callbacks = list(callbacks) if isinstance(callbacks, Sequence) else [callbacks]
@@ -254,7 +254,7 @@ class _AccumulationGuard(Callback):
 
     def __init__(self, accumulate_grad_batches: int) -> None:
         self.accumulate_grad_batches = accumulate_grad_batches
-        self._handles: list[RemovableHandle] = []
+        self._hook_handles: list[RemovableHandle] = []
 
     def _restore(self, trainer: pl.Trainer) -> None:
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
@@ -283,7 +283,7 @@ class _AccumulationGuard(Callback):
                     f"torch optimizer): it waits for the end of the window and syncs gradients there."
                 )
 
-        self._handles = [opt.register_step_pre_hook(refuse_raw_step) for opt in trainer.optimizers]
+        self._hook_handles = [opt.register_step_pre_hook(refuse_raw_step) for opt in trainer.optimizers]
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -305,6 +305,6 @@ class _AccumulationGuard(Callback):
         self._remove_hooks()
 
     def _remove_hooks(self) -> None:
-        for h in self._handles:
+        for h in self._hook_handles:
             h.remove()
-        self._handles = []
+        self._hook_handles = []

@@ -31,14 +31,16 @@ import shutil
 from collections.abc import Iterable
 from contextlib import suppress
 from pathlib import Path
-from typing import IO, Any, Callable, Optional
+from typing import IO, Any, Callable, Optional, Union
 
 import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning_fabric.utilities.types import _PATH
 from typing_extensions import override
+
+# a local path, or a URL fsspec understands (what Lightning calls _PATH)
+PathLike = Union[str, "os.PathLike[str]"]
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class IncompleteCheckpointError(RuntimeError):
     """A sharded checkpoint directory whose save did not finish (no completion marker, or files missing)."""
 
 
-def local_path(path: _PATH) -> Optional[str]:
+def local_path(path: PathLike) -> Optional[str]:
     """``path`` on the local filesystem (``file://`` stripped), or ``None`` for a remote fsspec URL."""
     fs, urlpath = url_to_fs(str(path))
     return urlpath if isinstance(fs, LocalFileSystem) else None
@@ -80,7 +82,7 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def fsync_dir(path: _PATH) -> None:
+def fsync_dir(path: PathLike) -> None:
     """Make renames and new entries in directory ``path`` durable (POSIX: a rename survives a power loss only
     once its directory is synced). Windows cannot open a directory, and some filesystems refuse to sync one:
     skipped there, the rename itself is still atomic."""
@@ -96,7 +98,7 @@ def fsync_dir(path: _PATH) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: _PATH, write: Callable[[IO[bytes]], object]) -> None:
+def write_file_atomic(path: PathLike, write: Callable[[IO[bytes]], object]) -> None:
     """Write a local file through ``write(f)`` so that ``path`` holds its old content or the whole new one, at
     every instant and after a power loss; the temporary file goes on a failure, and leftovers of earlier
     killed writes of this name go after a success. One writer per name at a time (rank 0 for checkpoints)."""
@@ -138,7 +140,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[Any] = None
+    ) -> None:
         local = local_path(path)
         if local is None or storage_options is not None:
             # Remote (fsspec, non-local): Lightning's code, an fsspec transaction; object stores have no rename
@@ -149,7 +153,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         write_file_atomic(local, lambda f: torch.save(checkpoint, f))
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: PathLike) -> None:
         local = local_path(path)
         if local is not None and os.path.isdir(local) and not os.path.islink(local):
             remove_dir(local)
@@ -165,7 +169,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 # new one in.
 
 
-def begin_dir(path: _PATH) -> Path:
+def begin_dir(path: PathLike) -> Path:
     """Rank 0, before a sharded save to ``path``: finish an interrupted swap, remove leftovers of killed saves
     of this name, and create the empty staging directory every rank writes into."""
     final = Path(path)
@@ -177,7 +181,7 @@ def begin_dir(path: _PATH) -> Path:
     return staging
 
 
-def commit_dir(staging: Path, path: _PATH, info: dict[str, Any]) -> None:
+def commit_dir(staging: Path, path: PathLike, info: dict[str, Any]) -> None:
     """Rank 0, once every rank has written into ``staging``: mark it complete (``info`` and the list of its
     files go into the marker) and swap it in under ``path``; the previous directory is then removed."""
     final = Path(path)
@@ -195,7 +199,7 @@ def commit_dir(staging: Path, path: _PATH, info: dict[str, Any]) -> None:
         _remove(old)
 
 
-def recover_dir(path: _PATH) -> Optional[Path]:
+def recover_dir(path: PathLike) -> Optional[Path]:
     """If ``path`` is missing because a save was killed in the middle of its swap, rename the complete new
     directory in (or, failing that, the old one back); returns what was renamed in."""
     final = Path(path)
@@ -212,7 +216,7 @@ def recover_dir(path: _PATH) -> Optional[Path]:
     return None
 
 
-def check_complete(path: _PATH) -> dict[str, Any]:
+def check_complete(path: PathLike) -> dict[str, Any]:
     """The marker of sharded checkpoint directory ``path``; raises :class:`IncompleteCheckpointError` if the
     save that wrote it did not finish."""
     final = Path(path)
@@ -250,7 +254,7 @@ def _previous_checkpoints(final: Path) -> str:
     return f"Resume from the previous checkpoint instead: ckpt_path='{found[0]}' (beside it, newest first: {names})."
 
 
-def remove_dir(path: _PATH) -> None:
+def remove_dir(path: PathLike) -> None:
     """Remove a checkpoint directory so that a kill midway never leaves a partial one under its name (it is
     renamed aside first; a leftover ``.<name>.del-<pid>`` is no checkpoint)."""
     final = Path(path)
@@ -263,7 +267,7 @@ def remove_dir(path: _PATH) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def sharded_directory_message(path: _PATH, owner: str) -> str:
+def sharded_directory_message(path: PathLike, owner: str) -> str:
     """Why ``owner`` (a strategy that reads one-file checkpoints) cannot load the directory ``path``, and the
     strategy to resume with: the one that wrote it, from its completion marker where there is one."""
     final = Path(path)

@@ -37,9 +37,22 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils.checkpoint import checkpoint
+
+from lightning_mgpu._compat import check_norm_input_dim, tensor_version
+from lightning_mgpu.parts.process_group import group_is_up
+
+# torch's public normalisation layers with running statistics (their common bases _BatchNorm/_InstanceNorm are
+# private; a lazy layer becomes its plain class once initialised)
+_NORMS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
 
 __all__ = [
     "ActivationCheckpointingPolicy",
@@ -260,7 +273,7 @@ _NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 def _is_norm_stat(module: nn.Module, name: str) -> bool:
     """A buffer a normalisation layer updates in training mode without bumping its version counter."""
-    return isinstance(module, (_BatchNorm, _InstanceNorm)) and module.track_running_stats and name in _NORM_STATS
+    return isinstance(module, _NORMS) and bool(getattr(module, "track_running_stats", False)) and name in _NORM_STATS
 
 
 class _Region:
@@ -284,24 +297,29 @@ class _Region:
         try:
             if self.runs == 1:
                 before = [
-                    (m, n, b, b._version) for m in self.module.modules() for n, b in m._buffers.items() if b is not None
+                    (m, n, b, tensor_version(b))
+                    for m in self.module.modules()
+                    for n, b in m.named_buffers(recurse=False)
                 ]
                 out = fn(*args, **kwargs)
                 self.mutated = [
-                    (m, n) for m, n, b, v in before if _is_norm_stat(m, n) or m._buffers[n] is not b or b._version != v
+                    (m, n)
+                    for m, n, b, v in before
+                    if _is_norm_stat(m, n) or getattr(m, n) is not b or tensor_version(b) != v
                 ]
                 return out
             # Recompute: the forward updates throwaway copies of the state; the originals keep the first
             # forward's update and their version counters (the reentrant backward checks them).
             self.cursor = 0
-            originals = [(m, n, b) for m, n in self.mutated if (b := m._buffers[n]) is not None]
+            # (assigning a tensor to a registered buffer's name replaces the buffer: nn.Module.__setattr__)
+            originals = [(m, n, b) for m, n in self.mutated if (b := getattr(m, n)) is not None]
             for m, n, b in originals:
-                m._buffers[n] = b.detach().clone()
+                setattr(m, n, b.detach().clone())
             try:
                 return fn(*args, **kwargs)
             finally:
                 for m, n, b in originals:
-                    m._buffers[n] = b
+                    setattr(m, n, b)
         finally:
             _active.region = previous
 
@@ -370,10 +388,10 @@ class _SyncBNForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         bn, region = self.bn, getattr(_active, "region", None)
-        group = bn.process_group or (dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
+        group = bn.process_group or (dist.group.WORLD if group_is_up() else None)
         if region is None or not bn.training or group is None or dist.get_world_size(group) < 2:
             return type(bn).forward(bn, x)
-        bn._check_input_dim(x)
+        check_norm_input_dim(bn, x)
         return _sync_batch_norm(bn, x, region, group)
 
 

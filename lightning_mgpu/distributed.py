@@ -40,6 +40,8 @@ import torch.distributed as dist
 from pytorch_lightning.utilities.parsing import lightning_getattr, lightning_hasattr
 from torch import Tensor
 
+from lightning_mgpu.parts.process_group import group_is_up
+
 Value = Union[Tensor, float, int]
 Values = Union[Value, Mapping[str, Value]]
 
@@ -47,11 +49,11 @@ __all__ = ["effective_batch_size", "gather", "mean", "per_device_batch_size", "s
 
 
 def _world(group: Optional[Any]) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size(group) if group_is_up() else 1
 
 
 def _rank(group: Optional[Any]) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank(group) if group_is_up() else 0
 
 
 def _comm_device(group: Optional[Any], values: list[Value]) -> torch.device:

@@ -29,15 +29,13 @@ Example::
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Literal, Optional, Union, cast
+from typing import Any, Callable, Optional, Union, cast
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning_fabric.utilities.types import Optimizable
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
@@ -47,105 +45,36 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-Mode = Literal["32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master"]
+from lightning_mgpu._compat import (
+    DtypeContextManager,
+    convert_fp_tensor,
+    precision_after_closure,
+    scaler_init_scale,
+)
 
-#: mode -> (compute dtype, FP32 master copy held by the optimizer step)
-MODES: dict[str, tuple[torch.dtype, bool]] = {
-    "32-true": (torch.float32, False),
-    "16-mixed": (torch.float16, False),
-    "bf16-mixed": (torch.bfloat16, False),
-    "16-master": (torch.float16, True),
-    "bf16-master": (torch.bfloat16, True),
-}
+# the modes and their checks live in _precision_modes.py (re-exported here: lightning_mgpu.precision.check_mode)
+from lightning_mgpu._precision_modes import (
+    MODES,
+    Mode,
+    any_nonfinite,
+    autocast_supported,
+    check_device,
+    check_mode,
+    world_size,
+)
+from lightning_mgpu.parts.ledger import attached_trainer
+from lightning_mgpu.parts.optimizers import unwrap_optimizer
 
-# what people type, and the mode they most likely mean
-_ALIASES = {
-    "16": "16-mixed",
-    "fp16": "16-mixed",
-    "half": "16-mixed",
-    "amp": "16-mixed",
-    "bf16": "bf16-mixed",
-    "bfloat16": "bf16-mixed",
-    "16-true": "16-master",
-    "bf16-true": "bf16-master",
-    "32": "32-true",
-    "fp32": "32-true",
-    "64-true": "32-true",
-    "transformer-engine": "bf16-mixed",
-}
-
-
-def check_mode(mode: Any) -> str:
-    """Returns ``mode`` if it is one of :data:`MODES`; otherwise a ``ValueError`` naming the valid modes."""
-    if isinstance(mode, str) and mode in MODES:
-        return mode
-    hint = ""
-    if isinstance(mode, (str, int)) and str(mode).lower() in _ALIASES:
-        guess = _ALIASES[str(mode).lower()]
-        hint = f" Did you mean {guess!r}?"
-        if str(mode) in ("16-true", "bf16-true"):
-            hint += (
-                f" (Lightning's {mode!r} keeps no FP32 copy of the weights; {guess!r} has the same memory for "
-                f"the model and keeps FP32 masters in the optimizer step.)"
-            )
-    raise ValueError(f"MGPUPrecision(mode={mode!r}) is not a mode. Use one of {list(MODES)}.{hint}")
-
-
-def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch.autocast(device_type, dtype)`` really runs (torch disables itself, with a warning, for
-    a dtype the device's autocast lacks)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.autocast(device_type, dtype=dtype):
-                return torch.is_autocast_enabled(device_type)
-    except (RuntimeError, ValueError):
-        return False
-
-
-def check_device(mode: str, device_type: str) -> None:
-    """Raises ``RuntimeError`` naming the alternative when ``device_type`` cannot run ``mode``."""
-    dtype, master = MODES[mode]
-    if dtype == torch.float32:
-        return
-    half = "bf16" if dtype == torch.bfloat16 else "16"
-    other = "16" if half == "bf16" else "bf16"
-    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        name = torch.cuda.get_device_name()
-        raise RuntimeError(
-            f"MGPUPrecision({mode!r}) needs bfloat16, which {name} does not support (it needs compute capability "
-            f"8.0, Ampere, or newer). Use MGPUPrecision('16-mixed') or '16-master' (fp16 with loss scaling)."
-        )
-    if not master and not autocast_supported(device_type, dtype):
-        raise RuntimeError(
-            f"MGPUPrecision({mode!r}): torch.autocast on {device_type!r} does not support {dtype}. Use "
-            f"MGPUPrecision('{other}-mixed'), or '{half}-master' (no autocast: the model itself runs in {dtype})."
-        )
-
-
-def _local(t: Tensor) -> Tensor:
-    # a DTensor (FSDP2 shard) -> this rank's shard; a plain tensor -> itself
-    to_local = getattr(t, "to_local", None)
-    return cast(Tensor, to_local()) if callable(to_local) else t
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def any_nonfinite(grads: list[Tensor]) -> bool:
-    """True if any gradient holds inf/NaN on any rank (one all-reduce when a process group is up)."""
-    device = grads[0].device if grads else torch.device("cpu")
-    if grads:
-        norms = [n.to(device) for n in torch._foreach_norm([_local(g) for g in grads], float("inf"))]
-        found = torch.logical_not(torch.stack(norms).isfinite().all()).float().reshape(1)
-    else:
-        found = torch.zeros(1, device=device)
-    if _world() > 1:
-        if dist.get_backend() == "nccl" and found.device.type != "cuda":
-            found = found.cuda()
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return bool(found.item() > 0)
+__all__ = [
+    "MODES",
+    "MGPUPrecision",
+    "Mode",
+    "adopt",
+    "any_nonfinite",
+    "autocast_supported",
+    "check_device",
+    "check_mode",
+]
 
 
 class MGPUPrecision(Precision):
@@ -209,10 +138,20 @@ class MGPUPrecision(Precision):
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (master, half model parameter)
         self._requires_grad: list[bool] = []  # the half parameters' flags while a backward mirrors the toggle
         self._prepared: set[int] = set()  # optimizers whose gradients are in the masters and unscaled
-        #: set by mgpu_ddp under manual optimization: averages an optimizer's gradients across ranks (once per
-        #: step), so that gradients are synced before they move into the masters or are clipped
-        self.sync_gradients: Optional[Callable[[Optimizer], None]] = None
+        # given by mgpu_ddp under manual optimization (connect): averages an optimizer's gradients across ranks
+        # (once per step), so that gradients are synced before they move into the masters or are clipped
+        self._sync_gradients: Optional[Callable[[Optimizer], None]] = None
         self._fsdp_masters = False
+
+    def use_gradient_sync(self, sync_gradients: Optional[Callable[[Optimizer], None]]) -> None:
+        """Called by the strategy at set-up: ``sync_gradients(optimizer)`` averages that optimizer's gradients
+        across ranks (manual optimization, where the strategy syncs outside DDP's reducer); None: nothing to do.
+
+        Example::
+
+            plugin.use_gradient_sync(None)  # automatic optimization: DDP has synced already
+        """
+        self._sync_gradients = sync_gradients
 
     # --- properties -------------------------------------------------------------------------------------
     @property
@@ -260,9 +199,9 @@ class MGPUPrecision(Precision):
             # FSDP2 casts the parameters it gathers, not buffers: the BatchNorm statistics must be half too,
             # as in the DDP master modes (torch's CPU batch_norm refuses half input with FP32 statistics)
             for sub in module.modules():
-                for name, buf in sub._buffers.items():
-                    if buf is not None and buf.is_floating_point():
-                        sub._buffers[name] = buf.to(self.dtype)
+                for name, buf in sub.named_buffers(recurse=False):
+                    if buf.is_floating_point():
+                        setattr(sub, name, buf.to(self.dtype))  # replaces the registered buffer
             return module
         # The masters start from the FP32 weights (a loaded fp32 checkpoint included), not from their rounding
         self._fp32_source = {
@@ -296,7 +235,7 @@ class MGPUPrecision(Precision):
                         self._pairs.append((master, p))
                     masters.append(master)
                 group["params"] = masters
-        if self._fp32_source and _world() > 1:
+        if self._fp32_source and world_size() > 1:
             # DDP copied rank 0's weights into the half parameters when it wrapped the model; the masters were
             # taken before that, from each rank's own initialisation: rank 0's are the ones to train
             with torch.no_grad():
@@ -331,7 +270,7 @@ class MGPUPrecision(Precision):
         return model, optimizers, lr_schedulers
 
     def _make_scaler(self, device: str) -> torch.amp.GradScaler:
-        if _world() > 1:
+        if world_size() > 1:
             # All-reduces found_inf in unscale_: every rank skips together, whatever the strategy
             # (DDP, ZeRO, FSDP2 shards); torch's scaler for sharded gradients, usable with any process group.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -370,7 +309,7 @@ class MGPUPrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        dtype_ctx = _DtypeContextManager(self.dtype) if self.master else nullcontext()
+        dtype_ctx = DtypeContextManager(self.dtype) if self.master else nullcontext()
         with dtype_ctx, self._autocast():
             yield
 
@@ -378,7 +317,7 @@ class MGPUPrecision(Precision):
     def convert_input(self, data: Any) -> Any:
         if not self.master:
             return data
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.dtype)
+        return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=self.dtype)
 
     # --- backward and step ------------------------------------------------------------------------------
     @override
@@ -434,8 +373,8 @@ class MGPUPrecision(Precision):
         # self.clip_gradients(opt, ...), called between manual_backward and opt.step().
         if id(optimizer) in self._prepared:
             return
-        if self.sync_gradients is not None:
-            self.sync_gradients(optimizer)
+        if self._sync_gradients is not None:
+            self._sync_gradients(optimizer)
         if self.master and not self._fsdp_masters:
             self._grads_to_masters(optimizer)
         if self.scaler is not None:
@@ -449,11 +388,11 @@ class MGPUPrecision(Precision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        inner = cast(Optimizer, getattr(optimizer, "_optimizer", optimizer))
+        inner = unwrap_optimizer(optimizer)
         if clip_val > 0 and self.dtype != torch.float32:
             self._prepare_gradients(inner)
-        elif clip_val > 0 and self.sync_gradients is not None:
-            self.sync_gradients(inner)
+        elif clip_val > 0 and self._sync_gradients is not None:
+            self._sync_gradients(inner)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     @override
@@ -472,25 +411,25 @@ class MGPUPrecision(Precision):
         closure_result = closure()
         # automatic optimization with a training_step that returned None: no backward ran, nothing to step
         if closure_result is None and model.automatic_optimization:
-            self._after_closure(model, opt)
+            precision_after_closure(self, model, opt)
             return closure_result
         self._prepare_gradients(opt)
         try:
-            skipped, output = self._step(opt, model, **kwargs)
+            skipped, output = self._step_optimizer(opt, model, **kwargs)
         finally:
             self._prepared.discard(id(opt))
         if self.master and not self._fsdp_masters and not skipped:
             self._masters_to_model(opt)
         self.optimizer_steps += 1
         self.skipped_steps += int(skipped)
-        self._log(model)
+        self._log_to(model)
         return output
 
-    def _step(self, opt: Optimizer, model: pl.LightningModule, **kwargs: Any) -> tuple[bool, Any]:
+    def _step_optimizer(self, opt: Optimizer, model: pl.LightningModule, **kwargs: Any) -> tuple[bool, Any]:
         output = None
         if self.scaler is not None:
             before = self._scale
-            self._after_closure(model, opt)  # on_before_optimizer_step, then clipping: on unscaled gradients
+            precision_after_closure(self, model, opt)  # on_before_optimizer_step, then clipping: on unscaled gradients
             output = self.scaler.step(opt, **kwargs)  # skipped when found_inf
             self.scaler.update()
             self._scale = float(self.scaler.get_scale())
@@ -498,13 +437,13 @@ class MGPUPrecision(Precision):
         else:
             grads = [m.grad for group in opt.param_groups for m in group["params"] if m.grad is not None]
             skipped = any_nonfinite(grads)
-            self._after_closure(model, opt)
+            precision_after_closure(self, model, opt)
             if not skipped:
                 output = opt.step(**kwargs)
         return skipped, output
 
-    def _log(self, model: pl.LightningModule) -> None:
-        if not self.log_metrics or getattr(model, "_current_fx_name", None) is None or model._trainer is None:
+    def _log_to(self, model: pl.LightningModule) -> None:
+        if not self.log_metrics or getattr(model, "_current_fx_name", None) is None or attached_trainer(model) is None:
             return
         model.log("precision/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
         model.log("precision/loss_scale", self._scale, on_step=True, on_epoch=False)
@@ -570,7 +509,7 @@ def adopt(plugin: Optional[Precision]) -> Optional[Precision]:
     scaler = plugin.scaler
     if scaler is not None:
         kwargs = {
-            "init_scale": float(scaler._init_scale),
+            "init_scale": scaler_init_scale(scaler),
             "growth_factor": float(scaler.get_growth_factor()),
             "backoff_factor": float(scaler.get_backoff_factor()),
             "growth_interval": int(scaler.get_growth_interval()),

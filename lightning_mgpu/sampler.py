@@ -42,6 +42,8 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
+from lightning_mgpu._compat import update_dataloader
+
 POSITION_KEY = "mgpu_sampler_position"
 """Top-level checkpoint key of a mid-epoch position (absent in checkpoints written at an epoch's end)."""
 _FORMAT = "lightning_mgpu.sampler_position"
@@ -184,9 +186,7 @@ def resumable_train_loader(
         try:
             # Lightning's own re-instantiation, the one that put its DistributedSampler in (custom DataLoader
             # subclasses included, from the arguments it recorded)
-            from pytorch_lightning.utilities.data import _update_dataloader
-
-            dataloader = _update_dataloader(dataloader, ours, mode=RunningStage.TRAINING)
+            dataloader = update_dataloader(dataloader, ours, RunningStage.TRAINING)
         except MisconfigurationException as err:
             _warn_if_resuming_mid_epoch(position, f"it cannot be re-created with another sampler ({err})")
             return dataloader, False

@@ -108,8 +108,9 @@ def _check_start_method(start_method: Any) -> None:
 
 
 @dataclass(frozen=True)
-class LaunchSettings:
-    """What every mgpu strategy needs to start and join its process group."""
+class CommonSettings:
+    """What every mgpu strategy has: how it starts and joins its process group, the ledger, and activation
+    checkpointing."""
 
     start_method: StartMethod = "popen"
     """``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``."""
@@ -119,6 +120,10 @@ class LaunchSettings:
     """How long a collective waits for the other ranks (a :class:`datetime.timedelta`)."""
     log_comm_stats: bool = True
     """Log the ledger's ``comm/*`` metrics through the Trainer's loggers."""
+    activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None
+    """Which blocks to checkpoint (see :func:`lightning_mgpu.apply_activation_checkpointing`)."""
+    activation_checkpointing_reentrant: bool = False
+    """Use torch's reentrant checkpointing instead of the non-reentrant default."""
 
     def __post_init__(self) -> None:
         _check_start_method(self.start_method)
@@ -132,10 +137,17 @@ class LaunchSettings:
                 f"timeout=datetime.timedelta(seconds={self.timeout!r}) (or timedelta(minutes=30))."
             )
         _check_bool("log_comm_stats", self.log_comm_stats)
+        validate_policy(self.activation_checkpointing)
+        _check_bool("activation_checkpointing_reentrant", self.activation_checkpointing_reentrant)
+
+    @classmethod
+    def keywords(cls) -> tuple[str, ...]:
+        """The strategy keywords these settings take (``ddp_kwargs`` is the ``**`` remainder, not a keyword)."""
+        return tuple(f.name for f in fields(cls) if f.name != "ddp_kwargs")
 
 
 @dataclass(frozen=True)
-class DDPSettings(LaunchSettings):
+class DDPSettings(CommonSettings):
     """Settings of :class:`~lightning_mgpu.MGPUDDPStrategy` (and of stage 1 of the sharded strategy)."""
 
     comm_hook: Optional[CommHookName] = None
@@ -148,10 +160,6 @@ class DDPSettings(LaunchSettings):
     """DDP's flag; costs a graph traversal per step."""
     gradient_as_bucket_view: bool = True
     """Gradients are views into DDP's all-reduce buckets."""
-    activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None
-    """Which blocks to checkpoint (see :func:`lightning_mgpu.apply_activation_checkpointing`)."""
-    activation_checkpointing_reentrant: bool = False
-    """Use torch's reentrant checkpointing instead of the non-reentrant default."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments of :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``...)."""
 
@@ -164,8 +172,6 @@ class DDPSettings(LaunchSettings):
         check_comm_hook(self.comm_hook, self.comm_state)
         for name in ("static_graph", "find_unused_parameters", "gradient_as_bucket_view"):
             _check_bool(name, getattr(self, name))
-        validate_policy(self.activation_checkpointing)
-        _check_bool("activation_checkpointing_reentrant", self.activation_checkpointing_reentrant)
         if (
             self.activation_checkpointing_reentrant
             and self.find_unused_parameters
@@ -192,11 +198,6 @@ class DDPSettings(LaunchSettings):
         """Plain all-reduce with bucket views runs DDP's built-in C++ path (no Python in the reduction); the
         ledger then counts from the bucket storages after each synchronised backward instead of in a hook."""
         return self.comm_hook is None and self.gradient_as_bucket_view
-
-    @classmethod
-    def keywords(cls) -> tuple[str, ...]:
-        """The strategy keywords these settings take (``ddp_kwargs`` is the ``**`` remainder, not a keyword)."""
-        return tuple(f.name for f in fields(cls) if f.name != "ddp_kwargs")
 
 
 def split_ddp_kwargs(owner: str, kwargs: Mapping[str, Any], own: Iterable[str]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 
+import lightning_mgpu._precision_modes as precision_modes
 import lightning_mgpu.precision as precision_module
 from lightning_mgpu import MGPUDDPStrategy, MGPUPrecision, MGPUShardedStrategy
 from lightning_mgpu.examples.classifier import DigitsCNN
@@ -187,7 +188,7 @@ def test_gpu_without_bf16_is_refused_with_the_fp16_alternative(monkeypatch: pyte
 
 
 def test_autocast_dtype_the_device_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(precision_module, "autocast_supported", lambda device, dtype: False)
+    monkeypatch.setattr(precision_modes, "autocast_supported", lambda device, dtype: False)
     with pytest.raises(RuntimeError, match=r"does not support torch.float16.*'bf16-mixed'.*'16-master'"):
         check_device("16-mixed", "cpu")
     check_device("16-master", "cpu")  # no autocast in the master modes: the model itself runs in half
@@ -329,7 +330,9 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path, mode:
 def test_overflow_check_not_agreed_lets_replicas_diverge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control for the test above: without the all-reduce of the inf check, rank 0 steps with the
     poisoned (unsynced) gradient's neighbours while rank 1 skips."""
-    monkeypatch.setattr(precision_module, "_world", lambda: 1)  # inherited by the forked ranks
+    # inherited by the forked ranks: the inf check and the scaler both see one rank
+    monkeypatch.setattr(precision_modes, "world_size", lambda: 1)
+    monkeypatch.setattr(precision_module, "world_size", lambda: 1)
     ranks = _regressor_run(tmp_path, "bf16-master", strategy("ddp"), WORLD, batch=8, accumulate=2, inject={3: 1})
     assert ranks[0]["skipped"][-1] == 0 and ranks[1]["skipped"][-1] == 1
     assert not torch.equal(ranks[0]["final"], ranks[1]["final"])

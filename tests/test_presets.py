@@ -12,7 +12,8 @@ import torch
 from pytorch_lightning.strategies import StrategyRegistry
 
 import lightning_mgpu
-from lightning_mgpu import PRESETS, MGPUDDPStrategy, preset_table, register_presets
+from lightning_mgpu import PRESETS, preset_table, register_presets
+from lightning_mgpu.strategies import MGPUStrategyMixin
 from tests.helpers import WORLD, Regressor, fit, make_data
 
 NAMES = [p.name for p in PRESETS]
@@ -42,9 +43,10 @@ def test_registering_twice_is_harmless():
 def test_trainer_builds_the_preset_configuration(preset):
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=preset.name, logger=False)
     strategy = trainer.strategy
-    assert isinstance(strategy, MGPUDDPStrategy)
-    assert strategy._start_method == preset.init_params["start_method"]
-    assert strategy._comm_hook == preset.init_params.get("comm_hook")
+    assert isinstance(strategy, MGPUStrategyMixin)  # every mgpu strategy (the sharded stages 2/3 are not DDP)
+    assert isinstance(strategy, preset.strategy)
+    assert strategy.launch_settings.start_method == preset.init_params["start_method"]
+    assert getattr(strategy, "comm_hook", None) == preset.init_params.get("comm_hook")
     assert strategy.process_group_backend in (None, "gloo")  # decided at setup; gloo on CPU
 
 

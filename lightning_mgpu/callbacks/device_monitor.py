@@ -255,9 +255,9 @@ class DeviceMonitor(MGPUCallback):
         self.history.append({"step": float(trainer.global_step), **metrics})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-        self._warn(report, metrics)
+        self._warn_about(report, metrics)
 
-    def _warn(self, report: IntervalReport, metrics: dict[str, float]) -> None:
+    def _warn_about(self, report: IntervalReport, metrics: dict[str, float]) -> None:
         r, ratio = report.straggler_rank, report.straggler_ratio
         if ratio > self.straggler_warn and f"straggler{r}" not in self._warned:
             self._warned.add(f"straggler{r}")

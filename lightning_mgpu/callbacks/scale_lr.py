@@ -74,7 +74,7 @@ class ScaleLR(MGPUCallback):
         self.batch_size = batch_size
         self.factor: Optional[float] = None
         self.effective_batch_size: Optional[int] = None
-        self._handles: list[RemovableHandle] = []
+        self._hook_handles: list[RemovableHandle] = []
         self._steps: dict[int, int] = {}
         self._saved: dict[int, list[float]] = {}
 
@@ -104,8 +104,8 @@ class ScaleLR(MGPUCallback):
             if self.warmup_steps:
                 # optimizer steps already taken by this optimizer (a resumed run continues its warmup)
                 self._steps[id(opt)] = trainer.global_step // max(len(trainer.optimizers), 1)
-                self._handles.append(opt.register_step_pre_hook(self._pre_step))
-                self._handles.append(opt.register_step_post_hook(self._post_step))
+                self._hook_handles.append(opt.register_step_pre_hook(self._pre_step))
+                self._hook_handles.append(opt.register_step_post_hook(self._post_step))
         strategy = trainer.strategy
         rank_zero_info(
             f"ScaleLR: effective batch {self.effective_batch_size} (per-device batch x {trainer.num_devices} devices "
@@ -139,9 +139,9 @@ class ScaleLR(MGPUCallback):
         self._steps[id(opt)] = self._steps.get(id(opt), 0) + 1
 
     def _remove(self) -> None:
-        for handle in self._handles:
+        for handle in self._hook_handles:
             handle.remove()
-        self._handles.clear()
+        self._hook_handles.clear()
         self._steps.clear()
         self._saved.clear()
 

@@ -9,19 +9,25 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
-from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from pytorch_lightning.strategies.launchers.multiprocessing import _WorkerOutput
+from pytorch_lightning.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_mgpu._compat import cpu_fork_despite_cuda_probe
-from lightning_mgpu.precision import MGPUPrecision
+from lightning_mgpu._compat import (
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    call_children_scripts,
+    cpu_fork_despite_cuda_probe,
+    set_num_threads_if_needed,
+    worker_output,
+)
+from lightning_mgpu.parts.process_group import group_is_up
 
 PreLaunchCheck = Callable[["pl.Trainer"], None]
 
@@ -48,7 +54,7 @@ def _exit_status(code: int) -> str:
     return f"exit code {code}"
 
 
-class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, _SubprocessScriptLauncher):
+class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher):
     """Lightning's popen launcher (rank 0 is this process; the other local ranks re-run the command) with a
     failure path that names the failed rank and leaves no process behind.
 
@@ -80,11 +86,11 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, _SubprocessScriptLaunche
         # Lightning's _SubprocessScriptLauncher.launch, with _ChildObserver in place of its process observer
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally and not self.procs:
-            self._call_children_scripts()
+            call_children_scripts(self)
             self._observer = _ChildObserver(self.procs, self._node_rank_offset(), self._grace_s)
             self._observer.start()
             atexit.register(_end_and_reap, self.procs, self._grace_s)
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as exception:
@@ -124,7 +130,7 @@ def _end_and_reap(procs: list[subprocess.Popen], grace_s: float) -> None:
     collective for this rank, e.g. after rank 0 raised, fails at once and ends), give the child ranks
     ``grace_s`` to finish, then kill the rest; reap all (no zombie outlives its parent's job)."""
     if any(proc.poll() is None for proc in procs):
-        from lightning_mgpu.strategies._failures import tear_down
+        from lightning_mgpu.parts.failures import tear_down
 
         tear_down()
     deadline = time.monotonic() + grace_s
@@ -148,7 +154,7 @@ class _ChildObserver(threading.Thread):
     def __init__(self, procs: list[subprocess.Popen], rank_offset: int, grace_s: float) -> None:
         super().__init__(daemon=True, name="mgpu-child-observer")  # ends with this process
         self._procs = procs
-        self._offset = rank_offset
+        self._rank_offset = rank_offset
         self._grace_s = grace_s
         self.stand_down = threading.Event()
 
@@ -165,10 +171,11 @@ class _ChildObserver(threading.Thread):
         if self.stand_down.wait(self._grace_s):
             return
         names = ", ".join(
-            f"rank {self._offset + i} (pid {self._procs[i - 1].pid}) ended with {_exit_status(c)}" for i, c in failed
+            f"rank {self._rank_offset + i} (pid {self._procs[i - 1].pid}) ended with {_exit_status(c)}"
+            for i, c in failed
         )
         print(
-            f"lightning-mgpu: {names}; rank {self._offset} did not end by itself within {self._grace_s:g} s: "
+            f"lightning-mgpu: {names}; rank {self._rank_offset} did not end by itself within {self._grace_s:g} s: "
             f"killing every rank of this node.",
             file=sys.stderr,
             flush=True,
@@ -179,10 +186,37 @@ class _ChildObserver(threading.Thread):
         os.kill(os.getpid(), _KILL)
 
 
-class _CheckedMultiProcessingLauncher(_PreLaunchCheck, _MultiProcessingLauncher):
+class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher with the pre-launch check, the failure path in the workers, and the
+    weights handed back to the main process chosen by the strategy.
+
+    Args:
+        check: the pre-launch check (main process).
+        strategy: Lightning's launcher argument.
+        start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        on_failure: called in a worker with the exception that ended it (name the failed rank, leave the group).
+        weights: a collective, run on every rank after fit: the module state the main process gets (the FP32
+            masters of master-weight precision; under FSDP2 the full state gathered from the shards, where
+            Lightning hands back rank 0's shards only).
+    """
+
+    def __init__(
+        self,
+        check: PreLaunchCheck,
+        strategy: Any,
+        start_method: Any = "spawn",
+        on_failure: Optional[Callable[[BaseException], list[int]]] = None,
+        weights: Optional[Callable[[], dict[str, Any]]] = None,
+    ) -> None:
+        super().__init__(check, strategy, start_method=start_method)
+        self._on_failure = on_failure
+        self._weights = weights
+        self._forks = start_method in ("fork", "forkserver")
+        self._of_strategy = strategy
+
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
-        if self._start_method in ("fork", "forkserver") and self._strategy.root_device.type == "cpu":
+        if self._forks and self._of_strategy.root_device.type == "cpu":
             # CPU workers never initialise CUDA, so a fork is safe even in a process that torch marks as a "bad
             # fork" (on the CUDA wheel without a GPU, asking for the device count marks every later fork child
             # so). Lightning refuses such forks on any device; on CUDA its refusal stands.
@@ -197,34 +231,35 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, _MultiProcessingLauncher)
         except BaseException as exception:
             # In a worker, Lightning's error handling (Trainer -> strategy.on_exception) never runs: it wraps
             # the launch in the main process. Name the failed rank and leave the group here.
-            end_group = getattr(self._strategy, "_end_group_after", None)
-            if end_group is not None:
-                end_group(exception)
+            if self._on_failure is not None:
+                self._on_failure(exception)
             raise
         # The worker process ends right after this: leave the process group together first.
         release_process_group()
 
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Optional[_WorkerOutput]:
-        output = super()._collect_rank_zero_results(trainer, results)
-        plugin = trainer.precision_plugin
-        if (
-            output is not None
-            and output.weights_path is not None
-            and isinstance(plugin, MGPUPrecision)
-            and plugin.holds_masters
-        ):
-            # the main process's model gets the FP32 masters, not their half rounding (written again: only then)
-            module = trainer.lightning_module
-            self._strategy.checkpoint_io.save_checkpoint(
-                plugin.fp32_state_dict(module, module.state_dict()), output.weights_path
-            )
-        return output
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        if self._weights is None:
+            return super()._collect_rank_zero_results(trainer, results)
+        # Lightning's own, with the strategy's weights: a collective, every rank takes part
+        state_dict = self._weights()
+        strategy = trainer.strategy
+        if strategy.local_rank != 0:
+            return None
+        checkpoint_callback = trainer.checkpoint_callback
+        best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        extra = self.get_extra_results(trainer)
+        return worker_output(best_model_path, weights_path, trainer.state, results, extra)
 
 
 def release_process_group() -> None:
     """Every rank leaves the process group together. Left to interpreter exit, the group's C++ threads were
     sometimes destroyed while still running ("terminate called without an active exception", SIGABRT, seen
     intermittently here on spawn workers and on the popen rank 0)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if group_is_up():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

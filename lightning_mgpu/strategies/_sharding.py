@@ -23,18 +23,21 @@ Both write checkpoints in two layouts that do not depend on the world size:
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import inspect
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_mgpu._compat import init_optimizer_state
+from lightning_mgpu._compat import copy_lr_scheduler_step_tracking, init_optimizer_state, sync_param_groups
+from lightning_mgpu.parts.sync_control import (
+    BackwardSyncControl,
+    DDPSyncControl,
+    FSDP2SyncControl,
+    ShardedDDPSyncControl,
+)
 
 # Optimizers whose state is not one elementwise tensor per parameter: no backend can split them.
 _UNSHARDABLE = {
@@ -84,16 +87,7 @@ def rebind_schedulers(lr_scheduler_configs: list[Any], old: Optimizer, new: Opti
     for config in lr_scheduler_configs:
         if getattr(config.scheduler, "optimizer", None) is old:
             config.scheduler.optimizer = new
-    if hasattr(old.step, "_wrapped_by_lr_sched") and not hasattr(new.step, "_wrapped_by_lr_sched"):
-        step = new.step
-
-        @functools.wraps(step)
-        def tracked(*args: Any, **kwargs: Any) -> Any:
-            new._opt_called = True  # type: ignore[attr-defined]
-            return step(*args, **kwargs)
-
-        tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        new.step = tracked  # type: ignore[method-assign]
+    copy_lr_scheduler_step_tracking(old, new)
 
 
 class ShardingBackend:
@@ -102,11 +96,25 @@ class ShardingBackend:
     stage: int
     wraps_with_ddp = False
     """Stage 1: the model is wrapped in mgpu_ddp's ``DistributedDataParallel`` (gradients all-reduced)."""
+    sync_control: BackwardSyncControl = DDPSyncControl()
+    """How accumulation blocks the gradient sync of the wrapped model."""
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
 
     # --- model and optimizers -----------------------------------------------------------------------
+    def is_sharded(self, model: nn.Module) -> bool:
+        """Whether ``model`` is sharded in place already (FSDP2 cannot be undone: a later evaluation keeps it)."""
+        return False
+
+    def device_mesh(self, device_type: str, world_size: int) -> Any:
+        """The device mesh the model is sharded over, or None where the backend takes a process group."""
+        return None
+
+    def mixed_precision_policy(self, plugin: Any) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` from the precision plugin (master modes), or None."""
+        return None
+
     def shard_model(self, module: nn.Module, mesh: Any, mp_policy: Any = None) -> Optional[nn.Module]:
         """Before the optimizers exist. Returns the module to train, or None to keep the strategy's.
         ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` from the precision plugin (master modes)."""
@@ -117,10 +125,6 @@ class ShardingBackend:
 
     def wrap_after_optimizers(self, module: nn.Module, optimizers: list[Optimizer], group: Any) -> nn.Module:
         return module
-
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        yield
 
     def local_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The torch optimizer that holds this rank's share of the state."""
@@ -235,7 +239,7 @@ class TorchZeroBackend(ShardingBackend):
 
     def _sync_local_groups(self, optimizer: Optimizer) -> None:
         # the wrapper's param_groups -> its local optimizer's (what ZeroRedundancyOptimizer.step does first)
-        optimizer._sync_param_groups(optimizer.param_groups, self.local_optimizer(optimizer).param_groups)  # type: ignore[attr-defined]
+        sync_param_groups(optimizer, self.local_optimizer(optimizer))
 
 
 class FairscaleOSSBackend(TorchZeroBackend):
@@ -244,6 +248,7 @@ class FairscaleOSSBackend(TorchZeroBackend):
     def __init__(self, stage: int) -> None:
         super().__init__(stage)
         self.wraps_with_ddp = stage == 1
+        self.sync_control = DDPSyncControl() if stage == 1 else ShardedDDPSyncControl()
 
     def wrap_optimizer(self, optimizer: Optimizer, group: Any) -> Optimizer:
         from fairscale.optim import OSS
@@ -264,16 +269,6 @@ class FairscaleOSSBackend(TorchZeroBackend):
         # bucketing small parameters together is a latency optimisation that matters on NCCL only.
         return ShardedDataParallel(module, sharded_optimizer=optimizers, process_group=group, reduce_buffer_size=0)
 
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        from fairscale.nn.data_parallel import ShardedDataParallel
-
-        if isinstance(model, ShardedDataParallel):
-            with model.no_sync():
-                yield
-        else:
-            yield
-
     def sync_layout(self, model: nn.Module) -> list[int]:
         return [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
 
@@ -282,7 +277,7 @@ class FairscaleOSSBackend(TorchZeroBackend):
         return optimizer.state_dict() if is_global_zero else {}
 
     def _sync_local_groups(self, optimizer: Optimizer) -> None:
-        type(optimizer)._sync_param_groups(optimizer.param_groups, self.local_optimizer(optimizer).param_groups)  # type: ignore[attr-defined]
+        sync_param_groups(optimizer, self.local_optimizer(optimizer))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -308,6 +303,7 @@ class FSDP2Backend(ShardingBackend):
     def __init__(self, stage: int, wrap_modules: Optional[tuple[type[nn.Module], ...]] = None) -> None:
         super().__init__(stage)
         self.wrap_modules = wrap_modules
+        self.sync_control = FSDP2SyncControl()
 
     def _unit_roots(self, module: nn.Module) -> list[nn.Module]:
         if self.wrap_modules is not None:
@@ -319,6 +315,22 @@ class FSDP2Backend(ShardingBackend):
             else:
                 return [c for c in module.children() if any(True for _ in c.parameters())]
         return [m for m in module.modules() if m is not module and isinstance(m, classes)]
+
+    def is_sharded(self, model: nn.Module) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        return isinstance(model, FSDPModule)
+
+    def device_mesh(self, device_type: str, world_size: int) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (world_size,))
+
+    def mixed_precision_policy(self, plugin: Any) -> Any:
+        from lightning_mgpu.precision import MGPUPrecision
+
+        # master modes: FSDP2's sharded FP32 parameters are the master copy, gathered in half for compute
+        return plugin.keep_masters_in_fsdp() if isinstance(plugin, MGPUPrecision) else None
 
     def shard_model(self, module: nn.Module, mesh: Any, mp_policy: Any = None) -> Optional[nn.Module]:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -333,19 +345,6 @@ class FSDP2Backend(ShardingBackend):
                 fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         return module
-
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        from torch.distributed.fsdp import FSDPModule
-
-        if not isinstance(model, FSDPModule):
-            yield
-            return
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
 
     def sync_layout(self, model: nn.Module) -> list[int]:
         # one reduce-scatter (an all-reduce on gloo) per unit: the parameters it owns and no child unit does

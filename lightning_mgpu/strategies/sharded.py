@@ -13,28 +13,31 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
-import tempfile
-from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager
+from abc import ABCMeta
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.utilities.types import _PATH
-from pytorch_lightning.core.optimizer import LightningOptimizer
-from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
-from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mgpu import _compat
 from lightning_mgpu.checkpoint_io import (
+    PathLike,
     begin_dir,
     check_complete,
     commit_dir,
@@ -43,25 +46,30 @@ from lightning_mgpu.checkpoint_io import (
     remove_dir,
     write_file_atomic,
 )
-from lightning_mgpu.checkpointing import classes_present
+from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy, classes_present
+from lightning_mgpu.parts.optimizers import unwrap_optimizer
+from lightning_mgpu.parts.process_group import group_is_up
 from lightning_mgpu.precision import MGPUPrecision
-from lightning_mgpu.sampler import move_position, take_position
-from lightning_mgpu.settings import Backend, CheckpointLayout, ShardedSettings, Stage, split_ddp_kwargs
-from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher
+from lightning_mgpu.settings import (
+    Backend,
+    CheckpointLayout,
+    CommHookName,
+    CommonSettings,
+    ShardedSettings,
+    Stage,
+    StartMethod,
+    split_ddp_kwargs,
+)
 from lightning_mgpu.strategies._sharding import (
-    FSDP2Backend,
     ShardingBackend,
     check_optimizer,
     local_bytes,
     make_backend,
     rebind_schedulers,
 )
-from lightning_mgpu.strategies.ddp import _OWN_KEYWORDS as _DDP_OWN_KEYWORDS
-from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 
 log = logging.getLogger(__name__)
 
-_SHARDED_KEYWORDS = ("stage", "backend", "checkpoint", "wrap_modules")
 _METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint (Lightning's ModelParallelStrategy name)
 _OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
 
@@ -75,7 +83,38 @@ class ShardMemory:
     parameters: int
 
 
-class MGPUShardedStrategy(MGPUDDPStrategy):
+class _StageDispatch(ABCMeta):
+    """``MGPUShardedStrategy(stage=...)`` as users (and LightningCLI, and the presets) write it builds the stage's
+    class: stage 1 is DDP + a sharded optimizer (an MGPUDDPStrategy); stages 2/3 shard gradients (and parameters)
+    and are not DDP. A bad stage goes to the stage-2/3 class, whose settings refuse it. (A metaclass, not
+    ``__new__``: LightningCLI reads the arguments from ``__new__`` when a class defines one.)"""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        from lightning_mgpu.strategies.fsdp import MGPUFSDPStrategy
+        from lightning_mgpu.strategies.zero1 import MGPUZeRO1Strategy
+
+        if not issubclass(cls, (MGPUZeRO1Strategy, MGPUFSDPStrategy)):
+            stage = kwargs.get("stage", args[0] if args else 2)
+            stage_class = MGPUZeRO1Strategy if type(stage) is int and stage == 1 else MGPUFSDPStrategy
+            # a user's subclass of MGPUShardedStrategy keeps its overrides in front of the stage's class
+            cls = stage_class if cls is MGPUShardedStrategy else _with_stage_class(cls, stage_class)
+        return type.__call__(cls, *args, **kwargs)
+
+
+_STAGED: dict[tuple[type, type], type] = {}
+
+
+def _with_stage_class(user_class: type, stage_class: type) -> type:
+    """``user_class`` (a subclass of MGPUShardedStrategy) on top of the stage's class, made once per pair. Under
+    the fork and popen launches it works as it is; a spawn launch pickles the strategy by class name, so give a
+    subclass used with spawn the stage class as a base yourself (e.g. ``class Mine(MGPUFSDPStrategy)``)."""
+    key = (user_class, stage_class)
+    if key not in _STAGED:
+        _STAGED[key] = type(user_class.__name__, (user_class, stage_class), {"__module__": user_class.__module__})
+    return _STAGED[key]
+
+
+class MGPUShardedStrategy(ParallelStrategy, metaclass=_StageDispatch):
     """Sharded data-parallel training (ZeRO), torch-native by default, on CPU (gloo) and CUDA (NCCL).
 
     * ``stage=1``: optimizer state split across ranks (torch ``ZeroRedundancyOptimizer``, or fairscale
@@ -114,6 +153,8 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
     """
 
     strategy_name = "mgpu_sharded"
+    #: the next ``__init__`` in the MRO takes DDP's keywords (stage 1 is an MGPUDDPStrategy)
+    _takes_ddp_keywords = False
 
     def __init__(
         self,
@@ -121,39 +162,67 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         backend: Backend = "torch",
         checkpoint: CheckpointLayout = "consolidated",
         wrap_modules: Optional[Sequence[type[nn.Module]]] = None,
-        **kwargs: Any,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        log_comm_stats: bool = True,
+        activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
+        activation_checkpointing_reentrant: bool = False,
+        comm_hook: Optional[CommHookName] = None,
+        comm_state: Optional[dict[str, Any]] = None,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = True,
+        **ddp_kwargs: Any,
     ) -> None:
         sharded = ShardedSettings(stage=stage, backend=backend, checkpoint=checkpoint, wrap_modules=wrap_modules)
-        ddp_kwargs = split_ddp_kwargs(type(self).__name__, kwargs, [*_SHARDED_KEYWORDS, *_DDP_OWN_KEYWORDS])
-        sharded.check_ddp_settings(
-            {
-                **{k: kwargs.get(k) for k in ("comm_hook", "static_graph", "find_unused_parameters")},
-                **{k: v for k, v in ddp_kwargs.items() if k not in _DDP_OWN_KEYWORDS},
-            }
-        )
-        classes = sharded.wrap_modules
-        super().__init__(**kwargs)  # as it is: LightningCLI follows **kwargs into the parent signature
+        own = [name for name in inspect.signature(MGPUShardedStrategy.__init__).parameters if name != "self"]
+        ddp_kwargs = split_ddp_kwargs("MGPUShardedStrategy", ddp_kwargs, own[:-1])  # all but **ddp_kwargs
+        ddp_only = {
+            "comm_hook": comm_hook,
+            "static_graph": static_graph,
+            "find_unused_parameters": find_unused_parameters,
+        }
+        sharded.check_ddp_settings({**ddp_only, **ddp_kwargs})
+        common: dict[str, Any] = {
+            "accelerator": accelerator,
+            "parallel_devices": parallel_devices,
+            "cluster_environment": cluster_environment,
+            "checkpoint_io": checkpoint_io,
+            "precision_plugin": precision_plugin,
+        }
+        settings = {
+            "process_group_backend": process_group_backend,
+            "timeout": timeout,
+            "start_method": start_method,
+            "log_comm_stats": log_comm_stats,
+            "activation_checkpointing": activation_checkpointing,
+            "activation_checkpointing_reentrant": activation_checkpointing_reentrant,
+        }
+        if self._takes_ddp_keywords:
+            ddp = {**ddp_only, "comm_state": comm_state, "gradient_as_bucket_view": gradient_as_bucket_view}
+            super().__init__(**common, **settings, **ddp, **ddp_kwargs)
+        else:
+            super().__init__(**common, settings=CommonSettings(**settings))  # type: ignore[call-arg]
         self._sharded_settings = sharded
-        self._stage: int = stage
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
-        self._sharding: ShardingBackend = make_backend(stage, backend, classes)
+        self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.wrap_modules)
         self._loaded_sharded = False
-        self._mp_policy: Any = None
-
-    @override
-    def _find_unused_parameters_fix(self) -> str:
-        return f"strategy=MGPUShardedStrategy(stage={self._stage}, find_unused_parameters=True)"
 
     @property
-    @override
     def settings(self) -> ShardedSettings:  # type: ignore[override]
         """The validated sharding settings (``ddp_settings``: the launch and, at stage 1, DDP ones)."""
         return self._sharded_settings
 
     @property
     def stage(self) -> int:
-        return self._stage
+        return self._sharded_settings.stage
 
     @property
     def backend(self) -> str:
@@ -163,16 +232,11 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
     def checkpoint_layout(self) -> str:
         return self._checkpoint_layout
 
-    @property
-    @override
-    def _uses_ddp(self) -> bool:
-        return self._sharding.wraps_with_ddp
-
     # --- launch ---------------------------------------------------------------------------------------
     @override
-    def _check_precision(self) -> None:
-        super()._check_precision()
-        plugin = self._precision_plugin
+    def _check_at_construction(self) -> None:
+        super()._check_at_construction()
+        plugin = self.precision_plugin
         if not (isinstance(plugin, MGPUPrecision) and plugin.master):
             return
         if self._backend_name == "fairscale":
@@ -182,7 +246,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
                 f"separate FP32 masters. Use strategy='mgpu_sharded' (FSDP2 keeps sharded FP32 masters) or "
                 f"'mgpu_zero1', or MGPUPrecision('{plugin.mode.replace('master', 'mixed')}') with fairscale."
             )
-        if self._stage == 1 and self._checkpoint_layout == "sharded":
+        if self._sharded_settings.stage == 1 and self._checkpoint_layout == "sharded":
             raise ValueError(
                 f"MGPUPrecision({plugin.mode!r}) with stage=1 and checkpoint='sharded' is not supported: the sharded "
                 f"optimizer checkpoint is keyed by the model's parameter names and the optimizer steps FP32 masters. "
@@ -190,19 +254,17 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
             )
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if isinstance(self._launcher, _MultiProcessingLauncher):
-            self._launcher = _ShardedMultiProcessingLauncher(
-                self._check_before_launch, self, start_method=self._start_method
-            )
+    def _full_module_state(self) -> dict[str, Any]:
+        # Lightning's launcher hands back rank 0's state_dict(), which under FSDP2 holds only its shards
+        assert self.lightning_module is not None
+        return self._sharding.full_model_state(self.lightning_module)
 
     @override
-    def _check_before_launch(self, trainer: pl.Trainer) -> None:
-        super()._check_before_launch(trainer)
-        model = self._lightning_module
+    def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
+        if self._sharded_settings.uses_ddp:
+            super()._check_model_before_launch(trainer, model)
         wrap = self._sharded_settings.wrap_modules
-        if model is not None and wrap is not None and not any(isinstance(m, wrap) for m in model.modules()):
+        if wrap is not None and not any(isinstance(m, wrap) for m in model.modules()):
             # FSDP2 would silently make the whole model one unit (all parameters gathered at once)
             names = [c.__name__ for c in wrap]
             raise ValueError(
@@ -210,60 +272,25 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
                 f"one FSDP unit. Name classes the model has; the module classes present are "
                 f"{classes_present(model)}. Or leave wrap_modules=None (the model's blocks are chosen for you)."
             )
-        if model is not None and not model.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
+        if not model.automatic_optimization:
             raise MisconfigurationException(
-                f"{type(model).__name__} uses manual optimization, which {type(self).__name__} does not support yet "
+                f"{type(model).__name__} uses manual optimization, which MGPUShardedStrategy does not support yet "
                 f"(the sharded optimizers step and gather parameters themselves). Use strategy='mgpu_ddp', which "
                 f"supports manual optimization with accumulation."
             )
 
     # --- set-up ---------------------------------------------------------------------------------------
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        if trainer.state.fn != TrainerFn.FITTING and self._fsdp:
-            # validate/test/predict after fit in the same process: the module stays sharded (FSDP2 cannot be
-            # undone) and its shards agree; DDP's start-up broadcast of module states cannot take DTensors.
-            assert self.accelerator is not None
-            self.accelerator.setup(trainer)
-            self.setup_precision_plugin()
-            return
-        plugin = self.precision_plugin
-        if isinstance(self._sharding, FSDP2Backend) and isinstance(plugin, MGPUPrecision):
-            # master modes: FSDP2's sharded FP32 parameters are the master copy, gathered in half for compute
-            self._mp_policy = plugin.keep_masters_in_fsdp()
-        super().setup(trainer)
-
-    @override
-    def configure_ddp(self) -> None:
-        if self._uses_ddp:
-            super().configure_ddp()
-            return
-        assert isinstance(self.model, pl.LightningModule)
-        self._apply_activation_checkpointing()  # before sharding: FSDP's hooks stay outside the recompute
-        mesh = None
-        if isinstance(self._sharding, FSDP2Backend):
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        sharded = self._sharding.shard_model(self.model, mesh, self._mp_policy)
-        if sharded is not None:
-            self.model = sharded
-        self._comm_stats.world_size = self.world_size
-        self._comm_stats.gradient_bytes = sum(
-            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
-        )
-
-    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # A second fit() in the same process re-wraps: start from the module's own optimizers.
-        self._reset_optimizers_and_schedulers()
+        _compat.reset_optimizers_and_schedulers(self)
         super().setup_optimizers(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
         group = self._process_group()
         wrapped = []
         for opt in self.optimizers:
-            check_optimizer(opt, self._stage, self._backend_name)
+            check_optimizer(opt, self._sharded_settings.stage, self._backend_name)
             new = self._sharding.wrap_optimizer(opt, group)
             if new is not opt:
                 rebind_schedulers(self.lr_scheduler_configs, opt, new)
@@ -273,78 +300,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         self.model = self._sharding.wrap_after_optimizers(self.model, wrapped, group)
 
     def _process_group(self) -> Any:
-        return torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        if self._uses_ddp:
-            super()._register_ddp_hooks()
-
-    # --- steps ----------------------------------------------------------------------------------------
-    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        # FSDP2 shards the LightningModule itself: its pre-forward hook (gather the root's parameters, lazy
-        # init) only runs through __call__, so every step goes through forward, as for a DDP wrapper.
-        assert self.model is not None and self.lightning_module is not None
-        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
-
-    @property
-    def _fsdp(self) -> bool:
-        from torch.distributed.fsdp import FSDPModule
-
-        return isinstance(self.model, FSDPModule)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if not self._fsdp:
-            return super().training_step(*args, **kwargs)
-        with self.precision_plugin.train_step_context():
-            return self._redirect("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._fsdp:
-            return super().validation_step(*args, **kwargs)
-        with self.precision_plugin.val_step_context():
-            return self._redirect("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._fsdp:
-            return super().test_step(*args, **kwargs)
-        with self.precision_plugin.test_step_context():
-            return self._redirect("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._fsdp:
-            return super().predict_step(*args, **kwargs)
-        with self.precision_plugin.predict_step_context():
-            return self._redirect("predict_step", *args, **kwargs)
-
-    @override
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._uses_ddp:
-            with super().block_backward_sync():
-                yield
-            return
-        self._sync_blocked = True
-        try:
-            assert self.model is not None
-            with self._sharding.no_sync(self.model):
-                yield
-        finally:
-            self._sync_blocked = False
-
-    _sync_blocked = False
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)
-        if self._uses_ddp or self._sync_blocked or self.model is None:
-            return
-        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._comm_stats.record_round(self._sharding.sync_layout(self.model))
+        return torch.distributed.group.WORLD if group_is_up() else None
 
     # --- memory ---------------------------------------------------------------------------------------
     def memory_report(self) -> ShardMemory:
@@ -378,8 +334,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = unwrap_optimizer(optimizer)
         assert self.lightning_module is not None
         if self._checkpoint_layout == "sharded":
             return self._sharding.sharded_optimizer_state(self.lightning_module, optimizer)
@@ -388,17 +343,16 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
     def consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole state of ``optimizer`` as one process's ``optimizer.state_dict()`` (indexed by parameter),
         on rank 0; ``{}`` elsewhere. A collective: call it on every rank."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = unwrap_optimizer(optimizer)
         assert self.lightning_module is not None
         return self._sharding.full_optimizer_state(self.lightning_module, optimizer, self.is_global_zero)
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
     ) -> None:
         self._refuse_main_process_save()
-        move_position(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
+        self._resume.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
         filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
         local = local_path(filepath)
         if self._checkpoint_layout == "consolidated":
@@ -443,7 +397,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
                 "format": "lightning_mgpu.sharded",
                 "version": 1,
                 "world_size": self.world_size,
-                "stage": self._stage,
+                "stage": self._sharded_settings.stage,
                 "backend": self._backend_name,
                 "layout": self._checkpoint_layout,
                 "optimizers": checkpoint[_OPTIMIZER_COUNT],
@@ -454,7 +408,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         self.barrier("mgpu_sharded_save_done")
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: PathLike) -> None:
         local = local_path(filepath)
         if self.is_global_zero and local is not None and os.path.isdir(local):
             remove_dir(local)  # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
@@ -462,7 +416,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         super().remove_checkpoint(filepath)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if self.is_global_zero and (local := local_path(checkpoint_path)) is not None:
             recover_dir(local)  # a save killed in the instant of its swap; the broadcast below waits for it
         checkpoint_path = self.broadcast(str(checkpoint_path))
@@ -503,7 +457,7 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
         elif saved_optimizers is not None:
             checkpoint["optimizer_states"] = []
         self._loaded_sharded = True
-        self._sampler_position = take_position(checkpoint)  # the file branch does it in super().load_checkpoint
+        self._resume.after_load(checkpoint)  # the file branch does it in super().load_checkpoint
         return checkpoint
 
     @override
@@ -534,39 +488,14 @@ class MGPUShardedStrategy(MGPUDDPStrategy):
                 )
             self._sharding.load_full_optimizer_state(self.lightning_module, opt, state)
 
-    @override
-    def teardown(self) -> None:
-        if self.model is not None and self.lightning_module is not None and not self._fsdp:
-            self.model = self.lightning_module  # unwrap fairscale's ShardedDataParallel (DDP: Lightning does it)
-        super().teardown()
-
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(stage={self._stage}, backend={self._backend_name!r}, "
-            f"checkpoint={self._checkpoint_layout!r}, start_method={self._start_method!r})"
+            f"MGPUShardedStrategy(stage={self._sharded_settings.stage}, backend={self._backend_name!r}, "
+            f"checkpoint={self._checkpoint_layout!r}, start_method={self.launch_settings.start_method!r})"
         )
 
 
-class _ShardedMultiProcessingLauncher(_CheckedMultiProcessingLauncher):
-    """After a spawn/fork fit, the weights handed back to the main process are gathered from all ranks
-    (Lightning's launcher hands back rank 0's ``state_dict()``, which under FSDP2 holds only its shards)."""
-
-    @override
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Optional[_WorkerOutput]:
-        strategy = trainer.strategy
-        assert isinstance(strategy, MGPUShardedStrategy) and strategy.lightning_module is not None
-        # collective: every rank takes part
-        state_dict = strategy._sharding.full_model_state(strategy.lightning_module)
-        plugin = strategy.precision_plugin
-        if isinstance(plugin, MGPUPrecision):
-            state_dict = plugin.fp32_state_dict(strategy.lightning_module, state_dict)  # ZeRO-1 master modes
-        if strategy.local_rank != 0:
-            return None
-        checkpoint_callback = trainer.checkpoint_callback
-        best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
-        weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
-        extra = self.get_extra_results(trainer)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+# MGPUShardedStrategy is never instantiated as itself: __new__ builds the stage's concrete class, which gets the
+# ParallelStrategy methods from MGPUDDPStrategy or MGPUParallelStrategy. LightningCLI (jsonargparse) refuses an
+# abstract class_path, so the abstract-method set ABCMeta computed for the shared base is cleared.
+MGPUShardedStrategy.__abstractmethods__ = frozenset()

@@ -23,6 +23,9 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from lightning_mgpu._compat import default_store
+from lightning_mgpu.parts.process_group import group_is_up
+
 _PREFIX = "mgpu/failure"
 # Errors a rank gets *because of another rank*: a peer's process is gone, a peer stopped answering, or the
 # store host is gone. (gloo's wordings as of torch 2.4-2.13; NCCL's watchdog and store timeouts too.)
@@ -42,10 +45,10 @@ def is_peer_failure(exception: BaseException) -> bool:
 
 
 def _store(grace_s: float) -> Optional[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not group_is_up():
         return None
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         store.set_timeout(timedelta(seconds=grace_s))  # every store call below gives up after the grace
         return store
     except Exception:  # a store that is gone or of another kind: no roll call
@@ -137,8 +140,55 @@ def prepend(exception: BaseException, text: str) -> None:
 
 def tear_down() -> None:
     """Leave the process group without waiting for peers (they may be dead or stuck)."""
-    if dist.is_available() and dist.is_initialized():
+    if group_is_up():
         try:
             dist.destroy_process_group()
         except Exception:  # torch versions differ in what a broken group raises on destroy; we are exiting
             pass
+
+
+class FailureHandling:
+    """The strategy side of the failure path: how long the roll call waits, and what a rank does when an
+    exception ends its part of the job.
+
+    Example::
+
+        failures = FailureHandling(timeout=timedelta(minutes=30))
+        missing = failures.end_group_after(exception, rank=0, world_size=2)
+    """
+
+    def __init__(self, timeout: Optional[timedelta]) -> None:
+        self.timeout = timeout
+
+    def roll_call_s(self) -> float:
+        """How long a rank whose collective failed waits for the others to answer: a quarter of the timeout,
+        within [2 s, 10 s] (the healthy ranks fail in the same collective within moments of each other)."""
+        return min(10.0, max(2.0, self.timeout.total_seconds() / 4)) if self.timeout else 5.0
+
+    def end_group_after(self, exception: BaseException, rank: int, world_size: int) -> list[int]:
+        """One rank failed: say which, and leave the group so that no rank waits for it.
+
+        A rank whose own code raised announces it and keeps its process group: the group is healthy, and a
+        script that catches the exception on every rank (a pruning callback, say) fits again on it; when the
+        process ends instead, its connections close and the peers' collectives fail at once. A rank whose
+        collective failed because of another rank takes a roll call, names the ranks that raised or stopped
+        answering, and leaves the broken group. Returns the ranks that did not answer the roll call (the popen
+        launcher kills those of its children). Runs once per exception: from the launcher in the workers and
+        in popen's rank 0, then again (a no-op) from Lightning's ``on_exception``."""
+        done = getattr(exception, "_mgpu_missing_ranks", None)
+        if done is not None:
+            return list(done)
+        missing: list[int] = []
+        if group_is_up() and world_size > 1:
+            grace_s = self.roll_call_s()
+            if is_peer_failure(exception):
+                text, missing = explain(rank, world_size, grace_s, self.timeout, str(exception))
+                prepend(exception, text)
+                tear_down()
+            else:
+                announce(rank, exception, grace_s)
+        try:
+            exception._mgpu_missing_ranks = missing  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):  # a few built-in exception types take no attributes
+            pass
+        return missing

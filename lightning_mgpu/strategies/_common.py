@@ -1,0 +1,253 @@
+"""What every mgpu strategy shares, assembled from parts: the ledger, checkpoint IO choice, precision adoption,
+the launcher with its pre-launch check, failure handling, mid-epoch resume and the elastic-restart store.
+
+:class:`MGPUStrategyMixin` goes first in the bases of a Lightning ``ParallelStrategy`` that has DDP's process-group
+machinery (``_start_method``, ``_timeout``, ``_get_process_group_backend``)."""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins import CheckpointIO
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lightning_mgpu import _compat
+from lightning_mgpu.accumulation import check_accumulate_grad_batches, check_manual_accumulation
+from lightning_mgpu.comm import CommStats
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointing
+from lightning_mgpu.parts.checkpoint_io import choose_checkpoint_io
+from lightning_mgpu.parts.failures import FailureHandling
+from lightning_mgpu.parts.ledger import Ledger, attached_trainer
+from lightning_mgpu.parts.precision import PrecisionAdoption
+from lightning_mgpu.parts.process_group import group_is_up
+from lightning_mgpu.parts.resume import MidEpochResume
+from lightning_mgpu.settings import CommonSettings
+from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
+
+
+class MGPUStrategyMixin:
+    """The parts every mgpu strategy has; subclasses call :meth:`_init_parts` in ``__init__``."""
+
+    _ledger: Ledger
+    _failures: FailureHandling
+    _resume: MidEpochResume
+    _checkpointing: ActivationCheckpointing
+    _launch: CommonSettings
+
+    def _init_parts(self, settings: CommonSettings) -> None:
+        self._launch = settings
+        self._ledger = Ledger(log=settings.log_comm_stats)
+        self._failures = FailureHandling(settings.timeout)
+        self._resume = MidEpochResume()
+        self._checkpointing = ActivationCheckpointing(
+            settings.activation_checkpointing, settings.activation_checkpointing_reentrant
+        )
+
+    def _group_backend(self) -> str:
+        """The process-group backend asked for, or the device's default (gloo on CPU, nccl on CUDA)."""
+        return _compat.process_group_backend(self)
+
+    # --- what users read ----------------------------------------------------------------------------------
+    @property
+    def launch_settings(self) -> CommonSettings:
+        """The settings every mgpu strategy has (launch, process group, ledger, activation checkpointing)."""
+        return self._launch
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """The communication ledger of this rank (see :class:`~lightning_mgpu.comm.CommStats`)."""
+        return self._ledger.stats
+
+    @property
+    def activation_checkpointing(self) -> Any:
+        """The activation-checkpointing policy (``None``: off)."""
+        return self._checkpointing.policy
+
+    # --- plugins ------------------------------------------------------------------------------------------
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """:class:`~lightning_mgpu.AtomicCheckpointIO` unless a plugin was given (then that one, as it is; a
+        wrapping plugin without a base, e.g. ``AsyncCheckpointIO()``, gets ``AtomicCheckpointIO`` as its base)."""
+        io = choose_checkpoint_io(_compat.strategy_checkpoint_io(self))
+        _compat.set_strategy_checkpoint_io(self, io)
+        return io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        _compat.set_strategy_checkpoint_io(self, io)
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        plugin = _compat.strategy_precision_plugin(self)
+        return plugin if plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        _compat.set_strategy_precision_plugin(self, PrecisionAdoption.adopt(plugin))
+
+    # --- launch -------------------------------------------------------------------------------------------
+    def _check_at_construction(self) -> None:
+        """Runs in the main process at Trainer construction, once accelerator and devices are known."""
+        PrecisionAdoption.check(_compat.strategy_precision_plugin(self), self.parallel_devices)  # type: ignore[attr-defined]
+
+    def _configure_launcher(self) -> None:
+        # The last moment to refuse a configuration before any process is started.
+        self._check_at_construction()
+        strategy: Any = self
+        assert strategy.cluster_environment is not None
+        if self._launch.start_method == "popen":
+            launcher: Any = _CheckedSubprocessScriptLauncher(
+                self._check_before_launch,
+                strategy.cluster_environment,
+                strategy.num_processes,
+                strategy.num_nodes,
+                on_failure=self._end_group_after,
+                grace_s=self._failures.roll_call_s() + 5.0,  # rank 0's roll call, then a margin to raise and print
+            )
+        else:
+            launcher = _CheckedMultiProcessingLauncher(
+                self._check_before_launch,
+                strategy,
+                start_method=self._launch.start_method,
+                on_failure=self._end_group_after,
+                weights=self._weights_for_main_process,
+            )
+        _compat.set_strategy_launcher(self, launcher)
+
+    def _weights_for_main_process(self) -> dict[str, Any]:
+        """After a spawn/fork fit: the weights the main process's module gets (a collective: every rank)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        return PrecisionAdoption.with_masters(self.precision_plugin, module, self._full_module_state())
+
+    def _full_module_state(self) -> dict[str, Any]:
+        return self.lightning_module.state_dict()  # type: ignore[attr-defined]
+
+    def _check_before_launch(self, trainer: pl.Trainer) -> None:
+        """Runs in the main process when fit() is called, before any worker starts (and in each torchrun or
+        SLURM process before it joins the group)."""
+        check_accumulate_grad_batches(trainer.accumulate_grad_batches)
+        strategy: Any = self
+        backend = self._group_backend()
+        if backend == "nccl" and strategy.root_device.type != "cuda":
+            # torch fails only inside every worker ("Distributed package doesn't have NCCL built in" on a CPU
+            # build; NCCL collectives take CUDA tensors only). Refused here, not at Trainer construction, so that
+            # a configuration can still be built and inspected on a machine without GPUs.
+            raise MisconfigurationException(
+                f"process_group_backend={backend!r} needs CUDA devices, but this Trainer runs on "
+                f"{strategy.root_device.type!r}. Use process_group_backend='gloo' (or leave it None: gloo on CPU, "
+                f"nccl on CUDA), or train on GPUs with Trainer(accelerator='gpu')."
+            )
+        model = strategy.lightning_module
+        if model is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        check_manual_accumulation(trainer, model)
+        self._check_model_before_launch(trainer, model)
+        self._checkpointing.check(model)  # a policy that matches nothing fails here
+
+    def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
+        """The strategy's own checks of the model, before launch (fitting only)."""
+
+    def setup_distributed(self) -> None:
+        self._join_elastic_store()
+        super().setup_distributed()  # type: ignore[misc]
+
+    def _join_elastic_store(self) -> None:
+        strategy: Any = self
+        if _compat.torchelastic_shares_its_store() and not group_is_up():
+            # Lightning's init would use env:// on the agent's store, which keeps the previous attempt's addresses
+            # after a torchrun restart (_compat.py); give it a per-attempt prefix. Lightning's setup_distributed
+            # then finds the group initialised and only sets the ranks and seed.
+            strategy.set_world_ranks()
+            backend = self._group_backend()
+            torch.distributed.init_process_group(
+                backend,
+                store=_compat.elastic_attempt_store(self._launch.timeout),
+                rank=strategy.global_rank,
+                world_size=strategy.world_size,
+                timeout=self._launch.timeout,
+                device_id=strategy.root_device if strategy.root_device.type != "cpu" else None,  # as Lightning does
+            )
+            if backend == "nccl":  # what Lightning's own connection set-up does for NCCL
+                atexit.register(_compat.destroy_dist_connection)
+
+    # --- failures -----------------------------------------------------------------------------------------
+    def _end_group_after(self, exception: BaseException) -> list[int]:
+        """One rank failed: say which, and leave the group so that no rank waits for it (``parts/failures.py``)."""
+        strategy: Any = self
+        return self._failures.end_group_after(exception, strategy.global_rank, strategy.world_size)
+
+    # --- precision --------------------------------------------------------------------------------------
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)  # type: ignore[misc]
+        if trainer.state.fn == TrainerFn.FITTING:
+            PrecisionAdoption.attach_masters(self.precision_plugin, self.optimizers)  # type: ignore[attr-defined]
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        module = self.lightning_module  # type: ignore[attr-defined]
+        return PrecisionAdoption.with_masters(self.precision_plugin, module, self._module_state())
+
+    def _module_state(self) -> dict[str, Any]:
+        """The module's weights as this strategy saves them, before the precision plugin puts in its masters."""
+        return super().lightning_module_state_dict()  # type: ignore[misc]
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._load_module_state(checkpoint, strict)
+        PrecisionAdoption.load_masters(self.precision_plugin, self.lightning_module, checkpoint)  # type: ignore[attr-defined]
+
+    def _load_module_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
+
+    # --- checkpoints and mid-epoch resume -------------------------------------------------------------
+    def _refuse_main_process_save(self) -> None:
+        """Plain Lightning writes a checkpoint with empty optimizer states (and the main process's loop
+        counters) when ``trainer.save_checkpoint`` runs in the main process after a spawn/fork fit."""
+        strategy: Any = self
+        if (
+            self._launch.start_method != "popen"
+            and not group_is_up()
+            and strategy.num_processes * strategy.num_nodes > 1
+        ):
+            raise RuntimeError(
+                f"trainer.save_checkpoint() was called in the main process after a {self._launch.start_method!r} "
+                f"launch. Training ran in the worker processes and their optimizer states are gone, so this "
+                f"checkpoint could not resume training. Save from inside fit (ModelCheckpoint(save_last=True), or "
+                f"trainer.save_checkpoint in a callback's on_train_end), or launch with start_method='popen', where "
+                f"trainer.save_checkpoint after fit works."
+            )
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self._refuse_main_process_save()
+        self._resume.before_save(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        self._resume.after_load(checkpoint)
+        return checkpoint
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        self._resume.sampler_requested()
+        return super().distributed_sampler_kwargs  # type: ignore[misc]
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        return self._resume.process_dataloader(dataloader, attached_trainer(self.lightning_module))  # type: ignore[attr-defined]
+
+    # --- end ----------------------------------------------------------------------------------------------
+    def on_train_end(self) -> None:
+        self._ledger.write(self.lightning_module, self.is_global_zero, force=True)  # type: ignore[attr-defined]
+        super().on_train_end()  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        self._checkpointing.remove(self.lightning_module)  # type: ignore[attr-defined]  # the user's module back
+        super().teardown()  # type: ignore[misc]

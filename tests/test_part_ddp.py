@@ -1,0 +1,43 @@
+"""parts/ddp.py: DDP wrapping, comm hooks, the static-graph switch and the buffer broadcast."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_mgpu.parts.ddp import DDPWrapping
+from lightning_mgpu.parts.ledger import Ledger
+from lightning_mgpu.settings import DDPSettings
+from tests.parts_harness import in_one_rank_group
+
+
+def _hooks() -> None:
+    ddp = DistributedDataParallel(nn.Linear(2, 2), gradient_as_bucket_view=True)
+    ledger = Ledger()
+    assert DDPWrapping(DDPSettings()).register_hooks(ddp, ledger, manual=False) is None  # counted from buckets
+    assert DDPWrapping(DDPSettings(comm_hook="fp16")).register_hooks(ddp, ledger, manual=True) is None
+    DDPWrapping(DDPSettings(comm_hook="fp16")).register_hooks(ddp, ledger, manual=False)
+    ddp(torch.ones(1, 2)).sum().backward()
+    assert ledger.stats.allreduce_calls == 1  # the hook counted the one bucket
+
+
+def test_a_hook_is_registered_only_where_the_ledger_cannot_count_from_buckets():
+    in_one_rank_group(_hooks)
+
+
+def _static_graph() -> None:
+    ddp = DistributedDataParallel(nn.Linear(2, 2))
+    wrapping = DDPWrapping(DDPSettings(static_graph=True))
+    with ddp.no_sync():
+        wrapping.before_training_step(ddp)  # a micro-batch that does not sync: still normal mode
+    assert not ddp.static_graph
+    wrapping.before_training_step(ddp)  # the first synchronised forward
+    assert ddp.static_graph
+    plain = DistributedDataParallel(nn.Linear(2, 2))
+    DDPWrapping(DDPSettings()).before_training_step(plain)
+    assert not plain.static_graph
+
+
+def test_static_graph_is_switched_on_at_the_first_synchronised_forward_only():
+    in_one_rank_group(_static_graph)
