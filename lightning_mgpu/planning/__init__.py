@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Union
 
-from lightning_mgpu.planning.plan import ORDER, NoPlanFits, Plan, PlanRow, estimate
+from lightning_mgpu.planning.candidates import ORDER, NoPlanFits, Plan, PlanRow, estimate
 from lightning_mgpu.planning.request import (
     DEFAULT_PRECISIONS,
     PRECISIONS,

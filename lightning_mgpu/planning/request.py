@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 
 __all__ = ["DEFAULT_PRECISIONS", "PRECISIONS", "STRATEGIES", "PlanError", "PlanRequest", "format_bytes", "parse_memory"]
 
-#: candidate strategies, fastest first (see :data:`lightning_mgpu.planning.plan.ORDER`)
+#: candidate strategies, fastest first (see :data:`lightning_mgpu.planning.candidates.ORDER`)
 STRATEGIES: tuple[str, ...] = ("mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_zero3")
 #: every precision the planner models; "16-mixed"/"16-master" take the same bytes as their bf16 twins
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-master", "16-master")
