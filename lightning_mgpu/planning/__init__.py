@@ -32,7 +32,7 @@ from lightning_mgpu.planning.request import (
     parse_memory,
 )
 from lightning_mgpu.planning.source import default_policy, resolve_source
-from lightning_mgpu.planning.trace import count_model_states, largest_unit_fraction, trace_step
+from lightning_mgpu.planning.trace import count_model_states, trace_step, unit_fractions
 
 __all__ = [
     "DEFAULT_PRECISIONS",
@@ -107,7 +107,7 @@ def plan(
         for precision in request.precisions
         for ac_policy in (None, policy)
     ]
-    unit = largest_unit_fraction(source.factory)
+    units = unit_fractions(source.factory)
     return estimate(
-        source.name, request, states, traces, unit, seconds=time.perf_counter() - start, require_fit=require_fit
+        source.name, request, states, traces, units, seconds=time.perf_counter() - start, require_fit=require_fit
     )

@@ -1,22 +1,26 @@
 """The memory plan: every candidate's predicted peak per rank, whether it fits, and the one to use.
 
 Per rank, for a data-parallel world of ``N`` ranks (``P`` parameters, ``G`` gradients, ``O`` optimizer state
-of one full replica, counted exactly under FakeTensorMode; ``A`` the traced activation peak of one
-micro-batch; ``U`` the largest FSDP unit's share of the parameters):
+of one full replica, counted exactly under FakeTensorMode; ``A(t)`` and ``G(t)`` the activations and gradients
+traced op by op through one micro-batch; ``U`` the largest FSDP unit's share of the parameters, ``R`` the
+root unit's):
 
-==============  ======================  =================  =========  ==========================================
-strategy        parameters              gradients          optimizer  communication buffers
-==============  ======================  =================  =========  ==========================================
-mgpu_ddp        P                       G (bucket views)   O          one gradient bucket (``bucket_cap_mb``)
-mgpu_zero1      P                       G                  O / N      one gradient bucket
-mgpu_sharded    P / N + P (gathered     G / N              O / N      largest unit's reduce-scatter (U G (1+1/N))
-                after forward)
-mgpu_zero3      P / N                   G / N              O / N      two units' all-gather (2 U P) + reduce-scatter
-==============  ======================  =================  =========  ==========================================
+==============  ==========================  ==================  =========  =====================================
+strategy        parameters                  gradients           optimizer  communication buffers
+==============  ==========================  ==================  =========  =====================================
+mgpu_ddp        P                           G (bucket views)    O          one gradient bucket (bucket_cap_mb)
+mgpu_zero1      P                           G                   O / N      one gradient bucket
+mgpu_sharded    P / N + P (all gathered     G(t) / N            O / N      reduce-scatter of the largest unit
+                from forward to backward)                                  (U G (1 + 1/N))
+mgpu_zero3      P / N + R P (root stays     G(t) / N            O / N      max(all-gather of two units, 2 U P
+                gathered)                                                  in forward; one unit + reduce-scatter
+                                                                           in backward)
+==============  ==========================  ==================  =========  =====================================
 
-plus ``A`` in forward/backward. The optimizer step is a second phase (no activations, but the step's own
-temporaries); the peak is the larger phase. Master-weight precisions hold half weights and gradients and an
-FP32 master copy (under FSDP the master *is* the sharded parameter).
+plus ``A(t)`` in forward/backward (the sharded rows take the largest ``A(t) + G(t) / N``). The optimizer step
+is a second phase (no activations, but the step's own temporaries); the peak is the larger phase. Master-weight
+precisions hold half weights and gradients and an FP32 master copy (under FSDP the master *is* the sharded
+parameter, and the sharded gradients are FP32).
 """
 
 from __future__ import annotations
@@ -59,8 +63,17 @@ class PlanRow:
 
     @property
     def model_states_and_activations(self) -> int:
-        """The peak less the communication buffers: what a single-process step holds."""
+        """The peak less the communication buffers."""
         return self.predicted_peak_bytes_per_rank - self.communication_bytes
+
+    @property
+    def measurable_bytes(self) -> int:
+        """What :func:`~lightning_mgpu.planning.measure.measure_step` can check: the model states and activations
+        for mgpu_ddp / mgpu_zero1 (one process, no DDP reducer), the whole peak for the FSDP stages (on the fake
+        process group the collectives' buffers are allocated for real)."""
+        if self.strategy in ("mgpu_ddp", "mgpu_zero1"):
+            return self.model_states_and_activations
+        return self.predicted_peak_bytes_per_rank
 
     @property
     def sort_key(self) -> tuple[int, int, int]:
@@ -76,7 +89,12 @@ class NoPlanFits(PlanError):
 
 
 def _row(
-    strategy: str, states: ModelStates, trace: StepTrace, unit: float, request: PlanRequest, usable: int
+    strategy: str,
+    states: ModelStates,
+    trace: StepTrace,
+    units: tuple[float, float],
+    request: PlanRequest,
+    usable: int,
 ) -> PlanRow:
     n = request.devices
     _, _, master = PRECISION_LAYOUT[trace.precision]
@@ -85,21 +103,31 @@ def _row(
     p_m = fp32 if master else 0
     opt, opt_tmp = states.optimizer_state, states.optimizer_transient
     bucket = min(int(request.bucket_cap_mb * 2**20), g)
+    largest, root = units
     if strategy in ("mgpu_ddp", "mgpu_zero1"):
         o = opt if strategy == "mgpu_ddp" else opt // n
         tmp = opt_tmp if strategy == "mgpu_ddp" else opt_tmp // n
         params = p_c + p_m + b
+        # gradient_as_bucket_view (mgpu_ddp's default): every gradient lives in its bucket from the first step on
         fb = (params, g, o, a, bucket)
         # the step: FP32 gradients of the masters (master modes) and the optimizer's temporaries, no activations
         step = (params, g + p_m, o + tmp, 0, 0)
     else:
         shard_p = (p_m if master else p_c) // n
         shard_g = (p_m if master else g) // n
-        unit_g = int(unit * g)
+        # gradients are reduce-scattered unit by unit as backward produces them: a rank keeps 1/N of each
+        acts_and_grads = trace.peak_with_gradients(shard_g / g if g else 0.0)
+        grads_at_peak = max(0, acts_and_grads - a)
+        reduce_scatter = int(largest * g) + int(largest * g) // n  # the largest unit's unsharded gradient + shard
         if strategy == "mgpu_sharded":  # reshard_after_forward=False: every unit stays gathered until backward
-            fb = (shard_p + p_c + b, shard_g, opt // n, a, unit_g + unit_g // n)
+            fb = (shard_p + p_c + b, grads_at_peak, opt // n, a, reduce_scatter)
         else:
-            fb = (shard_p + b, shard_g, opt // n, a, 2 * int(unit * p_c) + unit_g + unit_g // n)
+            # The root stays gathered (FSDP2). Forward: the current unit and the prefetched next one are gathered.
+            # Backward: a unit is resharded before its gradients are reduce-scattered, so one gathered unit (the
+            # prefetched next) sits beside the reduce-scatter buffers.
+            unit_p = int(largest * p_c)
+            buffers = max(2 * unit_p, unit_p + reduce_scatter)
+            fb = (shard_p + int(root * p_c) + b, grads_at_peak, opt // n, a, buffers)
         step = (shard_p + b, shard_g, opt // n + opt_tmp // n, 0, 0)
     phase, parts = ("forward/backward", fb) if sum(fb) >= sum(step) else ("optimizer step", step)
     peak = sum(parts)
@@ -172,14 +200,14 @@ def estimate(
     request: PlanRequest,
     states: ModelStates,
     traces: list[StepTrace],
-    unit: float,
+    units: tuple[float, float],
     seconds: float = 0.0,
     require_fit: bool = True,
 ) -> Plan:
     """Combine the counted states and traces into one row per candidate and pick the recommendation."""
     usable = request.usable_bytes
     rows = sorted(
-        (_row(s, states, t, unit, request, usable) for t in traces for s in request.strategies),
+        (_row(s, states, t, units, request, usable) for t in traces for s in request.strategies),
         key=lambda r: r.sort_key,
     )
     best = next((r for r in rows if r.fits), None)

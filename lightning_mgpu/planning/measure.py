@@ -67,7 +67,7 @@ def measure_step(
 ) -> Measured:
     """Peak of a real second training step (the first creates the optimizer state) on this rank.
 
-    ``strategy``: ``"mgpu_ddp"`` (one process), or ``"mgpu_sharded"`` / ``"mgpu_zero3"`` inside
+    ``strategy``: ``"mgpu_ddp"`` (one process), or ``"mgpu_zero1"``, ``"mgpu_sharded"``, ``"mgpu_zero3"`` inside
     :func:`fake_process_group`. Master-weight precisions are not measured (their step needs the strategy's
     precision plugin)."""
     from lightning_mgpu.checkpointing import apply_activation_checkpointing
@@ -84,6 +84,18 @@ def measure_step(
     if sharded is not None:
         _shard(module, sharded)
     optimizers = _optimizers(module)
+    if strategy == "mgpu_zero1":  # optimizer state split across the ranks, as mgpu_zero1 does
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        def zero(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+            import inspect
+
+            accepted = inspect.signature(type(opt).__init__).parameters  # defaults may hold more (AdamW)
+            kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
+            params = [p for g in opt.param_groups for p in g["params"]]
+            return ZeroRedundancyOptimizer(params, optimizer_class=type(opt), **kwargs)
+
+        optimizers = [zero(opt) for opt in optimizers]
 
     def step() -> None:
         with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
@@ -91,12 +103,12 @@ def measure_step(
         loss.backward()
         for opt in optimizers:
             opt.step()
-            opt.zero_grad(set_to_none=sharded is not None)
+            opt.zero_grad(set_to_none=sharded is not None)  # bucket views keep DDP's gradients allocated
 
     with _quiet():
         step()
         tracker = MemTracker()
-        tracker.track_external(module, *optimizers)
+        tracker.track_external(module, *(getattr(o, "optim", o) for o in optimizers))  # ZeRO's local optimizer
         with tracker:
             step()
     peak = {getattr(k, "name", k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}

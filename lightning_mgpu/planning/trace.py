@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,24 +40,24 @@ _LIVE = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)
 
 
 class TimelineTracker(MemTracker):
-    """``MemTracker`` that also keeps, after every op, the largest activation + temporary bytes seen so far.
+    """``MemTracker`` that also keeps, after every op, the activation + temporary bytes and the gradient bytes.
 
-    ``MemTracker``'s own peak is the peak of the *total*; the planner needs the activations' peak on their own,
-    because each strategy adds a different, mostly constant, amount of model state to them."""
+    ``MemTracker``'s own peak is the peak of the *total*; the planner needs the activations on their own, and
+    with the gradients beside them in time: a sharded rank keeps ``1/N`` of each gradient, so its peak is the
+    largest ``activations(t) + gradients(t) / N``, not the single-process peak scaled."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.peak_activations = 0
+        self.timeline: list[tuple[int, int]] = []  # (activations + temporaries, gradients) after each op
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Called by MemTracker after every dispatched op. Its own version also walks every module's stats on
-        # every op (O(ops x modules): a minute for a 1B model); the planner needs only the device-wide peaks.
+        # every op (O(ops x modules): a minute for a 1B model); the planner needs only the device-wide picture.
         for dev, snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < snap["Total"]:
                 self._peak_mem[dev] = snap["Total"]
                 self._peak_mem_snap[dev] = dict(snap)
-            live = sum(snap.get(k, 0) for k in _LIVE)
-            self.peak_activations = max(self.peak_activations, live)
+            self.timeline.append((sum(snap.get(k, 0) for k in _LIVE), snap.get(_MemRefType.GRAD, 0)))
 
 
 def _fake_batch(batch: Any, mode: FakeTensorMode, dtype: Optional[torch.dtype]) -> Any:
@@ -174,6 +174,13 @@ class StepTrace:
     activations: int
     """Peak of activations + temporaries (gradients of activations, recomputation) during the step."""
     checkpointed: tuple[str, ...]
+    timeline: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    """(activations + temporaries, gradients) after every op of the step."""
+
+    def peak_with_gradients(self, fraction: float) -> int:
+        """The largest ``activations(t) + fraction * gradients(t)``: a rank that keeps ``fraction`` of each
+        gradient as it is produced (``1/N`` under FSDP)."""
+        return int(max((a + fraction * g for a, g in self.timeline), default=self.activations))
 
 
 def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
@@ -220,8 +227,9 @@ def trace_step(factory: ModelFactory, batch: Any, precision: str, policy: Any = 
             activation_checkpointing=policy is not None,
             parameters=sum(p.numel() * p.element_size() for p in params),
             gradients=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
-            activations=tracker.peak_activations,
+            activations=max((a for a, _ in tracker.timeline), default=0),
             checkpointed=checkpointed,
+            timeline=tuple(tracker.timeline),
         )
 
 
@@ -246,8 +254,9 @@ def fsdp_units(module: nn.Module) -> list[nn.Module]:
     return [c for c in module.children() if any(True for _ in c.parameters())]
 
 
-def largest_unit_fraction(factory: ModelFactory) -> float:
-    """The largest FSDP unit's share of the parameters (the root counts with the parameters no unit holds)."""
+def unit_fractions(factory: ModelFactory) -> tuple[float, float]:
+    """The largest FSDP unit's share of the parameters, and the root unit's (the parameters no other unit holds;
+    FSDP2 keeps the root gathered between forward and backward)."""
     with FakeTensorMode(allow_non_fake_inputs=True), _quiet():
         module = factory()
         total = sum(p.numel() for p in module.parameters()) or 1
@@ -258,5 +267,5 @@ def largest_unit_fraction(factory: ModelFactory) -> float:
             ps = [p for p in unit.parameters() if id(p) not in owned]
             owned.update(id(p) for p in ps)
             sizes.append(sum(p.numel() for p in ps))
-        sizes.append(sum(p.numel() for p in module.parameters() if id(p) not in owned))
-    return max(sizes) / total
+        root = sum(p.numel() for p in module.parameters() if id(p) not in owned)
+    return max([*sizes, root]) / total, root / total
