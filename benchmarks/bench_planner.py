@@ -123,16 +123,20 @@ def save_plot(rows: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(COMPONENTS), figsize=(4 * len(COMPONENTS), 4))
-    for ax, component in zip(axes, COMPONENTS):
+    panels = (*COMPONENTS, "total")
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
+    for ax, component in zip(axes, panels):
         xs, ys = [], []
         for r in rows:
             if r["measured"] is None:
                 continue
-            # the plan's activations component is its activation + temporary peak; the tracker's peak snapshot
-            # splits the same bytes the same way
-            xs.append(getattr(r["measured"], component) / 2**20)
-            ys.append(getattr(r["row"], f"{component}_bytes") / 2**20)
+            # components as MemTracker splits the peak snapshot; "total": the checked number (measurable_bytes)
+            if component == "total":
+                xs.append(r["measured"].peak_bytes / 2**20)
+                ys.append(r["row"].measurable_bytes / 2**20)
+            else:
+                xs.append(getattr(r["measured"], component) / 2**20)
+                ys.append(getattr(r["row"], f"{component}_bytes") / 2**20)
         top = max(xs + ys) * 1.1 if xs else 1
         ax.plot([0, top], [0, top], "k-", lw=0.8, label="predicted = measured")
         ax.fill_between([0, top], [0, 0.85 * top], [0, 1.15 * top], color="0.9", label="+/-15%")
