@@ -235,13 +235,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args[:1] == ["--list"]:
         print(lightning_mgpu.preset_table())
         return 0
+    if args[:1] == ["plan"]:  # the memory plan, before launch: lightning_mgpu/planning (no Trainer, no processes)
+        from lightning_mgpu.planning.cli import main as plan_main
+
+        return plan_main(args[1:])
     if args[:1] == ["--version"]:
         print(f"lightning-mgpu {lightning_mgpu.__version__}")
         return 0
     description = (
         f"{(lightning_mgpu.__doc__ or '').strip()}\n\n"
         "Lightning's LightningCLI with the pack imported: `lightning-mgpu fit --config configs/ddp.yaml`. "
-        "`lightning-mgpu --list` prints the presets, `--version` the version."
+        "`lightning-mgpu --list` prints the presets, `--version` the version, `lightning-mgpu plan --help` the "
+        "memory planner."
     )
     # args=None lets LightningCLI read sys.argv itself (it warns when given both)
     MGPUCLI(

@@ -1,0 +1,113 @@
+"""Autopilot, part 1: a memory plan before launch.
+
+:func:`plan` predicts, for every candidate (``mgpu_ddp``, ``mgpu_zero1``, ``mgpu_sharded``, ``mgpu_zero3``; with
+and without activation checkpointing; each precision), the peak memory per rank split into parameters,
+gradients, optimizer state, activations and communication buffers, says which fit the device with the
+headroom kept free, and recommends the fastest that fits. Nothing is allocated and no process is started:
+the model is built, stepped and traced under ``FakeTensorMode`` with torch's ``MemTracker``.
+
+Example::
+
+    >>> import lightning_mgpu
+    >>> p = lightning_mgpu.plan("configs/ddp.yaml", devices=2, device_memory="1GiB")  # doctest: +SKIP
+    >>> p.recommended.strategy  # doctest: +SKIP
+    'mgpu_ddp'
+
+From the shell: ``lightning-mgpu plan --config configs/ddp.yaml --devices 8 --device-memory 80GiB [--json]``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Union
+
+from lightning_mgpu.planning.candidates import ORDER, NoPlanFits, Plan, PlanRow, estimate
+from lightning_mgpu.planning.request import (
+    DEFAULT_PRECISIONS,
+    PRECISIONS,
+    STRATEGIES,
+    PlanError,
+    PlanRequest,
+    format_bytes,
+    parse_memory,
+)
+from lightning_mgpu.planning.source import default_policy, resolve_source
+from lightning_mgpu.planning.trace import count_model_states, trace_step, unit_fractions
+
+__all__ = [
+    "DEFAULT_PRECISIONS",
+    "ORDER",
+    "PRECISIONS",
+    "STRATEGIES",
+    "NoPlanFits",
+    "Plan",
+    "PlanError",
+    "PlanRequest",
+    "PlanRow",
+    "format_bytes",
+    "parse_memory",
+    "plan",
+]
+
+
+def plan(
+    model_or_config: Any,
+    devices: int,
+    device_memory: Union[str, int],
+    batch: Any = None,
+    datamodule: Any = None,
+    headroom: float = 0.10,
+    precisions: Optional[tuple[str, ...]] = None,
+    strategies: Optional[tuple[str, ...]] = None,
+    activation_checkpointing: Any = None,
+    bucket_cap_mb: float = 25.0,
+    require_fit: bool = True,
+) -> Plan:
+    """Plan the memory of training ``model_or_config`` on ``devices`` ranks of ``device_memory`` each.
+
+    Args:
+        model_or_config: a ``lightning-mgpu fit`` YAML config path, a model class or its import path (built with
+            its defaults), a zero-argument factory, or an instance (its tensors are never copied).
+        devices: ranks (data-parallel world size).
+        device_memory: per device, e.g. ``"80GiB"``.
+        batch: one micro-batch per device (real or meta tensors); default: the first batch of ``datamodule``'s
+            (or the config's data module's) ``train_dataloader``.
+        headroom: fraction of the device kept free.
+        precisions: default ``("32-true", "bf16-mixed", "bf16-master")``.
+        strategies: default all four.
+        activation_checkpointing: the policy of the "with AC" candidates; default the config's, else the
+            transformer layers, else every block of the outermost containers.
+        bucket_cap_mb: DDP's bucket size.
+        require_fit: raise :class:`NoPlanFits` (naming the smallest plan and its shortfall) when nothing fits.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_mgpu.examples import DigitsCNN
+        >>> batch = (torch.zeros(32, 1, 8, 8), torch.zeros(32, dtype=torch.long))
+        >>> p = plan(DigitsCNN, devices=2, device_memory="1GiB", batch=batch, precisions=("32-true",))
+        >>> p.recommended.strategy, p.recommended.activation_checkpointing
+        ('mgpu_ddp', False)
+    """
+    request = PlanRequest(
+        devices=devices,
+        device_memory=device_memory,
+        headroom=headroom,
+        precisions=precisions if precisions is not None else DEFAULT_PRECISIONS,
+        strategies=strategies if strategies is not None else STRATEGIES,
+        activation_checkpointing=activation_checkpointing,
+        bucket_cap_mb=bucket_cap_mb,
+    )
+    start = time.perf_counter()
+    source = resolve_source(model_or_config, batch=batch, datamodule=datamodule)
+    policy = activation_checkpointing or source.policy or default_policy(source.factory)
+    states = count_model_states(source.factory)
+    traces = [
+        trace_step(source.factory, source.batch, precision, ac_policy)
+        for precision in request.precisions
+        for ac_policy in (None, policy)
+    ]
+    units = unit_fractions(source.factory)
+    return estimate(
+        source.name, request, states, traces, units, seconds=time.perf_counter() - start, require_fit=require_fit
+    )

@@ -1,0 +1,229 @@
+"""The memory plan: every candidate's predicted peak per rank, whether it fits, and the one to use.
+
+Per rank, for a data-parallel world of ``N`` ranks (``P`` parameters, ``G`` gradients, ``O`` optimizer state
+of one full replica, counted exactly under FakeTensorMode; ``A(t)`` and ``G(t)`` the activations and gradients
+traced op by op through one micro-batch; ``U`` the largest FSDP unit's share of the parameters, ``R`` the
+root unit's):
+
+==============  ==========================  ==================  =========  =====================================
+strategy        parameters                  gradients           optimizer  communication buffers
+==============  ==========================  ==================  =========  =====================================
+mgpu_ddp        P                           G (bucket views)    O          one gradient bucket (bucket_cap_mb)
+mgpu_zero1      P                           G                   O / N      one gradient bucket
+mgpu_sharded    P / N + P (all gathered     G(t) / N            O / N      reduce-scatter of the largest unit
+                from forward to backward)                                  (U G (1 + 1/N))
+mgpu_zero3      P / N + R P (root stays     G(t) / N            O / N      max(all-gather of two units, 2 U P
+                gathered)                                                  in forward; one unit + reduce-scatter
+                                                                           in backward)
+==============  ==========================  ==================  =========  =====================================
+
+plus ``A(t)`` in forward/backward (the sharded rows take the largest ``A(t) + G(t) / N``). The optimizer step
+is a second phase (no activations, but the step's own temporaries); the peak is the larger phase. Master-weight
+precisions hold half weights and gradients and an FP32 master copy (under FSDP the master *is* the sharded
+parameter, and the sharded gradients are FP32).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes
+from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelStates, StepTrace
+
+__all__ = ["ORDER", "NoPlanFits", "Plan", "PlanRow", "estimate"]
+
+_STRATEGY_RANK = {"mgpu_ddp": 0, "mgpu_zero1": 1, "mgpu_sharded": 2, "mgpu_zero3": 3}
+_PRECISION_RANK = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 2, "bf16-master": 3, "16-master": 4}
+ORDER = (
+    "precision first (32-true, bf16-mixed, 16-mixed, bf16-master, 16-master: a plan never changes the numerics "
+    "when the model fits without), then no activation checkpointing before checkpointing (it costs a second "
+    "forward), then mgpu_ddp, mgpu_zero1, mgpu_sharded, mgpu_zero3 (less communication first)"
+)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One candidate: its predicted peak per rank, split by component, and whether it fits."""
+
+    strategy: str
+    activation_checkpointing: bool
+    precision: str
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_state_bytes: int
+    activations_bytes: int
+    communication_bytes: int
+    predicted_peak_bytes_per_rank: int
+    phase: str
+    """``"forward/backward"`` or ``"optimizer step"``: where the peak is."""
+    fits: bool
+    recommended: bool = False
+
+    @property
+    def model_states_and_activations(self) -> int:
+        """The peak less the communication buffers."""
+        return self.predicted_peak_bytes_per_rank - self.communication_bytes
+
+    @property
+    def measurable_bytes(self) -> int:
+        """What :func:`~lightning_mgpu.planning.measure.measure_step` can check: the model states and activations
+        for mgpu_ddp / mgpu_zero1 (one process, no DDP reducer), the whole peak for the FSDP stages (on the fake
+        process group the collectives' buffers are allocated for real)."""
+        if self.strategy in ("mgpu_ddp", "mgpu_zero1"):
+            return self.model_states_and_activations
+        return self.predicted_peak_bytes_per_rank
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        return (_PRECISION_RANK[self.precision], int(self.activation_checkpointing), _STRATEGY_RANK[self.strategy])
+
+
+class NoPlanFits(PlanError):
+    """No candidate fits the device memory; ``.plan`` holds the table."""
+
+    def __init__(self, message: str, plan: Plan) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+def _row(
+    strategy: str,
+    states: ModelStates,
+    trace: StepTrace,
+    units: tuple[float, float],
+    request: PlanRequest,
+    usable: int,
+) -> PlanRow:
+    n = request.devices
+    _, _, master = PRECISION_LAYOUT[trace.precision]
+    fp32 = sum(states.parameters.values())
+    p_c, g, a, b = trace.parameters, trace.gradients, trace.activations, states.buffers
+    p_m = fp32 if master else 0
+    opt, opt_tmp = states.optimizer_state, states.optimizer_transient
+    bucket = min(int(request.bucket_cap_mb * 2**20), g)
+    largest, root = units
+    if strategy in ("mgpu_ddp", "mgpu_zero1"):
+        o = opt if strategy == "mgpu_ddp" else opt // n
+        tmp = opt_tmp if strategy == "mgpu_ddp" else opt_tmp // n
+        params = p_c + p_m + b
+        # gradient_as_bucket_view (mgpu_ddp's default): every gradient lives in its bucket from the first step on
+        fb = (params, g, o, a, bucket)
+        # the step: FP32 gradients of the masters (master modes) and the optimizer's temporaries, no activations
+        step = (params, g + p_m, o + tmp, 0, 0)
+    else:
+        shard_p = (p_m if master else p_c) // n
+        shard_g = (p_m if master else g) // n
+        # gradients are reduce-scattered unit by unit as backward produces them: a rank keeps 1/N of each
+        acts_and_grads = trace.peak_with_gradients(shard_g / g if g else 0.0)
+        grads_at_peak = max(0, acts_and_grads - a)
+        reduce_scatter = int(largest * g) + int(largest * g) // n  # the largest unit's unsharded gradient + shard
+        if strategy == "mgpu_sharded":  # reshard_after_forward=False: every unit stays gathered until backward
+            fb = (shard_p + p_c + b, grads_at_peak, opt // n, a, reduce_scatter)
+        else:
+            # The root stays gathered (FSDP2). Forward: the current unit and the prefetched next one are gathered.
+            # Backward: a unit is resharded before its gradients are reduce-scattered, so one gathered unit (the
+            # prefetched next) sits beside the reduce-scatter buffers.
+            unit_p = int(largest * p_c)
+            buffers = max(2 * unit_p, unit_p + reduce_scatter)
+            fb = (shard_p + int(root * p_c) + b, grads_at_peak, opt // n, a, buffers)
+        step = (shard_p + b, shard_g, opt // n + opt_tmp // n, 0, 0)
+    phase, parts = ("forward/backward", fb) if sum(fb) >= sum(step) else ("optimizer step", step)
+    peak = sum(parts)
+    return PlanRow(strategy, trace.activation_checkpointing, trace.precision, *parts, peak, phase, peak <= usable)
+
+
+@dataclass
+class Plan:
+    """Every candidate for one model and request, fastest first (:data:`ORDER`), and the recommendation."""
+
+    model: str
+    request: PlanRequest
+    states: ModelStates
+    rows: list[PlanRow]
+    seconds: float = 0.0
+    checkpointed: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def recommended(self) -> Optional[PlanRow]:
+        return next((r for r in self.rows if r.recommended), None)
+
+    def row(self, strategy: str, precision: str = "32-true", activation_checkpointing: bool = False) -> PlanRow:
+        """The row of one candidate."""
+        for r in self.rows:
+            if (r.strategy, r.precision, r.activation_checkpointing) == (strategy, precision, activation_checkpointing):
+                return r
+        raise KeyError((strategy, precision, activation_checkpointing))
+
+    def to_json(self) -> str:
+        """The rows as a JSON list (``lightning-mgpu plan --json``)."""
+        return json.dumps([asdict(r) for r in self.rows], indent=2)
+
+    def table(self) -> str:
+        """A markdown table of every candidate, then the recommendation."""
+        head = "| strategy | AC | precision | params | grads | optimizer | activations | comm | peak/rank | fits |"
+        lines = [head, "|" + "---|" * 10]
+        for r in self.rows:
+            mark = " **<- recommended**" if r.recommended else ""
+            sizes = [
+                r.parameters_bytes,
+                r.gradients_bytes,
+                r.optimizer_state_bytes,
+                r.activations_bytes,
+                r.communication_bytes,
+                r.predicted_peak_bytes_per_rank,
+            ]
+            cells = [r.strategy, "yes" if r.activation_checkpointing else "no", r.precision]
+            cells += [format_bytes(s) for s in sizes] + [("yes" if r.fits else "no") + mark]
+            lines.append("| " + " | ".join(cells) + " |")
+        s, req = self.states, self.request
+        lines.append("")
+        lines.append(
+            f"{self.model}: {s.parameter_count:,} parameters ({s.trainable_count:,} trainable), optimizer "
+            f"{'+'.join(s.optimizer_names)}; {req.devices} ranks x {format_bytes(req.device_memory_bytes)}, "
+            f"{req.headroom:.0%} headroom -> {format_bytes(req.usable_bytes)} usable per rank; planned in "
+            f"{self.seconds:.2f} s (FakeTensorMode, nothing allocated)."
+        )
+        best = self.recommended
+        if best is not None:
+            lines.append(
+                f"Recommended: strategy={best.strategy!r}, precision={best.precision!r}, activation_checkpointing="
+                f"{best.activation_checkpointing} ({format_bytes(best.predicted_peak_bytes_per_rank)} per rank). "
+                f"Order: {ORDER}."
+            )
+        return "\n".join(lines)
+
+
+def estimate(
+    name: str,
+    request: PlanRequest,
+    states: ModelStates,
+    traces: list[StepTrace],
+    units: tuple[float, float],
+    seconds: float = 0.0,
+    require_fit: bool = True,
+) -> Plan:
+    """Combine the counted states and traces into one row per candidate and pick the recommendation."""
+    usable = request.usable_bytes
+    rows = sorted(
+        (_row(s, states, t, units, request, usable) for t in traces for s in request.strategies),
+        key=lambda r: r.sort_key,
+    )
+    best = next((r for r in rows if r.fits), None)
+    rows = [PlanRow(**{**asdict(r), "recommended": r is best}) for r in rows]
+    checkpointed = next((t.checkpointed for t in traces if t.checkpointed), ())
+    result = Plan(name, request, states, rows, seconds, checkpointed)
+    if best is None and require_fit:
+        smallest = min(rows, key=lambda r: r.predicted_peak_bytes_per_rank)
+        miss = smallest.predicted_peak_bytes_per_rank - usable
+        raise NoPlanFits(
+            f"no candidate fits device_memory={request.device_memory!r} with {request.headroom:.0%} headroom "
+            f"({format_bytes(usable)} usable per rank) on {request.devices} ranks. The smallest plan, "
+            f"strategy={smallest.strategy!r} precision={smallest.precision!r} activation_checkpointing="
+            f"{smallest.activation_checkpointing}, needs {format_bytes(smallest.predicted_peak_bytes_per_rank)} per "
+            f"rank and misses by {format_bytes(miss)}. Use more devices (sharded states shrink with --devices), a "
+            f"smaller micro-batch, or devices with more memory.",
+            result,
+        )
+    return result

@@ -1,0 +1,116 @@
+"""The plan request: a typed, validated description of what to plan for, and memory-size parsing."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+__all__ = ["DEFAULT_PRECISIONS", "PRECISIONS", "STRATEGIES", "PlanError", "PlanRequest", "format_bytes", "parse_memory"]
+
+#: candidate strategies, fastest first (see :data:`lightning_mgpu.planning.candidates.ORDER`)
+STRATEGIES: tuple[str, ...] = ("mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_zero3")
+#: every precision the planner models; "16-mixed"/"16-master" take the same bytes as their bf16 twins
+PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-master", "16-master")
+DEFAULT_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-master")
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_MEMORY = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+class PlanError(ValueError):
+    """A plan cannot be made: bad input, an unknown model class, or no candidate fits. Raised before anything runs."""
+
+
+def parse_memory(value: Union[str, int, float], name: str = "device_memory") -> int:
+    """Bytes in ``value``: an int (bytes) or a string with a unit, ``"80GiB"``, ``"80 GB"``, ``"512MiB"``.
+
+    Units: B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024), any case.
+
+    >>> parse_memory("80GiB")
+    85899345920
+    """
+    if isinstance(value, bool):
+        raise PlanError(f"{name}={value!r} is not a memory size: write e.g. '80GiB'.")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), "B"
+    else:
+        match = _MEMORY.match(str(value))
+        if match is None or (match.group(2) or "B").upper() not in _UNITS:
+            raise PlanError(
+                f"{name}={value!r} is not a memory size. Write a number and a unit, e.g. '80GiB' or '80GB'; "
+                f"accepted units: {', '.join(u if len(u) < 3 else u[0] + 'i' + u[2] for u in _UNITS)} "
+                f"(KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024)."
+            )
+        number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise PlanError(f"{name}={value!r} must be a positive memory size, e.g. '80GiB'.")
+    return size
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``"1.50 GiB"``)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class PlanRequest:
+    """What to plan for. Every field is validated at construction; errors name the field, the value and the fix.
+
+    >>> PlanRequest(devices=8, device_memory="80GiB").device_memory_bytes
+    85899345920
+    """
+
+    devices: int
+    """Ranks (GPUs) the job runs on: the data-parallel world size."""
+    device_memory: Union[str, int]
+    """Memory of one device: bytes, or a string with a unit (``"80GiB"``, ``"40GB"``)."""
+    headroom: float = 0.10
+    """Fraction of ``device_memory`` kept free (allocator fragmentation, CUDA context, kernels' workspaces)."""
+    precisions: tuple[str, ...] = DEFAULT_PRECISIONS
+    """Precisions to consider, of :data:`PRECISIONS`."""
+    strategies: tuple[str, ...] = STRATEGIES
+    """Strategies to consider, of :data:`STRATEGIES`."""
+    activation_checkpointing: Optional[Any] = None
+    """The blocks to checkpoint in the "with AC" candidates (any ``activation_checkpointing`` policy); default:
+    ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` when present, else each child of the first
+    ``nn.Sequential`` / ``nn.ModuleList`` (``EveryNth(1)``)."""
+    bucket_cap_mb: float = 25.0
+    """DDP's ``bucket_cap_mb``: one bucket in flight is counted as a communication buffer."""
+    device_memory_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise PlanError(f"devices={self.devices!r} must be a positive int (ranks, e.g. devices=8).")
+        self.device_memory_bytes = parse_memory(self.device_memory)
+        if not isinstance(self.headroom, (int, float)) or not 0 <= self.headroom < 1:
+            raise PlanError(f"headroom={self.headroom!r} must be a fraction in [0, 1), e.g. headroom=0.1 for 10%.")
+        self.precisions = tuple(self.precisions)
+        unknown = [p for p in self.precisions if p not in PRECISIONS]
+        if unknown or not self.precisions:
+            raise PlanError(f"precisions={self.precisions!r}: {unknown or 'none given'}; choose from {PRECISIONS}.")
+        self.strategies = tuple(self.strategies)
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown or not self.strategies:
+            raise PlanError(f"strategies={self.strategies!r}: {unknown or 'none given'}; choose from {STRATEGIES}.")
+        if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0:
+            raise PlanError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a positive number of MiB (DDP: 25).")
+
+    @property
+    def usable_bytes(self) -> int:
+        """Bytes a plan may use per rank: ``device_memory`` less the headroom."""
+        return int(self.device_memory_bytes * (1 - self.headroom))

@@ -1,0 +1,271 @@
+"""Count a model's memory without allocating it: model states and one micro-batch's activations under FakeTensorMode.
+
+Everything here runs under ``torch._subclasses.fake_tensor.FakeTensorMode``: tensors carry shape, dtype and
+device but no storage, so a 7B-parameter model is "built", stepped and traced in seconds on a laptop. Memory
+is attributed by torch's own ``torch.distributed._tools.mem_tracker.MemTracker`` (a ``TorchDispatchMode`` that
+sorts every storage into parameters, buffers, gradients, activations, temporaries and optimizer state), the
+tool torchtitan's ``scripts/estimate/estimation.py`` uses the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.utils._pytree import tree_map_only
+
+from lightning_mgpu.planning.request import PlanError
+
+__all__ = ["ModelStates", "StepTrace", "TimelineTracker", "count_model_states", "fsdp_units", "trace_step"]
+
+#: precision -> (dtype the weights and activations are stored in, autocast dtype or None, FP32 master copy)
+PRECISION_LAYOUT: dict[str, tuple[torch.dtype, Optional[torch.dtype], bool]] = {
+    "32-true": (torch.float32, None, False),
+    "bf16-mixed": (torch.float32, torch.bfloat16, False),
+    "16-mixed": (torch.float32, torch.float16, False),
+    "bf16-master": (torch.bfloat16, None, True),
+    "16-master": (torch.float16, None, True),
+}
+
+ModelFactory = Callable[[], nn.Module]
+# what a step allocates beyond the model states: activations, their gradients and other temporaries
+_LIVE = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)
+
+
+class TimelineTracker(MemTracker):
+    """``MemTracker`` that also keeps, after every op, the activation + temporary bytes and the gradient bytes.
+
+    ``MemTracker``'s own peak is the peak of the *total*; the planner needs the activations on their own, and
+    with the gradients beside them in time: a sharded rank keeps ``1/N`` of each gradient, so its peak is the
+    largest ``activations(t) + gradients(t) / N``, not the single-process peak scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeline: list[tuple[int, int]] = []  # (activations + temporaries, gradients) after each op
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # Called by MemTracker after every dispatched op. Its own version also walks every module's stats on
+        # every op (O(ops x modules): a minute for a 1B model); the planner needs only the device-wide picture.
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+            self.timeline.append((sum(snap.get(k, 0) for k in _LIVE), snap.get(_MemRefType.GRAD, 0)))
+
+
+def _fake_batch(batch: Any, mode: FakeTensorMode, dtype: Optional[torch.dtype]) -> Any:
+    """``batch`` with every tensor as a fake tensor on CPU (meta tensors too); floats cast to ``dtype``."""
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        with mode:
+            return torch.empty(t.shape, dtype=target)
+
+    return tree_map_only(torch.Tensor, convert, batch)
+
+
+def _optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers of ``module.configure_optimizers()`` (any form Lightning accepts); Adam on every
+    parameter for a plain ``nn.Module``."""
+    configure = getattr(module, "configure_optimizers", None)
+    if configure is None:
+        return [torch.optim.Adam(module.parameters())]
+    found: list[torch.optim.Optimizer] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.optim.Optimizer):
+            found.append(x)
+        elif isinstance(x, dict):
+            walk(x.get("optimizer"))
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                walk(item)
+
+    walk(configure())
+    if not found:
+        raise PlanError(
+            f"{type(module).__name__}.configure_optimizers() returned no optimizer; the planner steps it to count "
+            f"the optimizer state. Return one (e.g. torch.optim.AdamW(self.parameters())) or pass a plain nn.Module."
+        )
+    return found
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    # self.log(...) without a Trainer warns once per call; the trace runs training_step outside any Trainer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Exact model-state bytes of one full (unsharded) replica, counted under FakeTensorMode."""
+
+    parameters: dict[str, int]
+    """Parameter bytes by dtype name (``{"float32": ...}``) as the model is built."""
+    parameter_count: int
+    trainable_count: int
+    buffers: int
+    optimizer_state: int
+    """Optimizer state after a real ``optimizer.step()`` (Adam: exp_avg, exp_avg_sq and step per parameter)."""
+    optimizer_transient: int
+    """Extra bytes the step allocates while it runs (foreach kernels' temporaries), freed after it."""
+    optimizer_names: tuple[str, ...]
+
+
+def count_model_states(factory: ModelFactory) -> ModelStates:
+    """Build the model and its optimizers under FakeTensorMode, give every trainable parameter a gradient, and
+    run two optimizer steps (the second under ``MemTracker``): what the optimizer keeps and what it needs
+    while stepping, in FP32 as the model is built."""
+    with FakeTensorMode(allow_non_fake_inputs=True), _quiet():
+        module = factory()
+        params = list(module.parameters())
+        by_dtype: dict[str, int] = {}
+        for p in params:
+            key = str(p.dtype).replace("torch.", "")
+            by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+        buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+        optimizers = _optimizers(module)
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        for opt in optimizers:
+            opt.step()  # creates the state
+        tracker = MemTracker()
+        tracker.track_external(module, *optimizers)
+        before = sum(snap["Total"] for snap in tracker.get_tracker_snapshot().values())
+        with tracker:
+            for opt in optimizers:
+                opt.step()
+        peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+        state = 0
+        for opt in optimizers:
+            for per_param in opt.state.values():
+                state += sum(v.numel() * v.element_size() for v in per_param.values() if isinstance(v, torch.Tensor))
+    return ModelStates(
+        parameters=by_dtype,
+        parameter_count=sum(p.numel() for p in params),
+        trainable_count=sum(p.numel() for p in params if p.requires_grad),
+        buffers=buffers,
+        optimizer_state=state,
+        optimizer_transient=max(0, peak - before),
+        optimizer_names=tuple(type(o).__name__ for o in optimizers),
+    )
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One micro-batch's forward + backward under one precision, with or without activation checkpointing."""
+
+    precision: str
+    activation_checkpointing: bool
+    parameters: int
+    """Parameter bytes as the step sees them (half for the master modes)."""
+    gradients: int
+    """Gradient bytes once backward has finished (dtype of the parameters)."""
+    activations: int
+    """Peak of activations + temporaries (gradients of activations, recomputation) during the step."""
+    checkpointed: tuple[str, ...]
+    timeline: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    """(activations + temporaries, gradients) after every op of the step."""
+
+    def peak_with_gradients(self, fraction: float) -> int:
+        """The largest ``activations(t) + fraction * gradients(t)``: a rank that keeps ``fraction`` of each
+        gradient as it is produced (``1/N`` under FSDP)."""
+        return int(max((a + fraction * g for a, g in self.timeline), default=self.activations))
+
+
+def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    # duck-typed: a LightningModule of either namespace (pytorch_lightning or lightning.pytorch)
+    if hasattr(module, "training_step") and hasattr(module, "automatic_optimization"):
+        if not module.automatic_optimization:
+            raise PlanError(
+                f"{type(module).__name__} uses manual optimization (automatic_optimization=False): its "
+                f"training_step steps optimizers itself, which the planner cannot trace. Plan a module with "
+                f"automatic optimization, or a plain nn.Module with a sample batch (plan(model, batch=...))."
+            )
+        out = module.training_step(batch, 0)
+        loss = out["loss"] if isinstance(out, dict) else out
+    else:
+        out = module(*batch) if isinstance(batch, (tuple, list)) else module(batch)
+        loss = out.float().sum() if isinstance(out, torch.Tensor) else sum(o.float().sum() for o in out)
+    if not isinstance(loss, torch.Tensor):
+        raise PlanError(f"{type(module).__name__}.training_step returned {type(loss).__name__}, not a loss tensor.")
+    return loss
+
+
+def trace_step(factory: ModelFactory, batch: Any, precision: str, policy: Any = None) -> StepTrace:
+    """Forward + backward of one micro-batch of ``batch`` (a sample batch: real, meta or fake tensors) under
+    FakeTensorMode and ``TimelineTracker``; ``policy``: checkpoint these blocks (None: no checkpointing)."""
+    from lightning_mgpu.checkpointing import apply_activation_checkpointing
+
+    dtype, autocast, _ = PRECISION_LAYOUT[precision]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _quiet():
+        module = factory()
+        if dtype != torch.float32:
+            _cast(module, dtype)
+        module.train()
+        checkpointed = tuple(apply_activation_checkpointing(module, policy)) if policy is not None else ()
+        fake = _fake_batch(batch, mode, dtype if dtype != torch.float32 else None)
+        tracker = TimelineTracker()
+        tracker.track_external(module)
+        with tracker:
+            with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+                loss = _loss(module, fake)
+            loss.backward()
+        params = list(module.parameters())
+        return StepTrace(
+            precision=precision,
+            activation_checkpointing=policy is not None,
+            parameters=sum(p.numel() * p.element_size() for p in params),
+            gradients=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+            activations=max((a for a, _ in tracker.timeline), default=0),
+            checkpointed=checkpointed,
+            timeline=tuple(tracker.timeline),
+        )
+
+
+def _cast(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` for fake tensors (``Module.to`` swaps tensors in place, which fake tensors refuse)."""
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_floating_point():
+                m._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                m._buffers[name] = buf.to(dtype)
+
+
+def fsdp_units(module: nn.Module) -> list[nn.Module]:
+    """The modules ``mgpu_sharded`` / ``mgpu_zero3`` make FSDP units of, by default (the rule of
+    ``lightning_mgpu.strategies._sharding.FSDP2Backend._unit_roots``): every transformer layer when there are
+    any, else each direct child with parameters; the root is a unit too (the parameters left over)."""
+    layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    if any(isinstance(m, layers) for m in module.modules()):
+        return [m for m in module.modules() if m is not module and isinstance(m, layers)]
+    return [c for c in module.children() if any(True for _ in c.parameters())]
+
+
+def unit_fractions(factory: ModelFactory) -> tuple[float, float]:
+    """The largest FSDP unit's share of the parameters, and the root unit's (the parameters no other unit holds;
+    FSDP2 keeps the root gathered between forward and backward)."""
+    with FakeTensorMode(allow_non_fake_inputs=True), _quiet():
+        module = factory()
+        total = sum(p.numel() for p in module.parameters()) or 1
+        units = fsdp_units(module)
+        owned: set[int] = set()
+        sizes = []
+        for unit in units:
+            ps = [p for p in unit.parameters() if id(p) not in owned]
+            owned.update(id(p) for p in ps)
+            sizes.append(sum(p.numel() for p in ps))
+        root = sum(p.numel() for p in module.parameters() if id(p) not in owned)
+    return max([*sizes, root]) / total, root / total

@@ -1,0 +1,241 @@
+"""The memory planner (``lightning_mgpu.plan``, ``lightning-mgpu plan``): exact model states, predictions within
+15% of a real step measured with torch's ``MemTracker``, the recommendation order, and bad input refused
+before anything runs."""
+
+from __future__ import annotations
+
+import json
+import resource
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mgpu.cli import main as cli_main
+from lightning_mgpu.examples import DigitsCNN, DigitsDataModule, DigitsTransformer
+from lightning_mgpu.planning import NoPlanFits, Plan, PlanError, PlanRequest, parse_memory, plan
+from lightning_mgpu.planning.cli import main as plan_main
+from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
+from lightning_mgpu.planning.measure import fake_process_group, measure_step
+from lightning_mgpu.planning.trace import count_model_states
+
+TOLERANCE = 0.15
+
+
+def _digits_batch() -> Any:
+    data = DigitsDataModule(batch_size=32)
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def _lm() -> TransformerLM:  # wider than DigitsTransformer, with an embedding and a causal mask
+    return TransformerLM(vocab=512, d_model=128, heads=4, layers=3)
+
+
+def _lm_batch() -> Any:
+    data = RandomTokens(batch_size=4, seq_len=64, vocab=512)
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], Any]] = {
+    "DigitsCNN": (DigitsCNN, _digits_batch, {"Conv2d"}),
+    "DigitsTransformer": (DigitsTransformer, _digits_batch, {"TransformerEncoderLayer", "ConvBlock"}),
+    "TransformerLM": (_lm, _lm_batch, {"TransformerEncoderLayer"}),
+}
+_PLANS: dict[str, Plan] = {}
+
+
+def _plan(name: str) -> Plan:
+    if name not in _PLANS:  # one plan per model for the whole module: each takes a few seconds
+        factory, batch, policy = MODELS[name]
+        _PLANS[name] = plan(
+            factory,
+            devices=2,
+            device_memory="8GiB",
+            batch=batch(),
+            precisions=("32-true", "bf16-mixed"),
+            activation_checkpointing=policy,
+        )
+    return _PLANS[name]
+
+
+def _check(name: str, strategy: str, precision: str, ac: bool) -> tuple[int, int]:
+    factory, batch, policy = MODELS[name]
+    predicted = _plan(name).row(strategy, precision, ac).measurable_bytes
+    measured = measure_step(factory, batch(), precision, policy if ac else None, strategy).peak_bytes
+    return predicted, measured
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ddp_prediction_is_within_15_percent_of_a_real_single_process_step(name: str, precision: str, ac: bool):
+    predicted, measured = _check(name, "mgpu_ddp", precision, ac)
+    assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured)
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("strategy", ["mgpu_zero1", "mgpu_sharded", "mgpu_zero3"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sharded_prediction_is_within_15_percent_of_rank_0_of_two_on_the_fake_process_group(
+    name: str, strategy: str, precision: str, ac: bool
+):
+    with fake_process_group(world_size=2):
+        predicted, measured = _check(name, strategy, precision, ac)
+    assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured)
+
+
+def test_negative_control_a_prediction_without_activations_misses_the_transformer_by_more_than_15_percent():
+    row = _plan("DigitsTransformer").row("mgpu_ddp", "32-true", False)
+    factory, batch, _ = MODELS["DigitsTransformer"]
+    measured = measure_step(factory, batch(), "32-true").peak_bytes
+    without_activations = row.measurable_bytes - row.activations_bytes
+    assert abs(without_activations - measured) > TOLERANCE * measured
+    assert abs(row.measurable_bytes - measured) <= TOLERANCE * measured  # the real one passes
+
+
+def test_checkpointing_shrinks_the_transformers_activations():
+    p = _plan("TransformerLM")
+    assert p.row("mgpu_ddp", "32-true", True).activations_bytes < p.row("mgpu_ddp", "32-true", False).activations_bytes
+
+
+def test_adam_keeps_two_states_per_parameter_and_a_step_sgd_momentum_one():
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(100, 50), nn.Linear(50, 10))  # 5,560 parameters in 4 tensors
+
+    class WithOptimizer(nn.Sequential):
+        def __init__(self, make: Callable[[Any], torch.optim.Optimizer]) -> None:
+            super().__init__(nn.Linear(100, 50), nn.Linear(50, 10))
+            self.make = make
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return self.make(self.parameters())
+
+    n = 100 * 50 + 50 + 50 * 10 + 10
+    adam = count_model_states(lambda: WithOptimizer(lambda ps: torch.optim.Adam(ps)))
+    assert adam.parameters == {"float32": 4 * n} and adam.parameter_count == n
+    assert adam.optimizer_state == 2 * 4 * n + 4 * 4  # exp_avg + exp_avg_sq, and a float32 step per tensor
+    sgd = count_model_states(lambda: WithOptimizer(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)))
+    assert sgd.optimizer_state == 4 * n and sgd.optimizer_names == ("SGD",)
+    assert count_model_states(model).optimizer_names == ("Adam",)  # a plain nn.Module: Adam
+
+
+def test_sharding_divides_the_optimizer_state_and_master_weights_halve_the_parameters():
+    p = plan(DigitsTransformer, devices=4, device_memory="8GiB", batch=_digits_batch())
+    ddp, zero1 = p.row("mgpu_ddp"), p.row("mgpu_zero1")
+    assert zero1.optimizer_state_bytes == ddp.optimizer_state_bytes // 4
+    assert p.row("mgpu_zero3").parameters_bytes < ddp.parameters_bytes / 2  # a quarter + the gathered root
+    fp32 = sum(p.states.parameters.values())
+    assert p.row("mgpu_ddp", "bf16-master").parameters_bytes == fp32 // 2 + fp32 + p.states.buffers
+
+
+def test_the_recommendation_is_the_first_candidate_in_order_that_fits():
+    roomy = _plan("TransformerLM")
+    assert roomy.recommended == roomy.row("mgpu_ddp", "32-true", False)
+    ddp = roomy.row("mgpu_ddp", "32-true", False).predicted_peak_bytes_per_rank
+    tight = plan(
+        _lm,
+        devices=2,
+        device_memory=int((ddp - 1) / 0.9),
+        batch=_lm_batch(),
+        activation_checkpointing={"TransformerEncoderLayer"},
+        precisions=("32-true", "bf16-mixed"),
+    )
+    fitting = [r for r in tight.rows if r.fits]
+    assert tight.recommended == fitting[0]
+    assert [r.sort_key for r in tight.rows] == sorted(r.sort_key for r in tight.rows)
+    assert not tight.row("mgpu_ddp", "32-true", False).fits
+
+
+def test_a_billion_parameter_model_is_planned_without_allocating_it_or_starting_a_process_group():
+    tokens = torch.zeros(8, 2048, dtype=torch.long, device="meta")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    p = plan(
+        lambda: TransformerLM(d_model=2048, heads=16, layers=18),
+        devices=8,
+        device_memory="80GiB",
+        batch=(tokens, tokens),
+        precisions=("32-true",),
+    )
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    assert p.states.parameter_count > 1_000_000_000
+    assert grown < 1 * 2**30  # the FP32 weights alone would be 4 GiB
+    assert not dist.is_initialized()
+    assert p.row("mgpu_ddp").predicted_peak_bytes_per_rank > 4 * p.states.parameter_count * 4  # P + G + 2 Adam
+
+
+def test_plan_is_exported_at_the_top_level():
+    import lightning_mgpu
+
+    assert lightning_mgpu.plan is plan and "plan" in lightning_mgpu.__all__
+
+
+def test_the_cli_prints_json_rows_for_a_config(capsys):
+    assert cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "2", "--device-memory",
+                                    "1GiB", "--json", "--precisions", "32-true"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 8  # 4 strategies x with/without checkpointing
+    keys = {"strategy", "activation_checkpointing", "precision", "predicted_peak_bytes_per_rank", "fits"}
+    assert keys <= set(rows[0]) and {"activations_bytes", "communication_bytes"} <= set(rows[0])
+    assert sum(r["recommended"] for r in rows) == 1
+
+
+# --- bad input: a clear error before anything runs ---------------------------------------------------------
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the planner traced a model after bad input")
+
+    monkeypatch.setattr("lightning_mgpu.planning.trace_step", refuse)
+    monkeypatch.setattr("lightning_mgpu.planning.count_model_states", refuse)
+
+
+def test_an_unknown_model_class_names_the_class_path_and_how_to_name_one(nothing_runs, tmp_path):
+    with pytest.raises(PlanError, match=r"'mypkg\.models\.NoSuchModel'.*full import path"):
+        plan("mypkg.models.NoSuchModel", devices=2, device_memory="80GiB", batch=torch.zeros(1))
+    config = tmp_path / "fit.yaml"
+    config.write_text("model:\n  class_path: lightning_mgpu.examples.DigitsCNNN\n")
+    with pytest.raises(PlanError, match=r"'lightning_mgpu\.examples\.DigitsCNNN'.*has no 'DigitsCNNN'"):
+        plan(str(config), devices=2, device_memory="80GiB")
+
+
+def test_an_unparsable_memory_size_names_the_accepted_units(nothing_runs, capsys):
+    with pytest.raises(PlanError, match=r"device_memory='80XB'.*accepted units: B, KB, MB, GB, TB, KiB, MiB, GiB"):
+        plan(DigitsCNN, devices=2, device_memory="80XB", batch=torch.zeros(1))
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(["--config", "configs/ddp.yaml", "--devices", "2", "--device-memory", "80XB"])
+    assert exit_.value.code == 2 and "accepted units" in capsys.readouterr().err
+
+
+def test_a_device_memory_that_fits_nothing_names_the_smallest_plan_and_the_shortfall(capsys):
+    with pytest.raises(NoPlanFits, match=r"smallest plan, strategy='mgpu_\w+'.*misses by [\d.]+ \w+B") as err:
+        plan(DigitsCNN, devices=2, device_memory="64KiB", batch=_digits_batch(), precisions=("32-true",))
+    smallest = min(r.predicted_peak_bytes_per_rank for r in err.value.plan.rows)
+    assert not any(r.fits for r in err.value.plan.rows) and smallest > 0.9 * 64 * 1024
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs", "fix"),
+    [
+        ("devices", {"devices": 0}, "positive int"),
+        ("headroom", {"headroom": 1.5}, "fraction"),
+        ("precisions", {"precisions": ("fp8",)}, "choose from"),
+        ("strategies", {"strategies": ("deepspeed",)}, "choose from"),
+    ],
+)
+def test_the_request_names_the_bad_field_and_the_fix(field: str, kwargs: dict[str, Any], fix: str):
+    with pytest.raises(PlanError, match=rf"{field}=.*{fix}"):
+        PlanRequest(**{"devices": 2, "device_memory": "80GiB", **kwargs})
+
+
+def test_memory_sizes_accept_decimal_and_binary_units():
+    assert parse_memory("80GiB") == 80 * 2**30
+    assert parse_memory("40 GB") == 40 * 10**9
+    assert parse_memory("1.5mib") == 3 * 2**19
+    assert parse_memory(1024) == 1024
