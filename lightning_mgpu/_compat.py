@@ -425,3 +425,66 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
     from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
     _optimizers_to_device(optimizers, device)
+
+
+# --- the memory planner's torch internals (lightning_mgpu/planning), checked on torch 2.13.0 and 2.14.1 ---------
+# torch has no public fake-tensor, memory-tracker or fake-process-group API yet; torchtitan's memory estimation
+# (scripts/estimate/estimation.py) uses the same three. Imported when the planner runs, never at package import:
+# where one is missing, `lightning-mgpu plan` fails with the ImportError and training is unaffected.
+
+
+def fake_tensor_mode() -> Any:
+    """``torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)``: tensors with shape, dtype
+    and device but no storage."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def tree_map_tensors(fn: Any, tree: Any) -> Any:
+    """``torch.utils._pytree.tree_map_only(torch.Tensor, fn, tree)``: ``fn`` on every tensor of a nested batch."""
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, fn, tree)
+
+
+def fake_store() -> Any:
+    """``torch.testing._internal.distributed.fake_pg.FakeStore()``: the store of torch's ``"fake"`` backend (a
+    process group of any size in one process, whose collectives allocate their buffers but talk to no one)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def mem_tracker() -> Any:
+    """``torch.distributed._tools.mem_tracker.MemTracker()``: sorts every storage a step allocates into
+    parameters, buffers, gradients, activations, temporaries and optimizer state."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()
+
+
+def timeline_mem_tracker() -> Any:
+    """A ``MemTracker`` that also records, after every op, ``(activations + temporaries, gradients)`` bytes in its
+    ``timeline`` list. ``MemTracker``'s own peak is the peak of the *total*; the planner needs the activations on
+    their own, beside the gradients in time (a sharded rank keeps 1/N of each gradient). Overrides its private
+    ``_update_peak_stats`` (called after every dispatched op), whose own version also walks every module's stats
+    on every op (a minute for a 1B model), and reads its ``_curr_mem_snap`` / ``_peak_mem`` / ``_peak_mem_snap``."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    live = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)
+
+    class TimelineTracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.timeline: list[tuple[int, int]] = []
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+                self.timeline.append((sum(snap.get(k, 0) for k in live), snap.get(_MemRefType.GRAD, 0)))
+
+    return TimelineTracker()

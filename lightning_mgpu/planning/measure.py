@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
+from lightning_mgpu._compat import fake_store, mem_tracker
 from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelFactory, _loss, _optimizers, _quiet, fsdp_units
 
 __all__ = ["Measured", "fake_process_group", "measure_step"]
@@ -41,11 +41,9 @@ class Measured:
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     """A default process group of ``world_size`` ranks in this process (torch's fake backend: no peers)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process; measure in a fresh one.")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -107,7 +105,7 @@ def measure_step(
 
     with _quiet():
         step()
-        tracker = MemTracker()
+        tracker = mem_tracker()
         tracker.track_external(module, *(getattr(o, "optim", o) for o in optimizers))  # ZeRO's local optimizer
         with tracker:
             step()

@@ -155,12 +155,11 @@ def resolve_source(model_or_config: Any, batch: Any = None, datamodule: Any = No
 
 def default_policy(factory: Callable[[], nn.Module]) -> Union[set[type[nn.Module]], Any]:
     """Checkpoint the transformer layers when there are any, else every block of the outermost containers."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from lightning_mgpu._compat import fake_tensor_mode
     from lightning_mgpu.checkpointing import EveryNth
 
     layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_tensor_mode():
         module = factory()
         present = {type(m) for m in module.modules() if isinstance(m, layers)}
     return present if present else EveryNth(1)

@@ -17,13 +17,11 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-from torch.utils._pytree import tree_map_only
 
+from lightning_mgpu._compat import fake_tensor_mode, mem_tracker, timeline_mem_tracker, tree_map_tensors
 from lightning_mgpu.planning.request import PlanError
 
-__all__ = ["ModelStates", "StepTrace", "TimelineTracker", "count_model_states", "fsdp_units", "trace_step"]
+__all__ = ["ModelStates", "StepTrace", "count_model_states", "fsdp_units", "trace_step"]
 
 #: precision -> (dtype the weights and activations are stored in, autocast dtype or None, FP32 master copy)
 PRECISION_LAYOUT: dict[str, tuple[torch.dtype, Optional[torch.dtype], bool]] = {
@@ -35,32 +33,9 @@ PRECISION_LAYOUT: dict[str, tuple[torch.dtype, Optional[torch.dtype], bool]] = {
 }
 
 ModelFactory = Callable[[], nn.Module]
-# what a step allocates beyond the model states: activations, their gradients and other temporaries
-_LIVE = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)
 
 
-class TimelineTracker(MemTracker):
-    """``MemTracker`` that also keeps, after every op, the activation + temporary bytes and the gradient bytes.
-
-    ``MemTracker``'s own peak is the peak of the *total*; the planner needs the activations on their own, and
-    with the gradients beside them in time: a sharded rank keeps ``1/N`` of each gradient, so its peak is the
-    largest ``activations(t) + gradients(t) / N``, not the single-process peak scaled."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.timeline: list[tuple[int, int]] = []  # (activations + temporaries, gradients) after each op
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        # Called by MemTracker after every dispatched op. Its own version also walks every module's stats on
-        # every op (O(ops x modules): a minute for a 1B model); the planner needs only the device-wide picture.
-        for dev, snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < snap["Total"]:
-                self._peak_mem[dev] = snap["Total"]
-                self._peak_mem_snap[dev] = dict(snap)
-            self.timeline.append((sum(snap.get(k, 0) for k in _LIVE), snap.get(_MemRefType.GRAD, 0)))
-
-
-def _fake_batch(batch: Any, mode: FakeTensorMode, dtype: Optional[torch.dtype]) -> Any:
+def _fake_batch(batch: Any, mode: Any, dtype: Optional[torch.dtype]) -> Any:
     """``batch`` with every tensor as a fake tensor on CPU (meta tensors too); floats cast to ``dtype``."""
 
     def convert(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +43,7 @@ def _fake_batch(batch: Any, mode: FakeTensorMode, dtype: Optional[torch.dtype]) 
         with mode:
             return torch.empty(t.shape, dtype=target)
 
-    return tree_map_only(torch.Tensor, convert, batch)
+    return tree_map_tensors(convert, batch)
 
 
 def _optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
@@ -125,7 +100,7 @@ def count_model_states(factory: ModelFactory) -> ModelStates:
     """Build the model and its optimizers under FakeTensorMode, give every trainable parameter a gradient, and
     run two optimizer steps (the second under ``MemTracker``): what the optimizer keeps and what it needs
     while stepping, in FP32 as the model is built."""
-    with FakeTensorMode(allow_non_fake_inputs=True), _quiet():
+    with fake_tensor_mode(), _quiet():
         module = factory()
         params = list(module.parameters())
         by_dtype: dict[str, int] = {}
@@ -139,7 +114,7 @@ def count_model_states(factory: ModelFactory) -> ModelStates:
                 p.grad = torch.zeros_like(p)
         for opt in optimizers:
             opt.step()  # creates the state
-        tracker = MemTracker()
+        tracker = mem_tracker()
         tracker.track_external(module, *optimizers)
         before = sum(snap["Total"] for snap in tracker.get_tracker_snapshot().values())
         with tracker:
@@ -208,14 +183,14 @@ def trace_step(factory: ModelFactory, batch: Any, precision: str, policy: Any = 
     from lightning_mgpu.checkpointing import apply_activation_checkpointing
 
     dtype, autocast, _ = PRECISION_LAYOUT[precision]
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _quiet():
+    with fake_tensor_mode() as mode, _quiet():
         module = factory()
         if dtype != torch.float32:
             _cast(module, dtype)
         module.train()
         checkpointed = tuple(apply_activation_checkpointing(module, policy)) if policy is not None else ()
         fake = _fake_batch(batch, mode, dtype if dtype != torch.float32 else None)
-        tracker = TimelineTracker()
+        tracker = timeline_mem_tracker()
         tracker.track_external(module)
         with tracker:
             with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
@@ -236,12 +211,12 @@ def trace_step(factory: ModelFactory, batch: Any, precision: str, policy: Any = 
 def _cast(module: nn.Module, dtype: torch.dtype) -> None:
     """``module.to(dtype)`` for fake tensors (``Module.to`` swaps tensors in place, which fake tensors refuse)."""
     for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None and p.is_floating_point():
-                m._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-        for name, buf in m._buffers.items():
-            if buf is not None and buf.is_floating_point():
-                m._buffers[name] = buf.to(dtype)
+        for name, p in list(m.named_parameters(recurse=False)):
+            if p.is_floating_point():  # setattr keeps the registration (a parameter stays a parameter)
+                setattr(m, name, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+        for name, buf in list(m.named_buffers(recurse=False)):
+            if buf.is_floating_point():  # and a buffer keeps its persistence
+                setattr(m, name, buf.to(dtype))
 
 
 def fsdp_units(module: nn.Module) -> list[nn.Module]:
@@ -257,7 +232,7 @@ def fsdp_units(module: nn.Module) -> list[nn.Module]:
 def unit_fractions(factory: ModelFactory) -> tuple[float, float]:
     """The largest FSDP unit's share of the parameters, and the root unit's (the parameters no other unit holds;
     FSDP2 keeps the root gathered between forward and backward)."""
-    with FakeTensorMode(allow_non_fake_inputs=True), _quiet():
+    with fake_tensor_mode(), _quiet():
         module = factory()
         total = sum(p.numel() for p in module.parameters()) or 1
         units = fsdp_units(module)
