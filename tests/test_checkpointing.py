@@ -195,10 +195,10 @@ def test_bf16_autocast_matches_without_checkpointing(reentrant):
 
 
 def test_torch_compile_keeps_batchnorm_state_and_saves_memory():
-    """Under torch.compile (aot_eager here; inductor checked by hand, see the README) the model compiles to one
-    graph, BatchNorm statistics equal the uncompiled run without checkpointing, and less is saved. Runs in a
-    subprocess: torch.compile starts threads in this process, and later fork launches then hung in their
-    first collective (seen twice here)."""
+    """Under torch.compile (aot_eager here; inductor checked by hand, see docs/guides/activation-checkpointing.md)
+    the model compiles to one graph, BatchNorm statistics equal the uncompiled run without checkpointing, and less
+    is saved. Runs in a subprocess: torch.compile starts threads in this process, and later fork launches then
+    hung in their first collective (seen twice here)."""
     proc = subprocess.run(
         [sys.executable, "-c", "from tests.test_checkpointing import check_compile; check_compile()"],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],

@@ -152,9 +152,9 @@ def test_negative_control_naive_accumulation_syncs_every_micro_batch(tmp_path):
     torch.testing.assert_close(got["generator"], expected["generator"])
 
 
-def test_hand_written_accumulation_from_seed_003_syncs_only_when_stepping_on_mgpu_ddp(tmp_path):
-    """Without the mixin (Trainer k=1, accumulation by hand as in seed 003), mgpu_ddp still syncs each
-    optimizer only when it steps, toggles need no find_unused_parameters, and the weights match."""
+def test_accumulation_by_hand_as_in_the_gradient_accumulation_article_syncs_only_when_stepping(tmp_path):
+    """Without the mixin (Trainer k=1, accumulation by hand as in the gradient-accumulation article), mgpu_ddp still
+    syncs each optimizer only when it steps, toggles need no find_unused_parameters, and the weights match."""
     dataset = make_gan_data()
     model = NaiveAccumulation().double()
     expected = gan_reference(model, dataset, global_batch=WORLD * B * 2, epochs=1)

@@ -1,0 +1,131 @@
+"""Draw the benchmark plots of the documentation from the numbers the benchmarks printed.
+
+The benchmarks in ``benchmarks/`` print tables and save no files, so their numbers are kept in
+``docs/_data/benchmarks.json`` (copied from those outputs; each entry names the command that printed it). This script
+reads that file and writes one PNG per benchmark into ``docs/_generated/``; the docs build runs it (``conf.py``), so
+no plot is drawn by hand. Run it alone with ``.venv/bin/python docs/_scripts/plots.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+DOCS = Path(__file__).resolve().parent.parent
+RESULTS = DOCS / "_data" / "benchmarks.json"
+OUT = DOCS / "_generated"
+
+
+def _bars(ax, labels: list[str], values: list[float], title: str, xlabel: str, ref: float | None = None) -> None:
+    ax.barh(labels, values, color="#4c72b0")
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:g}", va="center", fontsize=8)
+    if ref is not None:
+        ax.axvline(ref, color="grey", lw=0.8, ls="--")
+
+
+def plot_ddp(r: dict, path: Path) -> None:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3))
+    _bars(a, list(r["step_ms"]), list(r["step_ms"].values()), "step time (median, 2 CPU processes)", "ms")
+    ratios = r["ledger_ratio_to_ring_lower_bound"]
+    _bars(b, list(ratios), list(ratios.values()), "traffic per step / ring lower bound", "ratio", ref=1.0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_manual(r: dict, path: Path) -> None:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3))
+    _bars(a, list(r["ms_per_window"]), list(r["ms_per_window"].values()), "GAN, k=4: time per window", "ms")
+    calls = r["all_reduce_per_window"]
+    _bars(b, list(calls), list(calls.values()), "all-reduce calls per window", "calls")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_sharded(r: dict, path: Path) -> None:
+    rows = r["n2_ratio_to_ddp"]
+    runners, kinds = list(rows), list(next(iter(rows.values())))
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    width = 0.8 / len(kinds)
+    for i, kind in enumerate(kinds):
+        xs = [j + i * width for j in range(len(runners))]
+        ax.bar(xs, [rows[n][kind] for n in runners], width, label=kind)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(runners))], runners, fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_ylabel("x Lightning ddp (per rank)")
+    ax.set_title("N = 2: what each rank holds, and step time, relative to DDP", fontsize=10)
+    ax.legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_checkpointing(r: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, (bytes_ratio, time_ratio) in r["bytes_and_time_vs_none"].items():
+        ax.scatter(bytes_ratio, time_ratio)
+        ax.annotate(name, (bytes_ratio, time_ratio), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("saved activation bytes / no checkpointing")
+    ax.set_ylabel("step time / no checkpointing")
+    ax.set_title("activation checkpointing: memory against time (CPU)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_precision(r: dict, path: Path) -> None:
+    rows = r["ratio_to_32_true"]
+    fig, ax = plt.subplots(figsize=(8, 3))
+    names = list(rows)
+    for i, kind in enumerate(("state bytes", "activation bytes")):
+        ax.bar([j + i * 0.4 for j in range(len(names))], [rows[n][kind] for n in names], 0.4, label=kind)
+    ax.set_xticks([j + 0.2 for j in range(len(names))], names, fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_ylabel("x 32-true")
+    ax.set_title("bytes per rank: weights + gradients + masters + optimizer state, and activations", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_lr(r: dict, path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3))
+    for ax, (opt, rows) in zip(axes, r["distance_to_reference"].items()):
+        _bars(ax, list(rows), [max(v, 1e-17) for v in rows.values()], f"{opt}: distance to the batch-64 run", "")
+        ax.set_xscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+PLOTS = {
+    "bench_ddp": plot_ddp,
+    "bench_manual_accum": plot_manual,
+    "bench_sharded": plot_sharded,
+    "bench_checkpointing": plot_checkpointing,
+    "bench_precision": plot_precision,
+    "bench_lr_recipes": plot_lr,
+}
+
+
+def main(out: Path = OUT) -> list[Path]:
+    results = json.loads(RESULTS.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, draw in PLOTS.items():
+        path = out / f"{name}.png"
+        draw(results[name], path)
+        plt.close("all")
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    for p in main(Path(sys.argv[1]) if len(sys.argv) > 1 else OUT):
+        print(p)
