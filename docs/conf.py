@@ -48,7 +48,27 @@ autodoc_inherit_docstrings = False
 # Public names still without a docstring (a data constant needs a ``#:`` comment where it is assigned). The list
 # is for the maintainers of ``lightning_mgpu/`` to empty; tests/test_docs.py checks it is exactly the names that
 # lack one, so nothing is added to it quietly and a name documented since must leave it.
-KNOWN_UNDOCUMENTED: set[str] = {"lightning_mgpu.COMM_HOOKS", "lightning_mgpu.PRESETS"}
+KNOWN_UNDOCUMENTED: set[str] = set()
+
+
+def _doc_comment_where_assigned(name: str, obj: object) -> list[str]:
+    """The ``#:`` comment of a constant re-exported by ``lightning_mgpu/__init__.py``, read in the module that
+    assigns it (autodoc reads only the module the name is documented under)."""
+    from sphinx.pycode import ModuleAnalyzer
+
+    short = name.rpartition(".")[2]
+    for module_name, module in sorted(sys.modules.items()):
+        if not module_name.startswith("lightning_mgpu.") or module_name.startswith("lightning_mgpu.lightning"):
+            continue
+        if getattr(module, short, None) is not obj:
+            continue
+        try:
+            docs = ModuleAnalyzer.for_module(module_name).find_attr_docs()
+        except Exception:  # a module without source
+            continue
+        if ("", short) in docs:
+            return list(docs[("", short)])
+    return []
 
 
 def _warn_on_missing_docstring(app, what, name, obj, options, lines) -> None:
@@ -57,6 +77,7 @@ def _warn_on_missing_docstring(app, what, name, obj, options, lines) -> None:
         return
     if what == "data" and "\n".join(lines).strip() == (type(obj).__doc__ or "").strip():
         lines.clear()  # autodoc fell back to the type's docstring (dict, tuple): the constant has none of its own
+        lines.extend(_doc_comment_where_assigned(name, obj))
     if name in KNOWN_UNDOCUMENTED:
         lines[:] = ["Not documented in the source yet; the guides describe it."]
         return

@@ -144,6 +144,9 @@ def _powersgd_state_keys() -> tuple[str, ...]:
     return tuple(p for p in params if p not in ("self", "process_group"))
 
 
+#: The named gradient-communication hooks (``comm_hook=`` of the mgpu strategies): name -> torch's hook, its
+#: state, and the backends that can run it. ``"fp16"`` / ``"bf16"`` halve the bytes, ``"powersgd"`` /
+#: ``"batched_powersgd"`` send a low-rank approximation. Example: ``sorted(lightning_mgpu.COMM_HOOKS)``.
 COMM_HOOKS: dict[str, _HookSpec] = {
     "fp16": _HookSpec(
         default_hooks.fp16_compress_hook,

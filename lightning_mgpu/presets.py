@@ -34,6 +34,9 @@ class Preset:
         return str(self.init_params.get("start_method", "popen"))
 
 
+#: Every preset name the pack registers with Lightning (both namespaces), with its strategy class, launch mode,
+#: description and arguments. Example: ``[p.name for p in lightning_mgpu.PRESETS]``; ``lightning-mgpu --list``
+#: prints them as a table.
 PRESETS: tuple[Preset, ...] = (
     Preset(
         "mgpu_ddp",
