@@ -353,8 +353,9 @@ def fit_summary(trainer: Any) -> str:
     """What a finished ``fit`` did, for rank 0 to print: strategy, processes, steps and the last metrics."""
     strategy = trainer.strategy
     metrics = ", ".join(f"{k} {float(v):.4g}" for k, v in sorted(trainer.callback_metrics.items()) if v.numel() == 1)
+    name = getattr(strategy, "public_name", type(strategy).__name__)  # MGPUShardedStrategy, not its stage class
     lines = [
-        f"lightning-mgpu fit: {type(strategy).__name__} on {trainer.world_size} process(es) "
+        f"lightning-mgpu fit: {name} on {trainer.world_size} process(es) "
         f"({type(trainer.accelerator).__name__}, {trainer.num_nodes} node(s)), {trainer.current_epoch} epoch(s), "
         f"{trainer.global_step} optimizer step(s)",
         f"metrics: {metrics or '(none logged)'}",

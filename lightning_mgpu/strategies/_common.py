@@ -56,6 +56,11 @@ class MGPUStrategyMixin:
 
     # --- what users read ----------------------------------------------------------------------------------
     @property
+    def public_name(self) -> str:
+        """The strategy's class as users write it (what summaries and errors print)."""
+        return type(self).__name__
+
+    @property
     def launch_settings(self) -> CommonSettings:
         """The settings every mgpu strategy has (launch, process group, ledger, activation checkpointing)."""
         return self._launch

@@ -216,6 +216,13 @@ class MGPUShardedStrategy(ParallelStrategy, metaclass=_StageDispatch):
         self._loaded_sharded = False
 
     @property
+    @override
+    def public_name(self) -> str:
+        # the stage classes this package builds print as the class users wrote; a user's subclass as itself
+        internal = type(self).__module__.startswith("lightning_mgpu.")
+        return "MGPUShardedStrategy" if internal else type(self).__name__
+
+    @property
     def settings(self) -> ShardedSettings:  # type: ignore[override]
         """The validated sharding settings (``ddp_settings``: the launch and, at stage 1, DDP ones)."""
         return self._sharded_settings
@@ -490,7 +497,7 @@ class MGPUShardedStrategy(ParallelStrategy, metaclass=_StageDispatch):
 
     def __repr__(self) -> str:
         return (
-            f"MGPUShardedStrategy(stage={self._sharded_settings.stage}, backend={self._backend_name!r}, "
+            f"{self.public_name}(stage={self._sharded_settings.stage}, backend={self._backend_name!r}, "
             f"checkpoint={self._checkpoint_layout!r}, start_method={self.launch_settings.start_method!r})"
         )
 
