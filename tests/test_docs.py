@@ -113,7 +113,8 @@ def undocumented_public_names() -> set[str]:
             doc = obj.__doc__
         else:  # data: a constant documented where it is assigned
             home = next(
-                m for m in ("lightning_mgpu.comm", "lightning_mgpu.presets", "lightning_mgpu")
+                m
+                for m in ("lightning_mgpu.comm", "lightning_mgpu.presets", "lightning_mgpu")
                 if getattr(sys.modules.get(m), name, None) is obj
             )
             doc = "documented" if name in _documented_data(home) else None
