@@ -5,9 +5,9 @@ Modes (``MGPUPrecision(mode)``):
 * ``"16-mixed"`` / ``"bf16-mixed"``: FP32 weights, ``torch.autocast`` forward (Lightning's mixed precision).
   fp16 gets a dynamic loss scaler; it runs on CPU too (torch's CPU autocast and ``GradScaler("cpu")``), where
   Lightning turns ``precision="16-mixed"`` into bf16.
-* ``"16-master"`` / ``"bf16-master"``: the mixed-precision article's recipe. The model's weights and
-  activations are half; the optimizer holds an FP32 master copy of every parameter it steps. Half gradients
-  are copied into the masters, unscaled in FP32, clipped and stepped in FP32, and copied back to the half weights. Under FSDP2
+* ``"16-master"`` / ``"bf16-master"``: the mixed-precision article's recipe. The model's weights and activations
+  are half; the optimizer holds an FP32 master copy of every parameter it steps. Half gradients are copied into
+  the masters, unscaled in FP32, clipped and stepped in FP32, and copied back to the half weights. Under FSDP2
   (``mgpu_sharded`` / ``mgpu_zero3``) the master copy is FSDP's own sharded FP32 parameter and the gathered
   compute parameters are half (``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)``).
 * ``"32-true"``: plain FP32, for side-by-side runs and configs.
