@@ -116,7 +116,7 @@ class _AccumulatingOptimizer(LightningOptimizer):
         """Lightning's ``toggle_model``; ``sync_grad`` defaults to "only on the micro-batch that steps"."""
         if sync_grad is None:
             sync_grad = not self._owner.is_accumulating
-        _refuse_toggling_under_plain_ddp(attached_trainer(self._owner).strategy)
+        _refuse_toggling_under_plain_ddp(attached_trainer(self._owner).strategy)  # type: ignore[arg-type]
         with self._inner.toggle_model(sync_grad=sync_grad):
             yield
 

@@ -147,7 +147,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if local is None or storage_options is not None:
             # Remote (fsspec, non-local): Lightning's code, an fsspec transaction; object stores have no rename
             # and publish an object only once its upload completes. storage_options: Lightning raises its error.
-            super().save_checkpoint(checkpoint, path, storage_options)
+            super().save_checkpoint(checkpoint, os.fspath(path), storage_options)
             return
         os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
         write_file_atomic(local, lambda f: torch.save(checkpoint, f))
@@ -158,7 +158,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if local is not None and os.path.isdir(local) and not os.path.islink(local):
             remove_dir(local)
             return
-        super().remove_checkpoint(path)
+        super().remove_checkpoint(os.fspath(path))
 
 
 # --- sharded checkpoint directories ---------------------------------------------------------------------

@@ -18,7 +18,7 @@ def attached_trainer(module: Optional[nn.Module]) -> Any:
     if module is None:
         return None
     try:
-        return module.trainer  # type: ignore[union-attr]
+        return module.trainer
     except (RuntimeError, AttributeError):
         return None
 

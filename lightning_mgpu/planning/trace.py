@@ -167,7 +167,7 @@ def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
                 f"training_step steps optimizers itself, which the planner cannot trace. Plan a module with "
                 f"automatic optimization, or a plain nn.Module with a sample batch (plan(model, batch=...))."
             )
-        out = module.training_step(batch, 0)
+        out = module.training_step(batch, 0)  # type: ignore[operator]
         loss = out["loss"] if isinstance(out, dict) else out
     else:
         out = module(*batch) if isinstance(batch, (tuple, list)) else module(batch)

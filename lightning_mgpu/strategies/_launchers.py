@@ -244,7 +244,7 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         # Lightning's own, with the strategy's weights: a collective, every rank takes part
         state_dict = self._weights()
         strategy = trainer.strategy
-        if strategy.local_rank != 0:
+        if trainer.local_rank != 0:
             return None
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None

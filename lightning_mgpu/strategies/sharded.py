@@ -60,6 +60,7 @@ from lightning_mgpu.settings import (
     StartMethod,
     split_ddp_kwargs,
 )
+from lightning_mgpu.strategies._common import MGPUStrategyMixin
 from lightning_mgpu.strategies._sharding import (
     ShardingBackend,
     check_optimizer,
@@ -97,7 +98,8 @@ class _StageDispatch(ABCMeta):
             stage = kwargs.get("stage", args[0] if args else 2)
             stage_class = MGPUZeRO1Strategy if type(stage) is int and stage == 1 else MGPUFSDPStrategy
             # a user's subclass of MGPUShardedStrategy keeps its overrides in front of the stage's class
-            cls = stage_class if cls is MGPUShardedStrategy else _with_stage_class(cls, stage_class)
+            built: type = stage_class if cls is MGPUShardedStrategy else _with_stage_class(cls, stage_class)
+            return type.__call__(built, *args, **kwargs)
         return type.__call__(cls, *args, **kwargs)
 
 
@@ -114,7 +116,7 @@ def _with_stage_class(user_class: type, stage_class: type) -> type:
     return _STAGED[key]
 
 
-class MGPUShardedStrategy(ParallelStrategy, metaclass=_StageDispatch):
+class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageDispatch):
     """Sharded data-parallel training (ZeRO), torch-native by default, on CPU (gloo) and CUDA (NCCL).
 
     * ``stage=1``: optimizer state split across ranks (torch ``ZeroRedundancyOptimizer``, or fairscale
@@ -180,7 +182,12 @@ class MGPUShardedStrategy(ParallelStrategy, metaclass=_StageDispatch):
         gradient_as_bucket_view: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
-        sharded = ShardedSettings(stage=stage, backend=backend, checkpoint=checkpoint, wrap_modules=wrap_modules)
+        sharded = ShardedSettings(
+            stage=stage,
+            backend=backend,
+            checkpoint=checkpoint,
+            wrap_modules=wrap_modules,  # type: ignore[arg-type]  # a sequence or one class: the settings normalise it
+        )
         own = [name for name in inspect.signature(MGPUShardedStrategy.__init__).parameters if name != "self"]
         ddp_kwargs = split_ddp_kwargs("MGPUShardedStrategy", ddp_kwargs, own[:-1])  # all but **ddp_kwargs
         ddp_only = {
@@ -196,7 +203,7 @@ class MGPUShardedStrategy(ParallelStrategy, metaclass=_StageDispatch):
             "checkpoint_io": checkpoint_io,
             "precision_plugin": precision_plugin,
         }
-        settings = {
+        settings: dict[str, Any] = {
             "process_group_backend": process_group_backend,
             "timeout": timeout,
             "start_method": start_method,
@@ -205,7 +212,11 @@ class MGPUShardedStrategy(ParallelStrategy, metaclass=_StageDispatch):
             "activation_checkpointing_reentrant": activation_checkpointing_reentrant,
         }
         if self._takes_ddp_keywords:
-            ddp = {**ddp_only, "comm_state": comm_state, "gradient_as_bucket_view": gradient_as_bucket_view}
+            ddp: dict[str, Any] = {
+                **ddp_only,
+                "comm_state": comm_state,
+                "gradient_as_bucket_view": gradient_as_bucket_view,
+            }
             super().__init__(**common, **settings, **ddp, **ddp_kwargs)
         else:
             super().__init__(**common, settings=CommonSettings(**settings))  # type: ignore[call-arg]
@@ -223,7 +234,7 @@ class MGPUShardedStrategy(ParallelStrategy, metaclass=_StageDispatch):
         return "MGPUShardedStrategy" if internal else type(self).__name__
 
     @property
-    def settings(self) -> ShardedSettings:  # type: ignore[override]
+    def settings(self) -> ShardedSettings:
         """The validated sharding settings (``ddp_settings``: the launch and, at stage 1, DDP ones)."""
         return self._sharded_settings
 
@@ -420,7 +431,7 @@ class MGPUShardedStrategy(ParallelStrategy, metaclass=_StageDispatch):
         if self.is_global_zero and local is not None and os.path.isdir(local):
             remove_dir(local)  # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
             return
-        super().remove_checkpoint(filepath)
+        super().remove_checkpoint(os.fspath(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
 
-class MGPUZeRO1Strategy(MGPUShardedStrategy, MGPUDDPStrategy):
+class MGPUZeRO1Strategy(MGPUShardedStrategy, MGPUDDPStrategy):  # type: ignore[misc]  # `settings`: the sharded ones
     """Stage 1 of :class:`~lightning_mgpu.MGPUShardedStrategy`: DDP plus a sharded optimizer. The sharded
     strategy's checkpoint and optimizer handling comes first in the MRO, DDP's training loop after it."""
 
