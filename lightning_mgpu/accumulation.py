@@ -173,6 +173,31 @@ class ManualAccumulation:
     run every ``manual_backward`` of a micro-batch before its optimizer steps (compute the discriminator's
     and the generator's gradients, then step both): an optimizer that steps before another model's
     backward changes what that backward sees on the last micro-batch only.
+
+    Example (one process here; ``strategy="mgpu_ddp", devices=N`` accumulates the same way):
+
+        >>> import pytorch_lightning as pl, torch
+        >>> from torch import nn
+        >>> from lightning_mgpu import ManualAccumulation
+        >>> class Regression(ManualAccumulation, pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.automatic_optimization = False
+        ...         self.net = nn.Linear(4, 1)
+        ...     def training_step(self, batch, batch_idx):
+        ...         opt = self.optimizers()
+        ...         x, y = batch
+        ...         self.manual_backward(nn.functional.mse_loss(self.net(x), y))
+        ...         opt.step()  # accumulates on the first micro-batch of each window, steps on the last
+        ...         opt.zero_grad()
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        >>> data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        >>> trainer = pl.Trainer(accelerator="cpu", max_epochs=1, accumulate_grad_batches=2, logger=False,
+        ...                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=4))
+        >>> trainer.global_step  # 8 micro-batches, 4 optimizer steps
+        4
     """
 
     _mgpu_wrapped: dict[int, Any]

@@ -52,7 +52,23 @@ _DEL = ".del-"  # a directory being removed: .<name>.del-<pid>
 
 
 class IncompleteCheckpointError(RuntimeError):
-    """A sharded checkpoint directory whose save did not finish (no completion marker, or files missing)."""
+    """A sharded checkpoint directory whose save did not finish (no completion marker, or files missing).
+
+    ``Trainer.fit(ckpt_path=...)`` and ``trainer.strategy.load_checkpoint`` raise it instead of loading a partial
+    state; the message lists the complete checkpoints beside the refused one, newest first.
+
+    Example:
+
+        >>> import tempfile
+        >>> from lightning_mgpu import IncompleteCheckpointError
+        >>> from lightning_mgpu.checkpoint_io import check_complete
+        >>> half_written = tempfile.mkdtemp()  # a checkpoint directory without its completion marker
+        >>> try:
+        ...     check_complete(half_written)
+        ... except IncompleteCheckpointError as err:
+        ...     print("is not a complete sharded checkpoint" in str(err))
+        True
+    """
 
 
 def local_path(path: PathLike) -> Optional[str]:
@@ -137,6 +153,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     are committed atomically by :class:`~lightning_mgpu.MGPUShardedStrategy` whatever the plugin.
 
     Remote paths (``s3://``, ``gs://``, ...) are saved by Lightning's code, unchanged.
+
+    Example:
+
+        >>> import os, tempfile, torch
+        >>> from lightning_mgpu import AtomicCheckpointIO
+        >>> io = AtomicCheckpointIO()
+        >>> folder = tempfile.mkdtemp()
+        >>> io.save_checkpoint({"step": 3, "weight": torch.ones(2)}, os.path.join(folder, "last.ckpt"))
+        >>> io.load_checkpoint(os.path.join(folder, "last.ckpt"))["step"]
+        3
+        >>> os.listdir(folder)  # no temporary file is left beside it
+        ['last.ckpt']
     """
 
     @override

@@ -68,6 +68,18 @@ __all__ = [
 class EveryNth:
     """Checkpoint every ``n``-th block (positions 0, n, 2n, ...) of a ``nn.Sequential`` / ``nn.ModuleList``.
 
+    Example:
+
+        >>> from torch import nn
+        >>> from lightning_mgpu import EveryNth, apply_activation_checkpointing
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.stem = nn.Linear(4, 4)
+        ...         self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(5))
+        >>> apply_activation_checkpointing(Net(), EveryNth(2, container="blocks"))
+        ['blocks.0', 'blocks.2', 'blocks.4']
+
     In a LightningCLI YAML::
 
         strategy:
@@ -453,9 +465,10 @@ def apply_activation_checkpointing(
             default, non-reentrant, is torch's recommendation and works with DDP without ``static_graph``.
         preserve_rng_state: restore the RNG state for the recompute (dropout masks equal the first forward).
 
-    Example::
+    Example:
 
         >>> from torch import nn
+        >>> from lightning_mgpu import EveryNth, apply_activation_checkpointing
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
         >>> apply_activation_checkpointing(net, EveryNth(2))
         ['0', '2']
@@ -472,12 +485,34 @@ def apply_activation_checkpointing(
 
 
 def checkpointed_modules(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` whose forward is checkpointed."""
+    """Names of the modules of ``model`` whose forward is checkpointed.
+
+    Example:
+
+        >>> from torch import nn
+        >>> from lightning_mgpu import EveryNth, apply_activation_checkpointing, checkpointed_modules
+        >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+        >>> _ = apply_activation_checkpointing(net, EveryNth(2))
+        >>> checkpointed_modules(net)
+        ['0', '2']
+    """
     return [n for n, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _CheckpointedForward)]
 
 
 def remove_activation_checkpointing(model: nn.Module) -> int:
-    """Undo :func:`apply_activation_checkpointing` on ``model``; returns how many modules were restored."""
+    """Undo :func:`apply_activation_checkpointing` on ``model``; returns how many modules were restored.
+
+    Example:
+
+        >>> from torch import nn
+        >>> from lightning_mgpu import apply_activation_checkpointing, checkpointed_modules
+        >>> from lightning_mgpu import remove_activation_checkpointing
+        >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        >>> apply_activation_checkpointing(net, {nn.Linear})
+        ['0', '2']
+        >>> remove_activation_checkpointing(net), checkpointed_modules(net)
+        (2, [])
+    """
     restored = 0
     for m in model.modules():
         patched = m.__dict__.get("forward")

@@ -251,10 +251,16 @@ def effective_batch_size(trainer: pl.Trainer, batch_size: Optional[int] = None) 
     """Samples behind one optimizer step: per-device batch x devices x nodes x ``accumulate_grad_batches``.
 
     ``batch_size`` is the per-device batch; without it, :func:`per_device_batch_size` finds it. Works under
-    :class:`~lightning_mgpu.ManualAccumulation` too (its k is ``accumulate_grad_batches``). Example::
+    :class:`~lightning_mgpu.ManualAccumulation` too (its k is ``accumulate_grad_batches``).
 
-        trainer = Trainer(strategy="mgpu_ddp", devices=2, num_nodes=2, accumulate_grad_batches=4)
-        effective_batch_size(trainer, batch_size=16)   # 16 * 2 * 2 * 4 = 256
+    Example:
+
+        >>> from pytorch_lightning import Trainer
+        >>> from lightning_mgpu import effective_batch_size
+        >>> trainer = Trainer(strategy="mgpu_ddp", accelerator="cpu", devices=2, num_nodes=2,
+        ...                   accumulate_grad_batches=4, logger=False)
+        >>> effective_batch_size(trainer, batch_size=16)  # 16 x 2 devices x 2 nodes x 4
+        256
     """
     if batch_size is None:
         batch_size = per_device_batch_size(trainer)

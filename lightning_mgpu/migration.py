@@ -49,7 +49,22 @@ REMOVED_TRAINER_ARGUMENTS: dict[str, str] = {
 
 class RemovedTrainerArgument(TypeError, ValueError):
     """A Lightning 1.x ``Trainer`` argument: a ``TypeError`` (what Python raises for an unknown keyword) and a
-    ``ValueError`` (what the pack raises for a dropped name), with the replacement in the message."""
+    ``ValueError`` (what the pack raises for a dropped name), with the replacement in the message.
+
+    ``import lightning_mgpu`` makes Lightning's ``Trainer`` raise it (all dropped arguments at once, before
+    anything starts).
+
+    Example:
+
+        >>> import lightning_mgpu
+        >>> from pytorch_lightning import Trainer
+        >>> try:
+        ...     Trainer(gpus=2)
+        ... except lightning_mgpu.RemovedTrainerArgument as err:
+        ...     print(err)
+        Trainer(gpus=2) was removed in Lightning 2.0: write Trainer(accelerator='gpu', devices=2) (and
+        strategy='mgpu_ddp' for several GPUs).
+    """
 
 
 def removed_argument_message(name: str, value: Any = "...") -> str:

@@ -91,6 +91,15 @@ class MGPUPrecision(Precision):
         skipped_steps: optimizer steps skipped because a gradient was inf/NaN on some rank.
         optimizer_steps: optimizer steps taken or skipped.
         loss_scale: the current fp16 loss scale (1.0 for bf16 and fp32).
+
+    Example (``Trainer(precision="bf16-mixed")`` with an mgpu strategy gets this plugin too):
+
+        >>> from pytorch_lightning import Trainer
+        >>> from lightning_mgpu import MGPUPrecision
+        >>> precision = MGPUPrecision("bf16-master")
+        >>> trainer = Trainer(strategy="mgpu_ddp", plugins=[precision], accelerator="cpu", devices=2, logger=False)
+        >>> trainer.precision_plugin is precision, precision.loss_scale
+        (True, 1.0)
     """
 
     def __init__(

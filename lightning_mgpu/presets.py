@@ -173,7 +173,17 @@ def register_presets(registry: Any = StrategyRegistry, accelerators: Any = Accel
     """Register every preset with Lightning's ``StrategyRegistry``; returns the names.
 
     The dropped Lightning 1.x names in :data:`RENAMED` are registered too, each raising its migration hint
-    when chosen; a name Lightning itself (or a user) registered is never shadowed."""
+    when chosen; a name Lightning itself (or a user) registered is never shadowed. ``import lightning_mgpu`` has
+    already called it for both Lightning namespaces; call it again for a registry of your own.
+
+    Example:
+
+        >>> from pytorch_lightning.strategies import StrategyRegistry
+        >>> from lightning_mgpu import register_presets
+        >>> names = register_presets()
+        >>> "mgpu_ddp" in names and "mgpu_ddp" in StrategyRegistry
+        True
+    """
     for p in PRESETS:
         registry.register(p.name, p.strategy, description=p.description, override=True, **p.init_params)
     for r in RENAMED:
@@ -186,7 +196,14 @@ def register_presets(registry: Any = StrategyRegistry, accelerators: Any = Accel
 
 
 def preset_table() -> str:
-    """A plain-text table of the presets: name, what it does, launch mode (for ``--list`` and the README)."""
+    """A plain-text table of the presets: name, what it does, launch mode (what ``lightning-mgpu --list`` prints).
+
+    Example:
+
+        >>> from lightning_mgpu import preset_table
+        >>> print(preset_table().splitlines()[0])  # then one row per preset
+        name what it does launch
+    """
     rows = [("name", "what it does", "launch")]
     rows += [(p.name, p.description, p.launch) for p in PRESETS]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]

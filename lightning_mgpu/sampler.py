@@ -67,6 +67,16 @@ class ResumableDistributedSampler(DistributedSampler):
 
         sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=7)
         return DataLoader(dataset, batch_size=8, sampler=sampler)
+
+    Example (rank 1 of 2 over 10 samples, without shuffling; then the same epoch resumed after 6 samples):
+
+        >>> from lightning_mgpu import ResumableDistributedSampler
+        >>> sampler = ResumableDistributedSampler(range(10), num_replicas=2, rank=1, shuffle=False)
+        >>> list(sampler)
+        [1, 3, 5, 7, 9]
+        >>> sampler.skip(0, 6)
+        >>> list(sampler), len(sampler)  # the rest of epoch 0 split over the ranks; len() is the whole epoch's
+        ([7, 9], 5)
     """
 
     def __init__(

@@ -43,7 +43,21 @@ _DECAYS = ("cosine", "linear", "constant")
 
 def total_steps(trainer: pl.Trainer) -> int:
     """Optimizer steps the coming ``fit`` will take: ``trainer.estimated_stepping_batches`` as an int, with
-    a clear error for an endless run (``max_epochs=-1`` without ``max_steps``)."""
+    a clear error for an endless run (``max_epochs=-1`` without ``max_steps``). Call it from
+    ``configure_optimizers`` (the Trainer knows the run's length there), as :func:`warmup_schedule` does.
+
+    Example:
+
+        >>> from pytorch_lightning import Trainer
+        >>> from lightning_mgpu import total_steps
+        >>> total_steps(Trainer(max_steps=1000, logger=False))
+        1000
+        >>> try:
+        ...     total_steps(Trainer(max_epochs=-1, logger=False))
+        ... except ValueError as err:
+        ...     print(str(err).split(":")[0])
+        The number of optimizer steps is unbounded (max_epochs=-1 and max_steps=-1, or an endless DataLoader)
+    """
     steps = trainer.estimated_stepping_batches
     if math.isinf(steps):
         raise ValueError(
@@ -69,6 +83,21 @@ def warmup_schedule(
         warmup: warmup length; a float in [0, 1) is a fraction of :func:`total_steps`, an int is steps.
         decay: ``"cosine"``, ``"linear"`` or ``"constant"`` after the warmup.
         final_lr_ratio: LR at the end as a fraction of the peak, in [0, 1].
+
+    Example (in ``configure_optimizers``; here with a Trainer of 100 optimizer steps):
+
+        >>> import torch
+        >>> from pytorch_lightning import Trainer
+        >>> from lightning_mgpu import warmup_schedule
+        >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        >>> config = warmup_schedule(opt, Trainer(max_steps=100, logger=False), warmup=0.1, decay="linear")
+        >>> config["interval"]
+        'step'
+        >>> lrs = []
+        >>> for _ in range(100):
+        ...     lrs.append(opt.param_groups[0]["lr"]); opt.step(); config["scheduler"].step()
+        >>> [round(lrs[i] / 1e-3, 2) for i in (0, 9, 54, 99)]  # warmup 10 steps, then linear down to 0 at the end
+        [0.1, 1.0, 0.51, 0.0]
     """
     if decay not in _DECAYS:
         raise ValueError(f"warmup_schedule(decay={decay!r}): choose one of {', '.join(map(repr, _DECAYS))}.")

@@ -60,9 +60,22 @@ class DeviceMonitor(MGPUCallback):
     waiting for data or computing. How waiting is told apart from work: :mod:`lightning_mgpu.callbacks._timeline`.
     ``history`` holds the logged dicts on rank 0 (for notebooks; :mod:`lightning_mgpu.plot` reads the CSV).
 
-    Example::
+    Example (with ``strategy="mgpu_ddp", devices=N`` each rank gets its ``rank{r}`` columns; any logger gets
+    the same dicts, ``CSVLogger`` for :mod:`lightning_mgpu.plot`):
 
-        Trainer(strategy="mgpu_ddp", callbacks=[lightning_mgpu.DeviceMonitor()], logger=CSVLogger("logs"))
+        >>> import pytorch_lightning as pl
+        >>> from lightning_mgpu import DeviceMonitor
+        >>> from lightning_mgpu.examples import DigitsCNN, DigitsDataModule
+        >>> monitor = DeviceMonitor(every_n_steps=2)
+        >>> trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, callbacks=[monitor], logger=False,
+        ...                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(DigitsCNN(), DigitsDataModule())
+        >>> len(monitor.history)  # one row per interval of 2 optimizer steps
+        2
+        >>> sorted(k for k in monitor.history[-1] if k.startswith("device/rank0/"))  # doctest: +NORMALIZE_WHITESPACE
+        ['device/rank0/backward_ms', 'device/rank0/busy_ms', 'device/rank0/comm_ms', 'device/rank0/data_ms',
+         'device/rank0/forward_ms', 'device/rank0/mem_mb', 'device/rank0/mem_peak_mb', 'device/rank0/optimizer_ms',
+         'device/rank0/step_ms', 'device/rank0/wait_ms']
     """
 
     def __init__(

@@ -40,10 +40,17 @@ class ScaleLR(MGPUCallback):
     Resuming: the factor is recorded in the optimizer's param groups, which the checkpoint stores; a run
     resumed on a different number of devices rescales the restored LRs by new/old factor.
 
-    Example::
+    Example (the LRs were tuned for a batch of 256; this run has 32 x 8 devices x 2 = 512):
 
-        Trainer(strategy="mgpu_ddp", devices=8, accumulate_grad_batches=2,
-                callbacks=[lightning_mgpu.ScaleLR(base_batch_size=256)])  # lr x (32*8*2/256) = x2
+        >>> from pytorch_lightning import Trainer
+        >>> from lightning_mgpu import ScaleLR
+        >>> scale = ScaleLR(base_batch_size=256, batch_size=32)
+        >>> trainer = Trainer(strategy="mgpu_ddp", accelerator="cpu", devices=8, accumulate_grad_batches=2,
+        ...                   callbacks=[scale], logger=False)
+        >>> scale.compute_factor(trainer)  # fit multiplies every LR by it before the first step
+        2.0
+        >>> ScaleLR(base_batch_size=256, batch_size=32, rule="sqrt").compute_factor(trainer)
+        1.4142135623730951
     """
 
     def __init__(

@@ -80,9 +80,10 @@ def plan(
         bucket_cap_mb: DDP's bucket size.
         require_fit: raise :class:`NoPlanFits` (naming the smallest plan and its shortfall) when nothing fits.
 
-    Example::
+    Example:
 
         >>> import torch
+        >>> from lightning_mgpu import plan
         >>> from lightning_mgpu.examples import DigitsCNN
         >>> batch = (torch.zeros(32, 1, 8, 8), torch.zeros(32, dtype=torch.long))
         >>> p = plan(DigitsCNN, devices=2, device_memory="1GiB", batch=batch, precisions=("32-true",))

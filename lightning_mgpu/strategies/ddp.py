@@ -102,6 +102,19 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             A plugin you pass is used as it is (atomic saves are then up to it).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``);
             an unknown keyword raises, naming the closest valid one.
+
+    Example (``Trainer(strategy="mgpu_ddp_fp16_compress")`` is the same; ``trainer.fit`` then starts the ranks):
+
+        >>> from pytorch_lightning import Trainer
+        >>> from lightning_mgpu import MGPUDDPStrategy
+        >>> strategy = MGPUDDPStrategy(comm_hook="fp16", start_method="fork")
+        >>> trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+        >>> trainer.strategy is strategy, trainer.world_size
+        (True, 2)
+        >>> MGPUDDPStrategy(comm_hook="fp8")  # refused before anything starts
+        Traceback (most recent call last):
+        ...
+        ValueError: Unknown comm_hook='fp8'. Choose one of ['batched_powersgd', 'bf16', 'fp16', 'powersgd'] or None ...
     """
 
     strategy_name = "mgpu_ddp"

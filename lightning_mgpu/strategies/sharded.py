@@ -77,7 +77,24 @@ _OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
 
 @dataclass(frozen=True)
 class ShardMemory:
-    """Bytes this rank holds right now (a DTensor counts its local shard)."""
+    """Bytes this rank holds right now (a DTensor counts its local shard), from
+    ``trainer.strategy.memory_report()`` of :class:`MGPUShardedStrategy` (no communication).
+
+    Example:
+
+        >>> import pytorch_lightning as pl, torch
+        >>> from lightning_mgpu import MGPUShardedStrategy
+        >>> from lightning_mgpu.examples import DigitsCNN, DigitsDataModule
+        >>> class Report(pl.Callback):
+        ...     def on_train_end(self, trainer, module):
+        ...         memory = trainer.strategy.memory_report()
+        ...         print(memory.parameters == sum(p.numel() * 4 for p in module.parameters()))
+        >>> trainer = pl.Trainer(strategy=MGPUShardedStrategy(stage=3), accelerator="cpu", devices=1, max_steps=2,
+        ...                      callbacks=[Report()], logger=False, enable_checkpointing=False,
+        ...                      enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(DigitsCNN(), DigitsDataModule())  # on 1 rank the shard is the whole model
+        True
+    """
 
     optimizer_state: int
     gradients: int
@@ -152,6 +169,17 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (as for ``mgpu_ddp``).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
+
+    Example (``Trainer(strategy="mgpu_zero3")`` is the same with the consolidated layout):
+
+        >>> from pytorch_lightning import Trainer
+        >>> from lightning_mgpu import MGPUShardedStrategy
+        >>> strategy = MGPUShardedStrategy(stage=3, checkpoint="sharded")
+        >>> trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+        >>> type(trainer.strategy).__name__, trainer.strategy.stage  # the stage's own class
+        ('MGPUFSDPStrategy', 3)
+        >>> type(MGPUShardedStrategy(stage=1)).__name__
+        'MGPUZeRO1Strategy'
     """
 
     strategy_name = "mgpu_sharded"
