@@ -139,7 +139,7 @@ RENAMED: tuple[Renamed, ...] = (
     Renamed(
         "horovod",
         "strategy",
-        _DDP + ", launched on many machines with torchrun or SLURM srun (README: Multi-node)",
+        _DDP + ", launched on many machines with torchrun or SLURM srun (docs: the multi-node guide)",
         "Horovod support was removed in Lightning 2.0; torch.distributed (NCCL/gloo) does the same ring all-reduce.",
     ),
     Renamed("dp", "accelerator", "accelerator='gpu', " + _DDP, _SPLIT),
