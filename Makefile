@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 OLDEST_LIGHTNING ?= 2.6.0
 CUDA_TORCH ?= torch==2.14.1
 
-.PHONY: setup train test test-suite test-compat test-compat-oldest test-compat-cuda bench lint notebooks docs
+.PHONY: setup train test test-suite test-compat test-compat-oldest test-compat-cuda test-gpu bench-gpu bench lint notebooks docs
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,24 @@ test-compat-cuda: .venv-cuda/.installed
 	.venv-cuda/bin/python -c "import lightning, torch; \
 		print('compat tier: lightning', lightning.__version__, 'torch', torch.__version__, 'CUDA build', torch.version.cuda)"
 	.venv-cuda/bin/python -m pytest -m compat -p no:cacheprovider
+
+# The GPU tier, on a machine with an NVIDIA GPU (CI has none: there tests/gpu is skipped with "no CUDA device").
+# `make test-gpu`: tests/gpu (marker `gpu`), every CUDA path through Trainer.fit on NCCL; `make bench-gpu`: memory
+# per rank at world sizes 2/4/8 (torch's fake process group) and tokens/s + MFU, results saved as JSON under
+# benchmarks/results/. Both use the package from this checkout (PYTHONPATH) with an interpreter that already has a
+# CUDA torch and Lightning (GPU_PYTHON, default python3, as on GPU images without network access); where that
+# interpreter lacks them, .venv-cuda (torch's CUDA wheel, CUDA_TORCH) is built and used.
+GPU_PYTHON ?= python3
+GPU_PY = $$($(GPU_PYTHON) -c "import torch, pytorch_lightning, lightning" 2>/dev/null && echo $(GPU_PYTHON) || \
+	{ $(MAKE) -s .venv-cuda/.installed >&2 && echo .venv-cuda/bin/python; })
+
+test-gpu:
+	py=$(GPU_PY); PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/env.py && \
+	PYTHONPATH=$(CURDIR) $$py -m pytest tests/gpu -p no:cacheprovider -o timeout=900 -o addopts="-ra --strict-markers" -v
+
+bench-gpu:
+	py=$(GPU_PY); PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_memory_per_rank.py --out benchmarks/results && \
+	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_throughput.py --out benchmarks/results
 
 # Re-run every notebook and store its outputs (tests/test_notebooks.py fails on outputs older than the cells).
 notebooks: $(STAMP)

@@ -99,4 +99,6 @@ def _draw_benchmark_plots(app) -> None:
 def setup(app) -> None:
     app.connect("builder-inited", _draw_benchmark_plots)
     app.connect("autodoc-process-docstring", _warn_on_missing_docstring)
+
+
 autodoc_preserve_defaults = True

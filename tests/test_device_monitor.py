@@ -318,8 +318,8 @@ def test_nvml_bindings_import_and_fail_cleanly_without_a_driver(monkeypatch):
     monitor = DeviceMonitor()
     monitor._nvml_ok = True
     with pytest.warns(UserWarning, match="NVML unavailable"):
-        util, mem = monitor._gpu(torch.device("cuda", 0))
-    assert math.isnan(util) and math.isnan(mem) and monitor._nvml_ok is False
+        util, mem, temp = monitor._gpu(torch.device("cuda", 0))
+    assert math.isnan(util) and math.isnan(mem) and math.isnan(temp) and monitor._nvml_ok is False
 
 
 def test_host_memory_is_psutils_rss(monkeypatch):

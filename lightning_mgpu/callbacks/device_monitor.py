@@ -30,7 +30,7 @@ from lightning_mgpu.distributed import all_gather_rows
 __all__ = ["DeviceMonitor"]
 
 Stamp = Union[float, "torch.cuda.Event", None]
-_HEADER = ("batches", "steps", "sync_exit", "mem_peak_mb", "mem_mb", "gpu_util", "gpu_mem_mb")
+_HEADER = ("batches", "steps", "sync_exit", "mem_peak_mb", "mem_mb", "gpu_util", "gpu_mem_mb", "gpu_temp_c")
 _MB = 2.0**20
 _PROC_STATUS = "/proc/self/status"  # Linux: VmHWM, the peak RSS since the last reset
 _PROC_CLEAR_REFS = "/proc/self/clear_refs"
@@ -52,7 +52,8 @@ class DeviceMonitor(MGPUCallback):
       the rank's own work;
     * ``device/rank{r}/mem_peak_mb`` (CUDA allocator peak on GPU; on CPU the process's peak RSS, over the
       interval on Linux, since the process started elsewhere) and ``mem_mb`` (RSS through psutil);
-      ``gpu_util`` (%) and ``gpu_mem_mb`` from NVML when available;
+      ``gpu_util`` (%), ``gpu_mem_mb`` (device memory in use, all processes) and ``gpu_temp_c`` (°C) from NVML
+      when available;
     * ``device/imbalance/straggler_ratio`` (max/min ``busy_ms``), ``straggler_rank``, ``max_wait_ms`` and
       ``memory_ratio`` (max/min ``mem_peak_mb``),
 
@@ -315,17 +316,21 @@ class DeviceMonitor(MGPUCallback):
             return torch.cuda.max_memory_allocated(device) / _MB, torch.cuda.memory_allocated(device) / _MB
         return _rss_peak_mb(), _rss_mb()
 
-    def _gpu(self, device: torch.device) -> tuple[float, float]:
+    def _gpu(self, device: torch.device) -> tuple[float, float, float]:
         if not self._nvml_ok:
-            return math.nan, math.nan
+            return math.nan, math.nan, math.nan
         try:
-            return float(torch.cuda.utilization(device)), torch.cuda.device_memory_used(device) / _MB
+            return (
+                float(torch.cuda.utilization(device)),
+                torch.cuda.device_memory_used(device) / _MB,
+                float(torch.cuda.temperature(device)),
+            )
         except Exception as err:  # no driver access (containers), MIG: keep training, say it once
             self._nvml_ok = False
             if self.nvml:
                 raise RuntimeError(f"DeviceMonitor(nvml=True): NVML query failed: {err}") from err
             rank_zero_warn(f"DeviceMonitor: NVML unavailable ({err}); GPU utilization is not logged.")
-            return math.nan, math.nan
+            return math.nan, math.nan, math.nan
 
 
 class _CpuClock:

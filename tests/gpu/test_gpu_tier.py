@@ -1,0 +1,119 @@
+"""The CUDA paths, through ``Trainer(strategy=...).fit`` on one GPU (NCCL at world size 1). Each case runs in a fresh
+interpreter (``tests/gpu/worker.py``); the multi-rank agreement of the same features is proved on CPU (gloo) by the
+default suite, and memory per rank at world sizes 2-8 by ``benchmarks/gpu/bench_memory_per_rank.py``.
+
+Run: ``make test-gpu``. Skipped with "no CUDA device" elsewhere (tests/gpu/conftest.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_mgpu import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(case: str, timeout: float = 600, **args: Any) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.worker", case, json.dumps(args)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"{case}{args} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _needs(preset_name: str) -> str | None:
+    p = next(p for p in PRESETS if p.name == preset_name)
+    if p.init_params.get("backend") == "fairscale" and importlib.util.find_spec("fairscale") is None:
+        return "the optional fairscale backend is not installed (pip install 'lightning-mgpu[fairscale]')"
+    return None
+
+
+@pytest.mark.parametrize("name", [p.name for p in PRESETS])
+def test_every_preset_fits_on_nccl(name: str) -> None:
+    reason = _needs(name)
+    if reason:
+        pytest.skip(reason)
+    r = run("preset", name=name)
+    assert r["backend"] == "nccl", r
+    assert r["device"].startswith("cuda"), r
+    assert r["steps"] == 4 and r["finite"] and r["moved"] > 0, r
+
+
+@pytest.mark.parametrize("name", [p.name for p in PRESETS if p.launch == "fork"])
+def test_fork_presets_after_cuda_init_name_the_fix(name: str) -> None:
+    r = run("fork_after_cuda", name=name)
+    assert r["raised"] is not None, "a fork launch after CUDA was initialised must be refused"
+    message = r["message"]
+    assert "CUDA" in message and ("restart" in message or "spawn" in message), message
+
+
+@pytest.mark.parametrize("strategy", ["mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_zero3"])
+def test_fp16_overflow_skips_the_step_counts_and_logs_it(strategy: str) -> None:
+    r = run("fp16_overflow", strategy=strategy)
+    assert r["plugin"] == "MGPUPrecision", r
+    assert r["skipped_steps"] == 1 and r["logged_skipped"] == 1.0, r
+    assert r["step2_left_weights_unchanged"], r
+    assert r["finite"] and r["loss_scale"] < 65536.0, r
+
+
+@pytest.mark.parametrize("strategy", ["mgpu_ddp", "mgpu_sharded", "mgpu_zero3"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-master", "bf16-master"])
+def test_precisions_train_on_cuda(strategy: str, precision: str) -> None:
+    r = run("precision_fit", strategy=strategy, precision=precision)
+    assert r["finite"] and r["moved"] > 0, r
+    if precision.endswith("-master"):
+        half = "torch.float16" if precision.startswith("16") else "torch.bfloat16"
+        assert r["dtypes"] == [half], r
+    else:
+        assert r["dtypes"] == ["torch.float32"], r
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_comm_hooks_on_nccl_and_their_bytes(hook: str) -> None:
+    r = run("comm_hook", hook=hook)
+    assert r["finite"] and r["sync_rounds"] == r["optimizer_steps"] == 6, r
+    full = r["gradient_bytes"] * r["sync_rounds"]
+    if hook in ("fp16", "bf16"):
+        assert r["allreduce_bytes"] == full // 2, r  # half-width payload, every bucket, every step
+    else:
+        assert 0 < r["allreduce_bytes"] < full, r  # rank-1 factors after the first (uncompressed) round
+
+
+@pytest.mark.parametrize("stage,checkpoint", [(1, "consolidated"), (2, "consolidated"), (2, "sharded"), (3, "sharded")])
+def test_sharded_stage_resumes_exactly_on_cuda(stage: int, checkpoint: str) -> None:
+    r = run("sharded_resume", stage=stage, checkpoint=checkpoint)
+    assert r["finite"] and r["saved_as_dir"] == (checkpoint == "sharded"), r
+    assert r["max_abs_diff"] == 0.0, r
+
+
+def test_activation_checkpointing_memory_and_batchnorm_on_cuda() -> None:
+    r = run("activation_checkpointing")
+    print(json.dumps(r, indent=1))
+    assert r["held_bytes_mgpu"] < 0.5 * r["held_bytes_none"], r
+    assert r["peak_bytes_mgpu"] < r["peak_bytes_none"], r
+    assert r["batches_tracked_mgpu"] == r["batches_tracked_none"] == [4, 4], r  # once per step, not twice
+    assert r["bn_stats_max_diff"] < 1e-12 and r["weights_max_diff"] < 1e-12, r
+
+
+def test_device_monitor_reads_nvml() -> None:
+    r = run("device_monitor")
+    assert r["intervals"] == 3, r
+    assert 0 <= r["gpu_util"] <= 100, r
+    assert r["gpu_mem_mb"] > 0 and r["mem_peak_mb"] > 0 and r["step_ms"] > 0, r
+    assert 10 <= r["gpu_temp_c"] <= 110, r
