@@ -138,7 +138,8 @@ def measure(kind: str, n: int, args: argparse.Namespace, device: str) -> dict[st
     base = torch.cuda.memory_allocated() if cuda else 0
     with fake_world(n):
         torch.manual_seed(0)
-        model = TransformerLM(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers).to(device)
+        with torch.device(device):  # initialised on the device: fast
+            model = TransformerLM(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers)
         p = sum(x.numel() for x in model.parameters())
         wrapped, opt, counted = build(kind, model, device)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)

@@ -63,7 +63,8 @@ class StepTimer(pl.Callback):
 
 def _model(args: argparse.Namespace) -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialised where it trains: fast
+        return TransformerLM(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers)
 
 
 def _data(args: argparse.Namespace) -> RandomTokens:
