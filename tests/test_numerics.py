@@ -1,0 +1,96 @@
+"""The numerics matrix: every preset family x accumulation {1, 3} x clipping {none, norm, value} x precision
+{64, 32, bf16-mixed, 16-mixed with the scaler} x validation {off, Lightning's defaults} gives, on 2 ranks, the
+weights of one process with the whole batch (float64: ``assert_close`` defaults; lower precisions: the
+tolerances of ``tests/numerics_harness.py``, explained in docs/guides/numerics.md).
+
+All cases of one precision group run in ONE 2-process launch (``run_cases``); the tests read its records.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+import lightning_mgpu.strategies.fsdp as fsdp_module
+from lightning_mgpu import MGPUShardedStrategy
+from tests.numerics_harness import CLIP, FAMILIES, Case, reference, run_cases, tolerance
+
+ACCUMULATION = (1, 3)
+CLIPPING = tuple(CLIP)
+LOWER = ("32", "bf16-mixed", "16-mixed")
+
+
+def _cases(precisions: tuple[str, ...]) -> list[Case]:
+    return [
+        Case(family, k, clip, precision, val)
+        for family, k, clip, precision, val in itertools.product(
+            FAMILIES, ACCUMULATION, CLIPPING, precisions, (False, True)
+        )
+    ]
+
+
+EXACT_CASES = _cases(("64",))
+LOWER_CASES = _cases(LOWER)
+
+
+@pytest.fixture(scope="module")
+def exact_runs() -> dict[str, dict[str, Any]]:
+    return {c.id: r for c, r in zip(EXACT_CASES, run_cases(EXACT_CASES))}
+
+
+@pytest.fixture(scope="module")
+def lower_runs() -> dict[str, dict[str, Any]]:
+    return {c.id: r for c, r in zip(LOWER_CASES, run_cases(LOWER_CASES))}
+
+
+def _check(case: Case, got: dict[str, Any]) -> None:
+    expected = reference(case)
+    assert got["global_step"] == expected["steps"]
+    torch.testing.assert_close(got["weights"], expected["weights"], **tolerance(case.precision))
+    assert (expected["weights"] - expected["initial"]).abs().max() > 1e-3, "weights did not move"
+    clip = CLIP[case.clip]
+    if clip is not None:  # clipping bites in every step: the comparison tests it
+        algorithm, value = clip
+        observed = expected["norms"] if algorithm == "norm" else expected["maxima"]
+        assert min(observed) > value, f"{algorithm} clipping at {value} would not change step {observed}"
+
+
+@pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: c.id)
+def test_float64_training_equals_one_process_with_the_whole_batch(case, exact_runs):
+    _check(case, exact_runs[case.id])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LOWER_CASES, ids=lambda c: c.id)
+def test_lower_precision_training_equals_one_process_within_tolerance(case, lower_runs):
+    _check(case, lower_runs[case.id])
+
+
+def _local_norm_fairscale() -> Any:
+    strategy = MGPUShardedStrategy(stage=2, backend="fairscale", start_method="popen")
+    strategy._sharding.norm_clipping = lambda group, ledger: None  # Lightning's clip: this rank's norm only
+    return strategy
+
+
+def _fairscale_without_mode_follow() -> Any:
+    fsdp_module.follow_module_mode = lambda wrapper, module: None  # the defect: the wrapper stays in eval mode
+    return MGPUShardedStrategy(stage=2, backend="fairscale", start_method="popen")
+
+
+def test_negative_controls_local_norm_clipping_and_wrapper_left_in_eval_mode_fail():
+    """The matrix can fail: clipping each rank's gradient shard by its own norm, and fairscale's
+    ShardedDataParallel left in eval mode after validation (no gradient hooks: nothing reduced), both end
+    away from one process; and a reference that clips per-shard norms differs from the global-norm one."""
+    norm = Case("zero2_fairscale", 3, "norm", "64", False)
+    val = Case("zero2_fairscale", 1, "none", "64", True)
+    local_norm, no_follow = run_cases([norm, val], [_local_norm_fairscale, _fairscale_without_mode_follow])
+    for case, got in ((norm, local_norm), (val, no_follow)):
+        expected = reference(case)
+        assert got["global_step"] == expected["steps"]
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(got["weights"], expected["weights"])
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(reference(norm, local_norm_shards=2)["weights"], reference(norm)["weights"])
