@@ -138,54 +138,75 @@ class _Weights(Callback):
         state = pl_module.state_dict()
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
         flat = torch.cat([full[name].flatten() for name, _ in pl_module.named_parameters()])
-        torch.save({"weights": flat, "global_step": trainer.global_step}, self.path)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        torch.save({"weights": flat, "global_step": trainer.global_step, "metrics": metrics}, self.path)
 
 
-def _worker(rank: int, cases: list[tuple[Case, Callable[[], Any]]], port: int, out: str) -> None:
+def fit_case(case: Case, make_strategy: Callable[[], Any]) -> Callable[[Path], None]:
+    """A job for :func:`run_jobs`: fit ``case`` with the strategy ``make_strategy`` builds."""
+    return fit_job(
+        lambda: initial_model(case), make_strategy, lambda: ValData(dataset(case.precision), B), trainer_kwargs(case)
+    )
+
+
+def fit_job(
+    make_model: Callable[[], pl.LightningModule],
+    make_strategy: Callable[[], Any],
+    make_data: Callable[[], pl.LightningDataModule],
+    kwargs: dict[str, Any],
+) -> Callable[[Path], None]:
+    """A job for :func:`run_jobs`: one ``Trainer.fit`` whose rank record (weights, steps, the last logged
+    ``callback_metrics``) goes to the path given."""
+
+    def job(path: Path) -> None:
+        trainer = pl.Trainer(strategy=make_strategy(), callbacks=[_Weights(path)], **kwargs)
+        trainer.fit(make_model(), datamodule=make_data())
+
+    return job
+
+
+def _worker(rank: int, jobs: list[Callable[[Path], None]], port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD)
     )
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        for i, (case, make_strategy) in enumerate(cases):
+        for i, job in enumerate(jobs):
             try:
-                trainer = pl.Trainer(
-                    strategy=make_strategy(),
-                    callbacks=[_Weights(Path(out) / f"{i}_rank{rank}.pt")],
-                    **trainer_kwargs(case),
-                )
-                trainer.fit(initial_model(case), datamodule=ValData(dataset(case.precision), B))
+                job(Path(out) / f"{i}_rank{rank}.pt")
             except BaseException:
                 with open(Path(out) / f"{i}_rank{rank}.err", "w") as f:
-                    f.write(f"{case.id}:\n{traceback.format_exc()}")
+                    f.write(f"job {i}:\n{traceback.format_exc()}")
                 raise
     finally:
         dist.destroy_process_group()
 
 
-def run_cases(cases: list[Case], strategies: Optional[list[Callable[[], Any]]] = None) -> list[dict[str, Any]]:
-    """Fit every case on 2 CPU ranks in one launch; returns rank 0's record per case, after checking that the
-    ranks agree exactly. ``strategies``: a strategy factory per case (default: the case's family)."""
-    makers = strategies if strategies is not None else [FAMILIES[c.family] for c in cases]
+def run_jobs(jobs: list[Callable[[Path], None]]) -> list[dict[str, Any]]:
+    """Run every job on 2 CPU ranks in one launch; returns rank 0's record per job, after checking that the ranks
+    agree exactly."""
     with tempfile.TemporaryDirectory() as out:
         try:
-            mp.start_processes(
-                _worker,
-                nprocs=WORLD,
-                start_method="fork",
-                args=(list(zip(cases, makers)), find_free_network_port(), out),
-            )
+            port = find_free_network_port()
+            mp.start_processes(_worker, nprocs=WORLD, start_method="fork", args=(jobs, port, out))
         except Exception as err:
             errors = sorted(Path(out).glob("*.err"))
             text = errors[0].read_text() if errors else ""
-            raise AssertionError(f"a case failed in the shared launch:\n{text}") from err
+            raise AssertionError(f"a job failed in the shared launch:\n{text}") from err
         records = []
-        for i in range(len(cases)):
+        for i in range(len(jobs)):
             r0, r1 = (torch.load(Path(out) / f"{i}_rank{r}.pt") for r in range(WORLD))
             torch.testing.assert_close(r0["weights"], r1["weights"], rtol=0, atol=0)
             records.append(r0)
     return records
+
+
+def run_cases(cases: list[Case], strategies: Optional[list[Callable[[], Any]]] = None) -> list[dict[str, Any]]:
+    """Fit every case in one launch (:func:`run_jobs`). ``strategies``: a strategy factory per case (default:
+    the case's family)."""
+    makers = strategies if strategies is not None else [FAMILIES[c.family] for c in cases]
+    return run_jobs([fit_case(c, m) for c, m in zip(cases, makers)])
 
 
 def reference(case: Case, local_norm_shards: int = 1) -> dict[str, Any]:

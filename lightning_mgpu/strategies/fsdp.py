@@ -91,7 +91,7 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         follow_module_mode(self.model, self.lightning_module)  # after validation: fairscale's SDP hooks need it
         with self.precision_plugin.train_step_context():
-            return self._redirect("training_step", *args, **kwargs)
+            return self._count_tokens(self._redirect("training_step", *args, **kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -55,6 +55,7 @@ from lightning_mgpu.settings import (
     CheckpointLayout,
     CommHookName,
     CommonSettings,
+    LossNormalization,
     ShardedSettings,
     Stage,
     StartMethod,
@@ -150,6 +151,8 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         wrap_modules: stages 2/3 torch: module classes that each become an FSDP unit (gathered one at a
             time). Default: transformer layers if the model has any, else each direct child with parameters.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (as for ``mgpu_ddp``).
+        loss_normalization: ``"tokens"``: the gradient of the mean over every token of the step (as for
+            ``mgpu_ddp``).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
     """
@@ -175,6 +178,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         log_comm_stats: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        loss_normalization: Optional[LossNormalization] = None,
         comm_hook: Optional[CommHookName] = None,
         comm_state: Optional[dict[str, Any]] = None,
         static_graph: bool = False,
@@ -210,6 +214,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
             "log_comm_stats": log_comm_stats,
             "activation_checkpointing": activation_checkpointing,
             "activation_checkpointing_reentrant": activation_checkpointing_reentrant,
+            "loss_normalization": loss_normalization,
         }
         if self._takes_ddp_keywords:
             ddp: dict[str, Any] = {
