@@ -25,6 +25,7 @@ from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointin
 from lightning_mgpu.parts.checkpoint_io import choose_checkpoint_io
 from lightning_mgpu.parts.failures import FailureHandling
 from lightning_mgpu.parts.ledger import Ledger, attached_trainer
+from lightning_mgpu.parts.nonfinite import NonFiniteCheck
 from lightning_mgpu.parts.precision import PrecisionAdoption
 from lightning_mgpu.parts.process_group import group_is_up
 from lightning_mgpu.parts.resume import MidEpochResume
@@ -42,6 +43,7 @@ class MGPUStrategyMixin:
     _checkpointing: ActivationCheckpointing
     _launch: CommonSettings
     _tokens: Optional[TokenNormalization]
+    _nonfinite: Optional[NonFiniteCheck]
 
     def _init_parts(self, settings: CommonSettings) -> None:
         self._launch = settings
@@ -53,6 +55,7 @@ class MGPUStrategyMixin:
         )
         tokens = settings.loss_normalization == "tokens"
         self._tokens = TokenNormalization(self._ledger.stats) if tokens else None
+        self._nonfinite = NonFiniteCheck(self._ledger.stats) if settings.nonfinite == "error" else None
 
     def _group_backend(self) -> str:
         """The process-group backend asked for, or the device's default (gloo on CPU, nccl on CUDA)."""
@@ -243,6 +246,8 @@ class MGPUStrategyMixin:
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._tokens is not None:
             closure = self._token_closure(optimizer, closure)
+        if self._nonfinite is not None:
+            closure = self._nonfinite_closure(optimizer, closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
 
     def _token_closure(self, optimizer: Any, closure: Any) -> Any:
@@ -264,6 +269,32 @@ class MGPUStrategyMixin:
             return out
 
         return rescaled
+
+    def _nonfinite_closure(self, optimizer: Any, closure: Any) -> Any:
+        # after the step's last backward (and the token rescale), before unscaling, clipping and the step
+        check = self._nonfinite
+        assert check is not None
+        strategy: Any = self
+        plugin = self.precision_plugin
+
+        def checked() -> Any:
+            out = closure()
+            if getattr(plugin, "uses_scaler", False):
+                return out  # fp16: the scaler's agreed inf check skips the step on every rank
+            module = strategy.lightning_module
+            to_model = PrecisionAdoption.model_parameter(plugin)
+            names = {id(p): name for name, p in module.named_parameters()}
+            named = [
+                (names.get(id(to_model(p)), f"param_groups[{g}][{i}]"), to_model(p))
+                for g, group in enumerate(optimizer.param_groups)
+                for i, p in enumerate(group["params"])
+            ]
+            trainer = attached_trainer(module)
+            step = trainer.global_step if trainer is not None else 0
+            check.check(named, strategy.global_rank, strategy.world_size, step)
+            return out
+
+        return checked
 
     # --- checkpoints and mid-epoch resume -------------------------------------------------------------
     def _refuse_main_process_save(self) -> None:

@@ -56,6 +56,7 @@ from lightning_mgpu.settings import (
     CommHookName,
     CommonSettings,
     LossNormalization,
+    NonFinite,
     ShardedSettings,
     Stage,
     StartMethod,
@@ -153,6 +154,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (as for ``mgpu_ddp``).
         loss_normalization: ``"tokens"``: the gradient of the mean over every token of the step (as for
             ``mgpu_ddp``).
+        nonfinite: ``"error"``: every rank raises the same error on a NaN/Inf gradient (as for ``mgpu_ddp``).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
     """
@@ -179,6 +181,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
         loss_normalization: Optional[LossNormalization] = None,
+        nonfinite: Optional[NonFinite] = None,
         comm_hook: Optional[CommHookName] = None,
         comm_state: Optional[dict[str, Any]] = None,
         static_graph: bool = False,
@@ -215,6 +218,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
             "activation_checkpointing": activation_checkpointing,
             "activation_checkpointing_reentrant": activation_checkpointing_reentrant,
             "loss_normalization": loss_normalization,
+            "nonfinite": nonfinite,
         }
         if self._takes_ddp_keywords:
             ddp: dict[str, Any] = {
