@@ -94,3 +94,24 @@ def test_negative_controls_local_norm_clipping_and_wrapper_left_in_eval_mode_fai
             torch.testing.assert_close(got["weights"], expected["weights"])
     with pytest.raises(AssertionError):
         torch.testing.assert_close(reference(norm, local_norm_shards=2)["weights"], reference(norm)["weights"])
+
+
+def test_norm_clipping_under_fairscale_stage_2_with_a_plugin_that_clips_locally_is_refused_before_launch(tmp_path):
+    """fairscale stage 2 leaves each rank its own gradients; only MGPUPrecision clips them by the global norm, so
+    another precision plugin (here Lightning's 64-true) with norm clipping cannot equal one process: refused."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+    from tests.numerics_harness import ValData, ValRegressor, dataset
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MGPUShardedStrategy(stage=2, backend="fairscale", start_method="fork"),
+        precision="64-true",
+        gradient_clip_val=0.5,
+        default_root_dir=tmp_path,
+        logger=False,
+    )
+    with pytest.raises(MisconfigurationException, match=r"clip each shard by its own norm.*gradient_clip_algorithm="):
+        trainer.fit(ValRegressor(), datamodule=ValData(dataset("64"), 4))

@@ -100,6 +100,9 @@ class ShardingBackend:
     """Stage 1: the model is wrapped in mgpu_ddp's ``DistributedDataParallel`` (gradients all-reduced)."""
     sync_control: BackwardSyncControl = DDPSyncControl()
     """How accumulation blocks the gradient sync of the wrapped model."""
+    needs_global_norm = False
+    """Norm clipping needs :class:`~lightning_mgpu.MGPUPrecision` (a plain plugin would clip each rank's shard by
+    its own norm; FSDP2's DTensor gradients are clipped globally by torch's own ``clip_grad_norm_``)."""
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
@@ -255,6 +258,7 @@ class FairscaleOSSBackend(TorchZeroBackend):
     def __init__(self, stage: int) -> None:
         super().__init__(stage)
         self.wraps_with_ddp = stage == 1
+        self.needs_global_norm = stage == 2
         self.sync_control = DDPSyncControl() if stage == 1 else ShardedDDPSyncControl()
 
     def wrap_optimizer(self, optimizer: Optimizer, group: Any) -> Optimizer:

@@ -299,6 +299,15 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
                 f"one FSDP unit. Name classes the model has; the module classes present are "
                 f"{classes_present(model)}. Or leave wrap_modules=None (the model's blocks are chosen for you)."
             )
+        clip_by_norm = trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm")
+        if clip_by_norm and self._sharding.needs_global_norm and not isinstance(self.precision_plugin, MGPUPrecision):
+            raise MisconfigurationException(
+                f"gradient_clip_val={trainer.gradient_clip_val} by norm with {type(self.precision_plugin).__name__}: "
+                f"fairscale's ShardedDataParallel leaves each rank the gradients it owns, and only MGPUPrecision "
+                f"clips them by the norm over all ranks (this plugin would clip each shard by its own norm). Use "
+                f"precision='32-true', '16-mixed' or 'bf16-mixed' (or plugins=[MGPUPrecision(...)]), "
+                f"gradient_clip_algorithm='value', or strategy='mgpu_sharded' (FSDP2)."
+            )
         if not model.automatic_optimization:
             raise MisconfigurationException(
                 f"{type(model).__name__} uses manual optimization, which MGPUShardedStrategy does not support yet "
