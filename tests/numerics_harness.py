@@ -139,7 +139,10 @@ class _Weights(Callback):
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
         flat = torch.cat([full[name].flatten() for name, _ in pl_module.named_parameters()])
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        torch.save({"weights": flat, "global_step": trainer.global_step, "metrics": metrics}, self.path)
+        ledger = getattr(trainer.strategy, "comm_stats", None)
+        calls = ledger.allreduce_calls if ledger is not None else 0
+        record = {"weights": flat, "global_step": trainer.global_step, "metrics": metrics, "allreduce_calls": calls}
+        torch.save(record, self.path)
 
 
 def fit_case(case: Case, make_strategy: Callable[[], Any]) -> Callable[[Path], None]:
