@@ -62,6 +62,7 @@ from lightning_mgpu._precision_modes import (
     check_mode,
     world_size,
 )
+from lightning_mgpu.parts.clipping import GlobalNormClipping
 from lightning_mgpu.parts.ledger import attached_trainer
 from lightning_mgpu.parts.optimizers import unwrap_optimizer
 
@@ -151,6 +152,12 @@ class MGPUPrecision(Precision):
         # (once per step), so that gradients are synced before they move into the masters or are clipped
         self._sync_gradients: Optional[Callable[[Optimizer], None]] = None
         self._fsdp_masters = False
+        self._norm_clipping: Optional[GlobalNormClipping] = None
+
+    def use_norm_clipping(self, clipping: Optional[GlobalNormClipping]) -> None:
+        """Called by a sharded strategy at set-up: clip by the norm over all ranks' gradient shares
+        (:class:`~lightning_mgpu.parts.clipping.GlobalNormClipping`); None: the local norm is the global one."""
+        self._norm_clipping = clipping
 
     def use_gradient_sync(self, sync_gradients: Optional[Callable[[Optimizer], None]]) -> None:
         """Called by the strategy at set-up: ``sync_gradients(optimizer)`` averages that optimizer's gradients
@@ -403,6 +410,13 @@ class MGPUPrecision(Precision):
         elif clip_val > 0 and self._sync_gradients is not None:
             self._sync_gradients(inner)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        if self._norm_clipping is None:
+            super().clip_grad_by_norm(optimizer, clip_val)
+            return
+        self._norm_clipping.clip(unwrap_optimizer(optimizer), float(clip_val))
 
     @override
     def optimizer_step(  # type: ignore[override]

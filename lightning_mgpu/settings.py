@@ -35,6 +35,8 @@ CommHookName = Literal["fp16", "bf16", "powersgd", "batched_powersgd"]
 Stage = Literal[1, 2, 3]
 Backend = Literal["torch", "fairscale"]
 CheckpointLayout = Literal["consolidated", "sharded"]
+LossNormalization = Literal["tokens"]
+NonFinite = Literal["error"]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("torch", "fairscale")
@@ -124,9 +126,28 @@ class CommonSettings:
     """Which blocks to checkpoint (see :func:`lightning_mgpu.apply_activation_checkpointing`)."""
     activation_checkpointing_reentrant: bool = False
     """Use torch's reentrant checkpointing instead of the non-reentrant default."""
+    loss_normalization: Optional[LossNormalization] = None
+    """``None``: Lightning's (the loss of each micro-batch as returned); ``"tokens"``: ``training_step`` returns
+    ``{"loss": <sum of per-token losses>, "num_tokens": <count>}`` and the gradient is that of the mean over every
+    token of the optimizer step, all micro-batches of all ranks (``lightning_mgpu/parts/token_loss.py``)."""
+    nonfinite: Optional[NonFinite] = None
+    """``"error"``: a NaN/Inf gradient on any rank makes every rank raise the same ``FloatingPointError`` naming
+    the rank and parameter (one small all-reduce per step); under the fp16 scaler every rank skips the step
+    instead. ``None``: no check."""
 
     def __post_init__(self) -> None:
         _check_start_method(self.start_method)
+        if self.nonfinite not in (None, "error"):
+            raise ValueError(
+                f"nonfinite={self.nonfinite!r} is unknown. Use nonfinite='error' (every rank raises the same error "
+                f"on a NaN/Inf gradient) or None (no check)."
+            )
+        if self.loss_normalization not in (None, "tokens"):
+            raise ValueError(
+                f"loss_normalization={self.loss_normalization!r} is unknown. Use loss_normalization='tokens' (the "
+                f"mean over every token of the optimizer step; training_step returns {{'loss': <sum>, "
+                f"'num_tokens': <count>}}) or None (Lightning's per-micro-batch loss)."
+            )
         if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
             raise TypeError(
                 f"process_group_backend={self.process_group_backend!r} must be a string ('gloo', 'nccl') or None."

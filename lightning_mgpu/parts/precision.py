@@ -11,6 +11,7 @@ from pytorch_lightning.plugins.precision import Precision
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_mgpu.parts.clipping import GlobalNormClipping
 from lightning_mgpu.precision import MGPUPrecision, adopt
 
 
@@ -50,6 +51,12 @@ class PrecisionAdoption:
         """Manual optimization: the plugin calls ``sync`` before it moves or clips an optimizer's gradients."""
         if isinstance(plugin, MGPUPrecision):
             plugin.use_gradient_sync(sync)
+
+    @staticmethod
+    def connect_norm_clipping(plugin: Precision, clipping: Optional[GlobalNormClipping]) -> None:
+        """Sharded gradients: norm clipping by the norm over all ranks (``None``: the local norm is global)."""
+        if isinstance(plugin, MGPUPrecision):
+            plugin.use_norm_clipping(clipping)
 
     @staticmethod
     def with_masters(plugin: Precision, module: Optional[nn.Module], state: dict[str, Any]) -> dict[str, Any]:

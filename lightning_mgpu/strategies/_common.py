@@ -25,9 +25,11 @@ from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointin
 from lightning_mgpu.parts.checkpoint_io import choose_checkpoint_io
 from lightning_mgpu.parts.failures import FailureHandling
 from lightning_mgpu.parts.ledger import Ledger, attached_trainer
+from lightning_mgpu.parts.nonfinite import NonFiniteCheck
 from lightning_mgpu.parts.precision import PrecisionAdoption
 from lightning_mgpu.parts.process_group import group_is_up
 from lightning_mgpu.parts.resume import MidEpochResume
+from lightning_mgpu.parts.token_loss import LOG_NAME, TokenNormalization
 from lightning_mgpu.settings import CommonSettings
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
 
@@ -40,6 +42,8 @@ class MGPUStrategyMixin:
     _resume: MidEpochResume
     _checkpointing: ActivationCheckpointing
     _launch: CommonSettings
+    _tokens: Optional[TokenNormalization]
+    _nonfinite: Optional[NonFiniteCheck]
 
     def _init_parts(self, settings: CommonSettings) -> None:
         self._launch = settings
@@ -49,6 +53,9 @@ class MGPUStrategyMixin:
         self._checkpointing = ActivationCheckpointing(
             settings.activation_checkpointing, settings.activation_checkpointing_reentrant
         )
+        tokens = settings.loss_normalization == "tokens"
+        self._tokens = TokenNormalization(self._ledger.stats) if tokens else None
+        self._nonfinite = NonFiniteCheck(self._ledger.stats) if settings.nonfinite == "error" else None
 
     def _group_backend(self) -> str:
         """The process-group backend asked for, or the device's default (gloo on CPU, nccl on CUDA)."""
@@ -210,6 +217,84 @@ class MGPUStrategyMixin:
 
     def _load_module_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
+
+    # --- token-normalised loss (parts/token_loss.py) ------------------------------------------------------
+    def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
+        """Manual optimization with ``loss_normalization="tokens"``: count this micro-batch's tokens (and their
+        summed loss, for the logged ``loss_per_token``) before its ``opt.step()``.
+
+        Example::
+
+            self.manual_backward(token_losses.sum())
+            self.trainer.strategy.add_tokens(mask.sum(), token_losses.sum())
+            opt.step()
+        """
+        if self._tokens is None:
+            raise RuntimeError("add_tokens needs the strategy built with loss_normalization='tokens'.")
+        self._tokens.add(num_tokens, loss_sum)
+
+    def _count_tokens(self, output: Any) -> Any:
+        """A training_step's output, its ``num_tokens`` counted (automatic optimization, tokens mode)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if self._tokens is None or module is None or not module.automatic_optimization:
+            return output
+        return self._tokens.record(output)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._count_tokens(super().training_step(*args, **kwargs))  # type: ignore[misc]
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._tokens is not None:
+            closure = self._token_closure(optimizer, closure)
+        if self._nonfinite is not None:
+            closure = self._nonfinite_closure(optimizer, closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+
+    def _token_closure(self, optimizer: Any, closure: Any) -> Any:
+        # after the step's last backward (gradients synced), before unscaling, clipping and the optimizer step
+        tokens = self._tokens
+        assert tokens is not None
+        strategy: Any = self
+        to_model = PrecisionAdoption.model_parameter(self.precision_plugin)
+
+        def rescaled() -> Any:
+            out = closure()
+            trainer = attached_trainer(strategy.lightning_module)
+            accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+            params = [to_model(p) for group in optimizer.param_groups for p in group["params"]]
+            mean = tokens.rescale(params, strategy.world_size, accumulate)
+            module = strategy.lightning_module
+            if getattr(module, "_current_fx_name", None) is not None:
+                module.log(LOG_NAME, mean, on_step=True, on_epoch=False, prog_bar=True)  # the same on every rank
+            return out
+
+        return rescaled
+
+    def _nonfinite_closure(self, optimizer: Any, closure: Any) -> Any:
+        # after the step's last backward (and the token rescale), before unscaling, clipping and the step
+        check = self._nonfinite
+        assert check is not None
+        strategy: Any = self
+        plugin = self.precision_plugin
+
+        def checked() -> Any:
+            out = closure()
+            if getattr(plugin, "uses_scaler", False):
+                return out  # fp16: the scaler's agreed inf check skips the step on every rank
+            module = strategy.lightning_module
+            to_model = PrecisionAdoption.model_parameter(plugin)
+            names = {id(p): name for name, p in module.named_parameters()}
+            named = [
+                (names.get(id(to_model(p)), f"param_groups[{g}][{i}]"), to_model(p))
+                for g, group in enumerate(optimizer.param_groups)
+                for i, p in enumerate(group["params"])
+            ]
+            trainer = attached_trainer(module)
+            step = trainer.global_step if trainer is not None else 0
+            check.check(named, strategy.global_rank, strategy.world_size, step)
+            return out
+
+        return checked
 
     # --- checkpoints and mid-epoch resume -------------------------------------------------------------
     def _refuse_main_process_save(self) -> None:

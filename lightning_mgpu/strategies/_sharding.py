@@ -32,6 +32,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mgpu._compat import copy_lr_scheduler_step_tracking, init_optimizer_state, sync_param_groups
+from lightning_mgpu.comm import CommStats
+from lightning_mgpu.parts.clipping import GlobalNormClipping
 from lightning_mgpu.parts.sync_control import (
     BackwardSyncControl,
     DDPSyncControl,
@@ -98,6 +100,9 @@ class ShardingBackend:
     """Stage 1: the model is wrapped in mgpu_ddp's ``DistributedDataParallel`` (gradients all-reduced)."""
     sync_control: BackwardSyncControl = DDPSyncControl()
     """How accumulation blocks the gradient sync of the wrapped model."""
+    needs_global_norm = False
+    """Norm clipping needs :class:`~lightning_mgpu.MGPUPrecision` (a plain plugin would clip each rank's shard by
+    its own norm; FSDP2's DTensor gradients are clipped globally by torch's own ``clip_grad_norm_``)."""
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
@@ -137,6 +142,11 @@ class ShardingBackend:
     def sync_layout(self, model: nn.Module) -> list[int]:
         """Bytes handed to each gradient collective of one synchronised backward (for the ledger)."""
         return []
+
+    def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
+        """Clipping by the global norm where each rank holds a share of the gradients; None where every rank
+        holds the whole averaged gradient (its local norm is the global one)."""
+        return None
 
     # --- consolidated state ---------------------------------------------------------------------------
     def full_model_state(self, module: nn.Module) -> dict[str, Any]:
@@ -248,6 +258,7 @@ class FairscaleOSSBackend(TorchZeroBackend):
     def __init__(self, stage: int) -> None:
         super().__init__(stage)
         self.wraps_with_ddp = stage == 1
+        self.needs_global_norm = stage == 2
         self.sync_control = DDPSyncControl() if stage == 1 else ShardedDDPSyncControl()
 
     def wrap_optimizer(self, optimizer: Optimizer, group: Any) -> Optimizer:
@@ -271,6 +282,10 @@ class FairscaleOSSBackend(TorchZeroBackend):
 
     def sync_layout(self, model: nn.Module) -> list[int]:
         return [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+
+    def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
+        # stage 2: ShardedDataParallel reduced each gradient to its owner only
+        return GlobalNormClipping(self.owned_params, group, ledger) if self.stage == 2 else None
 
     def full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
         optimizer.consolidate_state_dict(recipient_rank=0)  # type: ignore[attr-defined]
@@ -357,6 +372,9 @@ class FSDP2Backend(ShardingBackend):
             if own:
                 sizes.append(sum(p.numel() * p.element_size() for p in own))
         return sizes
+
+    def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
+        return GlobalNormClipping(optimizer_params, group, ledger)  # every gradient is a DTensor shard
 
     def full_model_state(self, module: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

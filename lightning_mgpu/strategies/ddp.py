@@ -41,7 +41,14 @@ from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.manual_sync import ManualGradientSync
 from lightning_mgpu.parts.precision import PrecisionAdoption
 from lightning_mgpu.parts.sync_control import DDPSyncControl
-from lightning_mgpu.settings import CommHookName, DDPSettings, StartMethod, split_ddp_kwargs
+from lightning_mgpu.settings import (
+    CommHookName,
+    DDPSettings,
+    LossNormalization,
+    NonFinite,
+    StartMethod,
+    split_ddp_kwargs,
+)
 from lightning_mgpu.strategies._common import MGPUStrategyMixin
 
 _OWN_KEYWORDS = (
@@ -98,6 +105,11 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             Checked against the model before any process starts.
         activation_checkpointing_reentrant: use torch's reentrant checkpointing instead of the non-reentrant
             default.
+        loss_normalization: ``"tokens"``: ``training_step`` returns ``{"loss": <sum of per-token losses>,
+            "num_tokens": <count>}`` and the gradient is that of the mean over every token of the optimizer step
+            (all micro-batches, all ranks; one scalar all-reduce per step); ``None``: Lightning's.
+        nonfinite: ``"error"``: a NaN/Inf gradient on any rank makes every rank raise the same
+            ``FloatingPointError`` naming the rank and parameter (under the fp16 scaler: every rank skips the step).
         checkpoint_io: how checkpoint files are written; default :class:`~lightning_mgpu.AtomicCheckpointIO`.
             A plugin you pass is used as it is (atomic saves are then up to it).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``);
@@ -140,6 +152,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         gradient_as_bucket_view: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        loss_normalization: Optional[LossNormalization] = None,
+        nonfinite: Optional[NonFinite] = None,
         **ddp_kwargs: Any,
     ) -> None:
         ddp_kwargs = split_ddp_kwargs(type(self).__name__, ddp_kwargs, _OWN_KEYWORDS)
@@ -155,6 +169,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             gradient_as_bucket_view=gradient_as_bucket_view,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_reentrant=activation_checkpointing_reentrant,
+            loss_normalization=loss_normalization,
+            nonfinite=nonfinite,
             ddp_kwargs=ddp_kwargs,
         )
         if static_graph and not _compat.DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4

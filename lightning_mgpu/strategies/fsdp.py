@@ -26,6 +26,8 @@ from typing_extensions import override
 
 from lightning_mgpu import _compat
 from lightning_mgpu.parts.ledger import attached_trainer
+from lightning_mgpu.parts.module_mode import follow_module_mode
+from lightning_mgpu.parts.precision import PrecisionAdoption
 from lightning_mgpu.strategies._process_group import MGPUParallelStrategy
 from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
@@ -61,6 +63,8 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
             _compat.sync_module_states(self.model)  # evaluation without a wrapper: rank 0's weights everywhere
         self.setup_precision_plugin()
         if fitting:
+            clipping = self._sharding.norm_clipping(self._process_group(), self._ledger.stats)
+            PrecisionAdoption.connect_norm_clipping(self.precision_plugin, clipping)  # shards: the global norm
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard_model(self, policy: Any) -> None:
@@ -85,8 +89,9 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        follow_module_mode(self.model, self.lightning_module)  # after validation: fairscale's SDP hooks need it
         with self.precision_plugin.train_step_context():
-            return self._redirect("training_step", *args, **kwargs)
+            return self._count_tokens(self._redirect("training_step", *args, **kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -133,6 +138,7 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None:
+            PrecisionAdoption.connect_norm_clipping(self.precision_plugin, None)
             self.model = module  # unwrap fairscale's ShardedDataParallel (FSDP2 shards the module in place)
             trainer = attached_trainer(module)
             layer_sync = _compat.strategy_layer_sync(self)

@@ -55,6 +55,8 @@ from lightning_mgpu.settings import (
     CheckpointLayout,
     CommHookName,
     CommonSettings,
+    LossNormalization,
+    NonFinite,
     ShardedSettings,
     Stage,
     StartMethod,
@@ -167,6 +169,9 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         wrap_modules: stages 2/3 torch: module classes that each become an FSDP unit (gathered one at a
             time). Default: transformer layers if the model has any, else each direct child with parameters.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (as for ``mgpu_ddp``).
+        loss_normalization: ``"tokens"``: the gradient of the mean over every token of the step (as for
+            ``mgpu_ddp``).
+        nonfinite: ``"error"``: every rank raises the same error on a NaN/Inf gradient (as for ``mgpu_ddp``).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
 
@@ -203,6 +208,8 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         log_comm_stats: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        loss_normalization: Optional[LossNormalization] = None,
+        nonfinite: Optional[NonFinite] = None,
         comm_hook: Optional[CommHookName] = None,
         comm_state: Optional[dict[str, Any]] = None,
         static_graph: bool = False,
@@ -238,6 +245,8 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
             "log_comm_stats": log_comm_stats,
             "activation_checkpointing": activation_checkpointing,
             "activation_checkpointing_reentrant": activation_checkpointing_reentrant,
+            "loss_normalization": loss_normalization,
+            "nonfinite": nonfinite,
         }
         if self._takes_ddp_keywords:
             ddp: dict[str, Any] = {
@@ -317,6 +326,15 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
                 f"wrap_modules={names} matches no module of {type(model).__name__}, so the whole model would be "
                 f"one FSDP unit. Name classes the model has; the module classes present are "
                 f"{classes_present(model)}. Or leave wrap_modules=None (the model's blocks are chosen for you)."
+            )
+        clip_by_norm = trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm")
+        if clip_by_norm and self._sharding.needs_global_norm and not isinstance(self.precision_plugin, MGPUPrecision):
+            raise MisconfigurationException(
+                f"gradient_clip_val={trainer.gradient_clip_val} by norm with {type(self.precision_plugin).__name__}: "
+                f"fairscale's ShardedDataParallel leaves each rank the gradients it owns, and only MGPUPrecision "
+                f"clips them by the norm over all ranks (this plugin would clip each shard by its own norm). Use "
+                f"precision='32-true', '16-mixed' or 'bf16-mixed' (or plugins=[MGPUPrecision(...)]), "
+                f"gradient_clip_algorithm='value', or strategy='mgpu_sharded' (FSDP2)."
             )
         if not model.automatic_optimization:
             raise MisconfigurationException(

@@ -1,0 +1,64 @@
+"""Non-finite gradients stop every rank with the same error, never one rank only (which would hang the others
+in their next collective) and never ranks disagreeing on whether a step happened.
+
+With ``nonfinite="error"`` each rank looks at the gradients it holds once the step's last backward has run (after
+the gradient sync: under DDP the average carries one rank's NaN to every rank; under ZeRO-2/3 only the owner of
+the shard sees it), writes ``1 + index`` of its first non-finite parameter into its slot of a world-size vector,
+and one all-reduce tells every rank what every rank found. If any slot is set, every rank raises the same
+:class:`FloatingPointError` naming the ranks and parameters. Under the fp16 loss scaler an overflow is expected
+and the scaler's own agreed check (``ShardedGradScaler``: ``found_inf`` all-reduced) makes every rank skip the
+same step, so the check leaves that to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mgpu.comm import CommStats
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class NonFiniteCheck:
+    """Example::
+
+    check = NonFiniteCheck()
+    check.check([(name, p) for name, p in model.named_parameters()], rank=0, world_size=1, step=0)
+    """
+
+    def __init__(self, ledger: Optional[CommStats] = None) -> None:
+        self.ledger = ledger
+
+    def check(
+        self, named: Sequence[tuple[str, Tensor]], rank: int, world_size: int, step: int, group: Any = None
+    ) -> None:
+        """Raise the same :class:`FloatingPointError` on every rank if any rank's gradients hold NaN/Inf (a
+        collective: call it on every rank)."""
+        first = 0
+        for index, (_, p) in enumerate(named):
+            if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
+                first = index + 1
+                break
+        found = torch.zeros(world_size, dtype=torch.int64)
+        found[rank] = first
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found, group=group)
+            if self.ledger is not None:
+                self.ledger.record(1, found.numel() * found.element_size())
+        bad = [(r, int(i) - 1) for r, i in enumerate(found.tolist()) if i]
+        if not bad:
+            return
+        where = "; ".join(f"rank {r}: parameter {named[i][0]!r}" for r, i in bad)
+        raise FloatingPointError(
+            f"Non-finite (NaN/Inf) gradient at optimizer step {step} ({where}; the first such parameter of each rank, "
+            f"after the gradient sync, which spreads one rank's NaN to every rank that averages it). Every rank "
+            f"stops here together. Look for a log of zero, a division by a zero count or an exploding loss in that "
+            f"step's batch; gradient_clip_val does not help against NaN. nonfinite=None turns this check off."
+        )
