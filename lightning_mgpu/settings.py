@@ -46,7 +46,7 @@ REPLACED_KWARGS = {
     "ddp_comm_hook": "comm_hook='fp16' | 'bf16' | 'powersgd' | 'batched_powersgd'",
     "ddp_comm_state": "comm_state={...} (keyword arguments of the hook's state, e.g. PowerSGDState)",
     "ddp_comm_wrapper": "comm_hook='fp16' (compression) or comm_hook='powersgd'",
-    "model_averaging_period": "Lightning's DDPStrategy (post-local SGD is not supported by mgpu_ddp)",
+    "model_averaging_period": "strategy=MGPULocalSGDStrategy(sync_every=...) (or the preset 'mgpu_local_sgd')",
 }
 
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters

@@ -6,6 +6,7 @@ ledger, exact resume mid-period, resume at another world size, and manual optimi
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,10 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
+from lightning_mgpu.settings import DDP_KEYWORDS
 from lightning_mgpu.strategies.periodic import CHECKPOINT_KEY
 from tests.helpers import WORLD, fit, flat_params, make_data, reference_weights
 from tests.models import BlockRegressor, ManualRegressor, OptRegressor, Regressor
@@ -225,3 +228,13 @@ def test_manual_optimization_is_refused_before_launch_with_the_reason(tmp_path):
 def test_other_gradient_settings_are_refused_naming_the_fix():
     with pytest.raises(TypeError, match=r"comm_hook='fp16'.*comm_dtype='fp16'"):
         MGPULocalSGDStrategy(comm_hook="fp16")
+
+
+def test_cli_default_ddp_arguments_do_not_bring_back_the_buffer_broadcast_of_every_step():
+    """LightningCLI passes DistributedDataParallel's arguments at their defaults (``broadcast_buffers=None`` on torch
+    2.13, ``True`` before)."""
+    default = inspect.signature(DistributedDataParallel.__init__).parameters["broadcast_buffers"].default
+    strategy = MGPULocalSGDStrategy(broadcast_buffers=default, comm_hook=None, static_graph=False, dim=0)
+    flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_KEYWORDS else "broadcast_buffers"
+    assert {k: v for k, v in strategy._ddp_kwargs.items() if "buffers" in k} == {flag: False}
+    assert MGPULocalSGDStrategy(**{flag: True})._ddp_kwargs[flag] is True  # the user's choice is kept

@@ -31,7 +31,14 @@ from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.parts.periodic_sync import PeriodicSync
 from lightning_mgpu.parts.process_group import group_is_up
 from lightning_mgpu.precision import MGPUPrecision
-from lightning_mgpu.settings import CommDtype, DiLoCoSettings, LocalSGDSettings, StartMethod
+from lightning_mgpu.settings import (
+    DDP_KEYWORDS,
+    CommDtype,
+    DiLoCoSettings,
+    LocalSGDSettings,
+    StartMethod,
+    is_default_ddp_kwarg,
+)
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 
 CHECKPOINT_KEY = "lightning_mgpu_periodic_sync"
@@ -114,7 +121,14 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
             ddp_kwargs.pop(name, None)
         # DDP would broadcast rank 0's buffers (BatchNorm statistics) before every forward: the sync averages them
         # instead, in the same round as the weights
-        ddp_kwargs.setdefault("broadcast_buffers", False)
+        # (torch 2.13 renamed DDP's flag forward_sync_buffers; both still sync the buffers once, when DDP is built)
+        # (LightningCLI passes DDP's arguments at their defaults: those count as not given)
+        flags = [k for k in ("broadcast_buffers", "forward_sync_buffers") if k in ddp_kwargs]
+        if all(is_default_ddp_kwarg(k, ddp_kwargs[k]) for k in flags):
+            for k in flags:
+                del ddp_kwargs[k]
+            flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_KEYWORDS else "broadcast_buffers"
+            ddp_kwargs[flag] = False
         super().__init__(**kwargs, **ddp_kwargs)
 
     # --- what users read ----------------------------------------------------------------------------------
