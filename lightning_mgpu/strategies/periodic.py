@@ -65,8 +65,18 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         warmup_steps: optimizer steps with mgpu_ddp's gradient all-reduce before the periodic averaging starts.
         comm_dtype: ``None``, ``"fp16"`` or ``"bf16"``: the dtype the weight changes since the last sync are
             averaged in (half the bytes; the weights themselves stay in their dtype).
-        process_group_backend, timeout, start_method, log_comm_stats, activation_checkpointing,
-            activation_checkpointing_reentrant, checkpoint_io, **ddp_kwargs: as :class:`MGPUDDPStrategy`.
+
+    The other arguments (``process_group_backend``, ``timeout``, ``start_method``, ``log_comm_stats``, activation
+    checkpointing, ``checkpoint_io`` and DistributedDataParallel's keywords) are those of :class:`MGPUDDPStrategy`;
+    DDP's broadcast of rank 0's buffers before every forward is off: floating-point buffers (BatchNorm statistics)
+    are averaged at each sync instead.
+
+    Example::
+
+        strategy = MGPULocalSGDStrategy(sync_every=8, warmup_steps=100)  # or strategy="mgpu_local_sgd"
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=800)
+        trainer.fit(model, datamodule)
+        print(strategy.comm_stats.ratio_to_lower_bound)  # bytes per step against mgpu_ddp's: about 1/8
     """
 
     strategy_name = "mgpu_local_sgd"
@@ -241,7 +251,7 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
         outer_lr: learning rate of the outer SGD (0.7 in the DiLoCo paper).
         outer_momentum: its momentum, in ``[0, 1)`` (0.9).
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
-        warmup_steps, comm_dtype, and the rest: as :class:`MGPULocalSGDStrategy`.
+        warmup_steps: as :class:`MGPULocalSGDStrategy`; the other arguments too.
 
     Example::
 
