@@ -59,6 +59,21 @@ class AtSyncs(Callback):
         torch.save({"weights": self.weights, "synced": self.synced}, self.out_dir / f"syncs{trainer.global_rank}.pt")
 
 
+class AnchorIsWeights(Callback):
+    """Rank 0: after each step, whether the strategy's last synced weights equal the module's weights."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.same: list[bool] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        anchor = torch.cat([a.flatten() for a in trainer.strategy.periodic_sync.anchor])
+        self.same.append(torch.equal(anchor, flat_params(pl_module)))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save(self.same, self.out_dir / f"anchor{trainer.global_rank}.pt")
+
+
 class SaveAtEnd(Callback):
     """``trainer.save_checkpoint`` at the end of fit, inside the worker (every rank calls it)."""
 
@@ -98,6 +113,23 @@ def test_sync_every_step_equals_mgpu_ddp_and_one_process_with_the_whole_batch(tm
     assert ledger.optimizer_steps == ledger.sync_rounds == 2 * STEPS_PER_EPOCH
     # a weight sync sends what a gradient all-reduce sends: the same bytes as mgpu_ddp per step at H=1
     assert ledger.allreduce_bytes == ddp[0]["ledger"].allreduce_bytes == 2 * STEPS_PER_EPOCH * PARAM_BYTES
+
+
+def test_warmup_steps_all_reduce_gradients_then_the_periodic_sync_starts_from_the_synced_weights(tmp_path):
+    """12 warm-up steps with DDP's gradient all-reduce, then local SGD at H=1: still mgpu_ddp's weights (the first
+    sync starts from the weights the warm-up left, not from the initial ones)."""
+    model = Regressor().double()
+    reference = reference_weights(model, make_data(), global_batch=WORLD * 4, epochs=2)
+    ranks = fit(model, _local_sgd(1, warmup_steps=STEPS_PER_EPOCH), tmp_path, callbacks=[AnchorIsWeights(tmp_path)])
+    torch.testing.assert_close(ranks[0]["weights"], reference)
+    # from the last warm-up step on, the last synced weights are the weights (at H=1 every step syncs)
+    same = torch.load(tmp_path / "anchor0.pt")
+    assert same == [False] * (STEPS_PER_EPOCH - 1) + [True] * (STEPS_PER_EPOCH + 1)
+    spy = ranks[0]["batch_spy"]  # torch.distributed.all_reduce calls: none in DDP's C++ reducer, one per sync
+    assert [calls for calls, _ in spy] == [0] * STEPS_PER_EPOCH + [1] * STEPS_PER_EPOCH
+    ledger = ranks[0]["ledger"]
+    assert ledger.sync_rounds == 2 * STEPS_PER_EPOCH  # 12 gradient all-reduce rounds, then 12 weight syncs
+    assert ledger.allreduce_bytes == 2 * STEPS_PER_EPOCH * PARAM_BYTES
 
 
 @pytest.mark.parametrize("make", [_local_sgd, _plain_outer], ids=["local_sgd", "diloco_outer_sgd_lr1"])
