@@ -6,6 +6,7 @@ ledger, exact resume mid-period, resume at another world size, and manual optimi
 
 from __future__ import annotations
 
+import csv
 import inspect
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,11 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
+from lightning_mgpu import DeviceMonitor, MGPUDiLoCoStrategy, MGPULocalSGDStrategy
 from lightning_mgpu.settings import DDP_KEYWORDS
 from lightning_mgpu.strategies.periodic import CHECKPOINT_KEY
 from tests.helpers import WORLD, fit, flat_params, make_data, reference_weights
@@ -250,6 +252,16 @@ def test_resume_on_another_world_size_starts_from_the_last_synced_weights(tmp_pa
     start = torch.load(tmp_path / "start0.pt")
     assert start["resumed"] == "synced"
     torch.testing.assert_close(start["weights"], synced, rtol=0, atol=0)
+
+
+def test_the_ledger_and_the_device_monitor_log_through_the_trainers_logger(tmp_path):
+    logger = CSVLogger(tmp_path, name="log", version=0)
+    fit(Regressor().double(), _diloco(4), tmp_path, logger=logger, log_every_n_steps=4, callbacks=[DeviceMonitor(4)])
+    rows = list(csv.DictReader(open(tmp_path / "log" / "version_0" / "metrics.csv")))
+    syncs = [float(r["comm/sync_rounds"]) for r in rows if r.get("comm/sync_rounds")]
+    assert syncs[-1] == 2 * STEPS_PER_EPOCH // 4
+    assert float([r for r in rows if r.get("comm/ratio_to_lower_bound")][-1]["comm/ratio_to_lower_bound"]) == 0.25
+    assert any(k.startswith("device/") and r[k] for r in rows for k in r)
 
 
 def test_manual_optimization_is_refused_before_launch_with_the_reason(tmp_path):
