@@ -21,6 +21,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities.apply_func import move_data_to_device
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
@@ -205,7 +206,8 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
             # a collective: Lightning calls save_checkpoint on every rank; rank 0 writes every rank's state
             mine = {
                 "weights": self._periodic.local_weights(),
-                "optimizer_states": [self.optimizer_state(o) for o in self.optimizers],
+                # on CPU: a CUDA tensor would be unpickled on rank 0 onto the sender's device
+                "optimizer_states": move_data_to_device([self.optimizer_state(o) for o in self.optimizers], "cpu"),
             }
             ranks: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
             torch.distributed.gather_object(mine, ranks, dst=0, group=self._ddp.process_group)
