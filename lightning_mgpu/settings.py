@@ -227,7 +227,7 @@ class LocalSGDSettings:
         if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
             raise ValueError(
                 f"comm_dtype={self.comm_dtype!r} is unknown. Use None (average in the parameters' dtype), 'fp16' or "
-                f"'bf16' (half the bytes; 'bf16' needs the 'nccl' backend)."
+                f"'bf16' (half the bytes)."
             )
 
 

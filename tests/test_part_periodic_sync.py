@@ -55,17 +55,19 @@ def _two_rank_checks(rank: int, world: int) -> None:
     assert torch.equal(gathered[0], gathered[1])  # every rank holds identical weights after a sync
     assert (stats.allreduce_calls, stats.allreduce_bytes, stats.sync_rounds) == (1, 17 * 8, 1)
 
-    # fp16 communication: half the bytes; the difference is rounded, not the weights
-    params = [p.requires_grad_() for p in _params(rank)]
-    sync = PeriodicSync(LocalSGDSettings(sync_every=1, comm_dtype="fp16"))
-    sync.setup(params, group=None, world_size=world)
-    stats = CommStats()
-    with torch.no_grad():
-        _move(params, rank, 0)
-    sync.after_optimizer_step(stats)
-    assert stats.allreduce_bytes == 17 * 2 and params[0].dtype == torch.float64
-    for i, (p, s) in enumerate(zip(params, _params(rank))):
-        torch.testing.assert_close(p.detach(), s + 0.1 * 1.5 * (i + 1), atol=1e-3, rtol=0)
+    # fp16 / bf16 communication (gloo runs both): a quarter of float64's bytes; the difference is rounded, not the
+    # weights
+    for comm_dtype, atol in (("fp16", 1e-3), ("bf16", 1e-2)):
+        params = [p.requires_grad_() for p in _params(rank)]
+        sync = PeriodicSync(LocalSGDSettings(sync_every=1, comm_dtype=comm_dtype))  # type: ignore[arg-type]
+        sync.setup(params, group=None, world_size=world)
+        stats = CommStats()
+        with torch.no_grad():
+            _move(params, rank, 0)
+        sync.after_optimizer_step(stats)
+        assert stats.allreduce_bytes == 17 * 2 and params[0].dtype == torch.float64
+        for i, (p, s) in enumerate(zip(params, _params(rank))):
+            torch.testing.assert_close(p.detach(), s + 0.1 * 1.5 * (i + 1), atol=atol, rtol=0)
 
     # DiLoCo: the outer Nesterov SGD steps the anchor along the averaged difference, twice (momentum carried)
     params = [p.requires_grad_() for p in _params(rank)]
