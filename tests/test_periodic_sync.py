@@ -19,7 +19,7 @@ from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu import DeviceMonitor, MGPUDiLoCoStrategy, MGPULocalSGDStrategy
+from lightning_mgpu import DeviceMonitor, MGPUDiLoCoStrategy, MGPULocalSGDStrategy, MGPUPrecision
 from lightning_mgpu.settings import DDP_KEYWORDS
 from lightning_mgpu.strategies.periodic import CHECKPOINT_KEY
 from tests.helpers import WORLD, fit, flat_params, make_data, reference_weights
@@ -267,6 +267,11 @@ def test_the_ledger_and_the_device_monitor_log_through_the_trainers_logger(tmp_p
 def test_manual_optimization_is_refused_before_launch_with_the_reason(tmp_path):
     with pytest.raises(MisconfigurationException, match=r"needs automatic optimization.*mgpu_ddp"):
         fit(ManualRegressor().double(), _local_sgd(2), tmp_path)
+
+
+def test_fp32_master_precision_is_refused_before_launch_with_the_reason(tmp_path):
+    with pytest.raises(MisconfigurationException, match=r"FP32 master weights.*bf16-mixed"):
+        fit(Regressor(), _diloco(2), tmp_path, plugins=[MGPUPrecision("bf16-master")])
 
 
 def test_other_gradient_settings_are_refused_naming_the_fix():
