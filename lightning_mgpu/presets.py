@@ -13,6 +13,7 @@ from pytorch_lightning.accelerators import AcceleratorRegistry
 from pytorch_lightning.strategies import StrategyRegistry
 
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
+from lightning_mgpu.strategies.periodic import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
 from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
 _LAUNCH = {
@@ -58,6 +59,31 @@ PRESETS: tuple[Preset, ...] = (
         MGPUDDPStrategy,
         "mgpu_ddp with PowerSGD rank-1 gradient compression",
         {"start_method": "popen", "comm_hook": "powersgd"},
+    ),
+    Preset(
+        "mgpu_local_sgd",
+        MGPULocalSGDStrategy,
+        "local SGD: weights averaged every 8 optimizer steps, no gradient all-reduce (1/8 of the bytes)",
+        {"start_method": "popen"},
+    ),
+    Preset(
+        "mgpu_local_sgd_spawn", MGPULocalSGDStrategy, "mgpu_local_sgd launched with spawn", {"start_method": "spawn"}
+    ),
+    Preset(
+        "mgpu_local_sgd_notebook",
+        MGPULocalSGDStrategy,
+        "mgpu_local_sgd for Jupyter (fork launch)",
+        {"start_method": "fork"},
+    ),
+    Preset(
+        "mgpu_diloco",
+        MGPUDiLoCoStrategy,
+        "DiLoCo: 32 inner steps, then an outer Nesterov step on the averaged weight change (1/32 of the bytes)",
+        {"start_method": "popen"},
+    ),
+    Preset("mgpu_diloco_spawn", MGPUDiLoCoStrategy, "mgpu_diloco launched with spawn", {"start_method": "spawn"}),
+    Preset(
+        "mgpu_diloco_notebook", MGPUDiLoCoStrategy, "mgpu_diloco for Jupyter (fork launch)", {"start_method": "fork"}
     ),
     Preset(
         "mgpu_sharded",

@@ -48,7 +48,7 @@ REPLACED_KWARGS = {
     "ddp_comm_hook": "comm_hook='fp16' | 'bf16' | 'powersgd' | 'batched_powersgd'",
     "ddp_comm_state": "comm_state={...} (keyword arguments of the hook's state, e.g. PowerSGDState)",
     "ddp_comm_wrapper": "comm_hook='fp16' (compression) or comm_hook='powersgd'",
-    "model_averaging_period": "Lightning's DDPStrategy (post-local SGD is not supported by mgpu_ddp)",
+    "model_averaging_period": "strategy=MGPULocalSGDStrategy(sync_every=...) (or the preset 'mgpu_local_sgd')",
 }
 
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -219,6 +219,66 @@ class DDPSettings(CommonSettings):
         """Plain all-reduce with bucket views runs DDP's built-in C++ path (no Python in the reduction); the
         ledger then counts from the bucket storages after each synchronised backward instead of in a hook."""
         return self.comm_hook is None and self.gradient_as_bucket_view
+
+
+CommDtype = Literal["fp16", "bf16"]
+COMM_DTYPES = ("fp16", "bf16")
+
+
+def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}: {hint}")
+
+
+@dataclass(frozen=True)
+class LocalSGDSettings:
+    """What :class:`~lightning_mgpu.MGPULocalSGDStrategy` adds to DDP: how often the ranks average their weights."""
+
+    sync_every: int = 8
+    """H: optimizer steps between two weight averages (accumulated micro-batches count as one step)."""
+    warmup_steps: int = 0
+    """Optimizer steps with DDP's gradient all-reduce on every step before the periodic averaging starts."""
+    comm_dtype: Optional[CommDtype] = None
+    """``None`` (the parameters' dtype), ``"fp16"`` or ``"bf16"``: the dtype the weight differences are averaged in
+    (half the bytes)."""
+
+    def __post_init__(self) -> None:
+        _check_int("sync_every", self.sync_every, 1, "the number of optimizer steps between syncs (1 = every step).")
+        _check_int("warmup_steps", self.warmup_steps, 0, "0 starts the periodic averaging at the first step.")
+        if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
+            raise ValueError(
+                f"comm_dtype={self.comm_dtype!r} is unknown. Use None (average in the parameters' dtype), 'fp16' or "
+                f"'bf16' (half the bytes)."
+            )
+
+
+@dataclass(frozen=True)
+class DiLoCoSettings(LocalSGDSettings):
+    """What :class:`~lightning_mgpu.MGPUDiLoCoStrategy` adds: the outer optimizer (SGD, Nesterov by default) that
+    steps the last synced weights along the averaged difference every ``sync_every`` inner steps."""
+
+    sync_every: int = 32
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD (the DiLoCo paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD, in ``[0, 1)``."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer SGD (needs ``outer_momentum > 0``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        lr = self.outer_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr != lr or lr == float("inf"):
+            raise ValueError(f"outer_lr={lr!r} must be a finite number > 0 (the DiLoCo paper uses 0.7).")
+        m = self.outer_momentum
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
+            raise ValueError(f"outer_momentum={m!r} must be a number in [0, 1) (the DiLoCo paper uses 0.9).")
+        _check_bool("nesterov", self.nesterov)
+        if self.nesterov and m == 0:
+            raise ValueError(
+                "nesterov=True needs outer_momentum > 0 (Nesterov momentum without momentum is undefined in torch's "
+                "SGD). Pass nesterov=False with outer_momentum=0, or an outer_momentum such as 0.9."
+            )
 
 
 def split_ddp_kwargs(owner: str, kwargs: Mapping[str, Any], own: Iterable[str]) -> dict[str, Any]:

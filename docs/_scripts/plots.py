@@ -104,6 +104,25 @@ def plot_lr(r: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def plot_local_sgd(r: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    runs = r["runs"]
+    for family, marker in (("mgpu_ddp", "s"), ("local SGD", "o"), ("DiLoCo", "^")):
+        names = [n for n in runs if n.startswith(family)]
+        xs, ys = [runs[n]["total_mib"] for n in names], [runs[n]["train_loss"] for n in names]
+        ax.plot(xs, ys, marker=marker, label=family)
+        for n, x, y in zip(names, xs, ys):
+            ax.annotate(" " + n.rpartition(" ")[2] if "H=" in n else "", (x, y), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("MiB sent per rank (whole run)")
+    ax.set_ylabel("training loss after the run (log)")
+    ax.set_title(f"loss against bytes sent, {r['tokens']} tokens per run (2 CPU ranks)", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 PLOTS = {
     "bench_ddp": plot_ddp,
     "bench_manual_accum": plot_manual,
@@ -111,6 +130,7 @@ PLOTS = {
     "bench_checkpointing": plot_checkpointing,
     "bench_precision": plot_precision,
     "bench_lr_recipes": plot_lr,
+    "bench_local_sgd": plot_local_sgd,
 }
 
 

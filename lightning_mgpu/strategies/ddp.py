@@ -298,8 +298,12 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        if self._settings.count_from_buckets and self._ddp.require_backward_grad_sync:
+        if self._settings.count_from_buckets and self._backward_synced():
             self._ledger.record_buckets(self._ddp)
+
+    def _backward_synced(self) -> bool:
+        """Whether the backward that just ran all-reduced the gradients (the periodic-sync family overrides it)."""
+        return self._ddp.require_backward_grad_sync
 
     @override
     def optimizer_step(
@@ -315,8 +319,12 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             closure = self._manual.wrap_closure(optimizer, closure, self._ddp.process_group, self._ledger.stats)
         with self._manual.stepping():
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._after_optimizer_step()
         self._ledger.optimizer_stepped(self.lightning_module, self.is_global_zero)
         return output
+
+    def _after_optimizer_step(self) -> None:
+        """After each optimizer step, before the ledger counts it (the periodic-sync family syncs weights here)."""
 
     def _sync_manual_gradients(self, optimizer: Optimizer) -> None:
         """Manual optimization: average ``optimizer``'s gradients across ranks, once per step; handed to the

@@ -1,0 +1,235 @@
+"""Periodic weight synchronisation: local SGD (average the weights every H optimizer steps) and DiLoCo (an outer
+SGD step on the averaged weight difference every H inner steps), with the state a checkpoint needs.
+
+Both are one algorithm here, as in torchft's ``DiLoCo``: every rank keeps the last synced weights (the *anchor*);
+at a sync each rank sends ``anchor - local weights`` (the pseudo-gradient), the average comes back, and
+
+* local SGD sets ``anchor -= average`` (exactly the mean of the ranks' weights), which is torch's
+  ``PeriodicModelAverager`` / ``PostLocalSGDOptimizer``;
+* DiLoCo hands the average to an outer ``torch.optim.SGD`` (Nesterov by default) as the anchor's gradient.
+
+Every rank then copies the anchor into its parameters, so all ranks hold identical weights after a sync.
+
+Why not torch's ``average_parameters``: it averages the weights themselves (so fp16/bf16 communication would round
+the weights, not their change since the last sync), replaces each ``param.data`` with a view into its flat buffer,
+and keeps no last synced weights, which a resume at another world size needs.
+
+Example::
+
+    sync = PeriodicSync(LocalSGDSettings(sync_every=4))
+    sync.setup(list(model.parameters()), group=None, world_size=2)   # ranks hold identical weights here
+    for batch in data:
+        ...; optimizer.step()
+        sync.after_optimizer_step(stats)   # averages every 4th call, counted in ``stats`` (a CommStats)
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mgpu.comm import CommStats
+from lightning_mgpu.settings import DiLoCoSettings, LocalSGDSettings
+
+_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+BUCKET_BYTES = 25 * 1024 * 1024
+"""Largest flat buffer one all-reduce of a sync carries (DDP's default bucket size)."""
+
+
+class PeriodicSync:
+    """Local SGD (``LocalSGDSettings``) or DiLoCo (``DiLoCoSettings``): when to sync, the sync, and its state."""
+
+    def __init__(self, settings: LocalSGDSettings) -> None:
+        self.settings = settings
+        self.params: list[Tensor] = []
+        self.buffers: list[Tensor] = []
+        self.anchor: list[Tensor] = []
+        self.outer: Optional[torch.optim.Optimizer] = None
+        self.group: Any = None
+        self.world_size = 1
+        self.steps = 0
+        """Optimizer steps taken (warm-up included)."""
+        self.since_sync = 0
+        """Optimizer steps since the last sync (or since the end of the warm-up)."""
+        self.syncs = 0
+        self.resumed: Optional[str] = None
+        """After a restore: ``"exact"`` (same world size: every rank's own weights and inner optimizer state) or
+        ``"synced"`` (another world size: every rank starts from the last synced weights)."""
+
+    # --- set-up -------------------------------------------------------------------------------------------
+    def setup(self, params: Iterable[Tensor], group: Any, world_size: int, buffers: Iterable[Tensor] = ()) -> None:
+        """The parameters to sync (every rank must hold the same values here: DDP broadcast them), and the buffers
+        to average at each sync (floating-point ones: BatchNorm statistics; in their own dtype)."""
+        self.params = [p for p in params if p.requires_grad]
+        self.buffers = [b for b in buffers if b.is_floating_point()]
+        self.group = group
+        self.world_size = world_size
+        with torch.no_grad():
+            self.anchor = [p.detach().clone() for p in self.params]
+        s = self.settings
+        if isinstance(s, DiLoCoSettings):
+            self.outer = torch.optim.SGD(
+                self.anchor, lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov and s.outer_momentum > 0
+            )
+
+    @property
+    def is_set_up(self) -> bool:
+        return bool(self.params)
+
+    @property
+    def in_warmup(self) -> bool:
+        """Whether the current step is a warm-up step (gradients all-reduced by DDP, no periodic sync)."""
+        return self.steps < self.settings.warmup_steps
+
+    # --- the steps ----------------------------------------------------------------------------------------
+    def after_optimizer_step(self, stats: CommStats) -> bool:
+        """Count one optimizer step; sync when it completes a period. Returns whether it synced."""
+        was_warmup = self.in_warmup
+        self.steps += 1
+        if was_warmup:
+            if not self.in_warmup:  # the last warm-up step: the weights all ranks hold are the new anchor
+                self._set_anchor_from_params()
+            return False
+        self.since_sync += 1
+        if self.since_sync < self.settings.sync_every:
+            return False
+        self.sync(stats)
+        return True
+
+    @torch.no_grad()
+    def sync(self, stats: CommStats) -> None:
+        """Average ``anchor - weights`` across ranks, step the anchor (mean, or the outer optimizer) and copy it into
+        every rank's parameters. One all-reduce per bucket of at most :data:`BUCKET_BYTES`, counted in ``stats``."""
+        deltas = [a - p.detach() for a, p in zip(self.anchor, self.params)]
+        comm_dtype = _COMM_DTYPES.get(self.settings.comm_dtype) if self.settings.comm_dtype else None
+        calls, nbytes = self._average(deltas, comm_dtype)
+        buffer_calls, buffer_bytes = self._average(self.buffers, None)
+        stats.record(calls + buffer_calls, nbytes + buffer_bytes)
+        stats.sync_rounds += 1
+        if self.outer is None:
+            for a, d in zip(self.anchor, deltas):
+                a.sub_(d)
+        else:
+            for a, d in zip(self.anchor, deltas):
+                a.grad = d
+            self.outer.step()
+            for a in self.anchor:
+                a.grad = None
+        for p, a in zip(self.params, self.anchor):
+            p.copy_(a)
+        self.since_sync = 0
+        self.syncs += 1
+
+    def _average(self, tensors: list[Tensor], comm_dtype: Optional[torch.dtype]) -> tuple[int, int]:
+        """Average ``tensors`` in place across the group (in ``comm_dtype`` if set); returns (calls, payload bytes)."""
+        calls = nbytes = 0
+        for bucket in _buckets(tensors, comm_dtype):
+            dtype = comm_dtype or bucket[0].dtype
+            flat = torch.cat([t.reshape(-1).to(dtype) for t in bucket])
+            flat.div_(self.world_size)  # before the sum, as torch's hooks do (no fp16 overflow)
+            if self.world_size > 1:
+                dist.all_reduce(flat, group=self.group)
+                calls += 1
+                nbytes += flat.numel() * flat.element_size()
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return calls, nbytes
+
+    @torch.no_grad()
+    def _set_anchor_from_params(self) -> None:
+        for a, p in zip(self.anchor, self.params):
+            a.copy_(p)
+        self.since_sync = 0
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What every rank shares: the last synced weights, the outer optimizer's state and the counters."""
+        synced = self.params if self.in_warmup else self.anchor  # in the warm-up DDP keeps the ranks identical
+        return {
+            "kind": "diloco" if self.outer is not None else "local_sgd",
+            "world_size": self.world_size,
+            "steps": self.steps,
+            "since_sync": self.since_sync,
+            "syncs": self.syncs,
+            "synced_weights": [t.detach().cpu().clone() for t in synced],
+            "outer_optimizer": copy.deepcopy(self.outer.state_dict()) if self.outer is not None else None,
+        }
+
+    def local_weights(self) -> list[Tensor]:
+        """This rank's own weights and averaged buffers (they differ between ranks inside a period)."""
+        return [t.detach().cpu().clone() for t in [*self.params, *self.buffers]]
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any], local_weights: Optional[list[Tensor]]) -> str:
+        """Restore from :meth:`state_dict` and, at the world size it was saved at, this rank's own weights.
+
+        Returns ``"exact"`` when ``local_weights`` are given and the world size matches (the run continues as if
+        never stopped), else ``"synced"``: every rank starts from the last synced weights and a new period, with a
+        warning saying so."""
+        kind = "diloco" if self.outer is not None else "local_sgd"
+        if state.get("kind") != kind:
+            raise ValueError(
+                f"This checkpoint was written by the {state.get('kind')!r} strategy, not {kind!r}: its periodic-sync "
+                f"state does not apply. Resume it with the strategy that wrote it."
+            )
+        synced = state["synced_weights"]
+        if len(synced) != len(self.anchor):
+            raise ValueError(
+                f"The checkpoint holds {len(synced)} synced weight tensors, the model has {len(self.anchor)} "
+                f"trainable parameters: it belongs to another model."
+            )
+        for a, s in zip(self.anchor, synced):
+            a.copy_(s)
+        if self.outer is not None and state.get("outer_optimizer") is not None:
+            self.outer.load_state_dict(state["outer_optimizer"])
+        self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        same = int(state["world_size"]) == self.world_size and local_weights is not None
+        if same:
+            assert local_weights is not None
+            for t, w in zip([*self.params, *self.buffers], local_weights, strict=True):
+                t.copy_(w)
+            self.since_sync = int(state["since_sync"])
+            self.resumed = "exact"
+            return self.resumed
+        for p, a in zip(self.params, self.anchor):
+            p.copy_(a)
+        self.since_sync = 0
+        self.resumed = "synced"
+        why = (
+            f"written by {state['world_size']} ranks, resumed on {self.world_size}: each rank's own weights and inner "
+            f"optimizer state cannot be shared out to another number of ranks"
+            if int(state["world_size"]) != self.world_size
+            else "without each rank's own weights and inner optimizer states"
+        )
+        warnings.warn(
+            f"Resuming a {kind} checkpoint {why}, so every rank resumes from the last synced weights with rank 0's "
+            f"inner optimizer state, and a new period starts "
+            f"({state['since_sync']} unsynced steps of the saved period are dropped). Resume on "
+            f"{state['world_size']} ranks, from a checkpoint this strategy wrote, to continue exactly.",
+            stacklevel=2,
+        )
+        return self.resumed
+
+
+def _buckets(tensors: list[Tensor], comm_dtype: Optional[torch.dtype]) -> list[list[Tensor]]:
+    """``tensors`` grouped by dtype, in order, each group cut into buckets of at most :data:`BUCKET_BYTES` (a tensor
+    larger than that is a bucket of its own)."""
+    buckets: dict[torch.dtype, list[list[Tensor]]] = {}
+    filled: dict[torch.dtype, int] = {}
+    for t in tensors:
+        size = t.numel() * torch.empty((), dtype=comm_dtype or t.dtype).element_size()
+        groups = buckets.setdefault(t.dtype, [[]])
+        if groups[-1] and filled.get(t.dtype, 0) + size > BUCKET_BYTES:
+            groups.append([])
+            filled[t.dtype] = 0
+        groups[-1].append(t)
+        filled[t.dtype] = filled.get(t.dtype, 0) + size
+    return [b for groups in buckets.values() for b in groups]
