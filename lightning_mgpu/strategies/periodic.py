@@ -72,12 +72,19 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
     DDP's broadcast of rank 0's buffers before every forward is off: floating-point buffers (BatchNorm statistics)
     are averaged at each sync instead.
 
-    Example::
+    Example (``trainer.fit(model, datamodule)`` then starts the ranks; after it,
+    ``strategy.comm_stats.ratio_to_lower_bound`` is about 1/8: the bytes per step against mgpu_ddp's):
 
-        strategy = MGPULocalSGDStrategy(sync_every=8, warmup_steps=100)  # or strategy="mgpu_local_sgd"
-        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=800)
-        trainer.fit(model, datamodule)
-        print(strategy.comm_stats.ratio_to_lower_bound)  # bytes per step against mgpu_ddp's: about 1/8
+        >>> from pytorch_lightning import Trainer
+        >>> from lightning_mgpu import MGPULocalSGDStrategy
+        >>> strategy = MGPULocalSGDStrategy(sync_every=8, warmup_steps=100)  # or strategy="mgpu_local_sgd"
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=800, logger=False)
+        >>> trainer.strategy is strategy, trainer.world_size
+        (True, 2)
+        >>> MGPULocalSGDStrategy(sync_every=0)  # refused before anything starts
+        Traceback (most recent call last):
+        ...
+        ValueError: sync_every=0 must be an int >= 1: the number of optimizer steps between syncs (1 = every step).
     """
 
     strategy_name = "mgpu_local_sgd"
@@ -255,10 +262,18 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
         warmup_steps: as :class:`MGPULocalSGDStrategy`; the other arguments too.
 
-    Example::
+    Example (on 8 GPUs: ``Trainer(accelerator="gpu", devices=8, strategy=strategy)``):
 
-        strategy = MGPUDiLoCoStrategy(sync_every=64, outer_lr=0.7, comm_dtype="bf16")
-        trainer = Trainer(accelerator="gpu", devices=8, strategy=strategy)
+        >>> from pytorch_lightning import Trainer
+        >>> from lightning_mgpu import MGPUDiLoCoStrategy
+        >>> strategy = MGPUDiLoCoStrategy(sync_every=64, outer_lr=0.7, comm_dtype="bf16")
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        >>> type(trainer.strategy).__name__
+        'MGPUDiLoCoStrategy'
+        >>> MGPUDiLoCoStrategy(outer_momentum=1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: outer_momentum=1.0 must be a number in [0, 1) (the DiLoCo paper uses 0.9).
     """
 
     strategy_name = "mgpu_diloco"
