@@ -55,6 +55,7 @@ from lightning_mgpu.settings import (
     CheckpointLayout,
     CommHookName,
     CommonSettings,
+    MicroBatchSetting,
     ShardedSettings,
     Stage,
     StartMethod,
@@ -150,6 +151,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         wrap_modules: stages 2/3 torch: module classes that each become an FSDP unit (gathered one at a
             time). Default: transformer layers if the model has any, else each direct child with parameters.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (as for ``mgpu_ddp``).
+        micro_batch_size: stage 1 only: as for :class:`~lightning_mgpu.MGPUDDPStrategy`.
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
     """
@@ -180,8 +182,16 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
+        micro_batch_size: Optional[MicroBatchSetting] = None,
         **ddp_kwargs: Any,
     ) -> None:
+        if micro_batch_size is not None and stage != 1:
+            raise ValueError(
+                f"micro_batch_size={micro_batch_size!r} is supported at stage 1 (strategy='mgpu_zero1') and by "
+                f"mgpu_ddp, not yet at stage={stage!r}: FSDP2 reduce-scatters gradients only inside a backward, so "
+                f"an out-of-memory error there on one rank could not be redone by all. Use stage=1, or leave "
+                f"micro_batch_size=None and lower the loader's batch size."
+            )
         sharded = ShardedSettings(
             stage=stage,
             backend=backend,
@@ -211,6 +221,8 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
             "activation_checkpointing": activation_checkpointing,
             "activation_checkpointing_reentrant": activation_checkpointing_reentrant,
         }
+        if micro_batch_size is not None:  # stage 1 (above): MGPUDDPStrategy takes it
+            settings["micro_batch_size"] = micro_batch_size
         if self._takes_ddp_keywords:
             ddp: dict[str, Any] = {
                 **ddp_only,
