@@ -39,7 +39,7 @@ from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets
 from lightning_mgpu.sampler import ResumableDistributedSampler
 from lightning_mgpu.schedules import total_steps, warmup_schedule
-from lightning_mgpu.strategies import MGPUDDPStrategy, MGPUShardedStrategy, ShardMemory
+from lightning_mgpu.strategies import MGPUAutoStrategy, MGPUDDPStrategy, MGPUShardedStrategy, ShardMemory
 
 __version__ = "0.1.0.dev0"
 
@@ -51,6 +51,7 @@ __all__ = [
     "DeviceMonitor",
     "EveryNth",
     "IncompleteCheckpointError",
+    "MGPUAutoStrategy",
     "MGPUDDPStrategy",
     "MGPUPrecision",
     "MGPUShardedStrategy",
