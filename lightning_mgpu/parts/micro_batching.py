@@ -43,8 +43,8 @@ class MicroBatchTooSmall(RuntimeError):
 
 @dataclass(frozen=True)
 class BackOff:
-    """One back-off: at which optimizer-loop step, from which micro-batch size to which, and the ranks that ran
-    out of memory."""
+    """One back-off: at which loader batch (counted from the first one this part ran), from which micro-batch size
+    to which, and the ranks that ran out of memory."""
 
     step: int
     from_size: int
