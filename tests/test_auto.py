@@ -15,6 +15,7 @@ from torch import nn
 from lightning_mgpu import PRESETS, MGPUAutoStrategy, plan
 from lightning_mgpu.planning import PlanError
 from tests.helpers import WORLD, Regressor, fit, make_data, reference_weights
+from tests.models import ManualRegressor
 
 B = 48  # rows per rank: the global batch is the whole dataset (96 rows), one step per epoch
 EPOCHS = 2
@@ -50,11 +51,12 @@ class Chosen(Callback):
             "decision": (d.strategy, d.activation_checkpointing),
             "reason": d.reason,
         }
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.save(record, self.out_dir / f"chosen{trainer.global_rank}.pt")
 
 
-def _rows() -> dict[tuple[str, bool], int]:
-    batch = tuple(t[:B] for t in make_data().tensors)
+def _rows(rows: int = B) -> dict[tuple[str, bool], int]:
+    batch = tuple(t[:rows] for t in make_data().tensors)
     p = plan(Deep().double(), devices=WORLD, device_memory="1TiB", batch=batch, precisions=("32-true",))
     return {(r.strategy, r.activation_checkpointing): r.predicted_peak_bytes_per_rank for r in p.rows}
 
@@ -125,3 +127,43 @@ def test_mgpu_auto_presets_and_bad_arguments():
         MGPUAutoStrategy(strategies=("mgpu_fast",))
     with pytest.raises(ValueError, match="micro_batch_size=4 works with mgpu_ddp and mgpu_zero1 only"):
         MGPUAutoStrategy(strategies=("mgpu_zero3",), micro_batch_size=4)
+
+
+@pytest.mark.slow
+def test_mgpu_auto_gives_manual_optimization_mgpu_ddp_without_a_plan(tmp_path):
+    strategy = MGPUAutoStrategy(start_method="fork", device_memory="64KiB")  # would fit nothing if it planned
+    fit(ManualRegressor().double(), strategy, tmp_path, max_epochs=1, callbacks=[Chosen(tmp_path)])
+    for r in range(WORLD):
+        record = torch.load(tmp_path / f"chosen{r}.pt", weights_only=False)
+        assert (record["class"], record["decision"]) == ("MGPUDDPStrategy", ("mgpu_ddp", False))
+        assert "manual optimization" in record["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tight", [False, True], ids=["ddp", "zero1"])
+def test_mgpu_auto_resumes_from_its_checkpoint_as_the_uninterrupted_run(tmp_path, tight):
+    """The checkpoint is restored after set-up (where mgpu_auto has chosen): resuming at epoch 1 of 2 ends with
+    the weights of the run that was never stopped."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    peaks = _rows(B // 2)
+    memory = _between(peaks["mgpu_zero1", False], peaks["mgpu_ddp", False]) if tight else 2**40
+
+    def run(out: Path, epochs: int, ckpt: Any = None, save: bool = False) -> list[dict[str, Any]]:
+        callbacks: list[Callback] = [Chosen(out)]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0))
+        strategy = MGPUAutoStrategy(start_method="fork", headroom=0.0, device_memory=memory)
+        return fit(
+            Deep().double(), strategy, out, batch_size=B // 2, max_epochs=epochs, callbacks=callbacks,
+            ckpt_path=ckpt, enable_checkpointing=save,
+        )  # fmt: skip
+
+    whole = run(tmp_path / "whole", EPOCHS)
+    run(tmp_path / "first", 1, save=True)
+    resumed = run(tmp_path / "resumed", EPOCHS, ckpt=tmp_path / "ckpt" / "last.ckpt")
+    chosen = torch.load(tmp_path / "resumed" / "chosen0.pt", weights_only=False)
+    assert chosen["decision"] == ("mgpu_zero1" if tight else "mgpu_ddp", False)
+    assert resumed[0]["global_step"] == whole[0]["global_step"] == EPOCHS * 2
+    assert (len(resumed[0]["batch_spy"]), len(whole[0]["batch_spy"])) == (2, 4)  # it did start at epoch 1
+    torch.testing.assert_close(resumed[0]["weights"], whole[0]["weights"])

@@ -160,13 +160,6 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         }
         self._micro = None  # this object micro-batches nothing itself: the chosen strategy does
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Lightning asks before setup, where this object is still undecided: restore after it, which every
-        # candidate supports (the sharded ones need it)
-        return True
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
@@ -233,6 +226,9 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             "precision_plugin": _compat.strategy_precision_plugin(self),
         }
         launcher, layer_sync = self.launcher, _compat.strategy_layer_sync(self)
+        # ``fit(ckpt_path=...)``: Lightning restored the module (and what mid-epoch resume needs) before set-up,
+        # as for mgpu_ddp; a sharded choice restores again after its own set-up (restore_checkpoint_after_setup)
+        resume = self._resume
         num_nodes, module = self.num_nodes, self.lightning_module
         auto = self._auto
         kwargs: dict[str, Any] = {**kept, **auto["common"]}
@@ -252,6 +248,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         _compat.set_strategy_launcher(self, launcher)
         _compat.set_strategy_layer_sync(self, layer_sync)
         self.num_nodes = num_nodes
+        self._resume = resume
         self.set_world_ranks()
         assert module is not None
         self.connect(module)
