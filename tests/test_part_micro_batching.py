@@ -108,6 +108,21 @@ def test_the_gradients_survive_lightnings_zero_grad_between_step_and_backward():
     torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), expected)
 
 
+def test_gradients_not_kept_are_dropped_at_the_start_of_the_step():
+    model, batch = _model(), _batch(10)
+    expected = _whole_batch_grad(model, batch)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # the previous optimizer step's, which Lightning would zero
+    params = list(model.parameters())
+    out = MicroBatching(3).run(
+        batch, forward=lambda m: F.mse_loss(model(m[0]), m[1]), backward=lambda loss: loss.backward(),
+        params=params, keep_gradients=False,
+    )  # fmt: skip
+    assert all(p.grad is None for p in params)
+    out.backward()
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in params]), expected)
+
+
 def test_a_redo_keeps_the_gradients_accumulated_before_the_step():
     model, first, second = _model(), _batch(6), _batch(8)
     expected = _whole_batch_grad(model, first) + _whole_batch_grad(model, second)

@@ -109,9 +109,10 @@ class _SetAside:
     aside when the step is done (the earlier gradients go back in place for Lightning's ``zero_grad``), and
     added in when Lightning runs backward on the returned loss. A redo only drops the step's own: no copy."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], keep: bool) -> None:
         self.params = list(params)
-        self.before = [p.grad for p in self.params]
+        # not kept: they were about to be zeroed anyway, and the step never holds two sets of gradients
+        self.before = [p.grad if keep else None for p in self.params]
         self.own: list[Optional[torch.Tensor]] = []
         self.drop()
 
@@ -233,13 +234,15 @@ class MicroBatching:
         agree: Callable[[bool, int], tuple[tuple[int, ...], int]] = no_agreement,
         params: Sequence[torch.Tensor] = (),
         after_backward: Callable[[], None] = lambda: None,
+        keep_gradients: bool = True,
     ) -> Any:
         """Forward and backward every micro-batch of ``batch`` (each under ``no_sync()``), retrying on
         out-of-memory errors; returns the last micro-batch's output with its loss replaced by the whole batch's:
         a leaf tensor whose backward adds the step's gradients into ``params``' ``.grad`` and then calls
-        ``after_backward``."""
+        ``after_backward``. ``keep_gradients=False``: the gradients already there are dropped at the start (the
+        first batch of an accumulation window, where Lightning zeroes them anyway)."""
         rows = batch_rows(batch)
-        grads = _SetAside(params)
+        grads = _SetAside(params, keep_gradients)
         while True:
             size = self._size_for(rows)
             bounds = [(s, min(s + size, rows)) for s in range(0, rows, size)]

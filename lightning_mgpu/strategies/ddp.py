@@ -298,6 +298,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
                     params, group=model.process_group, compress=compress, ledger=stats, bucket_cap_mb=bucket_cap_mb
                 )
 
+        window_starts = bool(args) and isinstance(args[0], int) and args[0] % trainer.accumulate_grad_batches == 0
         return self._micro.run(
             batch,
             forward=lambda micro: step(micro, *args, **kwargs),
@@ -306,6 +307,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             agree=agree_across_ranks(model.process_group, self.global_rank, self.world_size, self.root_device),
             params=params,
             after_backward=sync,
+            keep_gradients=not window_starts,  # Lightning zeroes them after this training_step
         )
 
     @property
