@@ -3,6 +3,7 @@
     python benchmarks/bench_planner.py                    # both tables (markdown), a few minutes on 2 CPU cores
     python benchmarks/bench_planner.py --plot planner.png # + predicted vs measured per component (matplotlib)
     python benchmarks/bench_planner.py --skip-big         # only the measured table
+    python benchmarks/bench_planner.py --skip-big --json  # + the plot's points as JSON (docs/_data/benchmarks.json)
 
 Measured: one real training step (the second; the first creates the optimizer state) on CPU under torch's
 ``MemTracker``, on real tensors, for the sample ``DigitsCNN``, ``DigitsTransformer`` and a wider causal
@@ -20,6 +21,7 @@ allocated. Times are wall-clock on whatever machine runs this (this project's: 2
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any, Callable
@@ -117,6 +119,23 @@ def print_times() -> None:
         sys.stdout.flush()
 
 
+def plot_points(rows: list[dict[str, Any]]) -> dict[str, list[list[float]]]:
+    """Per component (and "total"): ``[measured, predicted]`` MiB of every measured candidate."""
+    points: dict[str, list[list[float]]] = {}
+    for component in (*COMPONENTS, "total"):
+        pairs = []
+        for r in rows:
+            if r["measured"] is None:
+                continue
+            if component == "total":  # the checked number: the peak (measurable_bytes)
+                pair = (r["measured"].peak_bytes, r["row"].measurable_bytes)
+            else:  # components as MemTracker splits the peak snapshot
+                pair = (getattr(r["measured"], component), getattr(r["row"], f"{component}_bytes"))
+            pairs.append([round(pair[0] / 2**20, 4), round(pair[1] / 2**20, 4)])
+        points[component] = pairs
+    return points
+
+
 def save_plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -155,11 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plot", help="save predicted vs measured per component to this PNG")
     parser.add_argument("--skip-big", action="store_true", help="skip the 125M/1B/7B planner timings")
+    parser.add_argument("--json", action="store_true", help="print the plot's points (MiB) as one JSON object")
     args = parser.parse_args(argv)
     rows = measured_table()
     print_measured(rows)
     if args.plot:
         save_plot(rows, args.plot)
+    if args.json:
+        print("\n" + json.dumps(plot_points(rows)))
     if not args.skip_big:
         print_times()
     return 0

@@ -40,6 +40,7 @@ from lightning_mgpu.presets import PRESETS, preset_table, register_presets
 from lightning_mgpu.sampler import ResumableDistributedSampler
 from lightning_mgpu.schedules import total_steps, warmup_schedule
 from lightning_mgpu.strategies import (
+    MGPUAutoStrategy,
     MGPUDDPStrategy,
     MGPUDiLoCoStrategy,
     MGPULocalSGDStrategy,
@@ -57,6 +58,7 @@ __all__ = [
     "DeviceMonitor",
     "EveryNth",
     "IncompleteCheckpointError",
+    "MGPUAutoStrategy",
     "MGPUDDPStrategy",
     "MGPUDiLoCoStrategy",
     "MGPULocalSGDStrategy",

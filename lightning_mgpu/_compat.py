@@ -123,6 +123,18 @@ def strategy_layer_sync(strategy: Any) -> Any:
     return getattr(strategy, "_layer_sync", None)
 
 
+def set_strategy_layer_sync(strategy: Any, layer_sync: Any) -> None:
+    """``Trainer(sync_batchnorm=True)``'s plugin, put on a strategy built after the Trainer (``mgpu_auto``)."""
+    strategy._layer_sync = layer_sync
+
+
+def fit_train_dataloader(trainer: Any) -> Any:
+    """``trainer.fit_loop._data_source.dataloader()``: the training loader ``fit`` was given (its argument, the
+    datamodule's or the module's ``train_dataloader()``), before Lightning adds its sampler. ``mgpu_auto`` draws
+    the sample batch it plans with from it, at set-up, before the fit loop builds its own loader."""
+    return trainer.fit_loop._data_source.dataloader()
+
+
 def strategy_ddp_kwargs(strategy: Any) -> dict[str, Any]:
     """The DistributedDataParallel keyword arguments of a Lightning ``DDPStrategy``. Missing: ``{}``."""
     return dict(getattr(strategy, "_ddp_kwargs", {}) or {})

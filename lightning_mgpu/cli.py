@@ -354,12 +354,16 @@ def fit_summary(trainer: Any) -> str:
     strategy = trainer.strategy
     metrics = ", ".join(f"{k} {float(v):.4g}" for k, v in sorted(trainer.callback_metrics.items()) if v.numel() == 1)
     name = getattr(strategy, "public_name", type(strategy).__name__)  # MGPUShardedStrategy, not its stage class
+    decision = getattr(strategy, "auto_decision", None)  # mgpu_auto became the strategy it chose at set-up
+    name = "MGPUAutoStrategy" if decision is not None else name
     lines = [
         f"lightning-mgpu fit: {name} on {trainer.world_size} process(es) "
         f"({type(trainer.accelerator).__name__}, {trainer.num_nodes} node(s)), {trainer.current_epoch} epoch(s), "
         f"{trainer.global_step} optimizer step(s)",
         f"metrics: {metrics or '(none logged)'}",
     ]
+    if decision is not None:
+        lines.insert(1, decision.reason)
     stats = getattr(strategy, "comm_stats", None)
     if stats is not None and hasattr(stats, "summary"):
         lines.append(f"comm ledger (rank 0): {stats.summary()}")

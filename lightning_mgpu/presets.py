@@ -12,6 +12,7 @@ from typing import Any, Optional
 from pytorch_lightning.accelerators import AcceleratorRegistry
 from pytorch_lightning.strategies import StrategyRegistry
 
+from lightning_mgpu.strategies.auto import MGPUAutoStrategy
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.periodic import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
 from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
@@ -113,6 +114,14 @@ PRESETS: tuple[Preset, ...] = (
         "fairscale OSS + ShardedDataParallel (Lightning 1.x ddp_sharded); needs the [fairscale] extra",
         {"start_method": "popen", "stage": 2, "backend": "fairscale"},
     ),
+    Preset(
+        "mgpu_auto",
+        MGPUAutoStrategy,
+        "the fastest of mgpu_ddp/zero1/sharded/zero3 (+/- activation checkpointing) that the memory plan fits",
+        {"start_method": "popen"},
+    ),
+    Preset("mgpu_auto_spawn", MGPUAutoStrategy, "mgpu_auto launched with spawn", {"start_method": "spawn"}),
+    Preset("mgpu_auto_notebook", MGPUAutoStrategy, "mgpu_auto for Jupyter (fork launch)", {"start_method": "fork"}),
 )
 
 

@@ -21,7 +21,7 @@ import multiprocessing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
@@ -37,6 +37,7 @@ Backend = Literal["torch", "fairscale"]
 CheckpointLayout = Literal["consolidated", "sharded"]
 LossNormalization = Literal["tokens"]
 NonFinite = Literal["error"]
+MicroBatchSetting = Union[int, Literal["auto"]]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("torch", "fairscale")
@@ -96,6 +97,16 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name}={value!r} is not a bool: {name} must be True or False.")
 
 
+def _check_micro_batch_size(value: Any) -> None:
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"micro_batch_size={value!r} must be a positive int (rows per micro-batch, e.g. micro_batch_size=8), "
+            f"'auto' (the largest micro-batch that fits, found by backing off on out-of-memory errors) or None (off)."
+        )
+
+
 def _check_start_method(start_method: Any) -> None:
     if start_method not in START_METHODS:
         raise ValueError(
@@ -134,6 +145,9 @@ class CommonSettings:
     """``"error"``: a NaN/Inf gradient on any rank makes every rank raise the same ``FloatingPointError`` naming
     the rank and parameter (one small all-reduce per step); under the fp16 scaler every rank skips the step
     instead. ``None``: no check."""
+    micro_batch_size: Optional[MicroBatchSetting] = None
+    """Split each loader batch into micro-batches of this many rows and accumulate them, backing off on
+    out-of-memory errors (``lightning_mgpu/parts/micro_batching.py``); ``"auto"``: the largest that fits."""
 
     def __post_init__(self) -> None:
         _check_start_method(self.start_method)
@@ -148,6 +162,7 @@ class CommonSettings:
                 f"mean over every token of the optimizer step; training_step returns {{'loss': <sum>, "
                 f"'num_tokens': <count>}}) or None (Lightning's per-micro-batch loss)."
             )
+        _check_micro_batch_size(self.micro_batch_size)
         if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
             raise TypeError(
                 f"process_group_backend={self.process_group_backend!r} must be a string ('gloo', 'nccl') or None."
@@ -191,6 +206,12 @@ class DDPSettings(CommonSettings):
             raise TypeError(f"MGPUDDPStrategy does not take {replaced}. Use instead: {hints}.")
         super().__post_init__()
         check_comm_hook(self.comm_hook, self.comm_state)
+        if self.micro_batch_size is not None and self.comm_hook in ("powersgd", "batched_powersgd"):
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size!r} with comm_hook={self.comm_hook!r}: with micro-batching "
+                f"the gradients are averaged once after the last micro-batch, outside DDP's buckets, where PowerSGD "
+                f"cannot run. Use comm_hook='fp16' (half the bytes) or None."
+            )
         for name in ("static_graph", "find_unused_parameters", "gradient_as_bucket_view"):
             _check_bool(name, getattr(self, name))
         if (

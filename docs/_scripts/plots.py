@@ -123,6 +123,24 @@ def plot_local_sgd(r: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def plot_planner(r: dict, path: Path) -> None:
+    points = r["points_mib_measured_predicted"]
+    fig, axes = plt.subplots(1, len(points), figsize=(3.2 * len(points), 3.4))
+    for ax, (component, pairs) in zip(axes, points.items()):
+        xs, ys = [m for m, _ in pairs], [p for _, p in pairs]
+        top = max(xs + ys) * 1.1 if xs else 1.0
+        ax.fill_between([0, top], [0, 0.85 * top], [0, 1.15 * top], color="0.9", label="+/-15%")
+        ax.plot([0, top], [0, top], "k-", lw=0.8, label="predicted = measured")
+        ax.scatter(xs, ys, s=12, color="#4c72b0")
+        ax.set_title(component.replace("_", " "), fontsize=10)
+        ax.set_xlabel("measured (MiB)")
+    axes[0].set_ylabel("predicted (MiB)")
+    axes[0].legend(loc="upper left", fontsize=7)
+    fig.suptitle("lightning-mgpu plan: predicted vs measured per rank, every measured candidate", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 PLOTS = {
     "bench_ddp": plot_ddp,
     "bench_manual_accum": plot_manual,
@@ -131,6 +149,7 @@ PLOTS = {
     "bench_precision": plot_precision,
     "bench_lr_recipes": plot_lr,
     "bench_local_sgd": plot_local_sgd,
+    "bench_planner": plot_planner,
 }
 
 

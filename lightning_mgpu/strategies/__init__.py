@@ -9,6 +9,7 @@
 
 from lightning_mgpu.strategies._common import MGPUStrategyMixin
 from lightning_mgpu.strategies._process_group import MGPUParallelStrategy
+from lightning_mgpu.strategies.auto import MGPUAutoStrategy
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.fsdp import MGPUFSDPStrategy
 from lightning_mgpu.strategies.periodic import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
@@ -16,6 +17,7 @@ from lightning_mgpu.strategies.sharded import MGPUShardedStrategy, ShardMemory
 from lightning_mgpu.strategies.zero1 import MGPUZeRO1Strategy
 
 __all__ = [
+    "MGPUAutoStrategy",
     "MGPUDDPStrategy",
     "MGPUDiLoCoStrategy",
     "MGPUFSDPStrategy",

@@ -36,15 +36,17 @@ from typing_extensions import override
 from lightning_mgpu import _compat
 from lightning_mgpu.checkpoint_io import PathLike, local_path, sharded_directory_message
 from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy
-from lightning_mgpu.comm import check_backend
+from lightning_mgpu.comm import allreduce_gradients, check_backend
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.manual_sync import ManualGradientSync
+from lightning_mgpu.parts.micro_batching import MicroBatching, agree_across_ranks
 from lightning_mgpu.parts.precision import PrecisionAdoption
 from lightning_mgpu.parts.sync_control import DDPSyncControl
 from lightning_mgpu.settings import (
     CommHookName,
     DDPSettings,
     LossNormalization,
+    MicroBatchSetting,
     NonFinite,
     StartMethod,
     split_ddp_kwargs,
@@ -110,6 +112,10 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             (all micro-batches, all ranks; one scalar all-reduce per step); ``None``: Lightning's.
         nonfinite: ``"error"``: a NaN/Inf gradient on any rank makes every rank raise the same
             ``FloatingPointError`` naming the rank and parameter (under the fp16 scaler: every rank skips the step).
+        micro_batch_size: split each loader batch into micro-batches of this many rows and accumulate them (the
+            gradient stays the whole batch's); ``"auto"``: the largest that fits. An out-of-memory error on any
+            rank makes every rank redo the step at half the size (see :doc:`/guides/planning`). Automatic
+            optimization only; the gradients are then averaged once after the last micro-batch.
         checkpoint_io: how checkpoint files are written; default :class:`~lightning_mgpu.AtomicCheckpointIO`.
             A plugin you pass is used as it is (atomic saves are then up to it).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``);
@@ -154,6 +160,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         activation_checkpointing_reentrant: bool = False,
         loss_normalization: Optional[LossNormalization] = None,
         nonfinite: Optional[NonFinite] = None,
+        micro_batch_size: Optional[MicroBatchSetting] = None,
         **ddp_kwargs: Any,
     ) -> None:
         ddp_kwargs = split_ddp_kwargs(type(self).__name__, ddp_kwargs, _OWN_KEYWORDS)
@@ -171,6 +178,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             activation_checkpointing_reentrant=activation_checkpointing_reentrant,
             loss_normalization=loss_normalization,
             nonfinite=nonfinite,
+            micro_batch_size=micro_batch_size,
             ddp_kwargs=ddp_kwargs,
         )
         if static_graph and not _compat.DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4
@@ -194,6 +202,13 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         self._sync_control = DDPSyncControl()
         self._manual = ManualGradientSync(settings.comm_hook, bucket_cap_mb=ddp_kwargs.get("bucket_cap_mb") or 25.0)
         self._comm_hook_state: Any = None
+        if micro_batch_size is not None and settings.loss_normalization == "tokens":
+            raise ValueError(
+                f"micro_batch_size={micro_batch_size!r} with loss_normalization='tokens': micro-batching weights each "
+                f"micro-batch's loss by its share of rows, the token mode by its tokens; the two do not compose yet. "
+                f"Use one of them (with tokens, a smaller loader batch and accumulate_grad_batches)."
+            )
+        self._micro = MicroBatching(micro_batch_size) if micro_batch_size is not None else None
 
     # --- what users read ----------------------------------------------------------------------------------
     @property
@@ -240,6 +255,13 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
                 f"mgpu_ddp averages each optimizer's gradients itself when it steps, outside DDP's buckets, where "
                 f"PowerSGD cannot run. Use comm_hook='fp16' (half the bytes) or None for {type(model).__name__}."
             )
+        if self._micro is not None and not model.automatic_optimization:
+            raise MisconfigurationException(
+                f"micro_batch_size={self._micro.setting!r} needs automatic optimization: {type(model).__name__} "
+                f"runs its own backward and optimizer steps in training_step, which the strategy cannot split or "
+                f"redo. Leave micro_batch_size=None and split the batch in training_step (with "
+                f"lightning_mgpu.ManualAccumulation), or use automatic optimization."
+            )
 
     # --- set-up -------------------------------------------------------------------------------------------
     @property
@@ -285,8 +307,49 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             self._wrapping.broadcast_buffers(model, self.world_size)
             with model.no_sync():
                 return super().training_step(*args, **kwargs)
+        if self._micro is not None:
+            return self._micro_batched_step(model, *args, **kwargs)
         self._wrapping.before_training_step(model)
         return super().training_step(*args, **kwargs)
+
+    def _micro_batched_step(self, model: DistributedDataParallel, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """``micro_batch_size``: every micro-batch runs forward and backward under ``no_sync`` (an out-of-memory
+        error in any of them, on any rank, is then recoverable: no rank is inside a collective); the gradients are
+        averaged once, in Lightning's backward of the returned loss, unless Lightning is accumulating
+        (``parts/micro_batching.py``)."""
+        assert self._micro is not None
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        syncs = model.require_backward_grad_sync  # False inside Lightning's block_backward_sync
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        step = super().training_step
+        optimizer = self.optimizers[0] if self.optimizers else None
+        self._micro.rank = self.global_rank
+        bucket_cap_mb = self._settings.ddp_kwargs.get("bucket_cap_mb") or 25.0
+        compress = self._settings.comm_hook if self._settings.comm_hook in ("fp16", "bf16") else None
+
+        def sync() -> None:
+            if syncs:
+                stats = self._ledger.stats
+                allreduce_gradients(
+                    params, group=model.process_group, compress=compress, ledger=stats, bucket_cap_mb=bucket_cap_mb
+                )
+
+        window_starts = bool(args) and isinstance(args[0], int) and args[0] % trainer.accumulate_grad_batches == 0
+        return self._micro.run(
+            batch,
+            forward=lambda micro: step(micro, *args, **kwargs),
+            backward=lambda loss: self.backward(loss / trainer.accumulate_grad_batches, optimizer),
+            no_sync=model.no_sync,
+            agree=agree_across_ranks(model.process_group, self.global_rank, self.world_size, self.root_device),
+            params=params,
+            after_backward=sync,
+            keep_gradients=not window_starts,  # Lightning zeroes them after this training_step
+        )
+
+    @property
+    def micro_batching(self) -> Optional[MicroBatching]:
+        """The micro-batching state (``micro_batch_size`` given): ``.size`` in use and ``.backoffs``; else None."""
+        return self._micro
 
     @override
     @contextmanager
@@ -298,7 +361,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        if self._settings.count_from_buckets and self._backward_synced():
+        if self._settings.count_from_buckets and self._backward_synced() and self._micro is None:
             self._ledger.record_buckets(self._ddp)
 
     def _backward_synced(self) -> bool:

@@ -130,6 +130,13 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         return LocalSGDSettings(**kwargs)
 
     def _init_ddp(self, ddp_kwargs: dict[str, Any], **kwargs: Any) -> None:
+        if ddp_kwargs.get("micro_batch_size") is not None:
+            raise TypeError(
+                f"{type(self).__name__} does not take micro_batch_size={ddp_kwargs['micro_batch_size']!r}: "
+                f"micro-batching averages the gradients across ranks after every step, which this strategy replaces "
+                f"by a weight sync every sync_every steps. Use a smaller loader batch with accumulate_grad_batches."
+            )
+        ddp_kwargs.pop("micro_batch_size", None)
         for name in ("comm_hook", "comm_state", "static_graph"):
             if ddp_kwargs.get(name) not in (None, False):
                 raise TypeError(

@@ -56,6 +56,7 @@ from lightning_mgpu.settings import (
     CommHookName,
     CommonSettings,
     LossNormalization,
+    MicroBatchSetting,
     NonFinite,
     ShardedSettings,
     Stage,
@@ -172,6 +173,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         loss_normalization: ``"tokens"``: the gradient of the mean over every token of the step (as for
             ``mgpu_ddp``).
         nonfinite: ``"error"``: every rank raises the same error on a NaN/Inf gradient (as for ``mgpu_ddp``).
+        micro_batch_size: stage 1 only: as for :class:`~lightning_mgpu.MGPUDDPStrategy`.
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
 
@@ -215,8 +217,16 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
+        micro_batch_size: Optional[MicroBatchSetting] = None,
         **ddp_kwargs: Any,
     ) -> None:
+        if micro_batch_size is not None and stage != 1:
+            raise ValueError(
+                f"micro_batch_size={micro_batch_size!r} is supported at stage 1 (strategy='mgpu_zero1') and by "
+                f"mgpu_ddp, not yet at stage={stage!r}: FSDP2 reduce-scatters gradients only inside a backward, so "
+                f"an out-of-memory error there on one rank could not be redone by all. Use stage=1, or leave "
+                f"micro_batch_size=None and lower the loader's batch size."
+            )
         sharded = ShardedSettings(
             stage=stage,
             backend=backend,
@@ -248,6 +258,8 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
             "loss_normalization": loss_normalization,
             "nonfinite": nonfinite,
         }
+        if micro_batch_size is not None:  # stage 1 (above): MGPUDDPStrategy takes it
+            settings["micro_batch_size"] = micro_batch_size
         if self._takes_ddp_keywords:
             ddp: dict[str, Any] = {
                 **ddp_only,

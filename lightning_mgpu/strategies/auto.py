@@ -1,0 +1,255 @@
+"""``mgpu_auto``: the strategy is chosen at set-up from a memory plan of the model and a sample batch.
+
+Until set-up it is an :class:`~lightning_mgpu.MGPUDDPStrategy` (launch, process group and pre-launch checks are
+the same for every candidate). In ``setup``, once the process group is up and the model and data are attached,
+rank 0 plans (:func:`lightning_mgpu.plan`) with the Trainer's precision and ``device_memory``, takes the fastest
+candidate that fits (DDP before sharding, lower stages before higher, activation checkpointing only when
+needed), logs the plan and why, and broadcasts the decision; every rank then re-initialises this object as the
+chosen strategy (same launcher, devices, cluster environment, precision and checkpoint plugins) and sets up as
+that one. When nothing fits, every rank raises the same :class:`~lightning_mgpu.planning.PlanError`, naming the
+smallest plan and by how much it misses.
+
+Example::
+
+    import lightning_mgpu  # registers "mgpu_auto", "mgpu_auto_spawn", "mgpu_auto_notebook"
+    from pytorch_lightning import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=MGPUAutoStrategy(device_memory="8GiB"))
+    trainer.fit(model, datamodule)  # in the workers: trainer.strategy is the chosen strategy, .auto_decision why
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_mgpu import _compat
+from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy
+from lightning_mgpu.planning import STRATEGIES, PlanError, plan
+from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, planner_precision
+from lightning_mgpu.planning.source import default_policy
+from lightning_mgpu.settings import MicroBatchSetting, StartMethod
+from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
+
+
+def _plain_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Tensors a module keeps outside its parameters and buffers (torchmetrics states and defaults, caches):
+    attributes, and the items of attribute lists, tuples and dicts."""
+    found: list[torch.Tensor] = []
+    for m in module.modules():
+        for value in vars(m).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            items = [value] if isinstance(value, torch.Tensor) else items
+            found += [t for t in items if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+    return found
+
+
+def _fake_copy_factory(module: nn.Module, trainer: Any) -> Callable[[], nn.Module]:
+    """Copies of ``module`` with empty tensors of its shapes (made inside the planner's fake mode: nothing is
+    copied or allocated), and without the Trainer it is attached to (the copy must not drag the Trainer, its
+    loops and data along)."""
+
+    def build() -> nn.Module:
+        memo: dict[int, Any] = {id(trainer): None}
+        for p in module.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        for t in [*module.buffers(), *_plain_tensors(module)]:
+            memo.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype))
+        return copy.deepcopy(module, memo)
+
+    return build
+
+
+class MGPUAutoStrategy(MGPUDDPStrategy):
+    """Chooses mgpu_ddp, mgpu_zero1, mgpu_sharded or mgpu_zero3 (with or without activation checkpointing) at
+    set-up: the fastest that the memory plan says fits (see the module docstring).
+
+    Args:
+        device_memory: memory of one device, e.g. ``"8GiB"``. Default: on CUDA the device's total memory; on CPU
+            the machine's available memory divided by the processes on it.
+        headroom: fraction of ``device_memory`` kept free.
+        strategies: the candidates, default all four; ``micro_batch_size`` keeps mgpu_ddp and mgpu_zero1 (the
+            strategies that micro-batch), manual optimization keeps mgpu_ddp.
+        activation_checkpointing: the blocks the "with activation checkpointing" candidates checkpoint; default
+            the transformer layers, else every block of the outermost containers.
+        micro_batch_size: passed to the chosen strategy (see :class:`~lightning_mgpu.MGPUDDPStrategy`).
+        start_method, process_group_backend, timeout, log_comm_stats: as for every mgpu strategy.
+
+    After set-up, in the training processes, ``trainer.strategy`` is the chosen strategy and its
+    ``auto_decision`` (an ``AutoDecision``: ``strategy``, ``activation_checkpointing``, ``reason``, ``table``)
+    says what and why.
+
+    Example::
+
+        from pytorch_lightning import Trainer
+        from lightning_mgpu import MGPUAutoStrategy
+
+        strategy = MGPUAutoStrategy(device_memory="8GiB", start_method="fork")  # or strategy="mgpu_auto"
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1)
+        trainer.fit(model, datamodule)  # the log says which strategy was chosen and why
+    """
+
+    strategy_name = "mgpu_auto"
+
+    def __init__(
+        self,
+        device_memory: Optional[Union[str, int]] = None,
+        headroom: float = 0.10,
+        strategies: Optional[Sequence[str]] = None,
+        activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
+        micro_batch_size: Optional[MicroBatchSetting] = None,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        log_comm_stats: bool = True,
+    ) -> None:
+        common: dict[str, Any] = {
+            "process_group_backend": process_group_backend,
+            "timeout": timeout,
+            "start_method": start_method,
+            "log_comm_stats": log_comm_stats,
+        }
+        # validates the common arguments (and micro_batch_size) now, before any process starts
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            micro_batch_size=micro_batch_size,
+            activation_checkpointing=activation_checkpointing,
+            **common,
+        )
+        if device_memory is not None:
+            device_memory_bytes(device_memory, torch.device("cpu"), 1)  # a bad size is refused here
+        candidates = tuple(strategies) if strategies is not None else STRATEGIES
+        unknown = [s for s in candidates if s not in STRATEGIES]
+        if unknown or not candidates:
+            raise ValueError(f"strategies={list(candidates)!r}: {unknown or 'none given'}; choose from {STRATEGIES}.")
+        if micro_batch_size is not None:
+            candidates = tuple(s for s in candidates if s in ("mgpu_ddp", "mgpu_zero1"))
+            if not candidates:
+                raise ValueError(
+                    f"micro_batch_size={micro_batch_size!r} works with mgpu_ddp and mgpu_zero1 only; strategies="
+                    f"{list(strategies or ())!r} names neither. Add one, or leave micro_batch_size=None."
+                )
+        self._auto: dict[str, Any] = {
+            "device_memory": device_memory,
+            "headroom": headroom,
+            "strategies": candidates,
+            "policy": activation_checkpointing,
+            "micro_batch_size": micro_batch_size,
+            "common": common,
+        }
+        self._micro = None  # this object micro-batches nothing itself: the chosen strategy does
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            super().setup(trainer)  # validate/test/predict without a plan: mgpu_ddp
+            return
+        decision, policy = self._decide(trainer)
+        self._become(decision, policy)
+        type(self).setup(self, trainer)
+
+    def _decide(self, trainer: pl.Trainer) -> tuple[AutoDecision, Any]:
+        """Rank 0 plans; every rank receives its decision (or its error) by broadcast."""
+        message: dict[str, Any] = {}
+        if self.global_rank == 0:
+            try:
+                message = self._plan(trainer)
+            except PlanError as err:
+                message = {"error": str(err)}
+        message = self.broadcast(message, src=0)
+        if "error" in message:
+            raise PlanError(f"mgpu_auto: {message['error']}")
+        decision: AutoDecision = message["decision"]
+        rank_zero_info(f"{decision.table}\n{decision.reason}" if decision.table else decision.reason)
+        return decision, message["policy"]
+
+    def _plan(self, trainer: pl.Trainer) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        factory = _fake_copy_factory(module, trainer)
+        memory = device_memory_bytes(self._auto["device_memory"], self.root_device, self.num_processes)
+        if not module.automatic_optimization:  # the planner traces automatic optimization only
+            reason = "mgpu_auto chose mgpu_ddp: the module uses manual optimization, which only mgpu_ddp supports."
+            return {"decision": AutoDecision("mgpu_ddp", False, "32-true", 0, memory, reason), "policy": None}
+        try:
+            batch = next(iter(_compat.fit_train_dataloader(trainer)))
+        except Exception as err:
+            raise PlanError(
+                f"could not draw a sample batch from the training data to plan with ({type(err).__name__}: {err})."
+            ) from None
+        policy = self._auto["policy"] or default_policy(factory)
+        result = plan(
+            factory,
+            devices=self.world_size,
+            device_memory=memory,
+            batch=batch,
+            headroom=self._auto["headroom"],
+            precisions=(planner_precision(self.precision_plugin),),
+            strategies=self._auto["strategies"],
+            activation_checkpointing=policy,
+        )
+        decision = decide(result)
+        # a policy given by the user is on every rank already (and may not pickle); the default one pickles
+        return {"decision": decision, "policy": None if self._auto["policy"] else policy}
+
+    def _become(self, decision: AutoDecision, policy: Any) -> None:
+        """Re-initialise this object as the chosen strategy, keeping what Lightning gave it after construction."""
+        from lightning_mgpu.strategies.fsdp import MGPUFSDPStrategy
+        from lightning_mgpu.strategies.zero1 import MGPUZeRO1Strategy
+
+        kept = {
+            "accelerator": self.accelerator,
+            "parallel_devices": self.parallel_devices,
+            "cluster_environment": self.cluster_environment,
+            "checkpoint_io": _compat.strategy_checkpoint_io(self),
+            "precision_plugin": _compat.strategy_precision_plugin(self),
+        }
+        launcher, layer_sync = self.launcher, _compat.strategy_layer_sync(self)
+        # ``fit(ckpt_path=...)``: Lightning restored the module (and what mid-epoch resume needs) before set-up,
+        # as for mgpu_ddp; a sharded choice restores again after its own set-up (restore_checkpoint_after_setup)
+        resume = self._resume
+        num_nodes, module = self.num_nodes, self.lightning_module
+        auto = self._auto
+        kwargs: dict[str, Any] = {**kept, **auto["common"]}
+        if auto["micro_batch_size"] is not None:
+            kwargs["micro_batch_size"] = auto["micro_batch_size"]
+        if decision.activation_checkpointing:
+            kwargs["activation_checkpointing"] = auto["policy"] or policy
+        target: type
+        if decision.stage is None:
+            target = MGPUDDPStrategy
+        else:
+            kwargs["stage"] = decision.stage
+            target = MGPUZeRO1Strategy if decision.stage == 1 else MGPUFSDPStrategy
+        self.__dict__.clear()
+        self.__class__ = target  # type: ignore[assignment]
+        target.__init__(self, **kwargs)  # type: ignore[arg-type]
+        _compat.set_strategy_launcher(self, launcher)
+        _compat.set_strategy_layer_sync(self, layer_sync)
+        self.num_nodes = num_nodes
+        self._resume = resume
+        self.set_world_ranks()
+        assert module is not None
+        self.connect(module)
+        self.auto_decision = decision

@@ -1,0 +1,169 @@
+"""``strategy="mgpu_auto"`` end to end on 2 gloo ranks: it resolves at set-up to the fastest candidate the memory
+plan fits, every rank takes the same one, and it trains to the weights of one process with the whole batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from torch import nn
+
+from lightning_mgpu import PRESETS, MGPUAutoStrategy, plan
+from lightning_mgpu.planning import PlanError
+from tests.helpers import WORLD, Regressor, fit, make_data, reference_weights
+from tests.models import ManualRegressor
+
+B = 48  # rows per rank: the global batch is the whole dataset (96 rows), one step per epoch
+EPOCHS = 2
+
+
+class Block(nn.Sequential):
+    def __init__(self, width: int) -> None:
+        super().__init__(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh())
+
+
+class Deep(Regressor):
+    """Residual-free blocks whose activations dominate: checkpointing them lowers the peak."""
+
+    def __init__(self, blocks: int = 4, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, width), *(Block(width) for _ in range(blocks)), nn.Linear(width, 3))
+
+
+class Chosen(Callback):
+    """Per rank: the class the strategy became and the decision it carries."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = Path(out_dir)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        s = trainer.strategy
+        d = s.auto_decision
+        record = {
+            "class": type(s).__name__,
+            "stage": getattr(s, "stage", None),
+            "checkpointing": s.activation_checkpointing is not None,
+            "decision": (d.strategy, d.activation_checkpointing),
+            "reason": d.reason,
+        }
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(record, self.out_dir / f"chosen{trainer.global_rank}.pt")
+
+
+def _rows(rows: int = B) -> dict[tuple[str, bool], int]:
+    batch = tuple(t[:rows] for t in make_data().tensors)
+    p = plan(Deep().double(), devices=WORLD, device_memory="1TiB", batch=batch, precisions=("32-true",))
+    return {(r.strategy, r.activation_checkpointing): r.predicted_peak_bytes_per_rank for r in p.rows}
+
+
+def _fit_auto(tmp_path: Path, **auto: Any) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    model = Deep().double()
+    expected = reference_weights(model, make_data(), global_batch=WORLD * B, epochs=EPOCHS)
+    strategy = MGPUAutoStrategy(start_method="fork", headroom=0.0, **auto)
+    ranks = fit(model, strategy, tmp_path, batch_size=B, max_epochs=EPOCHS, callbacks=[Chosen(tmp_path)])
+    for r, record in enumerate(ranks):
+        record.update(torch.load(tmp_path / f"chosen{r}.pt", weights_only=False))
+    return ranks, expected
+
+
+def _between(low: int, high: int) -> int:
+    assert low < high, "the plan does not separate these candidates: the test would prove nothing"
+    return (low + high) // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("memory", "strategies", "expected"),
+    [
+        (lambda rows: 2**40, None, ("MGPUDDPStrategy", None, "mgpu_ddp", False)),
+        (
+            lambda rows: _between(rows["mgpu_zero1", False], rows["mgpu_ddp", False]),
+            None,
+            ("MGPUZeRO1Strategy", 1, "mgpu_zero1", False),
+        ),
+        (
+            lambda rows: _between(rows["mgpu_sharded", False], rows["mgpu_ddp", False]),
+            ("mgpu_ddp", "mgpu_sharded"),
+            ("MGPUFSDPStrategy", 2, "mgpu_sharded", False),
+        ),
+        (
+            lambda rows: _between(rows["mgpu_ddp", True], min(v for (_, ac), v in rows.items() if not ac)),
+            None,
+            ("MGPUDDPStrategy", None, "mgpu_ddp", True),
+        ),
+    ],
+    ids=["big_memory_ddp", "tight_zero1", "tight_fsdp2", "tighter_checkpointing"],
+)
+def test_mgpu_auto_takes_the_fastest_candidate_that_fits_and_trains_it(tmp_path, memory, strategies, expected):
+    cls, stage, name, checkpointing = expected
+    ranks, reference = _fit_auto(tmp_path, device_memory=memory(_rows()), strategies=strategies)
+    for r in ranks:
+        assert (r["class"], r["stage"], r["decision"]) == (cls, stage, (name, checkpointing))
+        assert r["checkpointing"] is checkpointing
+        assert f"mgpu_auto chose {name}" in r["reason"]
+        torch.testing.assert_close(r["weights"], reference)
+    if name != "mgpu_ddp" or checkpointing:
+        assert "Faster candidates that do not fit: mgpu_ddp needs" in ranks[0]["reason"]
+
+
+@pytest.mark.slow
+def test_mgpu_auto_refuses_a_device_memory_that_fits_nothing_naming_the_smallest_plan(tmp_path):
+    with pytest.raises(Exception, match=r"mgpu_auto: no candidate fits .* The smallest plan, .* misses by"):
+        _fit_auto(tmp_path, device_memory="64KiB")
+
+
+def test_mgpu_auto_presets_and_bad_arguments():
+    names = {p.name: p for p in PRESETS}
+    for name, start in (("mgpu_auto", "popen"), ("mgpu_auto_spawn", "spawn"), ("mgpu_auto_notebook", "fork")):
+        assert names[name].strategy is MGPUAutoStrategy and names[name].launch == start
+    with pytest.raises(PlanError, match="device_memory='lots'"):
+        MGPUAutoStrategy(device_memory="lots")
+    with pytest.raises(ValueError, match="choose from"):
+        MGPUAutoStrategy(strategies=("mgpu_fast",))
+    with pytest.raises(ValueError, match="micro_batch_size=4 works with mgpu_ddp and mgpu_zero1 only"):
+        MGPUAutoStrategy(strategies=("mgpu_zero3",), micro_batch_size=4)
+
+
+@pytest.mark.slow
+def test_mgpu_auto_gives_manual_optimization_mgpu_ddp_without_a_plan(tmp_path):
+    strategy = MGPUAutoStrategy(start_method="fork", device_memory="64KiB")  # would fit nothing if it planned
+    fit(ManualRegressor().double(), strategy, tmp_path, max_epochs=1, callbacks=[Chosen(tmp_path)])
+    for r in range(WORLD):
+        record = torch.load(tmp_path / f"chosen{r}.pt", weights_only=False)
+        assert (record["class"], record["decision"]) == ("MGPUDDPStrategy", ("mgpu_ddp", False))
+        assert "manual optimization" in record["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tight", [False, True], ids=["ddp", "zero1"])
+def test_mgpu_auto_resumes_from_its_checkpoint_as_the_uninterrupted_run(tmp_path, tight):
+    """The checkpoint is restored after set-up (where mgpu_auto has chosen): resuming at epoch 1 of 2 ends with
+    the weights of the run that was never stopped."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    peaks = _rows(B // 2)
+    memory = _between(peaks["mgpu_zero1", False], peaks["mgpu_ddp", False]) if tight else 2**40
+
+    def run(out: Path, epochs: int, ckpt: Any = None, save: bool = False) -> list[dict[str, Any]]:
+        callbacks: list[Callback] = [Chosen(out)]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0))
+        strategy = MGPUAutoStrategy(start_method="fork", headroom=0.0, device_memory=memory)
+        return fit(
+            Deep().double(), strategy, out, batch_size=B // 2, max_epochs=epochs, callbacks=callbacks,
+            ckpt_path=ckpt, enable_checkpointing=save,
+        )  # fmt: skip
+
+    whole = run(tmp_path / "whole", EPOCHS)
+    run(tmp_path / "first", 1, save=True)
+    resumed = run(tmp_path / "resumed", EPOCHS, ckpt=tmp_path / "ckpt" / "last.ckpt")
+    chosen = torch.load(tmp_path / "resumed" / "chosen0.pt", weights_only=False)
+    assert chosen["decision"] == ("mgpu_zero1" if tight else "mgpu_ddp", False)
+    assert resumed[0]["global_step"] == whole[0]["global_step"] == EPOCHS * 2
+    assert (len(resumed[0]["batch_spy"]), len(whole[0]["batch_spy"])) == (2, 4)  # it did start at epoch 1
+    torch.testing.assert_close(resumed[0]["weights"], whole[0]["weights"])
