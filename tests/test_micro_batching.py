@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 
-from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
+from lightning_mgpu import MGPUDDPStrategy, MGPUDiLoCoStrategy, MGPULocalSGDStrategy, MGPUShardedStrategy
 from tests.helpers import WORLD, Regressor, fit, make_data, reference_weights
 from tests.models import ManualRegressor
 
@@ -140,9 +140,12 @@ def test_manual_optimization_is_refused_before_launch(tmp_path):
         (lambda: MGPUShardedStrategy(stage=2, micro_batch_size=4), "not yet at stage=2"),
         (lambda: MGPUDDPStrategy(comm_hook="powersgd", micro_batch_size=4), "PowerSGD"),
         (lambda: MGPUDDPStrategy(micro_batch_size=0), "micro_batch_size=0 must be a positive int"),
+        (lambda: MGPUDDPStrategy(micro_batch_size=4, loss_normalization="tokens"), "do not compose yet"),
+        (lambda: MGPULocalSGDStrategy(micro_batch_size=4), "weight sync every sync_every steps"),
+        (lambda: MGPUDiLoCoStrategy(micro_batch_size=4), "weight sync every sync_every steps"),
     ],
-    ids=["stage2", "powersgd", "zero"],
+    ids=["stage2", "powersgd", "zero", "tokens", "local_sgd", "diloco"],
 )
 def test_unsupported_micro_batch_settings_are_refused_at_construction(build, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         build()
