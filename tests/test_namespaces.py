@@ -43,6 +43,8 @@ def _public_instances(mgpu: ModuleType) -> dict[str, Any]:
         "MGPUDDPStrategy": mgpu.MGPUDDPStrategy(start_method="fork"),
         "MGPUShardedStrategy": mgpu.MGPUShardedStrategy(stage=3, start_method="fork"),
         "MGPUAutoStrategy": mgpu.MGPUAutoStrategy(device_memory="8GiB", start_method="fork"),
+        "MGPULocalSGDStrategy": mgpu.MGPULocalSGDStrategy(sync_every=4, start_method="fork"),
+        "MGPUDiLoCoStrategy": mgpu.MGPUDiLoCoStrategy(sync_every=4, start_method="fork"),
         "MGPUPrecision": mgpu.MGPUPrecision("bf16-mixed"),
         "AtomicCheckpointIO": mgpu.AtomicCheckpointIO(),
         "DeviceMonitor": mgpu.DeviceMonitor(),
@@ -71,7 +73,13 @@ def test_every_public_plugin_is_accepted_by_the_namespaces_trainer(namespace):
         if inspect.isclass(getattr(mgpu, name)) and issubclass(getattr(mgpu, name), lightning_bases)
     }
     assert public == set(instances), "a public plugin class is missing from this test"
-    for strategy in ("MGPUDDPStrategy", "MGPUShardedStrategy", "MGPUAutoStrategy"):
+    for strategy in (
+        "MGPUDDPStrategy",
+        "MGPUShardedStrategy",
+        "MGPUAutoStrategy",
+        "MGPULocalSGDStrategy",
+        "MGPUDiLoCoStrategy",
+    ):
         trainer = ns.Trainer(
             accelerator="cpu",
             devices=2,
