@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 OLDEST_LIGHTNING ?= 2.6.0
 CUDA_TORCH ?= torch==2.14.1
 
-.PHONY: setup train test test-suite test-compat test-compat-oldest test-compat-cuda test-gpu bench-gpu bench lint notebooks docs
+.PHONY: setup train test test-suite test-slow test-compat test-compat-oldest test-compat-cuda test-gpu bench-gpu bench lint notebooks docs
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,11 +29,16 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(BIN)/python -m lightning_mgpu.examples.train
 
-# What CI runs: the whole suite (both Lightning namespaces), then the compatibility tiers, then the docs site.
-test: test-suite test-compat docs
+# What CI runs: the whole suite (both Lightning namespaces) in two parts, the default suite (`pytest`: everything
+# but the `slow` marker) and the slow tests (launches of every kind, notebooks, the docs' examples, the numerics
+# matrix in the lower precisions), then the compatibility tiers, then the docs site.
+test: test-suite test-slow test-compat docs
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
 
 test-compat: test-compat-oldest test-compat-cuda
 
