@@ -25,6 +25,7 @@ from lightning_mgpu import distributed
 from lightning_mgpu.accumulation import ManualAccumulation
 from lightning_mgpu.callbacks import DeviceMonitor, ScaleLR
 from lightning_mgpu.checkpoint_io import AtomicCheckpointIO, IncompleteCheckpointError
+from lightning_mgpu.parts.async_writer import CheckpointWriteError
 from lightning_mgpu.checkpointing import (
     EveryNth,
     apply_activation_checkpointing,
@@ -47,6 +48,7 @@ __all__ = [
     "COMM_HOOKS",
     "PRESETS",
     "AtomicCheckpointIO",
+    "CheckpointWriteError",
     "CommStats",
     "DeviceMonitor",
     "EveryNth",

@@ -124,6 +124,9 @@ class CommonSettings:
     """Which blocks to checkpoint (see :func:`lightning_mgpu.apply_activation_checkpointing`)."""
     activation_checkpointing_reentrant: bool = False
     """Use torch's reentrant checkpointing instead of the non-reentrant default."""
+    async_checkpoint: bool = False
+    """Checkpoints saved during fit are copied off the live tensors (to pinned CPU memory on GPU) and written in a
+    background thread; training goes on as soon as the copy is made (``lightning_mgpu/parts/async_writer.py``)."""
 
     def __post_init__(self) -> None:
         _check_start_method(self.start_method)
@@ -139,6 +142,7 @@ class CommonSettings:
         _check_bool("log_comm_stats", self.log_comm_stats)
         validate_policy(self.activation_checkpointing)
         _check_bool("activation_checkpointing_reentrant", self.activation_checkpointing_reentrant)
+        _check_bool("async_checkpoint", self.async_checkpoint)
 
     @classmethod
     def keywords(cls) -> tuple[str, ...]:

@@ -98,6 +98,10 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             Checked against the model before any process starts.
         activation_checkpointing_reentrant: use torch's reentrant checkpointing instead of the non-reentrant
             default.
+        async_checkpoint: save checkpoints during fit without stopping training: the state is copied off the
+            live tensors (pinned CPU memory on GPU) and written in a background thread, one write at a time; a
+            failed write raises on every rank at the next save or at the end of fit, which waits for the last
+            write. See the reliability guide.
         checkpoint_io: how checkpoint files are written; default :class:`~lightning_mgpu.AtomicCheckpointIO`.
             A plugin you pass is used as it is (atomic saves are then up to it).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``);
@@ -127,6 +131,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         gradient_as_bucket_view: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        async_checkpoint: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         ddp_kwargs = split_ddp_kwargs(type(self).__name__, ddp_kwargs, _OWN_KEYWORDS)
@@ -142,6 +147,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             gradient_as_bucket_view=gradient_as_bucket_view,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_reentrant=activation_checkpointing_reentrant,
+            async_checkpoint=async_checkpoint,
             ddp_kwargs=ddp_kwargs,
         )
         if static_graph and not _compat.DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4

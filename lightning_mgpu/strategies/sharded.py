@@ -150,6 +150,8 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         wrap_modules: stages 2/3 torch: module classes that each become an FSDP unit (gathered one at a
             time). Default: transformer layers if the model has any, else each direct child with parameters.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (as for ``mgpu_ddp``).
+        async_checkpoint: stage checkpoints saved during fit off the live tensors and write them in the
+            background (either layout; a sharded directory is marked complete once every rank's part is written).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
     """
@@ -175,6 +177,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         log_comm_stats: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        async_checkpoint: bool = False,
         comm_hook: Optional[CommHookName] = None,
         comm_state: Optional[dict[str, Any]] = None,
         static_graph: bool = False,
@@ -210,6 +213,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
             "log_comm_stats": log_comm_stats,
             "activation_checkpointing": activation_checkpointing,
             "activation_checkpointing_reentrant": activation_checkpointing_reentrant,
+            "async_checkpoint": async_checkpoint,
         }
         if self._takes_ddp_keywords:
             ddp: dict[str, Any] = {
@@ -370,6 +374,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
     ) -> None:
         self._refuse_main_process_save()
+        self._settle_async_writes()  # the previous background write finished everywhere (or raise)
         self._resume.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
         filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
         local = local_path(filepath)
@@ -406,30 +411,69 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         # does rank 0 mark it complete and swap it in under `path`. A save killed or failing on any rank
         # leaves the previous checkpoint under `path` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
         staging = Path(self.broadcast(str(begin_dir(path)) if self.is_global_zero else ""))
+        if self._saves_async():
+            self._save_sharded_async(tensors, checkpoint, staging, path)
+            return
         dcp.save(tensors, checkpoint_id=str(staging), process_group=self._process_group())
         if self.is_global_zero:
             write_file_atomic(staging / _METADATA, lambda f: torch.save(checkpoint, f))
         self.barrier("mgpu_sharded_save_written")  # every rank's shards are on disk
         if self.is_global_zero:
-            info = {
-                "format": "lightning_mgpu.sharded",
-                "version": 1,
-                "world_size": self.world_size,
-                "stage": self._sharded_settings.stage,
-                "backend": self._backend_name,
-                "layout": self._checkpoint_layout,
-                "optimizers": checkpoint[_OPTIMIZER_COUNT],
-                "epoch": checkpoint.get("epoch"),
-                "global_step": checkpoint.get("global_step"),
-            }
-            commit_dir(staging, path, info)
+            commit_dir(staging, path, self._marker_info(checkpoint))
         self.barrier("mgpu_sharded_save_done")
+
+    def _marker_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "format": "lightning_mgpu.sharded",
+            "version": 1,
+            "world_size": self.world_size,
+            "stage": self._sharded_settings.stage,
+            "backend": self._backend_name,
+            "layout": self._checkpoint_layout,
+            "optimizers": checkpoint[_OPTIMIZER_COUNT],
+            "epoch": checkpoint.get("epoch"),
+            "global_step": checkpoint.get("global_step"),
+        }
+
+    def _save_sharded_async(self, tensors: dict[str, Any], checkpoint: dict[str, Any], staging: Path, path: Path) -> None:
+        """The sharded layout with ``async_checkpoint=True``: every rank stages its shards now; in the background
+        every rank writes them into ``staging``, the ranks agree (on the checkpoint group) that all parts are on
+        disk, and only then rank 0 marks the directory complete and swaps it in (as the synchronous save does)."""
+        import torch.distributed.checkpoint as dcp
+
+        assert self._async is not None
+        self._async_unsettled = True
+        staged = self._async.stage({"tensors": tensors, "meta": checkpoint if self.is_global_zero else None})
+        info = self._marker_info(checkpoint)
+        group = self._async_checkpoint_group()
+        rank0 = self.is_global_zero
+        self._async.rank = self.global_rank
+
+        def write() -> None:
+            failed = torch.zeros(1)
+            try:
+                dcp.save(staged["tensors"], checkpoint_id=str(staging), process_group=group)
+                if rank0:
+                    write_file_atomic(staging / _METADATA, lambda f: torch.save(staged["meta"], f))
+            except BaseException:
+                failed[0] = 1
+                raise
+            finally:
+                # every rank's part is on disk, or some rank failed: then no rank marks it complete
+                torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
+            if failed.item():
+                raise RuntimeError(f"another rank failed to write its part of {path}; it was not marked complete")
+            if rank0:
+                commit_dir(staging, path, info)
+
+        self._async.submit(str(path), write)
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
         local = local_path(filepath)
         if self.is_global_zero and local is not None and os.path.isdir(local):
-            remove_dir(local)  # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
+            # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
+            self._remove_when_written(lambda: remove_dir(local))
             return
         super().remove_checkpoint(os.fspath(filepath))
 
