@@ -141,10 +141,11 @@ class AsyncCheckpointWriter:
         del self._buffers[used[0] :]
         if cuda[0]:
             torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the sources
+        tensors = dict(memo)
         try:
             staged = copy.deepcopy(obj, memo)
         except Exception:  # an object deepcopy cannot copy: copy the containers, share such leaves
-            staged = _copy_containers(obj, memo)
+            staged = _copy_containers(obj, tensors)  # (deepcopy's memo now holds half-filled containers)
         if not self.keep_buffers:
             self._buffers = []
         return staged
