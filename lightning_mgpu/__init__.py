@@ -25,7 +25,6 @@ from lightning_mgpu import distributed
 from lightning_mgpu.accumulation import ManualAccumulation
 from lightning_mgpu.callbacks import DeviceMonitor, ScaleLR
 from lightning_mgpu.checkpoint_io import AtomicCheckpointIO, IncompleteCheckpointError
-from lightning_mgpu.parts.async_writer import CheckpointWriteError
 from lightning_mgpu.checkpointing import (
     EveryNth,
     apply_activation_checkpointing,
@@ -35,6 +34,7 @@ from lightning_mgpu.checkpointing import (
 from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
 from lightning_mgpu.distributed import effective_batch_size
 from lightning_mgpu.migration import RemovedTrainerArgument, guard_trainer
+from lightning_mgpu.parts.async_writer import CheckpointWriteError
 from lightning_mgpu.planning import plan
 from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets

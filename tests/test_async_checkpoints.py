@@ -262,7 +262,7 @@ def test_a_failing_background_write_raises_on_every_rank_with_the_path(tmp_path,
         monkeypatch.setattr(FileSystemWriter, "write_data", _rank1_disk_full)
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2, save_top_k=-1)
     trainer = _trainer(strategy, [checkpoints], enable_checkpointing=True)
-    with pytest.raises(Exception, match="CheckpointWriteError|background write"):
+    with pytest.raises(Exception, match=r"CheckpointWriteError|background write"):
         trainer.fit(OptRegressor("adam").double(), datamodule=RankData(make_data(n=16), 4))
 
     failed = ckpt_dir / f"{fail}.ckpt"
@@ -362,7 +362,9 @@ def test_top_k_removal_waits_until_the_replacement_is_complete(tmp_path, monkeyp
 
 def test_async_checkpoint_is_a_setting_of_every_strategy():
     for preset in ("mgpu_ddp_fork", "mgpu_zero1", "mgpu_sharded", "mgpu_zero3"):
-        assert pl.Trainer(accelerator="cpu", devices=2, strategy=preset, logger=False).strategy.async_checkpoint is False
+        assert (
+            pl.Trainer(accelerator="cpu", devices=2, strategy=preset, logger=False).strategy.async_checkpoint is False
+        )
     assert MGPUDDPStrategy(async_checkpoint=True).settings.async_checkpoint
     assert MGPUShardedStrategy(stage=3, async_checkpoint=True).launch_settings.async_checkpoint
     with pytest.raises(TypeError, match="async_checkpoint='yes' is not a bool"):

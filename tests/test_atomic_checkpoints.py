@@ -346,7 +346,9 @@ def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(
     assert f"ckpt_path='{ckpt_dir / 'last.ckpt'}'" in str(err.value)  # the fix: the previous checkpoint
 
     # resume from the previous one; the next save of last.ckpt replaces it and removes the leftover
-    assert _fit(_sharded(stage, backend, async_checkpoint), ckpt_dir, max_epochs=2, ckpt_path=ckpt_dir / "last.ckpt") == 1
+    assert (
+        _fit(_sharded(stage, backend, async_checkpoint), ckpt_dir, max_epochs=2, ckpt_path=ckpt_dir / "last.ckpt") == 1
+    )
     assert _entries(ckpt_dir) == ["last.ckpt"]
     marker = check_complete(ckpt_dir / "last.ckpt")
     assert (marker["epoch"], marker["global_step"]) == (1, 2 * STEPS_PER_EPOCH)

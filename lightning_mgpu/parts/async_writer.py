@@ -38,6 +38,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -59,7 +60,7 @@ class CheckpointWriteError(RuntimeError):
     """
 
 
-def _dtensor_type() -> Optional[type]:
+def _dtensor_type() -> Any:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch built without distributed
@@ -87,7 +88,7 @@ class AsyncCheckpointWriter:
     def __init__(self, rank: int = 0, keep_buffers: bool = True) -> None:
         self.rank = rank
         self.keep_buffers = keep_buffers
-        self._lock = threading.Lock()
+        self._jobs_guard = threading.Lock()
         self._job: Optional[_Job] = None
         self._failures: list[str] = []
         self._causes: list[BaseException] = []
@@ -124,9 +125,10 @@ class AsyncCheckpointWriter:
             if id(o) in memo:
                 return
             if dtensor is not None and isinstance(o, dtensor):
-                local = copy_tensor(o.to_local())
+                d: Any = o
+                local = copy_tensor(d.to_local())
                 memo[id(o)] = dtensor.from_local(
-                    local, o.device_mesh, o.placements, run_check=False, shape=o.size(), stride=o.stride()
+                    local, d.device_mesh, d.placements, run_check=False, shape=d.size(), stride=d.stride()
                 )
             elif isinstance(o, torch.Tensor):
                 memo[id(o)] = copy_tensor(o)
@@ -159,9 +161,9 @@ class AsyncCheckpointWriter:
         def run() -> None:
             try:
                 write()
-            except BaseException as err:  # noqa: BLE001 - kept and raised in the training thread
+            except BaseException as err:
                 job.error = err
-            with self._lock:
+            with self._jobs_guard:
                 job.done = True
                 removals, job.removals = job.removals, []
                 if job.error is not None:
@@ -171,7 +173,7 @@ class AsyncCheckpointWriter:
                 for remove in removals:  # the replacement is complete: the old checkpoints can go
                     try:
                         remove()
-                    except Exception as err:  # noqa: BLE001 - a failed removal leaves a file, as Lightning's does
+                    except Exception as err:
                         log.warning(f"Removing an old checkpoint after writing {job.path} failed: {err}")
 
         job.thread = threading.Thread(target=run, name=f"lightning_mgpu-checkpoint-writer-{self.rank}", daemon=True)
@@ -181,7 +183,7 @@ class AsyncCheckpointWriter:
     def remove_after_write(self, remove: Callable[[], None]) -> None:
         """``remove()`` now if no write is in flight, else once the write in flight has succeeded (never if it
         failed: the old checkpoint is then the latest complete one)."""
-        with self._lock:
+        with self._jobs_guard:
             job = self._job
             if job is not None and not job.done:
                 job.removals.append(remove)
@@ -204,15 +206,49 @@ class AsyncCheckpointWriter:
         """Wait for the write in flight; return the failures not yet reported (``"PATH: on rank R, CAUSE"``) and
         forget them."""
         self.wait()
-        with self._lock:
+        with self._jobs_guard:
             failures, self._failures = self._failures, []
         return failures
 
     def take_causes(self) -> list[BaseException]:
         """The exceptions behind the failures :meth:`finish` last returned on this rank (to chain them)."""
-        with self._lock:
+        with self._jobs_guard:
             causes, self._causes = self._causes, []
         return causes
+
+
+def sharded_directory_write(
+    tensors: dict[str, Any],
+    staging: Path,
+    group: Any,
+    write_meta: Optional[Callable[[], None]] = None,
+    commit: Optional[Callable[[], None]] = None,
+) -> Callable[[], None]:
+    """The background half of an asynchronous sharded save, run on every rank: write this rank's staged
+    ``tensors`` into ``staging`` with ``torch.distributed.checkpoint`` (its collectives on ``group``, a group of
+    its own: they must not interleave with training's), then ``write_meta()``; the ranks agree that every part
+    is on disk (or that one failed: then nobody marks it), and only then ``commit()`` (rank 0: the marker and the
+    swap). Give ``write_meta`` and ``commit`` on rank 0 only."""
+
+    def write() -> None:
+        import torch.distributed.checkpoint as dcp
+
+        failed = torch.zeros(1)
+        try:
+            dcp.save(tensors, checkpoint_id=str(staging), process_group=group)
+            if write_meta is not None:
+                write_meta()
+        except BaseException:
+            failed[0] = 1
+            raise
+        finally:
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
+        if failed.item():
+            raise RuntimeError(f"another rank failed to write its part into {staging}; it was not marked complete")
+        if commit is not None:
+            commit()
+
+    return write
 
 
 def _copy_containers(obj: Any, memo: dict[int, Any]) -> Any:

@@ -244,7 +244,7 @@ class MGPUStrategyMixin:
         if self._saves_async():
             assert self._async is not None
             self._async_unsettled = True
-            if self.is_global_zero:  # one file, written by rank 0 (Lightning's Strategy.save_checkpoint)
+            if self.is_global_zero:  # type: ignore[attr-defined]  # one file, written by rank 0 (as Lightning's)
                 staged = self._async.stage(checkpoint)
                 io = self.checkpoint_io
                 self._async.rank = 0
@@ -262,14 +262,21 @@ class MGPUStrategyMixin:
         """Whether checkpoints saved during fit are staged and written in the background."""
         return self._launch.async_checkpoint
 
+    @property
+    def checkpoint_write_in_flight(self) -> bool:
+        """Whether a background checkpoint write of this rank is running now (``async_checkpoint=True``)."""
+        return self._async is not None and self._async.in_flight
+
     def _saves_async(self) -> bool:
         """Async only inside a running fit: a save outside it (after fit, in validate) has no end of fit that
         waits for it, so it is written before it returns."""
         if self._async is None:
             return False
         trainer = attached_trainer(self.lightning_module)  # type: ignore[attr-defined]
-        return trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.status == (
-            TrainerStatus.RUNNING
+        return (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING
         )
 
     def _settle_async_writes(self) -> None:
@@ -301,8 +308,7 @@ class MGPUStrategyMixin:
         the training thread's collectives on the default group (torch's advice for ``dcp.async_save``). Made on
         every rank at the first asynchronous sharded save (a collective)."""
         if self._checkpoint_group is None:
-            kwargs = {"timeout": self._launch.timeout} if self._launch.timeout is not None else {}
-            self._checkpoint_group = torch.distributed.new_group(backend="gloo", **kwargs)
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo", timeout=self._launch.timeout)
         return self._checkpoint_group
 
     def _end_async_writes(self) -> None:
@@ -318,7 +324,7 @@ class MGPUStrategyMixin:
         if group is not None and group_is_up():
             try:
                 torch.distributed.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 - already gone with the default group
+            except Exception:
                 pass
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

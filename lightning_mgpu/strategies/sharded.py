@@ -47,6 +47,7 @@ from lightning_mgpu.checkpoint_io import (
     write_file_atomic,
 )
 from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy, classes_present
+from lightning_mgpu.parts.async_writer import sharded_directory_write
 from lightning_mgpu.parts.optimizers import unwrap_optimizer
 from lightning_mgpu.parts.process_group import group_is_up
 from lightning_mgpu.precision import MGPUPrecision
@@ -435,37 +436,26 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
             "global_step": checkpoint.get("global_step"),
         }
 
-    def _save_sharded_async(self, tensors: dict[str, Any], checkpoint: dict[str, Any], staging: Path, path: Path) -> None:
-        """The sharded layout with ``async_checkpoint=True``: every rank stages its shards now; in the background
-        every rank writes them into ``staging``, the ranks agree (on the checkpoint group) that all parts are on
-        disk, and only then rank 0 marks the directory complete and swaps it in (as the synchronous save does)."""
-        import torch.distributed.checkpoint as dcp
-
+    def _save_sharded_async(
+        self, tensors: dict[str, Any], checkpoint: dict[str, Any], staging: Path, path: Path
+    ) -> None:
+        """The sharded layout with ``async_checkpoint=True``: every rank stages its shards now; the background
+        write marks the directory complete only once every rank's part is on disk (``parts/async_writer.py``)."""
         assert self._async is not None
         self._async_unsettled = True
-        staged = self._async.stage({"tensors": tensors, "meta": checkpoint if self.is_global_zero else None})
-        info = self._marker_info(checkpoint)
-        group = self._async_checkpoint_group()
         rank0 = self.is_global_zero
+        staged = self._async.stage({"tensors": tensors, "meta": checkpoint if rank0 else None})
+        info = self._marker_info(checkpoint)
         self._async.rank = self.global_rank
-
-        def write() -> None:
-            failed = torch.zeros(1)
-            try:
-                dcp.save(staged["tensors"], checkpoint_id=str(staging), process_group=group)
-                if rank0:
-                    write_file_atomic(staging / _METADATA, lambda f: torch.save(staged["meta"], f))
-            except BaseException:
-                failed[0] = 1
-                raise
-            finally:
-                # every rank's part is on disk, or some rank failed: then no rank marks it complete
-                torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
-            if failed.item():
-                raise RuntimeError(f"another rank failed to write its part of {path}; it was not marked complete")
-            if rank0:
-                commit_dir(staging, path, info)
-
+        write = sharded_directory_write(
+            staged["tensors"],
+            staging,
+            self._async_checkpoint_group(),
+            write_meta=(lambda: write_file_atomic(staging / _METADATA, lambda f: torch.save(staged["meta"], f)))
+            if rank0
+            else None,
+            commit=(lambda: commit_dir(staging, path, info)) if rank0 else None,
+        )
         self._async.submit(str(path), write)
 
     @override
