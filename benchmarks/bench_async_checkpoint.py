@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=3584)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=22)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=6, help="save every N steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
@@ -142,11 +142,11 @@ def main() -> None:
                 if during
                 else "       - |     - |"
             )
-            + f" {len(r['saves'])} / {len(during)} |"
+            + f" {len(r['saves'])} / {len(during)} | {', '.join(f'{t:.2f}' for t in r['saves'])} |"
         )
     print("| mode  | blocking per save (s, median) | vs sync save | step, no write (s) | step during a write (s) "
-          "| vs normal step | saves / steps during a write |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| vs normal step | saves / steps during a write | each save (s) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

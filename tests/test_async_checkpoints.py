@@ -22,6 +22,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.plugins.io import AsyncCheckpointIO
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from typing_extensions import override
 
@@ -367,5 +368,10 @@ def test_async_checkpoint_is_a_setting_of_every_strategy():
         )
     assert MGPUDDPStrategy(async_checkpoint=True).settings.async_checkpoint
     assert MGPUShardedStrategy(stage=3, async_checkpoint=True).launch_settings.async_checkpoint
+    with pytest.raises(ValueError, match=r"async_checkpoint=True with AsyncCheckpointIO.*Remove AsyncCheckpointIO"):
+        pl.Trainer(
+            accelerator="cpu", devices=2, strategy=MGPUDDPStrategy(start_method="fork", async_checkpoint=True),
+            plugins=[AsyncCheckpointIO()], logger=False,
+        ).fit(OptRegressor())  # fmt: skip
     with pytest.raises(TypeError, match="async_checkpoint='yes' is not a bool"):
         MGPUShardedStrategy(async_checkpoint="yes")  # type: ignore[arg-type]

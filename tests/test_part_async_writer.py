@@ -3,6 +3,7 @@ removals deferred until the replacement is written."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections import OrderedDict
 
@@ -126,6 +127,16 @@ def test_a_distributed_checkpoint_failure_names_the_ranks_it_happened_on():
     assert describe_error(FakeCheckpointException("long remote traceback"), rank=0) == (
         "on rank 1, OSError: [Errno 28] No space left on device"
     )
+
+
+def test_the_writer_pickles_for_a_spawn_launch_without_its_thread_or_buffers():
+    writer = AsyncCheckpointWriter(rank=1)
+    writer.stage({"w": torch.ones(2)})
+    writer.submit("a.ckpt", lambda: None)
+    copy = pickle.loads(pickle.dumps(writer))
+    assert copy.rank == 1 and not copy.in_flight and copy.finish() == []
+    copy.submit("b.ckpt", lambda: None)  # works in the new process
+    assert copy.finish() == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a GPU")

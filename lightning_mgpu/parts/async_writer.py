@@ -9,9 +9,8 @@ A save with ``async_checkpoint=True`` has two halves:
    the state of the step the checkpoint names, bit for bit. (Lightning's ``AsyncCheckpointIO`` hands the live
    tensors to its thread: its file can mix two steps.)
 2. **Writing**, in one background thread per strategy (:meth:`AsyncCheckpointWriter.submit`). At most one write
-   is in flight: a new save first waits for the previous write to finish (no write is ever dropped or
-   superseded, so every checkpoint ``ModelCheckpoint`` names exists once its save returns... and is complete once
-   its write finished).
+   is in flight: a new save first waits for the previous write to finish. No write is dropped or superseded:
+   every checkpoint ``ModelCheckpoint`` asked for is written, complete, before the next one starts.
 
 The staging buffers are kept for the next save (one CPU copy of the checkpoint's tensors per rank; pinned
 allocation is slow), as torch's ``DefaultStager(cache_staged_state_dict=True)`` does.
@@ -93,6 +92,16 @@ class AsyncCheckpointWriter:
         self._failures: list[str] = []
         self._causes: list[BaseException] = []
         self._buffers: list[torch.Tensor] = []  # staging copies, in traversal order, reused when shapes match
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a spawn launch pickles the strategy: no thread, lock or buffers travel
+        state = self.__dict__.copy()
+        state.update(_jobs_guard=None, _job=None, _buffers=[], _failures=[], _causes=[])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._jobs_guard = threading.Lock()
 
     # --- staging ------------------------------------------------------------------------------------------
     def stage(self, obj: Any) -> Any:

@@ -111,6 +111,14 @@ class MGPUStrategyMixin:
     def _check_at_construction(self) -> None:
         """Runs in the main process at Trainer construction, once accelerator and devices are known."""
         PrecisionAdoption.check(_compat.strategy_precision_plugin(self), self.parallel_devices)  # type: ignore[attr-defined]
+        io = _compat.strategy_checkpoint_io(self)
+        if self._launch.async_checkpoint and _compat.is_wrapping_checkpoint_io(io):
+            raise ValueError(
+                f"async_checkpoint=True with {type(io).__name__}: the strategy already writes checkpoints in the "
+                f"background, from a copy of the state, and marks them complete only once written; a second "
+                f"background plugin would hand it back before the file exists. Remove {type(io).__name__} from the "
+                f"plugins (or give its base plugin as checkpoint_io), or drop async_checkpoint=True."
+            )
 
     def _configure_launcher(self) -> None:
         # The last moment to refuse a configuration before any process is started.
