@@ -118,6 +118,8 @@ def test_removals_wait_for_the_write_in_flight_and_never_follow_a_failed_one():
     failing.set()
     assert len(writer.finish()) == 1
     assert "kept.ckpt" not in removed  # the old checkpoint stays: its replacement failed
+    writer.remove_after_write(lambda: removed.append("asked-late.ckpt"))  # asked after the failure
+    assert "asked-late.ckpt" not in removed
 
 
 def test_a_distributed_checkpoint_failure_names_the_ranks_it_happened_on():
