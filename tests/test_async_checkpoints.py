@@ -141,6 +141,9 @@ STRATEGIES: dict[str, Callable[[], Any]] = {
     "zero1": lambda: MGPUShardedStrategy(stage=1, start_method="fork", async_checkpoint=True),
     "zero2": lambda: MGPUShardedStrategy(stage=2, start_method="fork", async_checkpoint=True),
     "zero3": lambda: MGPUShardedStrategy(stage=3, start_method="fork", async_checkpoint=True),
+    "zero2-fairscale": lambda: MGPUShardedStrategy(
+        stage=2, backend="fairscale", start_method="fork", async_checkpoint=True
+    ),
     "zero1-sharded_ckpt": lambda: MGPUShardedStrategy(
         stage=1, checkpoint="sharded", start_method="fork", async_checkpoint=True
     ),
