@@ -34,6 +34,7 @@ from lightning_mgpu.checkpointing import (
 from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
 from lightning_mgpu.distributed import effective_batch_size
 from lightning_mgpu.migration import RemovedTrainerArgument, guard_trainer
+from lightning_mgpu.parts.async_writer import CheckpointWriteError
 from lightning_mgpu.planning import plan
 from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets
@@ -54,6 +55,7 @@ __all__ = [
     "COMM_HOOKS",
     "PRESETS",
     "AtomicCheckpointIO",
+    "CheckpointWriteError",
     "CommStats",
     "DeviceMonitor",
     "EveryNth",

@@ -148,6 +148,9 @@ class CommonSettings:
     micro_batch_size: Optional[MicroBatchSetting] = None
     """Split each loader batch into micro-batches of this many rows and accumulate them, backing off on
     out-of-memory errors (``lightning_mgpu/parts/micro_batching.py``); ``"auto"``: the largest that fits."""
+    async_checkpoint: bool = False
+    """Checkpoints saved during fit are copied off the live tensors (to pinned CPU memory on GPU) and written in a
+    background thread; training goes on as soon as the copy is made (``lightning_mgpu/parts/async_writer.py``)."""
 
     def __post_init__(self) -> None:
         _check_start_method(self.start_method)
@@ -175,6 +178,7 @@ class CommonSettings:
         _check_bool("log_comm_stats", self.log_comm_stats)
         validate_policy(self.activation_checkpointing)
         _check_bool("activation_checkpointing_reentrant", self.activation_checkpointing_reentrant)
+        _check_bool("async_checkpoint", self.async_checkpoint)
 
     @classmethod
     def keywords(cls) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ sharded directory (MGPUShardedStrategy(checkpoint="sharded"): marked complete on
 The kill tests fork a worker into its own session; it fits on 2 fork-launched ranks and saves ``last.ckpt``
 after every epoch. The worker's second save stops at a chosen point, signals a ``ready`` file and blocks;
 the test then SIGKILLs the worker's whole process group (the ranks included) and inspects the directory.
+With ``async_checkpoint=True`` the save stops in the background writer thread, while training goes on.
 """
 
 from __future__ import annotations
@@ -249,6 +250,8 @@ def _half_write_lightning_copy(tmpdir: str, ckpt_dir: Path, signals: Path) -> No
 FILE_STRATEGIES = {
     "mgpu_ddp": lambda: MGPUDDPStrategy(start_method="fork"),
     "zero3-consolidated": lambda: MGPUShardedStrategy(stage=3, start_method="fork"),
+    "mgpu_ddp-async": lambda: MGPUDDPStrategy(start_method="fork", async_checkpoint=True),
+    "zero3-consolidated-async": lambda: MGPUShardedStrategy(stage=3, start_method="fork", async_checkpoint=True),
 }
 
 
@@ -290,8 +293,14 @@ def test_kill_during_lightnings_plain_save_truncates_the_checkpoint(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _sharded(stage: int = 2, backend: str = "torch") -> MGPUShardedStrategy:
-    return MGPUShardedStrategy(stage=stage, backend=backend, checkpoint="sharded", start_method="fork")  # type: ignore[arg-type]
+def _sharded(stage: int = 2, backend: str = "torch", async_checkpoint: bool = False) -> MGPUShardedStrategy:
+    return MGPUShardedStrategy(
+        stage=stage,  # type: ignore[arg-type]
+        backend=backend,  # type: ignore[arg-type]
+        checkpoint="sharded",
+        start_method="fork",
+        async_checkpoint=async_checkpoint,
+    )
 
 
 _RANK1_WROTE = (_hang_before_rank1_writes, ["__0_0.distcp"])
@@ -300,13 +309,15 @@ _ALL_WROTE = (_hang_before_the_marker, [".metadata", "__0_0.distcp", "__1_0.dist
 
 # every stage and backend at the first kill point; the marker is written by the same code for all of them
 @pytest.mark.parametrize(
-    ("stage", "backend", "setup", "staged"),
+    ("stage", "backend", "setup", "staged", "async_checkpoint"),
     [
-        (2, "torch", *_RANK1_WROTE),
-        (2, "torch", *_ALL_WROTE),
-        (1, "torch", *_RANK1_WROTE),
-        (3, "torch", *_RANK1_WROTE),
-        (2, "fairscale", *_RANK1_WROTE),
+        (2, "torch", *_RANK1_WROTE, False),
+        (2, "torch", *_ALL_WROTE, False),
+        (1, "torch", *_RANK1_WROTE, False),
+        (3, "torch", *_RANK1_WROTE, False),
+        (2, "fairscale", *_RANK1_WROTE, False),
+        (2, "torch", *_RANK1_WROTE, True),
+        (2, "torch", *_ALL_WROTE, True),
     ],
     ids=[
         "zero2-fsdp2-before-rank1-wrote",
@@ -314,11 +325,15 @@ _ALL_WROTE = (_hang_before_the_marker, [".metadata", "__0_0.distcp", "__1_0.dist
         "zero1-before-rank1-wrote",
         "zero3-fsdp2-before-rank1-wrote",
         "zero2-fairscale-before-rank1-wrote",
+        "async-zero2-fsdp2-before-rank1-wrote",
+        "async-zero2-fsdp2-before-the-marker",
     ],
 )
-def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path, stage, backend, setup, staged):
+def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(
+    tmp_path, stage, backend, setup, staged, async_checkpoint
+):
     ckpt_dir = tmp_path / "ckpt"
-    _kill_during_second_save(setup, _sharded(stage, backend), ckpt_dir, tmp_path / "signals")
+    _kill_during_second_save(setup, _sharded(stage, backend, async_checkpoint), ckpt_dir, tmp_path / "signals")
 
     (temp, last) = _entries(ckpt_dir)
     assert last == "last.ckpt" and temp.startswith(".last.ckpt.tmp-")
@@ -331,7 +346,9 @@ def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path, stag
     assert f"ckpt_path='{ckpt_dir / 'last.ckpt'}'" in str(err.value)  # the fix: the previous checkpoint
 
     # resume from the previous one; the next save of last.ckpt replaces it and removes the leftover
-    assert _fit(_sharded(stage, backend), ckpt_dir, max_epochs=2, ckpt_path=ckpt_dir / "last.ckpt") == 1
+    assert (
+        _fit(_sharded(stage, backend, async_checkpoint), ckpt_dir, max_epochs=2, ckpt_path=ckpt_dir / "last.ckpt") == 1
+    )
     assert _entries(ckpt_dir) == ["last.ckpt"]
     marker = check_complete(ckpt_dir / "last.ckpt")
     assert (marker["epoch"], marker["global_step"]) == (1, 2 * STEPS_PER_EPOCH)

@@ -309,6 +309,12 @@ STRATEGIES: dict[str, Callable[[], Any]] = {
     "zero1": lambda: MGPUShardedStrategy(stage=1, start_method="fork"),
     "zero2": lambda: MGPUShardedStrategy(stage=2, start_method="fork"),
     "zero3-sharded_ckpt": lambda: MGPUShardedStrategy(stage=3, checkpoint="sharded", start_method="fork"),
+    # the same, with checkpoints written in the background (async_checkpoint=True): they resume alike
+    "mgpu_ddp-async": lambda: MGPUDDPStrategy(start_method="fork", async_checkpoint=True),
+    "zero1-async": lambda: MGPUShardedStrategy(stage=1, start_method="fork", async_checkpoint=True),
+    "zero3-sharded_ckpt-async": lambda: MGPUShardedStrategy(
+        stage=3, checkpoint="sharded", start_method="fork", async_checkpoint=True
+    ),
 }
 
 
@@ -353,9 +359,11 @@ def test_uninterrupted_run_uses_lightnings_order_and_equals_one_process(uninterr
 
 @pytest.mark.parametrize(
     ("name", "devices"),
-    [("mgpu_ddp", 2), ("mgpu_ddp", 1), ("zero1", 2), ("zero2", 2), ("zero3-sharded_ckpt", 1)],
-    ids=["mgpu_ddp-2to2", "mgpu_ddp-2to1", "zero1-2to2", "zero2-2to2", "zero3-sharded_ckpt-2to1"],
-)
+    [("mgpu_ddp", 2), ("mgpu_ddp", 1), ("zero1", 2), ("zero2", 2), ("zero3-sharded_ckpt", 1),
+     ("mgpu_ddp-async", 2), ("mgpu_ddp-async", 1), ("zero1-async", 2), ("zero3-sharded_ckpt-async", 1)],
+    ids=["mgpu_ddp-2to2", "mgpu_ddp-2to1", "zero1-2to2", "zero2-2to2", "zero3-sharded_ckpt-2to1",
+         "mgpu_ddp-async-2to2", "mgpu_ddp-async-2to1", "zero1-async-2to2", "zero3-sharded_ckpt-async-2to1"],
+)  # fmt: skip
 def test_resume_at_an_accumulation_boundary_equals_the_uninterrupted_run(tmp_path, uninterrupted_runs, name, devices):
     """Resumed from step 4 (2 of epoch 1's 6 micro-batches in) on ``devices`` ranks with the same global
     micro-batch (2 x 4, or 1 x 8): same weights, steps and samples per step as the uninterrupted run."""

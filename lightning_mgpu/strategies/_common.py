@@ -7,6 +7,7 @@ machinery (``_start_method``, ``_timeout``, ``_get_process_group_backend``)."""
 from __future__ import annotations
 
 import atexit
+import logging
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -14,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
@@ -22,6 +23,7 @@ from lightning_mgpu import _compat
 from lightning_mgpu.accumulation import check_accumulate_grad_batches, check_manual_accumulation
 from lightning_mgpu.comm import CommStats
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointing
+from lightning_mgpu.parts.async_writer import AsyncCheckpointWriter, CheckpointWriteError, failure_message
 from lightning_mgpu.parts.checkpoint_io import choose_checkpoint_io
 from lightning_mgpu.parts.failures import FailureHandling
 from lightning_mgpu.parts.ledger import Ledger, attached_trainer
@@ -32,6 +34,8 @@ from lightning_mgpu.parts.resume import MidEpochResume
 from lightning_mgpu.parts.token_loss import LOG_NAME, TokenNormalization
 from lightning_mgpu.settings import CommonSettings
 from lightning_mgpu.strategies._launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
+
+log = logging.getLogger(__name__)
 
 
 class MGPUStrategyMixin:
@@ -44,6 +48,7 @@ class MGPUStrategyMixin:
     _launch: CommonSettings
     _tokens: Optional[TokenNormalization]
     _nonfinite: Optional[NonFiniteCheck]
+    _async: Optional[AsyncCheckpointWriter]
 
     def _init_parts(self, settings: CommonSettings) -> None:
         self._launch = settings
@@ -56,6 +61,9 @@ class MGPUStrategyMixin:
         tokens = settings.loss_normalization == "tokens"
         self._tokens = TokenNormalization(self._ledger.stats) if tokens else None
         self._nonfinite = NonFiniteCheck(self._ledger.stats) if settings.nonfinite == "error" else None
+        self._async = AsyncCheckpointWriter() if settings.async_checkpoint else None
+        self._async_unsettled = False  # every rank: an async save was submitted since the last agreement
+        self._checkpoint_group: Any = None  # a gloo group for the background writes' collectives (sharded layout)
 
     def _group_backend(self) -> str:
         """The process-group backend asked for, or the device's default (gloo on CPU, nccl on CUDA)."""
@@ -110,6 +118,14 @@ class MGPUStrategyMixin:
     def _check_at_construction(self) -> None:
         """Runs in the main process at Trainer construction, once accelerator and devices are known."""
         PrecisionAdoption.check(_compat.strategy_precision_plugin(self), self.parallel_devices)  # type: ignore[attr-defined]
+        io = _compat.strategy_checkpoint_io(self)
+        if self._launch.async_checkpoint and _compat.is_wrapping_checkpoint_io(io):
+            raise ValueError(
+                f"async_checkpoint=True with {type(io).__name__}: the strategy already writes checkpoints in the "
+                f"background, from a copy of the state, and marks them complete only once written; a second "
+                f"background plugin would hand it back before the file exists. Remove {type(io).__name__} from the "
+                f"plugins (or give its base plugin as checkpoint_io), or drop async_checkpoint=True."
+            )
 
     def _configure_launcher(self) -> None:
         # The last moment to refuse a configuration before any process is started.
@@ -316,8 +332,93 @@ class MGPUStrategyMixin:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self._refuse_main_process_save()
+        self._settle_async_writes()
         self._resume.before_save(checkpoint)
+        if self._saves_async():
+            assert self._async is not None
+            self._async_unsettled = True
+            if self.is_global_zero:  # type: ignore[attr-defined]  # one file, written by rank 0 (as Lightning's)
+                staged = self._async.stage(checkpoint)
+                io = self.checkpoint_io
+                self._async.rank = 0
+                self._async.submit(str(filepath), lambda: io.save_checkpoint(staged, filepath, storage_options))
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        parent = super().remove_checkpoint  # type: ignore[misc]
+        self._remove_when_written(lambda: parent(filepath))
+
+    # --- asynchronous checkpoints (parts/async_writer.py) ---------------------------------------------
+    @property
+    def async_checkpoint(self) -> bool:
+        """Whether checkpoints saved during fit are staged and written in the background."""
+        return self._launch.async_checkpoint
+
+    @property
+    def checkpoint_write_in_flight(self) -> bool:
+        """Whether a background checkpoint write of this rank is running now (``async_checkpoint=True``)."""
+        return self._async is not None and self._async.in_flight
+
+    def _saves_async(self) -> bool:
+        """Async only inside a running fit: a save outside it (after fit, in validate) has no end of fit that
+        waits for it, so it is written before it returns."""
+        if self._async is None:
+            return False
+        trainer = attached_trainer(self.lightning_module)  # type: ignore[attr-defined]
+        return (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING
+        )
+
+    def _settle_async_writes(self) -> None:
+        """Every rank, at a save and at the end of fit: wait for the write in flight, and raise
+        :class:`~lightning_mgpu.CheckpointWriteError` on every rank if any rank's write failed."""
+        if self._async is None or not self._async_unsettled:
+            return
+        self._async_unsettled = False
+        failures = self._async.finish()
+        causes = self._async.take_causes()
+        strategy: Any = self
+        if group_is_up() and strategy.world_size > 1:
+            gathered: list[Any] = [None] * strategy.world_size
+            torch.distributed.all_gather_object(gathered, failures)
+            failures = [f for rank_failures in gathered for f in rank_failures]
+        if failures:
+            raise CheckpointWriteError(failure_message(failures)) from (causes[0] if causes else None)
+
+    def _remove_when_written(self, remove: Any) -> None:
+        """Remove an old checkpoint once the write in flight has succeeded (ModelCheckpoint's top-k and
+        ``save_last`` ask right after submitting the replacement), at once without a write in flight."""
+        if self._async is not None:
+            self._async.remove_after_write(remove)
+        else:
+            remove()
+
+    def _async_checkpoint_group(self) -> Any:
+        """A gloo group of all ranks for the collectives of background writes: they must not interleave with
+        the training thread's collectives on the default group (torch's advice for ``dcp.async_save``). Made on
+        every rank at the first asynchronous sharded save (a collective)."""
+        if self._checkpoint_group is None:
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo", timeout=self._launch.timeout)
+        return self._checkpoint_group
+
+    def _end_async_writes(self) -> None:
+        """Teardown: wait for the last write (an error not raised yet, e.g. after another exception, is logged)
+        and leave the checkpoint group."""
+        if self._async is None:
+            return
+        for failure in self._async.finish():
+            log.error(f"The background write of {failure}")
+        self._async.take_causes()
+        self._async_unsettled = False
+        group, self._checkpoint_group = self._checkpoint_group, None
+        if group is not None and group_is_up():
+            try:
+                torch.distributed.destroy_process_group(group)
+            except Exception:
+                pass
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
@@ -335,9 +436,11 @@ class MGPUStrategyMixin:
 
     # --- end ----------------------------------------------------------------------------------------------
     def on_train_end(self) -> None:
+        self._settle_async_writes()  # fit's end waits for the last write; its failure raises on every rank
         self._ledger.write(self.lightning_module, self.is_global_zero, force=True)  # type: ignore[attr-defined]
         super().on_train_end()  # type: ignore[misc]
 
     def teardown(self) -> None:
+        self._end_async_writes()
         self._checkpointing.remove(self.lightning_module)  # type: ignore[attr-defined]  # the user's module back
         super().teardown()  # type: ignore[misc]

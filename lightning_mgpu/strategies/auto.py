@@ -40,7 +40,7 @@ from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.planning import STRATEGIES, PlanError, plan
 from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, planner_precision
 from lightning_mgpu.planning.source import default_policy
-from lightning_mgpu.settings import MicroBatchSetting, StartMethod
+from lightning_mgpu.settings import LossNormalization, MicroBatchSetting, NonFinite, StartMethod
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 
 
@@ -85,20 +85,25 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         activation_checkpointing: the blocks the "with activation checkpointing" candidates checkpoint; default
             the transformer layers, else every block of the outermost containers.
         micro_batch_size: passed to the chosen strategy (see :class:`~lightning_mgpu.MGPUDDPStrategy`).
-        start_method, process_group_backend, timeout, log_comm_stats: as for every mgpu strategy.
+        start_method, process_group_backend, timeout, log_comm_stats, loss_normalization, nonfinite,
+            async_checkpoint: as for every mgpu strategy, passed to the chosen one.
 
     After set-up, in the training processes, ``trainer.strategy`` is the chosen strategy and its
     ``auto_decision`` (an ``AutoDecision``: ``strategy``, ``activation_checkpointing``, ``reason``, ``table``)
     says what and why.
 
-    Example::
+    Example (``trainer.fit(model, datamodule)`` then plans and logs which strategy was chosen and why):
 
-        from pytorch_lightning import Trainer
-        from lightning_mgpu import MGPUAutoStrategy
-
-        strategy = MGPUAutoStrategy(device_memory="8GiB", start_method="fork")  # or strategy="mgpu_auto"
-        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1)
-        trainer.fit(model, datamodule)  # the log says which strategy was chosen and why
+        >>> from pytorch_lightning import Trainer
+        >>> from lightning_mgpu import MGPUAutoStrategy
+        >>> strategy = MGPUAutoStrategy(device_memory="8GiB", start_method="fork")  # or strategy="mgpu_auto"
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False)
+        >>> trainer.strategy is strategy
+        True
+        >>> MGPUAutoStrategy(strategies=["mgpu_ddp", "deepspeed"])
+        Traceback (most recent call last):
+        ...
+        ValueError: strategies=['mgpu_ddp', 'deepspeed']: ['deepspeed']; choose from ...
     """
 
     strategy_name = "mgpu_auto"
@@ -119,12 +124,18 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
         log_comm_stats: bool = True,
+        loss_normalization: Optional[LossNormalization] = None,
+        nonfinite: Optional[NonFinite] = None,
+        async_checkpoint: bool = False,
     ) -> None:
         common: dict[str, Any] = {
             "process_group_backend": process_group_backend,
             "timeout": timeout,
             "start_method": start_method,
             "log_comm_stats": log_comm_stats,
+            "loss_normalization": loss_normalization,
+            "nonfinite": nonfinite,
+            "async_checkpoint": async_checkpoint,
         }
         # validates the common arguments (and micro_batch_size) now, before any process starts
         super().__init__(

@@ -116,6 +116,10 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             gradient stays the whole batch's); ``"auto"``: the largest that fits. An out-of-memory error on any
             rank makes every rank redo the step at half the size (see :doc:`/guides/planning`). Automatic
             optimization only; the gradients are then averaged once after the last micro-batch.
+        async_checkpoint: save checkpoints during fit without stopping training: the state is copied off the
+            live tensors (pinned CPU memory on GPU) and written in a background thread, one write at a time; a
+            failed write raises on every rank at the next save or at the end of fit, which waits for the last
+            write. See the reliability guide.
         checkpoint_io: how checkpoint files are written; default :class:`~lightning_mgpu.AtomicCheckpointIO`.
             A plugin you pass is used as it is (atomic saves are then up to it).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``);
@@ -161,6 +165,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         loss_normalization: Optional[LossNormalization] = None,
         nonfinite: Optional[NonFinite] = None,
         micro_batch_size: Optional[MicroBatchSetting] = None,
+        async_checkpoint: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         ddp_kwargs = split_ddp_kwargs(type(self).__name__, ddp_kwargs, _OWN_KEYWORDS)
@@ -179,6 +184,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             loss_normalization=loss_normalization,
             nonfinite=nonfinite,
             micro_batch_size=micro_batch_size,
+            async_checkpoint=async_checkpoint,
             ddp_kwargs=ddp_kwargs,
         )
         if static_graph and not _compat.DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4

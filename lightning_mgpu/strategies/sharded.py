@@ -47,6 +47,7 @@ from lightning_mgpu.checkpoint_io import (
     write_file_atomic,
 )
 from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy, classes_present
+from lightning_mgpu.parts.async_writer import sharded_directory_write
 from lightning_mgpu.parts.optimizers import unwrap_optimizer
 from lightning_mgpu.parts.process_group import group_is_up
 from lightning_mgpu.precision import MGPUPrecision
@@ -174,6 +175,8 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
             ``mgpu_ddp``).
         nonfinite: ``"error"``: every rank raises the same error on a NaN/Inf gradient (as for ``mgpu_ddp``).
         micro_batch_size: stage 1 only: as for :class:`~lightning_mgpu.MGPUDDPStrategy`.
+        async_checkpoint: stage checkpoints saved during fit off the live tensors and write them in the
+            background (either layout; a sharded directory is marked complete once every rank's part is written).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
 
@@ -212,6 +215,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         activation_checkpointing_reentrant: bool = False,
         loss_normalization: Optional[LossNormalization] = None,
         nonfinite: Optional[NonFinite] = None,
+        async_checkpoint: bool = False,
         comm_hook: Optional[CommHookName] = None,
         comm_state: Optional[dict[str, Any]] = None,
         static_graph: bool = False,
@@ -257,6 +261,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
             "activation_checkpointing_reentrant": activation_checkpointing_reentrant,
             "loss_normalization": loss_normalization,
             "nonfinite": nonfinite,
+            "async_checkpoint": async_checkpoint,
         }
         if micro_batch_size is not None:  # stage 1 (above): MGPUDDPStrategy takes it
             settings["micro_batch_size"] = micro_batch_size
@@ -428,6 +433,7 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
     ) -> None:
         self._refuse_main_process_save()
+        self._settle_async_writes()  # the previous background write finished everywhere (or raise)
         self._resume.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
         filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
         local = local_path(filepath)
@@ -464,30 +470,58 @@ class MGPUShardedStrategy(MGPUStrategyMixin, ParallelStrategy, metaclass=_StageD
         # does rank 0 mark it complete and swap it in under `path`. A save killed or failing on any rank
         # leaves the previous checkpoint under `path` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
         staging = Path(self.broadcast(str(begin_dir(path)) if self.is_global_zero else ""))
+        if self._saves_async():
+            self._save_sharded_async(tensors, checkpoint, staging, path)
+            return
         dcp.save(tensors, checkpoint_id=str(staging), process_group=self._process_group())
         if self.is_global_zero:
             write_file_atomic(staging / _METADATA, lambda f: torch.save(checkpoint, f))
         self.barrier("mgpu_sharded_save_written")  # every rank's shards are on disk
         if self.is_global_zero:
-            info = {
-                "format": "lightning_mgpu.sharded",
-                "version": 1,
-                "world_size": self.world_size,
-                "stage": self._sharded_settings.stage,
-                "backend": self._backend_name,
-                "layout": self._checkpoint_layout,
-                "optimizers": checkpoint[_OPTIMIZER_COUNT],
-                "epoch": checkpoint.get("epoch"),
-                "global_step": checkpoint.get("global_step"),
-            }
-            commit_dir(staging, path, info)
+            commit_dir(staging, path, self._marker_info(checkpoint))
         self.barrier("mgpu_sharded_save_done")
+
+    def _marker_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "format": "lightning_mgpu.sharded",
+            "version": 1,
+            "world_size": self.world_size,
+            "stage": self._sharded_settings.stage,
+            "backend": self._backend_name,
+            "layout": self._checkpoint_layout,
+            "optimizers": checkpoint[_OPTIMIZER_COUNT],
+            "epoch": checkpoint.get("epoch"),
+            "global_step": checkpoint.get("global_step"),
+        }
+
+    def _save_sharded_async(
+        self, tensors: dict[str, Any], checkpoint: dict[str, Any], staging: Path, path: Path
+    ) -> None:
+        """The sharded layout with ``async_checkpoint=True``: every rank stages its shards now; the background
+        write marks the directory complete only once every rank's part is on disk (``parts/async_writer.py``)."""
+        assert self._async is not None
+        self._async_unsettled = True
+        rank0 = self.is_global_zero
+        staged = self._async.stage({"tensors": tensors, "meta": checkpoint if rank0 else None})
+        info = self._marker_info(checkpoint)
+        self._async.rank = self.global_rank
+        write = sharded_directory_write(
+            staged["tensors"],
+            staging,
+            self._async_checkpoint_group(),
+            write_meta=(lambda: write_file_atomic(staging / _METADATA, lambda f: torch.save(staged["meta"], f)))
+            if rank0
+            else None,
+            commit=(lambda: commit_dir(staging, path, info)) if rank0 else None,
+        )
+        self._async.submit(str(path), write)
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
         local = local_path(filepath)
         if self.is_global_zero and local is not None and os.path.isdir(local):
-            remove_dir(local)  # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
+            # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
+            self._remove_when_written(lambda: remove_dir(local))
             return
         super().remove_checkpoint(os.fspath(filepath))
 

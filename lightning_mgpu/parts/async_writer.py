@@ -1,0 +1,334 @@
+"""Checkpoint writes in the background, of a state copied off the live tensors first.
+
+A save with ``async_checkpoint=True`` has two halves:
+
+1. **Staging**, in the training thread, before the step goes on: :meth:`AsyncCheckpointWriter.stage` deep-copies
+   the checkpoint. Every tensor is copied to CPU memory (pinned memory when it lives on a GPU, so the copy is a
+   DMA); a ``DTensor`` keeps its mesh and placements around a copy of its local shard. Everything else is
+   ``copy.deepcopy``-ed. The training step may then change the live weights and optimizer state: the write sees
+   the state of the step the checkpoint names, bit for bit. (Lightning's ``AsyncCheckpointIO`` hands the live
+   tensors to its thread: its file can mix two steps.)
+2. **Writing**, in one background thread per strategy (:meth:`AsyncCheckpointWriter.submit`). At most one write
+   is in flight: a new save first waits for the previous write to finish. No write is dropped or superseded:
+   every checkpoint ``ModelCheckpoint`` asked for is written, complete, before the next one starts.
+
+The staging buffers are kept for the next save (one CPU copy of the checkpoint's tensors per rank; pinned
+allocation is slow), as torch's ``DefaultStager(cache_staged_state_dict=True)`` does.
+
+A failed write is kept, with its path and cause, until :meth:`AsyncCheckpointWriter.finish`; the strategy calls it
+on every rank at the next save and at the end of fit, and raises :class:`CheckpointWriteError` on every rank.
+Removals of old checkpoints asked for while a write is in flight (``ModelCheckpoint``'s top-k) wait for that
+write to succeed (:meth:`AsyncCheckpointWriter.remove_after_write`): an old checkpoint is never removed before
+its replacement is complete, and never if the replacement failed.
+
+Example::
+
+    writer = AsyncCheckpointWriter()
+    staged = writer.stage({"state_dict": model.state_dict(), "epoch": 3})  # copies; training may go on
+    writer.submit("last.ckpt", lambda: torch.save(staged, "last.ckpt"))
+    ...
+    failures = writer.finish()  # waits; [] if the write succeeded
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint written in the background (``async_checkpoint=True``) failed on some rank; raised on every
+    rank at the next save or at the end of fit, naming the path and the cause. The live training state was
+    never touched, and the checkpoint previously under that name is still there, complete.
+
+    Example (a save into a path that cannot be written: ``save_checkpoint`` returns at once, the error comes at the
+    end of fit):
+
+        >>> import os, tempfile
+        >>> import pytorch_lightning as pl
+        >>> from lightning_mgpu import CheckpointWriteError, MGPUDDPStrategy
+        >>> from lightning_mgpu.examples import DigitsCNN, DigitsDataModule
+        >>> not_a_folder = os.path.join(tempfile.mkdtemp(), "a-file")
+        >>> open(not_a_folder, "w").close()
+        >>> class SaveAtStep2(pl.Callback):
+        ...     def on_train_batch_end(self, trainer, *args):
+        ...         if trainer.global_step == 2:
+        ...             trainer.save_checkpoint(os.path.join(not_a_folder, "step2.ckpt"))
+        >>> trainer = pl.Trainer(strategy=MGPUDDPStrategy(async_checkpoint=True), accelerator="cpu", devices=1,
+        ...                      max_steps=4, callbacks=[SaveAtStep2()], logger=False, enable_checkpointing=False,
+        ...                      enable_progress_bar=False, enable_model_summary=False)
+        >>> try:
+        ...     trainer.fit(DigitsCNN(), DigitsDataModule())
+        ... except CheckpointWriteError as err:
+        ...     print(str(err).split(" (")[0])
+        The background write of a checkpoint failed
+    """
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+@dataclass
+class _Job:
+    path: str
+    thread: Optional[threading.Thread] = None
+    error: Optional[BaseException] = None
+    done: bool = False
+    removals: list[Callable[[], None]] = field(default_factory=list)
+
+
+class AsyncCheckpointWriter:
+    """Stages checkpoints off the live tensors and writes them in one background thread (see the module).
+
+    Args:
+        rank: this process's global rank (in error messages).
+        keep_buffers: keep the staging buffers for the next save of the same shapes (default ``True``).
+    """
+
+    def __init__(self, rank: int = 0, keep_buffers: bool = True) -> None:
+        self.rank = rank
+        self.keep_buffers = keep_buffers
+        self._jobs_guard = threading.Lock()
+        self._job: Optional[_Job] = None
+        self._failures: list[str] = []
+        self._causes: list[BaseException] = []
+        self._buffers: list[torch.Tensor] = []  # staging copies, in traversal order, reused when shapes match
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a spawn launch pickles the strategy: no thread, lock or buffers travel
+        state = self.__dict__.copy()
+        state.update(_jobs_guard=None, _job=None, _buffers=[], _failures=[], _causes=[])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._jobs_guard = threading.Lock()
+
+    # --- staging ------------------------------------------------------------------------------------------
+    def stage(self, obj: Any) -> Any:
+        """A deep copy of ``obj`` whose tensors are on CPU (pinned when they came from a GPU); returns once the
+        copies are complete (GPU copies synchronised). Tensors shared in ``obj`` stay shared in the copy. Call it
+        with no write in flight (:meth:`submit` waits first; the buffers are reused)."""
+        self.wait()
+        dtensor = _dtensor_type()
+        memo: dict[int, Any] = {}
+        used = [0]
+        cuda = [False]
+
+        def copy_tensor(t: torch.Tensor) -> torch.Tensor:
+            src = t.detach()
+            cuda[0] |= src.is_cuda
+            i = used[0]
+            used[0] += 1
+            buf = self._buffers[i] if i < len(self._buffers) else None
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.stride() != src.stride():
+                pin = src.is_cuda and torch.cuda.is_available()
+                buf = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device="cpu", pin_memory=pin)
+                if i < len(self._buffers):
+                    self._buffers[i] = buf
+                else:
+                    self._buffers.append(buf)
+            buf.copy_(src, non_blocking=src.is_cuda)
+            return buf
+
+        def visit(o: Any) -> None:
+            if id(o) in memo:
+                return
+            if dtensor is not None and isinstance(o, dtensor):
+                d: Any = o
+                local = copy_tensor(d.to_local())
+                memo[id(o)] = dtensor.from_local(
+                    local, d.device_mesh, d.placements, run_check=False, shape=d.size(), stride=d.stride()
+                )
+            elif isinstance(o, torch.Tensor):
+                memo[id(o)] = copy_tensor(o)
+            elif isinstance(o, Mapping):
+                for v in o.values():
+                    visit(v)
+            elif isinstance(o, (list, tuple, set, frozenset)):
+                for v in o:
+                    visit(v)
+
+        visit(obj)
+        del self._buffers[used[0] :]
+        if cuda[0]:
+            torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the sources
+        tensors = dict(memo)
+        try:
+            staged = copy.deepcopy(obj, memo)
+        except Exception:  # an object deepcopy cannot copy: copy the containers, share such leaves
+            staged = _copy_containers(obj, tensors)  # (deepcopy's memo now holds half-filled containers)
+        if not self.keep_buffers:
+            self._buffers = []
+        return staged
+
+    # --- writing ------------------------------------------------------------------------------------------
+    def submit(self, path: str, write: Callable[[], None]) -> None:
+        """Run ``write()`` (which writes ``path``) in the background thread, after the previous write finished."""
+        self.wait()
+        job = _Job(path=path)
+
+        def run() -> None:
+            _lower_priority()
+            try:
+                write()
+            except BaseException as err:
+                job.error = err
+            with self._jobs_guard:
+                job.done = True
+                removals, job.removals = job.removals, []
+                if job.error is not None:
+                    self._failures.append(f"{job.path}: {describe_error(job.error, self.rank)}")
+                    self._causes.append(job.error)
+            if job.error is None:
+                for remove in removals:  # the replacement is complete: the old checkpoints can go
+                    try:
+                        remove()
+                    except Exception as err:
+                        log.warning(f"Removing an old checkpoint after writing {job.path} failed: {err}")
+
+        job.thread = threading.Thread(target=run, name=f"lightning_mgpu-checkpoint-writer-{self.rank}", daemon=True)
+        self._job = job
+        job.thread.start()
+
+    def remove_after_write(self, remove: Callable[[], None]) -> None:
+        """``remove()`` now if no write is in flight, else once the write in flight has succeeded (never if it
+        failed: the old checkpoint is then the latest complete one)."""
+        with self._jobs_guard:
+            job = self._job
+            if job is not None and not job.done:
+                job.removals.append(remove)
+                return
+            if job is not None and job.error is not None:
+                return  # the last write failed: what it was to replace stays
+        remove()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a write is running now."""
+        job = self._job
+        return job is not None and not job.done
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) has finished."""
+        job = self._job
+        if job is not None and job.thread is not None:
+            job.thread.join()
+
+    def finish(self) -> list[str]:
+        """Wait for the write in flight; return the failures not yet reported (``"PATH: on rank R, CAUSE"``) and
+        forget them."""
+        self.wait()
+        with self._jobs_guard:
+            failures, self._failures = self._failures, []
+        return failures
+
+    def take_causes(self) -> list[BaseException]:
+        """The exceptions behind the failures :meth:`finish` last returned on this rank (to chain them)."""
+        with self._jobs_guard:
+            causes, self._causes = self._causes, []
+        return causes
+
+
+def _lower_priority() -> None:
+    """Give the writer thread a lower CPU priority (nice +10) than training: where cores are scarce the step keeps
+    its CPU time and the write takes what is left. Linux applies ``setpriority`` to one thread when given its
+    thread id (setpriority(2), "a bug" in POSIX terms that Linux documents); elsewhere this does nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + 10, 19))
+    except (AttributeError, OSError):  # pragma: no cover - no permission or no such call: keep the priority
+        pass
+
+
+def sharded_directory_write(
+    tensors: dict[str, Any],
+    staging: Path,
+    group: Any,
+    write_meta: Optional[Callable[[], None]] = None,
+    commit: Optional[Callable[[], None]] = None,
+) -> Callable[[], None]:
+    """The background half of an asynchronous sharded save, run on every rank: write this rank's staged
+    ``tensors`` into ``staging`` with ``torch.distributed.checkpoint`` (its collectives on ``group``, a group of
+    its own: they must not interleave with training's), then ``write_meta()``; the ranks agree that every part
+    is on disk (or that one failed: then nobody marks it), and only then ``commit()`` (rank 0: the marker and the
+    swap). Give ``write_meta`` and ``commit`` on rank 0 only."""
+
+    def write() -> None:
+        import torch.distributed.checkpoint as dcp
+
+        failed = torch.zeros(1)
+        try:
+            dcp.save(tensors, checkpoint_id=str(staging), process_group=group)
+            if write_meta is not None:
+                write_meta()
+        except BaseException:
+            failed[0] = 1
+            raise
+        finally:
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
+        if failed.item():
+            raise RuntimeError(f"another rank failed to write its part into {staging}; it was not marked complete")
+        if commit is not None:
+            commit()
+
+    return write
+
+
+def _copy_containers(obj: Any, memo: dict[int, Any]) -> Any:
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) in (dict,) else copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _copy_containers(v, memo)
+        return out
+    if isinstance(obj, list):
+        return [_copy_containers(v, memo) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_copy_containers(v, memo) for v in obj)
+    return obj
+
+
+def describe_error(error: BaseException, rank: int) -> str:
+    """``"on rank R, TYPE: MESSAGE"``; a ``torch.distributed.checkpoint`` failure names the ranks where it
+    happened (its message is the remote tracebacks)."""
+    per_rank = getattr(error, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+    if isinstance(per_rank, Mapping) and per_rank:
+        parts = []
+        for r, wrapped in sorted(per_rank.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+            parts.append(f"on rank {r}, {type(inner).__name__}: {inner}")
+        return "; ".join(parts)
+    return f"on rank {rank}, {type(error).__name__}: {error}"
+
+
+def failure_message(failures: list[str]) -> str:
+    """The error raised on every rank for ``failures`` (every rank's :meth:`AsyncCheckpointWriter.finish`, in rank
+    order; a failure several ranks saw alike is named once)."""
+    unique = list(dict.fromkeys(failures))
+    lines = "\n".join(f"  - {f}" for f in unique)
+    return (
+        f"The background write of a checkpoint failed (async_checkpoint=True):\n{lines}\nThe training state is "
+        f"untouched. A failed write replaces and removes no checkpoint: the one previously under that name, if "
+        f"any, is still complete. Fix the cause (disk space, permissions, the path) and resume from the last "
+        f"complete checkpoint, or save with async_checkpoint=False to see the error at the save itself."
+    )
