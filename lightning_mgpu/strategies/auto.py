@@ -85,8 +85,9 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         activation_checkpointing: the blocks the "with activation checkpointing" candidates checkpoint; default
             the transformer layers, else every block of the outermost containers.
         micro_batch_size: passed to the chosen strategy (see :class:`~lightning_mgpu.MGPUDDPStrategy`).
-        start_method, process_group_backend, timeout, log_comm_stats, loss_normalization, nonfinite,
-            async_checkpoint: as for every mgpu strategy, passed to the chosen one.
+        start_method: as for every mgpu strategy; so are ``process_group_backend``, ``timeout``,
+            ``log_comm_stats``, ``loss_normalization``, ``nonfinite`` and ``async_checkpoint``, all passed to the
+            chosen strategy.
 
     After set-up, in the training processes, ``trainer.strategy`` is the chosen strategy and its
     ``auto_decision`` (an ``AutoDecision``: ``strategy``, ``activation_checkpointing``, ``reason``, ``table``)
