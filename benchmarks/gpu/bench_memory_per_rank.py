@@ -29,11 +29,9 @@ rank holds, not measured, and the peak is not reported.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,8 +42,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from env import environment
 
-from lightning_mgpu._compat import fake_store
 from lightning_mgpu.planning.lm import TransformerLM
+from lightning_mgpu.planning.measure import fake_process_group
+from lightning_mgpu.strategies._sharding import local_bytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 FP32 = {
@@ -60,22 +59,6 @@ PAPER_MIXED = {
     "zero2": lambda p, n: 2 * p + 14 * p / n,
     "zero3": lambda p, n: 16 * p / n,
 }
-
-
-@contextlib.contextmanager
-def fake_world(n: int) -> Iterator[None]:
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=n)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def local_bytes(t: Any) -> int:
-    if t is None or not isinstance(t, torch.Tensor):
-        return 0
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.numel() * t.element_size()
 
 
 def _fake_allreduce(state: Any, bucket: Any) -> torch.futures.Future:
@@ -136,7 +119,7 @@ def measure(kind: str, n: int, args: argparse.Namespace, device: str) -> dict[st
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
     base = torch.cuda.memory_allocated() if cuda else 0
-    with fake_world(n):
+    with fake_process_group(n):
         torch.manual_seed(0)
         with torch.device(device):  # initialised on the device: fast
             model = TransformerLM(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers)

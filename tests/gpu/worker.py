@@ -23,6 +23,7 @@ from torch import nn
 import lightning_mgpu
 from lightning_mgpu.examples import DigitsCNN, DigitsDataModule
 from lightning_mgpu.examples.transformer import ConvBlock, DigitsTransformer
+from tests.helpers import full
 from tests.models import Regressor, make_data
 
 # MGPU_TIER_DEVICE=cpu runs the cases on CPU (gloo), to check the worker itself on a machine without a GPU; the
@@ -52,18 +53,12 @@ def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
     )
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A parameter as one tensor: a sharded (DTensor) parameter is gathered."""
-    t = t.detach()
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _finite(module: nn.Module) -> bool:
-    return all(bool(torch.isfinite(_full(p)).all()) for p in module.parameters())
+    return all(bool(torch.isfinite(full(p.detach())).all()) for p in module.parameters())
 
 
 def _flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([_full(p).double().flatten().cpu() for p in module.parameters()])
+    return torch.cat([full(p.detach()).double().flatten().cpu() for p in module.parameters()])
 
 
 @case
