@@ -12,7 +12,7 @@ Instances (strategies, precision plugins, callbacks) belong to one namespace, as
 
 import os as _os
 
-from lightning_mgpu import _namespace
+from lightning_mgpu import _moved, _namespace
 
 if __name__ == "lightning_mgpu":  # not in the `lightning` copy, which is this file loaded again
     _namespace.install(
@@ -22,23 +22,23 @@ if __name__ == "lightning_mgpu":  # not in the `lightning` copy, which is this f
     )
 
 from lightning_mgpu import distributed
-from lightning_mgpu.accumulation import ManualAccumulation
 from lightning_mgpu.callbacks import DeviceMonitor, ScaleLR
-from lightning_mgpu.checkpoint_io import AtomicCheckpointIO, IncompleteCheckpointError
-from lightning_mgpu.checkpointing import (
+from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
+from lightning_mgpu.distributed import effective_batch_size
+from lightning_mgpu.migration import RemovedTrainerArgument, guard_trainer
+from lightning_mgpu.parts.accumulation import ManualAccumulation
+from lightning_mgpu.parts.activation_checkpointing import (
     EveryNth,
     apply_activation_checkpointing,
     checkpointed_modules,
     remove_activation_checkpointing,
 )
-from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
-from lightning_mgpu.distributed import effective_batch_size
-from lightning_mgpu.migration import RemovedTrainerArgument, guard_trainer
-from lightning_mgpu.parts.async_writer import CheckpointWriteError
+from lightning_mgpu.parts.resume import ResumableDistributedSampler
 from lightning_mgpu.planning import plan
-from lightning_mgpu.precision import MGPUPrecision
+from lightning_mgpu.plugins.async_checkpoint import CheckpointWriteError
+from lightning_mgpu.plugins.checkpoint_io import AtomicCheckpointIO, IncompleteCheckpointError
+from lightning_mgpu.plugins.precision import MGPUPrecision
 from lightning_mgpu.presets import PRESETS, preset_table, register_presets
-from lightning_mgpu.sampler import ResumableDistributedSampler
 from lightning_mgpu.schedules import total_steps, warmup_schedule
 from lightning_mgpu.strategies import (
     MGPUAutoStrategy,
@@ -50,6 +50,14 @@ from lightning_mgpu.strategies import (
 )
 
 __version__ = "0.1.0.dev0"
+
+# old import paths (`lightning_mgpu.precision`, ...) still work, with a DeprecationWarning naming the new one
+_moved.install(__name__)
+
+
+def __getattr__(name: str) -> object:
+    return _moved.moved_attribute(__name__, name)
+
 
 __all__ = [
     "COMM_HOOKS",

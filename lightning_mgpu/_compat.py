@@ -1,7 +1,7 @@
-"""Every private name of torch and Lightning the package touches, and every version difference (STYLE.md
-rule 5). Nothing else in the package may import a ``_``-prefixed name from torch / pytorch_lightning /
-lightning_fabric, or read a ``_``-prefixed attribute their objects define: it goes through a function or flag
-here (``tests/test_compat.py`` enforces it).
+"""Every private name of torch and Lightning the package touches, and every version difference (the
+development page's rules). Nothing else in the package may import a ``_``-prefixed name from torch /
+pytorch_lightning / lightning_fabric, or read a ``_``-prefixed attribute their objects define: it goes through a
+function or flag here (``tests/test_compat.py`` enforces it).
 
 Each entry says which releases it was checked on and what happens when the name is gone. "Checked" means:
 read in the installed sources and exercised by the test suite, on torch 2.13.0 and pytorch-lightning /
@@ -500,3 +500,16 @@ def timeline_mem_tracker() -> Any:
                 self.timeline.append((sum(snap.get(k, 0) for k in live), snap.get(_MemRefType.GRAD, 0)))
 
     return TimelineTracker()
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """``optimizer`` itself, or the torch optimizer a Lightning ``LightningOptimizer`` wraps (public
+    ``.optimizer``; kept here as the one place the pack sees through Lightning's wrapper).
+
+    Example::
+
+        opt = unwrap_optimizer(self.optimizers())  # in a LightningModule: the torch.optim object
+    """
+    from pytorch_lightning.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

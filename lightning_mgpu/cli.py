@@ -224,7 +224,7 @@ class MGPUCLI(LightningCLI):
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``lightning-mgpu`` and ``python -m lightning_mgpu``."""
     import lightning_mgpu
-    from lightning_mgpu.strategies._launchers import release_process_group
+    from lightning_mgpu.strategies.launchers import release_process_group
 
     args = sys.argv[1:] if argv is None else list(argv)
     if __name__ == "lightning_mgpu.cli" and _model_namespace(args) == "lightning":

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from pytorch_lightning.utilities.parsing import lightning_getattr, lightning_hasattr
 from torch import Tensor
 
-from lightning_mgpu.parts.process_group import group_is_up
+from lightning_mgpu.comm import group_is_up
 
 Value = Union[Tensor, float, int]
 Values = Union[Value, Mapping[str, Value]]

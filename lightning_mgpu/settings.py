@@ -1,4 +1,4 @@
-"""Typed settings of the strategies, validated at construction (STYLE.md rule 3).
+"""Typed settings of the strategies, validated at construction, each in one place (see the development page).
 
 The strategies keep their keyword signatures (LightningCLI reads them from ``__init__``) and build one of these
 from them; every check of a single argument, or of arguments that only make sense together, lives here, and each
@@ -27,8 +27,8 @@ from lightning_fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy, validate_policy
 from lightning_mgpu.comm import check_comm_hook
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, validate_policy
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 CommHookName = Literal["fp16", "bf16", "powersgd", "batched_powersgd"]
@@ -150,7 +150,7 @@ class CommonSettings:
     out-of-memory errors (``lightning_mgpu/parts/micro_batching.py``); ``"auto"``: the largest that fits."""
     async_checkpoint: bool = False
     """Checkpoints saved during fit are copied off the live tensors (to pinned CPU memory on GPU) and written in a
-    background thread; training goes on as soon as the copy is made (``lightning_mgpu/parts/async_writer.py``)."""
+    background thread; training goes on as soon as the copy is made (``lightning_mgpu/plugins/async_checkpoint.py``)."""
 
     def __post_init__(self) -> None:
         _check_start_method(self.start_method)

@@ -1,6 +1,7 @@
 """Shared multi-process harness for the tests: tiny models, per-rank recorders, a single-process reference.
 
-Workers hand results back as ``torch.save`` files (never through ``mp.Queue``; DESIGN.md).
+Workers hand results back as ``torch.save`` files (never through ``mp.Queue``: a tensor sent that way is gone once the
+worker exits).
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from typing_extensions import override
 
 from lightning_mgpu import AtomicCheckpointIO, CheckpointWriteError, MGPUDDPStrategy, MGPUShardedStrategy
-from lightning_mgpu.checkpoint_io import check_complete
-from lightning_mgpu.parts.async_writer import AsyncCheckpointWriter
+from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter
+from lightning_mgpu.plugins.checkpoint_io import check_complete
 from tests.models import OptRegressor, RankData, make_data
 
 pytestmark = pytest.mark.slow

@@ -34,9 +34,9 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
 from typing_extensions import override
 
-import lightning_mgpu.strategies._sharded_checkpoints as sharded_module
+import lightning_mgpu.strategies.sharded as sharded_module
 from lightning_mgpu import AtomicCheckpointIO, IncompleteCheckpointError, MGPUDDPStrategy, MGPUShardedStrategy
-from lightning_mgpu.checkpoint_io import COMPLETE_MARKER, check_complete, recover_dir
+from lightning_mgpu.plugins.checkpoint_io import COMPLETE_MARKER, check_complete, recover_dir
 from tests.models import RankData, Regressor, make_data
 
 STEPS_PER_EPOCH = 2  # 16 samples, 2 ranks x batch 4

@@ -571,7 +571,7 @@ def _load_sharded_directory_with(strategy: Any) -> None:
     import tempfile
     from pathlib import Path
 
-    from lightning_mgpu.checkpoint_io import COMPLETE_MARKER
+    from lightning_mgpu.plugins.checkpoint_io import COMPLETE_MARKER
 
     path = Path(tempfile.mkdtemp()) / "last.ckpt"
     path.mkdir()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_mgpu.strategies.fsdp as fsdp_module
+import lightning_mgpu.strategies.sharded as fsdp_module
 from lightning_mgpu import MGPUShardedStrategy
 from tests.numerics_harness import CLIP, FAMILIES, Case, reference, run_cases, tolerance
 

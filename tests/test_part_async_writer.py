@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import torch
 
-from lightning_mgpu.parts.async_writer import AsyncCheckpointWriter, describe_error, failure_message
+from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter, describe_error, failure_message
 
 
 def test_staged_state_does_not_change_when_training_changes_the_live_state():
@@ -138,4 +138,3 @@ def test_the_writer_pickles_for_a_spawn_launch_without_its_thread_or_buffers():
     assert copy.rank == 1 and not copy.in_flight and copy.finish() == []
     copy.submit("b.ckpt", lambda: None)  # works in the new process
     assert copy.finish() == []
-

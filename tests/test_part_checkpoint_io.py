@@ -6,7 +6,7 @@ from lightning_fabric.plugins import TorchCheckpointIO
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
 from lightning_mgpu import AtomicCheckpointIO
-from lightning_mgpu.parts.checkpoint_io import choose_checkpoint_io
+from lightning_mgpu.plugins.checkpoint_io import choose_checkpoint_io
 
 
 def test_no_plugin_gives_atomic_writes():

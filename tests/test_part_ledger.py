@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu.parts.ledger import Ledger, attached_trainer
+from lightning_mgpu.comm import Ledger, attached_trainer
 from tests.parts_harness import in_one_rank_group
 
 

@@ -8,8 +8,8 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_mgpu.comm import CommStats
-from lightning_mgpu.parts import manual_sync
-from lightning_mgpu.parts.manual_sync import ManualGradientSync
+from lightning_mgpu.parts import accumulation as manual_sync
+from lightning_mgpu.parts.accumulation import ManualGradientSync
 
 
 def _setup() -> tuple[ManualGradientSync, torch.optim.Optimizer, nn.Module]:

@@ -7,7 +7,7 @@ from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 from lightning_mgpu import MGPUPrecision
-from lightning_mgpu.parts.precision import PrecisionAdoption
+from lightning_mgpu.plugins.precision import PrecisionAdoption
 
 
 def test_lightnings_default_and_mixed_plugins_become_mgpu_precision():

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from lightning_mgpu.parts.resume import MidEpochResume
-from lightning_mgpu.sampler import POSITION_KEY
+from lightning_mgpu.parts.resume import POSITION_KEY, MidEpochResume
 
 
 def test_a_loaded_position_is_taken_out_of_the_checkpoint_and_kept_for_the_training_loader():

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu.parts.sync_control import DDPSyncControl, FSDP2SyncControl
+from lightning_mgpu.parts.accumulation import DDPSyncControl, FSDP2SyncControl
 from tests.parts_harness import in_one_rank_group
 
 

@@ -23,12 +23,12 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 
-import lightning_mgpu._precision_modes as precision_modes
-import lightning_mgpu.precision as precision_module
+import lightning_mgpu.plugins.precision as precision_modes
+import lightning_mgpu.plugins.precision as precision_module
 from lightning_mgpu import MGPUDDPStrategy, MGPUPrecision, MGPUShardedStrategy
 from lightning_mgpu.examples.classifier import DigitsCNN
 from lightning_mgpu.examples.digits import DigitsDataModule
-from lightning_mgpu.precision import check_device, check_mode
+from lightning_mgpu.plugins.precision import check_device, check_mode
 from tests.helpers import WORLD, fit, flat_params, full
 from tests.models import Regressor, make_data
 

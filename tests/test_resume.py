@@ -41,7 +41,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
-from lightning_mgpu.sampler import POSITION_KEY, ResumableDistributedSampler, apply_position
+from lightning_mgpu.parts.resume import POSITION_KEY, ResumableDistributedSampler, apply_position
 from tests.helpers import WORLD, Regressor, fit
 
 SAMPLES, B, K, EPOCHS = 48, 4, 2, 2

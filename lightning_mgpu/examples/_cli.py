@@ -16,7 +16,7 @@ def fit_then_test(
     is tested and ``report(trainer, test_result)`` prints on rank 0. Every rank leaves the process group."""
     from lightning_mgpu.cli import MGPUCLI
     from lightning_mgpu.examples.digits import DigitsDataModule
-    from lightning_mgpu.strategies._launchers import release_process_group
+    from lightning_mgpu.strategies.launchers import release_process_group
 
     # subclass mode: the configs name their classes (class_path), so the general `lightning-mgpu fit` runs them too
     cli: Any = MGPUCLI(

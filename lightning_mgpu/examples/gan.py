@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn import functional as F
 from typing_extensions import override
 
-from lightning_mgpu.accumulation import ManualAccumulation
 from lightning_mgpu.examples._cli import fit_then_test
+from lightning_mgpu.parts.accumulation import ManualAccumulation
 
 
 def mmd2(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

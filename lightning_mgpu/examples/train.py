@@ -18,7 +18,7 @@ import torch
 
 import lightning_mgpu
 from lightning_mgpu.examples import DigitsCNN, DigitsDataModule
-from lightning_mgpu.strategies._launchers import release_process_group
+from lightning_mgpu.strategies.launchers import release_process_group
 
 
 def main(argv: Optional[list[str]] = None) -> int:

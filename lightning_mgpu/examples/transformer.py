@@ -3,7 +3,7 @@
     python -m lightning_mgpu.examples.transformer fit --config configs/transformer.yaml
 
 The config checkpoints every ``ConvBlock`` and ``nn.TransformerEncoderLayer`` (BatchNorm statistics stay
-exactly those of a run without checkpointing; see :mod:`lightning_mgpu.checkpointing`).
+exactly those of a run without checkpointing; see :mod:`lightning_mgpu.parts.activation_checkpointing`).
 """
 
 from __future__ import annotations

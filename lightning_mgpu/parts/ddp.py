@@ -9,8 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu._compat import enable_static_graph
-from lightning_mgpu.comm import register_comm_hook
-from lightning_mgpu.parts.ledger import Ledger
+from lightning_mgpu.comm import Ledger, register_comm_hook
 from lightning_mgpu.settings import DDPSettings
 
 

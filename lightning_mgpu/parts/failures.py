@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from lightning_mgpu._compat import default_store
-from lightning_mgpu.parts.process_group import group_is_up
+from lightning_mgpu.comm import group_is_up
 
 _PREFIX = "mgpu/failure"
 # Errors a rank gets *because of another rank*: a peer's process is gone, a peer stopped answering, or the

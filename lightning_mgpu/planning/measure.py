@@ -68,7 +68,7 @@ def measure_step(
     ``strategy``: ``"mgpu_ddp"`` (one process), or ``"mgpu_zero1"``, ``"mgpu_sharded"``, ``"mgpu_zero3"`` inside
     :func:`fake_process_group`. Master-weight precisions are not measured (their step needs the strategy's
     precision plugin)."""
-    from lightning_mgpu.checkpointing import apply_activation_checkpointing
+    from lightning_mgpu.parts.activation_checkpointing import apply_activation_checkpointing
 
     _, autocast, master = PRECISION_LAYOUT[precision]
     if master:

@@ -156,7 +156,7 @@ def resolve_source(model_or_config: Any, batch: Any = None, datamodule: Any = No
 def default_policy(factory: Callable[[], nn.Module]) -> Union[set[type[nn.Module]], Any]:
     """Checkpoint the transformer layers when there are any, else every block of the outermost containers."""
     from lightning_mgpu._compat import fake_tensor_mode
-    from lightning_mgpu.checkpointing import EveryNth
+    from lightning_mgpu.parts.activation_checkpointing import EveryNth
 
     layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
     with fake_tensor_mode():

@@ -180,7 +180,7 @@ def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
 def trace_step(factory: ModelFactory, batch: Any, precision: str, policy: Any = None) -> StepTrace:
     """Forward + backward of one micro-batch of ``batch`` (a sample batch: real, meta or fake tensors) under
     FakeTensorMode and ``TimelineTracker``; ``policy``: checkpoint these blocks (None: no checkpointing)."""
-    from lightning_mgpu.checkpointing import apply_activation_checkpointing
+    from lightning_mgpu.parts.activation_checkpointing import apply_activation_checkpointing
 
     dtype, autocast, _ = PRECISION_LAYOUT[precision]
     with fake_tensor_mode() as mode, _quiet():
@@ -221,7 +221,7 @@ def _cast(module: nn.Module, dtype: torch.dtype) -> None:
 
 def fsdp_units(module: nn.Module) -> list[nn.Module]:
     """The modules ``mgpu_sharded`` / ``mgpu_zero3`` make FSDP units of, by default (the rule of
-    ``lightning_mgpu.strategies._sharding.FSDP2Backend._unit_roots``): every transformer layer when there are
+    ``lightning_mgpu.strategies.sharding.FSDP2Backend._unit_roots``): every transformer layer when there are
     any, else each direct child with parameters; the root is a unit too (the parameters left over)."""
     layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
     if any(isinstance(m, layers) for m in module.modules()):

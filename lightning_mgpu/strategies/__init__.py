@@ -1,20 +1,21 @@
-"""Strategy plugins: thin assemblies of parts (``lightning_mgpu/parts``), one family per module.
+"""Strategy plugins, one family per module.
 
+* ``base.py``: what every mgpu strategy shares (:class:`MGPUStrategyMixin`: the parts it owns and the Lightning
+  hooks it hands to them) and :class:`MGPUParallelStrategy` (process group and launch of the strategies that are
+  not DDP);
 * ``ddp.py``: :class:`MGPUDDPStrategy` (the DDP family);
 * ``periodic.py``: :class:`MGPULocalSGDStrategy`, :class:`MGPUDiLoCoStrategy` (DDP's launch, weights synced every
   H steps instead of gradients every step);
-* ``sharded.py``: :class:`MGPUShardedStrategy`, which builds the stage's class: ``zero1.py`` (stage 1: DDP + a
-  sharded optimizer) or ``fsdp.py`` (stages 2/3: FSDP2 / fairscale, on ``_process_group.py``, not DDP).
+* ``sharded.py``: :class:`MGPUShardedStrategy` (ZeRO stages 1-3), its stage classes and its checkpoints;
+* ``sharding.py``: the sharding backends (ZeroRedundancyOptimizer, fairscale OSS/ShardedDataParallel, FSDP2);
+* ``auto.py``: :class:`MGPUAutoStrategy`; ``launchers.py``: the launchers' checks and fork on CPU.
 """
 
-from lightning_mgpu.strategies._common import MGPUStrategyMixin
-from lightning_mgpu.strategies._process_group import MGPUParallelStrategy
 from lightning_mgpu.strategies.auto import MGPUAutoStrategy
+from lightning_mgpu.strategies.base import MGPUParallelStrategy, MGPUStrategyMixin
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
-from lightning_mgpu.strategies.fsdp import MGPUFSDPStrategy
 from lightning_mgpu.strategies.periodic import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
-from lightning_mgpu.strategies.sharded import MGPUShardedStrategy, ShardMemory
-from lightning_mgpu.strategies.zero1 import MGPUZeRO1Strategy
+from lightning_mgpu.strategies.sharded import MGPUFSDPStrategy, MGPUShardedStrategy, MGPUZeRO1Strategy, ShardMemory
 
 __all__ = [
     "MGPUAutoStrategy",

@@ -36,7 +36,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu import _compat
-from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.planning import STRATEGIES, PlanError, plan
 from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, planner_precision
 from lightning_mgpu.planning.source import default_policy
@@ -227,8 +227,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
 
     def _become(self, decision: AutoDecision, policy: Any) -> None:
         """Re-initialise this object as the chosen strategy, keeping what Lightning gave it after construction."""
-        from lightning_mgpu.strategies.fsdp import MGPUFSDPStrategy
-        from lightning_mgpu.strategies.zero1 import MGPUZeRO1Strategy
+        from lightning_mgpu.strategies.sharded import MGPUFSDPStrategy, MGPUZeRO1Strategy
 
         kept = {
             "accelerator": self.accelerator,

@@ -34,14 +34,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import _compat
-from lightning_mgpu.checkpoint_io import PathLike, local_path, sharded_directory_message
-from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.comm import allreduce_gradients, check_backend
+from lightning_mgpu.parts.accumulation import DDPSyncControl, ManualGradientSync
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.parts.ddp import DDPWrapping
-from lightning_mgpu.parts.manual_sync import ManualGradientSync
 from lightning_mgpu.parts.micro_batching import MicroBatching, agree_across_ranks
-from lightning_mgpu.parts.precision import PrecisionAdoption
-from lightning_mgpu.parts.sync_control import DDPSyncControl
+from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_directory_message
+from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import (
     CommHookName,
     DDPSettings,
@@ -51,7 +50,7 @@ from lightning_mgpu.settings import (
     StartMethod,
     split_ddp_kwargs,
 )
-from lightning_mgpu.strategies._common import MGPUStrategyMixin
+from lightning_mgpu.strategies.base import MGPUStrategyMixin
 
 _OWN_KEYWORDS = (
     "accelerator",
@@ -141,7 +140,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
 
     strategy_name = "mgpu_ddp"
     #: syncs each optimizer's gradients at its step under manual optimization (``toggle_model`` needs no
-    #: ``find_unused_parameters``); read by :mod:`lightning_mgpu.accumulation` without importing this module
+    #: ``find_unused_parameters``); read by :mod:`lightning_mgpu.parts.accumulation` without importing this module
     syncs_manual_optimization = True
 
     def __init__(

@@ -28,10 +28,10 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy
+from lightning_mgpu.comm import group_is_up
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.parts.periodic_sync import PeriodicSync
-from lightning_mgpu.parts.process_group import group_is_up
-from lightning_mgpu.precision import MGPUPrecision
+from lightning_mgpu.plugins.precision import MGPUPrecision
 from lightning_mgpu.settings import (
     DDP_KEYWORDS,
     CommDtype,

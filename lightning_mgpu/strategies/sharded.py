@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from abc import ABCMeta
-from collections.abc import Sequence
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -29,13 +32,27 @@ from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import _compat
-from lightning_mgpu.checkpointing import ActivationCheckpointingPolicy, classes_present
-from lightning_mgpu.parts.process_group import group_is_up
-from lightning_mgpu.precision import MGPUPrecision
+from lightning_mgpu._compat import unwrap_optimizer
+from lightning_mgpu.comm import attached_trainer, group_is_up
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, classes_present
+from lightning_mgpu.plugins.async_checkpoint import sharded_directory_write
+from lightning_mgpu.plugins.checkpoint_io import (
+    PathLike,
+    begin_dir,
+    check_complete,
+    commit_dir,
+    local_path,
+    recover_dir,
+    remove_dir,
+    write_file_atomic,
+)
+from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
 from lightning_mgpu.settings import (
     Backend,
     CheckpointLayout,
@@ -49,11 +66,12 @@ from lightning_mgpu.settings import (
     StartMethod,
     split_ddp_kwargs,
 )
-from lightning_mgpu.strategies._common import MGPUStrategyMixin
-from lightning_mgpu.strategies._sharded_checkpoints import ShardedCheckpoints
-from lightning_mgpu.strategies._sharding import (
+from lightning_mgpu.strategies.base import MGPUParallelStrategy, MGPUStrategyMixin
+from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
+from lightning_mgpu.strategies.sharding import (
     ShardingBackend,
     check_optimizer,
+    follow_module_mode,
     local_bytes,
     make_backend,
     rebind_schedulers,
@@ -88,6 +106,240 @@ class ShardMemory:
     parameters: int
 
 
+# ----------------------------------------------------------------------------------------------------
+# The checkpoints of :class:`~lightning_mgpu.MGPUShardedStrategy`: the consolidated file or the sharded directory
+# (``torch.distributed.checkpoint``), written atomically (and in the background with ``async_checkpoint=True``), and
+# loaded at any world size. A mixin of the sharded strategy's shared base; the sharding backend (``sharding.py``)
+# gathers and scatters the states.
+
+
+_METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint (Lightning's ModelParallelStrategy name)
+_OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
+
+
+if TYPE_CHECKING:  # what the mixin relies on: the sharded strategy's shared base
+    from pytorch_lightning.strategies import ParallelStrategy
+
+    from lightning_mgpu.settings import ShardedSettings
+    from lightning_mgpu.strategies.base import MGPUStrategyMixin
+    from lightning_mgpu.strategies.sharding import ShardingBackend
+
+    class _StrategyBase(MGPUStrategyMixin, ParallelStrategy):
+        _sharding: ShardingBackend
+        _sharded_settings: ShardedSettings
+        _backend_name: str
+        _checkpoint_layout: str
+
+        def _process_group(self) -> Any: ...
+else:
+    _StrategyBase = object
+
+
+class ShardedCheckpoints(_StrategyBase):
+    """Save, remove and load the sharded strategy's checkpoints (mixed into :class:`MGPUShardedStrategy`)."""
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Optimizer state can only be split once the optimizers are wrapped (and, for FSDP2, the parameters
+        # sharded); a consolidated checkpoint is loaded through the same path.
+        return True
+
+    @override
+    def _module_state(self) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        if self._checkpoint_layout == "sharded":
+            return module.state_dict()
+        return self._sharding.full_model_state(module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = unwrap_optimizer(optimizer)
+        assert self.lightning_module is not None
+        if self._checkpoint_layout == "sharded":
+            return self._sharding.sharded_optimizer_state(self.lightning_module, optimizer)
+        return self.consolidated_optimizer_state(optimizer)
+
+    def consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole state of ``optimizer`` as one process's ``optimizer.state_dict()`` (indexed by parameter),
+        on rank 0; ``{}`` elsewhere. A collective: call it on every rank."""
+        optimizer = unwrap_optimizer(optimizer)
+        assert self.lightning_module is not None
+        return self._sharding.full_optimizer_state(self.lightning_module, optimizer, self.is_global_zero)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
+    ) -> None:
+        self._refuse_main_process_save()
+        self._settle_async_writes()  # the previous background write finished everywhere (or raise)
+        self._resume.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
+        filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
+        local = local_path(filepath)
+        if self._checkpoint_layout == "consolidated":
+            if local is not None and os.path.isdir(local):
+                raise IsADirectoryError(
+                    f"{local} is a directory (a sharded checkpoint?); a consolidated checkpoint is one file. Choose "
+                    f"another file name, or save with MGPUShardedStrategy(checkpoint='sharded')."
+                )
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # checkpoint_io: atomic by default
+            return
+        import torch.distributed.checkpoint as dcp
+
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
+        if local is None:
+            raise ValueError(
+                f"checkpoint='sharded' writes to a local or mounted filesystem; {filepath} is remote. Save to a "
+                f"local path, or use checkpoint='consolidated' (one file, which Lightning uploads)."
+            )
+        path = Path(local)
+        if path.is_file():
+            raise FileExistsError(
+                f"{path} is a file (a consolidated checkpoint?); a sharded checkpoint is a directory. Choose another "
+                f"name, or save with MGPUShardedStrategy(checkpoint='consolidated')."
+            )
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        for i, state in enumerate(optimizer_states or []):
+            tensors[f"optimizer_{i}"] = state
+        # None: saved with weights only (Lightning then refuses to resume training from it, as for a file)
+        checkpoint[_OPTIMIZER_COUNT] = None if optimizer_states is None else len(optimizer_states)
+        # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
+        # does rank 0 mark it complete and swap it in under `path`. A save killed or failing on any rank
+        # leaves the previous checkpoint under `path` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
+        staging = Path(self.broadcast(str(begin_dir(path)) if self.is_global_zero else ""))
+        if self._saves_async():
+            self._save_sharded_async(tensors, checkpoint, staging, path)
+            return
+        dcp.save(tensors, checkpoint_id=str(staging), process_group=self._process_group())
+        if self.is_global_zero:
+            write_file_atomic(staging / _METADATA, lambda f: torch.save(checkpoint, f))
+        self.barrier("mgpu_sharded_save_written")  # every rank's shards are on disk
+        if self.is_global_zero:
+            commit_dir(staging, path, self._marker_info(checkpoint))
+        self.barrier("mgpu_sharded_save_done")
+
+    def _marker_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "format": "lightning_mgpu.sharded",
+            "version": 1,
+            "world_size": self.world_size,
+            "stage": self._sharded_settings.stage,
+            "backend": self._backend_name,
+            "layout": self._checkpoint_layout,
+            "optimizers": checkpoint[_OPTIMIZER_COUNT],
+            "epoch": checkpoint.get("epoch"),
+            "global_step": checkpoint.get("global_step"),
+        }
+
+    def _save_sharded_async(
+        self, tensors: dict[str, Any], checkpoint: dict[str, Any], staging: Path, path: Path
+    ) -> None:
+        """The sharded layout with ``async_checkpoint=True``: every rank stages its shards now; the background
+        write marks the directory complete only once every rank's part is on disk (``plugins/async_checkpoint.py``)."""
+        assert self._async is not None
+        self._async_unsettled = True
+        rank0 = self.is_global_zero
+        staged = self._async.stage({"tensors": tensors, "meta": checkpoint if rank0 else None})
+        info = self._marker_info(checkpoint)
+        self._async.rank = self.global_rank
+        write = sharded_directory_write(
+            staged["tensors"],
+            staging,
+            self._async_checkpoint_group(),
+            write_meta=(lambda: write_file_atomic(staging / _METADATA, lambda f: torch.save(staged["meta"], f)))
+            if rank0
+            else None,
+            commit=(lambda: commit_dir(staging, path, info)) if rank0 else None,
+        )
+        self._async.submit(str(path), write)
+
+    @override
+    def remove_checkpoint(self, filepath: PathLike) -> None:
+        local = local_path(filepath)
+        if self.is_global_zero and local is not None and os.path.isdir(local):
+            # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
+            self._remove_when_written(lambda: remove_dir(local))
+            return
+        super().remove_checkpoint(os.fspath(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self.is_global_zero and (local := local_path(checkpoint_path)) is not None:
+            recover_dir(local)  # a save killed in the instant of its swap; the broadcast below waits for it
+        checkpoint_path = self.broadcast(str(checkpoint_path))
+        local = local_path(checkpoint_path)
+        if local is None or not os.path.isdir(local):
+            self._loaded_sharded = False
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = Path(local)
+        check_complete(path)  # never load half a checkpoint
+        if not (path / _METADATA).is_file():
+            raise FileNotFoundError(
+                f"{path} is a directory without {_METADATA}: not a sharded checkpoint of mgpu_sharded. Pass the "
+                f"checkpoint directory written by trainer.save_checkpoint."
+            )
+        import torch.distributed.checkpoint as dcp
+
+        module = self.lightning_module
+        assert module is not None
+        checkpoint: dict[str, Any] = torch.load(path / _METADATA, weights_only=False, map_location="cpu")
+        saved_optimizers = checkpoint.pop(_OPTIMIZER_COUNT, None)
+        template: dict[str, Any] = {"state_dict": module.state_dict()}
+        load_optimizers = bool(self.lightning_restore_optimizer and self.optimizers and saved_optimizers is not None)
+        if load_optimizers:
+            if saved_optimizers != len(self.optimizers):
+                raise ValueError(
+                    f"{path} holds {saved_optimizers} optimizer states and configure_optimizers returned "
+                    f"{len(self.optimizers)} optimizers: resume with the same configure_optimizers."
+                )
+            for i, opt in enumerate(self.optimizers):
+                template[f"optimizer_{i}"] = self._sharding.optimizer_load_template(module, opt)
+        # every rank reads the slices it owns now, whatever the world size at save time
+        dcp.load(template, checkpoint_id=str(path), process_group=self._process_group())
+        module.load_state_dict(template["state_dict"], strict=module.strict_loading)
+        if load_optimizers:
+            for i, opt in enumerate(self.optimizers):
+                self._sharding.finish_optimizer_load(opt, template[f"optimizer_{i}"])
+            checkpoint["optimizer_states"] = [template[f"optimizer_{i}"] for i in range(len(self.optimizers))]
+        elif saved_optimizers is not None:
+            checkpoint["optimizer_states"] = []
+        self._loaded_sharded = True
+        self._resume.after_load(checkpoint)  # the file branch does it in super().load_checkpoint
+        return checkpoint
+
+    @override
+    def _load_module_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        if self._loaded_sharded:
+            return  # loaded in place by load_checkpoint
+        assert self.lightning_module is not None
+        self._sharding.load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._loaded_sharded:
+            return
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"The checkpoint has {len(states)} optimizer states and configure_optimizers returned "
+                f"{len(self.optimizers)} optimizers: resume with the same configure_optimizers."
+            )
+        assert self.lightning_module is not None
+        for opt, state in zip(self.optimizers, states):
+            if not state:
+                raise ValueError(
+                    "The checkpoint's optimizer state is empty: it was saved in the main process after a spawn or "
+                    "fork launch (plain Lightning does that). Resume from a checkpoint written during fit "
+                    "(ModelCheckpoint), or pass weights_only=True to Trainer.fit's ckpt_path logic by loading the "
+                    "weights with LightningModule.load_from_checkpoint and starting a new fit."
+                )
+            self._sharding.load_full_optimizer_state(self.lightning_module, opt, state)
+
+
 class _StageDispatch(ABCMeta):
     """``MGPUShardedStrategy(stage=...)`` as users (and LightningCLI, and the presets) write it builds the stage's
     class: stage 1 is DDP + a sharded optimizer (an MGPUDDPStrategy); stages 2/3 shard gradients (and parameters)
@@ -95,8 +347,6 @@ class _StageDispatch(ABCMeta):
     ``__new__``: LightningCLI reads the arguments from ``__new__`` when a class defines one.)"""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        from lightning_mgpu.strategies.fsdp import MGPUFSDPStrategy
-        from lightning_mgpu.strategies.zero1 import MGPUZeRO1Strategy
 
         if not issubclass(cls, (MGPUZeRO1Strategy, MGPUFSDPStrategy)):
             stage = kwargs.get("stage", args[0] if args else 2)
@@ -391,3 +641,156 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
 # ParallelStrategy methods from MGPUDDPStrategy or MGPUParallelStrategy. LightningCLI (jsonargparse) refuses an
 # abstract class_path, so the abstract-method set ABCMeta computed for the shared base is cleared.
 MGPUShardedStrategy.__abstractmethods__ = frozenset()
+
+
+# ----------------------------------------------------------------------------------------------------
+# ZeRO stage 1: mgpu_ddp's DistributedDataParallel (comm hooks, ledger, accumulation without extra syncs) with the
+# optimizer state sharded across ranks (torch ``ZeroRedundancyOptimizer`` or fairscale ``OSS``).
+#
+# Users write ``MGPUShardedStrategy(stage=1)`` or ``strategy="mgpu_zero1"``; this is the class they get.
+#
+# Example::
+#
+#     strategy = MGPUShardedStrategy(stage=1, comm_hook="fp16")
+#     assert isinstance(strategy, (MGPUShardedStrategy, MGPUDDPStrategy))
+
+
+class MGPUZeRO1Strategy(MGPUShardedStrategy, MGPUDDPStrategy):  # type: ignore[misc]  # `settings`: the sharded ones
+    """Stage 1 of :class:`~lightning_mgpu.MGPUShardedStrategy`: DDP plus a sharded optimizer. The sharded
+    strategy's checkpoint and optimizer handling comes first in the MRO, DDP's training loop after it."""
+
+    _takes_ddp_keywords = True
+
+    @override
+    def _find_unused_parameters_fix(self) -> str:
+        return "strategy=MGPUShardedStrategy(stage=1, find_unused_parameters=True)"
+
+
+# ----------------------------------------------------------------------------------------------------
+# ZeRO stages 2 and 3 without DDP: torch FSDP2 (``fully_shard``), or fairscale ``OSS`` + ``ShardedDataParallel``
+# at stage 2. Built on :class:`MGPUParallelStrategy` (process group, launch, ledger, failures, resume) and the
+# sharded strategy's optimizer and checkpoint handling; the backend (``sharding.py``) shards the model and says how
+# its gradient sync is blocked.
+#
+# Users write ``MGPUShardedStrategy(stage=2|3)`` or ``strategy="mgpu_sharded"`` / ``"mgpu_zero3"``; this is the
+# class they get.
+#
+# Example::
+#
+#     strategy = MGPUShardedStrategy(stage=3, wrap_modules=[nn.TransformerEncoderLayer])
+#     assert isinstance(strategy, MGPUShardedStrategy) and not isinstance(strategy, MGPUDDPStrategy)
+
+
+class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
+    """Stages 2 and 3 of :class:`~lightning_mgpu.MGPUShardedStrategy` (see there for the arguments)."""
+
+    _sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
+
+    # --- set-up -------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not fitting and self._sharding.is_sharded(self.model):
+            # validate/test/predict after fit in the same process: the module stays sharded (FSDP2 cannot be
+            # undone) and its shards agree; a broadcast of module states cannot take DTensors.
+            self.setup_precision_plugin()
+            return
+        layer_sync = _compat.strategy_layer_sync(self)
+        if fitting and layer_sync is not None:
+            self.model = layer_sync.apply(self.model)  # SyncBatchNorm, as Lightning's DDPStrategy converts it
+        # before convert_module: in master modes FSDP2's sharded FP32 parameters are the master copy, so the
+        # plugin must not cast the module's parameters to half itself
+        policy = self._sharding.mixed_precision_policy(self.precision_plugin) if fitting else None
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self._shard_model(policy)
+            self.setup_optimizers(trainer)  # after the model is sharded: the optimizers hold the shards
+        else:
+            _compat.sync_module_states(self.model)  # evaluation without a wrapper: rank 0's weights everywhere
+        self.setup_precision_plugin()
+        if fitting:
+            clipping = self._sharding.norm_clipping(self._process_group(), self._ledger.stats)
+            PrecisionAdoption.connect_norm_clipping(self.precision_plugin, clipping)  # shards: the global norm
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_model(self, policy: Any) -> None:
+        # Order (torchtitan's parallelize): SyncBatchNorm conversion -> activation checkpointing -> sharding, so
+        # that FSDP's hooks stay outside the recompute.
+        module = self.lightning_module
+        assert module is not None
+        self._checkpointing.apply(module)
+        mesh = self._sharding.device_mesh(self.root_device.type, self.world_size)
+        sharded = self._sharding.shard_model(module, mesh, policy)
+        if sharded is not None:
+            self.model = sharded
+        assert self.model is not None
+        self._ledger.start(self.model, self.world_size)
+
+    # --- steps --------------------------------------------------------------------------------------------
+    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # FSDP2 shards the LightningModule itself: its pre-forward hook (gather the root's parameters, lazy init)
+        # only runs through __call__, so every step goes through forward, as for a wrapper (fairscale's SDP).
+        assert self.model is not None and self.lightning_module is not None
+        return _compat.forward_redirection(self)(self.model, self.lightning_module, method, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        follow_module_mode(self.model, self.lightning_module)  # after validation: fairscale's SDP hooks need it
+        with self.precision_plugin.train_step_context():
+            return self._count_tokens(self._redirect("training_step", *args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._redirect("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._redirect("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._redirect("predict_step", *args, **kwargs)
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        assert self.model is not None
+        self._sync_blocked = True
+        try:
+            with self._sharding.sync_control.no_backward_sync(self.model, enabled=True):
+                yield
+        finally:
+            self._sync_blocked = False
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        trainer = attached_trainer(self.lightning_module)
+        if self._sync_blocked or self.model is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._ledger.record_round(self._sharding.sync_layout(self.model))
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)
+        self._ledger.optimizer_stepped(self.lightning_module, self.is_global_zero)
+        return output
+
+    # --- end ----------------------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None:
+            PrecisionAdoption.connect_norm_clipping(self.precision_plugin, None)
+            self.model = module  # unwrap fairscale's ShardedDataParallel (FSDP2 shards the module in place)
+            trainer = attached_trainer(module)
+            layer_sync = _compat.strategy_layer_sync(self)
+            if layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                self.model = layer_sync.revert(self.model)
+        super().teardown()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_mgpu.parts.async_writer import AsyncCheckpointWriter
+from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter
 
 
 def test_async_checkpoint_stages_gpu_tensors_to_pinned_cpu_memory_and_copies_them() -> None:

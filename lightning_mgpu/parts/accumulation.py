@@ -45,19 +45,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.strategies import DDPStrategy, ParallelStrategy
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_mgpu._compat import share_optimizer_strategy, should_accumulate, strategy_ddp_kwargs
-from lightning_mgpu.parts.ledger import attached_trainer
+from lightning_mgpu._compat import share_optimizer_strategy, should_accumulate, strategy_ddp_kwargs, unwrap_optimizer
+from lightning_mgpu.comm import CommStats, allreduce_gradients, attached_trainer
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -333,3 +338,191 @@ class _AccumulationGuard(Callback):
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gradient-sync control for accumulation: a context manager that skips the gradient collective of the
+# backward passes inside it (it does nothing when disabled and never flips DDP's private flags; Fabric's
+# ``_DDPBackwardSyncControl`` is the model).
+#
+# It does nothing when ``enabled`` is False, and raises ``TypeError`` when the module is not the wrapper it
+# controls, instead of silently syncing every micro-batch. Never flip a wrapper's private flags by hand.
+#
+# Example::
+#
+#     control = DDPSyncControl()
+#     with control.no_backward_sync(ddp_model, enabled=not last_micro_batch):
+#         loss.backward()
+
+
+class BackwardSyncControl:
+    """Base: skip the gradient sync of the backward passes run inside :meth:`no_backward_sync`."""
+
+    wrapper = "a data-parallel wrapper"
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return contextlib.nullcontext()
+        if not self.controls(module):
+            raise TypeError(
+                f"Blocking the gradient sync needs the model wrapped in {self.wrapper}, got {type(module).__name__}. "
+                f"The strategy's setup wraps it; call this only on the model the strategy trains."
+            )
+        return self._block(module)
+
+    def controls(self, module: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def _block(self, module: nn.Module) -> AbstractContextManager:
+        raise NotImplementedError
+
+
+class DDPSyncControl(BackwardSyncControl):
+    """torch ``DistributedDataParallel``: its ``no_sync()`` (the reducer skips the all-reduce)."""
+
+    wrapper = "torch's DistributedDataParallel"
+
+    def controls(self, module: nn.Module) -> bool:
+        return isinstance(module, DistributedDataParallel)
+
+    def _block(self, module: nn.Module) -> AbstractContextManager:
+        assert isinstance(module, DistributedDataParallel)
+        return module.no_sync()
+
+
+class FSDP2SyncControl(BackwardSyncControl):
+    """torch FSDP2 (``fully_shard``): ``set_requires_gradient_sync(False)`` for the root and every unit."""
+
+    wrapper = "torch FSDP2 (fully_shard)"
+
+    def controls(self, module: nn.Module) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        return isinstance(module, FSDPModule)
+
+    @contextlib.contextmanager
+    def _block(self, module: nn.Module) -> Generator[None, None, None]:
+        module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+class ShardedDDPSyncControl(BackwardSyncControl):
+    """fairscale ``ShardedDataParallel``: its ``no_sync()``."""
+
+    wrapper = "fairscale's ShardedDataParallel"
+
+    def controls(self, module: nn.Module) -> bool:
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        return isinstance(module, ShardedDataParallel)
+
+    def _block(self, module: nn.Module) -> AbstractContextManager:
+        return module.no_sync()  # type: ignore[operator]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Manual optimization under DDP: each optimizer's gradients are averaged once, when it steps.
+#
+# DDP's reducer stays out of the step (it would sync every backward, and wait forever for the gradients of
+# the parameters ``toggle_model`` switched off); this part syncs what the stepping optimizer needs, in the
+# step's closure (after its backward, before unscaling and ``on_before_optimizer_step``), or earlier when the
+# precision plugin asks (``clip_gradients`` between ``manual_backward`` and ``opt.step()`` clips the global
+# gradient).
+
+
+class ManualGradientSync:
+    """Per optimizer: the parameters to average (trainable at set-up, in optimizer order), and a guard that
+    refuses a raw ``torch.optim`` step (its gradients would not be averaged).
+
+    Example::
+
+        sync = ManualGradientSync(compress=None, bucket_cap_mb=25.0)
+        sync.setup(optimizers, world_size=2)
+        with sync.stepping():
+            optimizer.step(sync.wrap_closure(optimizer, closure, group, ledger))
+    """
+
+    def __init__(self, compress: Optional[str], bucket_cap_mb: float = 25.0) -> None:
+        self.compress = compress
+        self.bucket_cap_mb = bucket_cap_mb
+        self._params: dict[int, list[torch.Tensor]] = {}
+        self._synced: set[int] = set()
+        self._guards: list[RemovableHandle] = []
+        self._in_step = False
+        self._ranks = 1
+
+    def setup(
+        self,
+        optimizers: Iterable[Optimizer],
+        world_size: int,
+        model_parameter: Callable[[torch.Tensor], torch.Tensor] = lambda p: p,
+    ) -> None:
+        """``model_parameter``: the parameter whose gradient backward writes (master-weight precision keeps FP32
+        copies in the optimizer; their half-precision model parameters are synced, before the copy)."""
+        self.teardown()
+        self._ranks = world_size
+        for opt in optimizers:
+            seen: set[int] = set()  # per optimizer: a parameter shared by two optimizers is synced for each
+            params = []
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p = model_parameter(p)
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+            self._params[id(opt)] = params
+            self._guards.append(opt.register_step_pre_hook(self._refuse_unsynced_step))
+
+    def teardown(self) -> None:
+        for handle in self._guards:
+            handle.remove()
+        self._guards = []
+        self._params = {}
+
+    @contextlib.contextmanager
+    def stepping(self) -> Generator[None, None, None]:
+        """Around the strategy's optimizer step: a raw step outside it is refused; each optimizer syncs once."""
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+            self._synced.clear()
+
+    def wrap_closure(self, optimizer: Any, closure: Callable[[], Any], group: Any, ledger: CommStats) -> Callable:
+        inner = unwrap_optimizer(optimizer)
+        if id(inner) not in self._params:
+            raise MisconfigurationException(
+                f"{type(inner).__name__} was not returned by configure_optimizers, so mgpu_ddp cannot sync its "
+                f"gradients. Create every optimizer in configure_optimizers."
+            )
+
+        def synced_closure() -> Any:
+            out = closure()
+            self.sync(inner, group, ledger)
+            return out
+
+        return synced_closure
+
+    def sync(self, optimizer: Any, group: Any, ledger: CommStats) -> None:
+        """Average ``optimizer``'s gradients across ranks, once per step."""
+        inner = unwrap_optimizer(optimizer)
+        params = self._params.get(id(inner))
+        if params is None or id(inner) in self._synced:
+            return
+        allreduce_gradients(
+            params, group=group, compress=self.compress, ledger=ledger, bucket_cap_mb=self.bucket_cap_mb
+        )
+        self._synced.add(id(inner))
+
+    def _refuse_unsynced_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._in_step:
+            raise MisconfigurationException(
+                f"{type(optimizer).__name__}.step() was called on the raw torch optimizer, so its gradients were "
+                f"not averaged across the {self._ranks} ranks and the replicas would drift apart. Step through "
+                f"Lightning's wrapper: `opt = self.optimizers()` (not `use_pl_optimizer=False` or an optimizer "
+                f"kept from configure_optimizers), then `opt.step()`."
+            )

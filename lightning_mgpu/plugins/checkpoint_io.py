@@ -36,8 +36,11 @@ from typing import IO, Any, Callable, Optional, Union
 import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
+from lightning_fabric.plugins import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
+
+from lightning_mgpu._compat import is_wrapping_checkpoint_io
 
 # a local path, or a URL fsspec understands (what Lightning calls _PATH)
 PathLike = Union[str, "os.PathLike[str]"]
@@ -61,7 +64,7 @@ class IncompleteCheckpointError(RuntimeError):
 
         >>> import tempfile
         >>> from lightning_mgpu import IncompleteCheckpointError
-        >>> from lightning_mgpu.checkpoint_io import check_complete
+        >>> from lightning_mgpu.plugins.checkpoint_io import check_complete
         >>> half_written = tempfile.mkdtemp()  # a checkpoint directory without its completion marker
         >>> try:
         ...     check_complete(half_written)
@@ -316,3 +319,22 @@ def sharded_directory_message(path: PathLike, owner: str) -> str:
         f"{owner} cannot load; it reads one-file checkpoints. Resume with the strategy that wrote it: "
         f"strategy=MGPUShardedStrategy({args}, checkpoint='sharded') (the preset {preset!r} with checkpoint='sharded')."
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Which checkpoint IO plugin a strategy uses: atomic file writes unless the user chose a plugin.
+
+
+def choose_checkpoint_io(current: Optional[CheckpointIO]) -> CheckpointIO:
+    """:class:`~lightning_mgpu.AtomicCheckpointIO` for ``None``; a plugin that was given is used as it is; a
+    wrapping plugin without a base (e.g. ``AsyncCheckpointIO()``) gets ``AtomicCheckpointIO`` as its base.
+
+    Example::
+
+        io = choose_checkpoint_io(None)  # AtomicCheckpointIO()
+    """
+    if current is None:
+        return AtomicCheckpointIO()
+    if is_wrapping_checkpoint_io(current):
+        current.checkpoint_io = AtomicCheckpointIO()  # type: ignore[attr-defined]  # ignored when it has a base
+    return current

@@ -33,13 +33,13 @@ from torch.optim import Optimizer
 
 from lightning_mgpu._compat import copy_lr_scheduler_step_tracking, init_optimizer_state, sync_param_groups
 from lightning_mgpu.comm import CommStats
-from lightning_mgpu.parts.clipping import GlobalNormClipping
-from lightning_mgpu.parts.sync_control import (
+from lightning_mgpu.parts.accumulation import (
     BackwardSyncControl,
     DDPSyncControl,
     FSDP2SyncControl,
     ShardedDDPSyncControl,
 )
+from lightning_mgpu.parts.clipping import GlobalNormClipping
 
 # Optimizers whose state is not one elementwise tensor per parameter: no backend can split them.
 _UNSHARDABLE = {
@@ -342,7 +342,7 @@ class FSDP2Backend(ShardingBackend):
         return init_device_mesh(device_type, (world_size,))
 
     def mixed_precision_policy(self, plugin: Any) -> Any:
-        from lightning_mgpu.precision import MGPUPrecision
+        from lightning_mgpu.plugins.precision import MGPUPrecision
 
         # master modes: FSDP2's sharded FP32 parameters are the master copy, gathered in half for compute
         return plugin.keep_masters_in_fsdp() if isinstance(plugin, MGPUPrecision) else None
@@ -440,3 +440,27 @@ def local_bytes(tensor: Any) -> int:
         return 0
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.numel() * local.element_size()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The training wrapper follows the LightningModule's train/eval mode.
+#
+# Lightning's evaluation loop puts ``trainer.model`` (the wrapper) in eval mode and, afterwards, restores the
+# mode of the *LightningModule* only (``_ModuleMode`` in its evaluation loop); the wrapper stays in eval mode.
+# fairscale's ``ShardedDataParallel`` registers its gradient hooks only while ``self.training`` is true, so after
+# any validation during fit (the default sanity check is enough) nothing would be reduced and every rank would
+# step its shard with its local gradient.
+
+
+def follow_module_mode(wrapper: Optional[nn.Module], module: Optional[nn.Module]) -> None:
+    """Set the wrapper's own ``training`` flag to the module's (not recursively: submodules a user switched to
+    eval mode on purpose, e.g. frozen BatchNorm layers, keep their mode).
+
+    Example::
+
+        follow_module_mode(strategy.model, strategy.lightning_module)  # before each training step
+    """
+    if wrapper is None or module is None or wrapper is module:
+        return
+    if wrapper.training != module.training:
+        wrapper.training = module.training

@@ -27,7 +27,7 @@ from lightning_mgpu._compat import (
     set_num_threads_if_needed,
     worker_output,
 )
-from lightning_mgpu.parts.process_group import group_is_up
+from lightning_mgpu.comm import group_is_up
 
 PreLaunchCheck = Callable[["pl.Trainer"], None]
 

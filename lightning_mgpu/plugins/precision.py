@@ -29,9 +29,10 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
+import warnings
+from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Literal, Optional, Union, cast
 
 import pytorch_lightning as pl
 import torch
@@ -48,23 +49,13 @@ from typing_extensions import override
 from lightning_mgpu._compat import (
     DtypeContextManager,
     convert_fp_tensor,
+    foreach_norm,
     precision_after_closure,
     scaler_init_scale,
+    unwrap_optimizer,
 )
-
-# the modes and their checks live in _precision_modes.py (re-exported here: lightning_mgpu.precision.check_mode)
-from lightning_mgpu._precision_modes import (
-    MODES,
-    Mode,
-    any_nonfinite,
-    autocast_supported,
-    check_device,
-    check_mode,
-    world_size,
-)
+from lightning_mgpu.comm import attached_trainer, group_is_up
 from lightning_mgpu.parts.clipping import GlobalNormClipping
-from lightning_mgpu.parts.ledger import attached_trainer
-from lightning_mgpu.parts.optimizers import unwrap_optimizer
 
 __all__ = [
     "MODES",
@@ -538,3 +529,173 @@ def adopt(plugin: Optional[Precision]) -> Optional[Precision]:
             "growth_interval": int(scaler.get_growth_interval()),
         }
     return MGPUPrecision(cast(Mode, plugin.precision), device=plugin.device, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The modes of :class:`~lightning_mgpu.MGPUPrecision` and the checks that need no plugin: which mode a string
+# means, whether a device can run it, and whether any rank's gradients overflowed.
+
+Mode = Literal["32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master"]
+
+#: mode -> (compute dtype, FP32 master copy held by the optimizer step)
+MODES: dict[str, tuple[torch.dtype, bool]] = {
+    "32-true": (torch.float32, False),
+    "16-mixed": (torch.float16, False),
+    "bf16-mixed": (torch.bfloat16, False),
+    "16-master": (torch.float16, True),
+    "bf16-master": (torch.bfloat16, True),
+}
+
+# what people type, and the mode they most likely mean
+_ALIASES = {
+    "16": "16-mixed",
+    "fp16": "16-mixed",
+    "half": "16-mixed",
+    "amp": "16-mixed",
+    "bf16": "bf16-mixed",
+    "bfloat16": "bf16-mixed",
+    "16-true": "16-master",
+    "bf16-true": "bf16-master",
+    "32": "32-true",
+    "fp32": "32-true",
+    "64-true": "32-true",
+    "transformer-engine": "bf16-mixed",
+}
+
+
+def check_mode(mode: Any) -> str:
+    """Returns ``mode`` if it is one of :data:`MODES`; otherwise a ``ValueError`` naming the valid modes."""
+    if isinstance(mode, str) and mode in MODES:
+        return mode
+    hint = ""
+    if isinstance(mode, (str, int)) and str(mode).lower() in _ALIASES:
+        guess = _ALIASES[str(mode).lower()]
+        hint = f" Did you mean {guess!r}?"
+        if str(mode) in ("16-true", "bf16-true"):
+            hint += (
+                f" (Lightning's {mode!r} keeps no FP32 copy of the weights; {guess!r} has the same memory for "
+                f"the model and keeps FP32 masters in the optimizer step.)"
+            )
+    raise ValueError(f"MGPUPrecision(mode={mode!r}) is not a mode. Use one of {list(MODES)}.{hint}")
+
+
+def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast(device_type, dtype)`` really runs (torch disables itself, with a warning, for
+    a dtype the device's autocast lacks)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autocast(device_type, dtype=dtype):
+                return torch.is_autocast_enabled(device_type)
+    except (RuntimeError, ValueError):
+        return False
+
+
+def check_device(mode: str, device_type: str) -> None:
+    """Raises ``RuntimeError`` naming the alternative when ``device_type`` cannot run ``mode``."""
+    dtype, master = MODES[mode]
+    if dtype == torch.float32:
+        return
+    half = "bf16" if dtype == torch.bfloat16 else "16"
+    other = "16" if half == "bf16" else "bf16"
+    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name()
+        raise RuntimeError(
+            f"MGPUPrecision({mode!r}) needs bfloat16, which {name} does not support (it needs compute capability "
+            f"8.0, Ampere, or newer). Use MGPUPrecision('16-mixed') or '16-master' (fp16 with loss scaling)."
+        )
+    if not master and not autocast_supported(device_type, dtype):
+        raise RuntimeError(
+            f"MGPUPrecision({mode!r}): torch.autocast on {device_type!r} does not support {dtype}. Use "
+            f"MGPUPrecision('{other}-mixed'), or '{half}-master' (no autocast: the model itself runs in {dtype})."
+        )
+
+
+def _local(t: Tensor) -> Tensor:
+    # a DTensor (FSDP2 shard) -> this rank's shard; a plain tensor -> itself
+    to_local = getattr(t, "to_local", None)
+    return cast(Tensor, to_local()) if callable(to_local) else t
+
+
+def world_size() -> int:
+    """The default process group's size; 1 without one."""
+    return dist.get_world_size() if group_is_up() else 1
+
+
+def any_nonfinite(grads: list[Tensor]) -> bool:
+    """True if any gradient holds inf/NaN on any rank (one all-reduce when a process group is up)."""
+    device = grads[0].device if grads else torch.device("cpu")
+    if grads:
+        norms = [n.to(device) for n in foreach_norm([_local(g) for g in grads], float("inf"))]
+        found = torch.logical_not(torch.stack(norms).isfinite().all()).float().reshape(1)
+    else:
+        found = torch.zeros(1, device=device)
+    if world_size() > 1:
+        if dist.get_backend() == "nccl" and found.device.type != "cuda":
+            found = found.cuda()
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item() > 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Precision adoption: the strategy turns Lightning's plugin into :class:`~lightning_mgpu.MGPUPrecision`, and
+# hands it what it needs through arguments (never by writing into it at run time).
+
+
+class PrecisionAdoption:
+    """Example::
+
+    part = PrecisionAdoption()
+    plugin = part.adopt(Precision())           # MGPUPrecision("32-true")
+    part.check(plugin, [torch.device("cpu")])  # before launch
+    """
+
+    @staticmethod
+    def adopt(plugin: Optional[Precision]) -> Optional[Precision]:
+        # precision="16-mixed"/"bf16-mixed" -> MGPUPrecision: overflow agreed across ranks, counted and logged
+        return adopt(plugin)
+
+    @staticmethod
+    def check(plugin: Optional[Precision], devices: Optional[list[torch.device]]) -> None:
+        if isinstance(plugin, MGPUPrecision) and devices:
+            plugin.check(devices[0].type)
+
+    @staticmethod
+    def attach_masters(plugin: Precision, optimizers: list[Optimizer]) -> None:
+        """Before any wrapper (ZeroRedundancyOptimizer) is built around the optimizers."""
+        if isinstance(plugin, MGPUPrecision):
+            plugin.attach_master_weights(optimizers)
+
+    @staticmethod
+    def model_parameter(plugin: Precision) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Optimizer parameter -> the parameter backward writes the gradient of (master modes: the half one)."""
+        if isinstance(plugin, MGPUPrecision):
+            return plugin.model_parameter
+        return lambda p: p
+
+    @staticmethod
+    def connect_gradient_sync(plugin: Precision, sync: Optional[Callable[[Optimizer], None]]) -> None:
+        """Manual optimization: the plugin calls ``sync`` before it moves or clips an optimizer's gradients."""
+        if isinstance(plugin, MGPUPrecision):
+            plugin.use_gradient_sync(sync)
+
+    @staticmethod
+    def connect_norm_clipping(plugin: Precision, clipping: Optional[GlobalNormClipping]) -> None:
+        """Sharded gradients: norm clipping by the norm over all ranks (``None``: the local norm is global)."""
+        if isinstance(plugin, MGPUPrecision):
+            plugin.use_norm_clipping(clipping)
+
+    @staticmethod
+    def with_masters(plugin: Precision, module: Optional[nn.Module], state: dict[str, Any]) -> dict[str, Any]:
+        """The module's state as saved: master modes put their FP32 masters in place of the half weights."""
+        if isinstance(plugin, MGPUPrecision) and module is not None:
+            return plugin.fp32_state_dict(module, state)
+        return state
+
+    @staticmethod
+    def load_masters(plugin: Precision, module: Optional[nn.Module], checkpoint: Mapping[str, Any]) -> None:
+        # masters that exist already (a restore after set-up: sharded strategies, LearningRateFinder, a second
+        # fit) take the checkpoint's FP32 values; otherwise the next step would copy stale ones back
+        state = checkpoint.get("state_dict")
+        if isinstance(plugin, MGPUPrecision) and module is not None and state is not None:
+            plugin.load_masters(module, state)
