@@ -166,6 +166,12 @@ class CommonSettings:
                 f"'num_tokens': <count>}}) or None (Lightning's per-micro-batch loss)."
             )
         _check_micro_batch_size(self.micro_batch_size)
+        if self.micro_batch_size is not None and self.loss_normalization == "tokens":
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size!r} with loss_normalization='tokens': micro-batching weights "
+                f"each micro-batch's loss by its share of rows, the token mode by its tokens; the two do not compose "
+                f"yet. Use one of them (with tokens, a smaller loader batch and accumulate_grad_batches)."
+            )
         if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
             raise TypeError(
                 f"process_group_backend={self.process_group_backend!r} must be a string ('gloo', 'nccl') or None."
@@ -339,6 +345,8 @@ class ShardedSettings:
     """``"consolidated"`` (one file, gathered on rank 0) or ``"sharded"`` (a DCP directory)."""
     wrap_modules: Optional[tuple[type[nn.Module], ...]] = None
     """Stages 2/3 torch: module classes that each become an FSDP unit; a single class is taken as ``[cls]``."""
+    micro_batch_size: Optional[MicroBatchSetting] = None
+    """Stage 1 only (as for :class:`~lightning_mgpu.MGPUDDPStrategy`); checked with the launch settings."""
 
     def __post_init__(self) -> None:
         stage = self.stage
@@ -366,6 +374,13 @@ class ShardedSettings:
             raise ValueError(
                 f"checkpoint={self.checkpoint!r} is unknown. Use 'consolidated' (one file, loads anywhere) or "
                 f"'sharded' (a torch.distributed.checkpoint directory written by all ranks)."
+            )
+        if self.micro_batch_size is not None and stage != 1:
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size!r} is supported at stage 1 (strategy='mgpu_zero1') and by "
+                f"mgpu_ddp, not yet at stage={stage!r}: FSDP2 reduce-scatters gradients only inside a backward, so "
+                f"an out-of-memory error there on one rank could not be redone by all. Use stage=1, or leave "
+                f"micro_batch_size=None and lower the loader's batch size."
             )
         classes = _wrap_classes(self.wrap_modules)
         object.__setattr__(self, "wrap_modules", classes)

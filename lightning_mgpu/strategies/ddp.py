@@ -207,12 +207,6 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         self._sync_control = DDPSyncControl()
         self._manual = ManualGradientSync(settings.comm_hook, bucket_cap_mb=ddp_kwargs.get("bucket_cap_mb") or 25.0)
         self._comm_hook_state: Any = None
-        if micro_batch_size is not None and settings.loss_normalization == "tokens":
-            raise ValueError(
-                f"micro_batch_size={micro_batch_size!r} with loss_normalization='tokens': micro-batching weights each "
-                f"micro-batch's loss by its share of rows, the token mode by its tokens; the two do not compose yet. "
-                f"Use one of them (with tokens, a smaller loader batch and accumulate_grad_batches)."
-            )
         self._micro = MicroBatching(micro_batch_size) if micro_batch_size is not None else None
 
     # --- what users read ----------------------------------------------------------------------------------

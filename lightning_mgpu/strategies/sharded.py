@@ -457,18 +457,12 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
         micro_batch_size: Optional[MicroBatchSetting] = None,
         **ddp_kwargs: Any,
     ) -> None:
-        if micro_batch_size is not None and stage != 1:
-            raise ValueError(
-                f"micro_batch_size={micro_batch_size!r} is supported at stage 1 (strategy='mgpu_zero1') and by "
-                f"mgpu_ddp, not yet at stage={stage!r}: FSDP2 reduce-scatters gradients only inside a backward, so "
-                f"an out-of-memory error there on one rank could not be redone by all. Use stage=1, or leave "
-                f"micro_batch_size=None and lower the loader's batch size."
-            )
         sharded = ShardedSettings(
             stage=stage,
             backend=backend,
             checkpoint=checkpoint,
             wrap_modules=wrap_modules,  # type: ignore[arg-type]  # a sequence or one class: the settings normalise it
+            micro_batch_size=micro_batch_size,
         )
         own = [name for name in inspect.signature(MGPUShardedStrategy.__init__).parameters if name != "self"]
         ddp_kwargs = split_ddp_kwargs("MGPUShardedStrategy", ddp_kwargs, own[:-1])  # all but **ddp_kwargs
