@@ -443,9 +443,10 @@ def _cublas_workspaces() -> int:
     if DEVICE != "cuda":
         return -1
     before = torch.cuda.memory_allocated()
-    a = torch.randn(64, 64, device="cuda", requires_grad=True)
-    (a @ a).sum().backward()
-    del a
+    for dtype in (torch.float32, torch.bfloat16):  # FP32 and BF16 matmuls, each forward and backward
+        a = torch.randn(64, 64, device="cuda", dtype=dtype, requires_grad=True)
+        (a @ a).float().sum().backward()
+        del a
     torch.cuda.synchronize()
     gc.collect()
     return torch.cuda.memory_allocated() - before
