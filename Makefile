@@ -66,13 +66,14 @@ test-compat-cuda: .venv-cuda/.installed
 	.venv-cuda/bin/python -m pytest -m compat -p no:cacheprovider
 
 # The GPU tier, on a machine with an NVIDIA GPU (CI has none: there tests/gpu is skipped with "no CUDA device").
-# `make test-gpu`: tests/gpu (marker `gpu`), every CUDA path through Trainer.fit on NCCL; `make bench-gpu`: memory
-# per rank at world sizes 2/4/8 (torch's fake process group) and tokens/s + MFU, results saved as JSON under
-# benchmarks/results/. Both use the package from this checkout (PYTHONPATH) with an interpreter that already has a
-# CUDA torch and Lightning (GPU_PYTHON, default python3, as on GPU images without network access); where that
-# interpreter lacks them, .venv-cuda (torch's CUDA wheel, CUDA_TORCH) is built and used. Each test case runs in a
+# `make test-gpu`: tests/gpu (marker `gpu`), every CUDA path and every feature through Trainer.fit on NCCL;
+# `make bench-gpu`: memory per rank at world sizes 2/4/8 (torch's fake process group), tokens/s + MFU, the blocking
+# time of synchronous and asynchronous checkpoints, and the planner's prediction against the CUDA allocator, results
+# saved as JSON under benchmarks/results/. Both use the package from this checkout (PYTHONPATH) with an interpreter
+# that already has a CUDA torch and Lightning (GPU_PYTHON, default python3, as on GPU images without network access);
+# where that interpreter lacks them, .venv-cuda (torch's CUDA wheel, CUDA_TORCH) is built and used. Each test case runs in a
 # fresh interpreter (tests/gpu/worker.py), six at a time on the one GPU where pytest-xdist is installed; the tier
-# and the benchmarks together take under 10 minutes on an H100.
+# and the benchmarks together are estimated at about 9 minutes on an H100 (docs/gpu.md: each part's estimate).
 GPU_PYTHON ?= python3
 GPU_PY = $$($(GPU_PYTHON) -c "import torch, pytorch_lightning, lightning" 2>/dev/null && echo $(GPU_PYTHON) || \
 	{ $(MAKE) -s .venv-cuda/.installed >&2 && echo .venv-cuda/bin/python; })
@@ -84,7 +85,9 @@ test-gpu:
 
 bench-gpu:
 	py=$(GPU_PY); PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_memory_per_rank.py --out benchmarks/results && \
-	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_throughput.py --out benchmarks/results
+	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_throughput.py --out benchmarks/results && \
+	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_checkpoint_blocking.py --out benchmarks/results && \
+	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_planner_vs_allocator.py --out benchmarks/results
 
 # Re-run every notebook and store its outputs (tests/test_notebooks.py fails on outputs older than the cells).
 notebooks: $(STAMP)

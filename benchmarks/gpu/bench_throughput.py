@@ -13,8 +13,11 @@ Runners (one GPU, world size 1, ``bf16-mixed``, AdamW as the module configures i
   lightning_fsdp    Trainer(strategy=FSDPStrategy(auto_wrap_policy={TransformerEncoderLayer}))
   mgpu_ddp          Trainer(strategy="mgpu_ddp")
   mgpu_ddp+ac       MGPUDDPStrategy(activation_checkpointing={TransformerEncoderLayer})
-  mgpu_sharded      Trainer(strategy="mgpu_sharded")    (FSDP2, gradients sharded)
-  mgpu_zero3        Trainer(strategy="mgpu_zero3")      (FSDP2, parameters sharded)
+  lightning_fsdp+ac the same with FSDPStrategy(activation_checkpointing_policy={TransformerEncoderLayer})
+  mgpu_sharded      Trainer(strategy="mgpu_sharded")    (FSDP2, gradients sharded: ZeRO-2)
+  mgpu_sharded+ac   MGPUShardedStrategy(stage=2, activation_checkpointing={TransformerEncoderLayer})
+  mgpu_zero3        Trainer(strategy="mgpu_zero3")      (FSDP2, parameters sharded: ZeRO-3)
+  mgpu_zero3+ac     MGPUShardedStrategy(stage=3, activation_checkpointing={TransformerEncoderLayer})
 
 Each runner trains ``--warmup`` + ``--steps`` optimizer steps; the step time is the median of the timed steps (CUDA
 synchronised at each step's end), over ``--rounds`` rounds that visit the runners in turn. MFU counts model FLOPs
@@ -125,15 +128,25 @@ def runners(tiny: bool) -> dict[str, Callable[[argparse.Namespace], list[float]]
         "torch+ac": lambda a: run_torch(a, ac=True),
         "lightning_ddp": lambda a: run_trainer(a, lambda: "ddp"),
         "lightning_fsdp": lambda a: run_trainer(a, lambda: FSDPStrategy(auto_wrap_policy={LAYER})),
+        "lightning_fsdp+ac": lambda a: run_trainer(
+            a, lambda: FSDPStrategy(auto_wrap_policy={LAYER}, activation_checkpointing_policy={LAYER})
+        ),
         "mgpu_ddp": lambda a: run_trainer(a, lambda: "mgpu_ddp"),
         "mgpu_ddp+ac": lambda a: run_trainer(
             a, lambda: lightning_mgpu.MGPUDDPStrategy(activation_checkpointing={LAYER})
         ),
         "mgpu_sharded": lambda a: run_trainer(a, lambda: "mgpu_sharded"),
+        "mgpu_sharded+ac": lambda a: run_trainer(
+            a, lambda: lightning_mgpu.MGPUShardedStrategy(stage=2, activation_checkpointing={LAYER})
+        ),
         "mgpu_zero3": lambda a: run_trainer(a, lambda: "mgpu_zero3"),
+        "mgpu_zero3+ac": lambda a: run_trainer(
+            a, lambda: lightning_mgpu.MGPUShardedStrategy(stage=3, activation_checkpointing={LAYER})
+        ),
     }
     if not torch.cuda.is_available():
         out.pop("lightning_fsdp")  # Lightning's FSDPStrategy runs on CUDA only
+        out.pop("lightning_fsdp+ac")
     return out
 
 
@@ -198,7 +211,8 @@ def main() -> None:
         rel = f"{r['vs_torch']:.3f}x" if r["vs_torch"] else "-"
         print(f"{r['runner']:<16}{r['step_ms']:>9.1f}{r['tokens_per_s']:>11.0f}{mfu:>7}{rel:>16}")
     by = {r["runner"]: r for r in rows}
-    for plain, ac in (("torch", "torch+ac"), ("mgpu_ddp", "mgpu_ddp+ac")):
+    for plain in ("torch", "lightning_fsdp", "mgpu_ddp", "mgpu_sharded", "mgpu_zero3"):
+        ac = f"{plain}+ac"
         if plain in by and ac in by:
             print(f"activation checkpointing, {plain}: step time x{by[ac]['step_ms'] / by[plain]['step_ms']:.3f}")
     if args.out:

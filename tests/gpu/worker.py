@@ -269,6 +269,9 @@ def device_monitor() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from tests.gpu.worker_features import CASES as FEATURES  # the feature cases (token loss, clipping, ...)
+
+    CASES.update(FEATURES)
     name, args = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
     result = CASES[name](**args)
     print("RESULT " + json.dumps(result), flush=True)

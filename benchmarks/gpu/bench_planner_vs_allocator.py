@@ -1,0 +1,183 @@
+"""The memory planner's predicted peak against the CUDA allocator's, for the strategies, precisions and checkpointing.
+
+    python benchmarks/gpu/bench_planner_vs_allocator.py [--out benchmarks/results]
+    python benchmarks/gpu/bench_planner_vs_allocator.py --tiny     # a check of the script (CPU: predictions only)
+
+For a ``TransformerLM`` of ~117M parameters (batch 8 x 512 tokens, AdamW; ``--seqs`` for other lengths) the
+planner (:func:`lightning_mgpu.plan`, world size 1) predicts the peak per rank of every candidate; then each row trains
+through ``Trainer(strategy=...).fit`` on one GPU (NCCL, world size 1) in this process and reads
+``torch.cuda.max_memory_allocated`` over the second step (the first creates the optimizer state), less what the
+allocator held before the model was built (cuBLAS's workspaces, warmed up first: the plan does not count them).
+
+Compared: for ``mgpu_ddp`` / ``mgpu_zero1`` the prediction less its communication buffers (a single rank's
+gradients are DDP's buckets: there is no separate buffer), for the FSDP stages the whole predicted peak (the
+all-gather and reduce-scatter buffers are real allocations at world size 1 too): ``PlanRow.measurable_bytes``,
+as the CPU benchmark (``benchmarks/bench_planner.py``) compares. The GPU tier holds the ratio within 15%
+(``tests/gpu/test_gpu_features.py``). The result is saved as JSON under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from env import environment
+
+from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy, plan
+from lightning_mgpu.planning import format_bytes
+from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
+
+CUDA = torch.cuda.is_available()
+STAGES = {"mgpu_ddp": 0, "mgpu_zero1": 1, "mgpu_sharded": 2, "mgpu_zero3": 3}
+#: (strategy, precision, activation checkpointing)
+ROWS = [
+    ("mgpu_ddp", "32-true", False),
+    ("mgpu_ddp", "32-true", True),
+    ("mgpu_ddp", "bf16-mixed", False),
+    ("mgpu_ddp", "bf16-mixed", True),
+    ("mgpu_zero1", "32-true", False),
+    ("mgpu_sharded", "bf16-mixed", False),
+    ("mgpu_zero3", "32-true", False),
+    ("mgpu_zero3", "bf16-mixed", True),
+]
+
+
+class StepPeak(pl.Callback):
+    """``torch.cuda.max_memory_allocated`` over the second training step."""
+
+    def __init__(self) -> None:
+        self.peak = -1
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if CUDA and idx == 1:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if CUDA and int(args[-1]) == 1:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+
+
+def _warm_up_cublas() -> None:
+    """Allocate cuBLAS's workspaces (forward thread and backward thread, FP32 and BF16) before any baseline."""
+    if not CUDA:
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(64, 64, device="cuda", dtype=dtype, requires_grad=True)
+        (a @ a).float().sum().backward()
+    torch.cuda.synchronize()
+
+
+def measure(model_args: dict[str, Any], data: RandomTokens, strategy: str, precision: str, ac: bool) -> int:
+    """Bytes the allocator's peak over the second step exceeds what it held before the model was built."""
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated() if CUDA else 0
+    policy = {nn.TransformerEncoderLayer} if ac else None
+    stage = STAGES[strategy]
+    built: Any = (
+        MGPUDDPStrategy(activation_checkpointing=policy)
+        if stage == 0
+        else MGPUShardedStrategy(stage=stage, activation_checkpointing=policy)
+    )
+    peak = StepPeak()
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        strategy=built,
+        accelerator="gpu" if CUDA else "cpu",
+        devices=1,
+        precision=precision,
+        max_steps=3,
+        callbacks=[peak],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(TransformerLM(**model_args), data)
+    del trainer, built
+    return peak.peak - baseline if peak.peak >= 0 else -1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--d-model", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seqs", type=int, nargs="*", default=[512])
+    ap.add_argument("--tiny", action="store_true", help="a small model, to check the script (CPU works)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
+    args = ap.parse_args()
+    if args.tiny:
+        args.vocab, args.d_model, args.heads, args.layers, args.batch, args.seqs = 512, 64, 4, 2, 4, [32]
+    env = environment()
+    _warm_up_cublas()
+    model_args = {"vocab": args.vocab, "d_model": args.d_model, "heads": args.heads, "layers": args.layers}
+    params = sum(p.numel() for p in TransformerLM(**model_args).parameters())
+    print(f"TransformerLM, {params / 1e6:.0f}M parameters, batch {args.batch}, on {env['device']}")
+    print("| seq | strategy | precision | AC | predicted | measured | measured / predicted |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for seq in args.seqs:
+        data = RandomTokens(batch_size=args.batch, seq_len=seq, vocab=args.vocab, samples=4 * args.batch)
+        data.setup("fit")
+        sample = next(iter(data.train_dataloader()))
+        plans = {
+            precision: plan(
+                lambda: TransformerLM(**model_args),
+                devices=1,
+                device_memory="1TiB",
+                batch=sample,
+                precisions=(precision,),
+            )
+            for precision in sorted({p for _, p, _ in ROWS})
+        }
+        for strategy, precision, ac in ROWS:
+            predicted = plans[precision].row(strategy, precision, ac)
+            measured = measure(model_args, data, strategy, precision, ac)
+            ratio = measured / predicted.measurable_bytes if measured > 0 else None
+            rows.append(
+                {
+                    "model": "TransformerLM",
+                    "parameters": params,
+                    "batch": args.batch,
+                    "seq": seq,
+                    "strategy": strategy,
+                    "precision": precision,
+                    "activation_checkpointing": ac,
+                    "predicted_peak_bytes": predicted.predicted_peak_bytes_per_rank,
+                    "predicted_measurable_bytes": predicted.measurable_bytes,
+                    "measured_bytes": measured,
+                    "ratio": ratio,
+                }
+            )
+            shown = format_bytes(measured) if measured > 0 else "not measured (no CUDA)"
+            print(
+                f"| {seq} | {strategy} | {precision} | {'yes' if ac else 'no'} | "
+                f"{format_bytes(predicted.measurable_bytes)} | {shown} | {f'{ratio:.3f}' if ratio else '-'} |"
+            )
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"gpu-planner-vs-allocator-{env['device'].replace(' ', '_')}-{env['date'][:10]}.json"
+        config = {k: v for k, v in vars(args).items() if k != "out"}
+        (args.out / name).write_text(json.dumps({"environment": env, "config": config, "rows": rows}, indent=1))
+        print(f"saved {args.out / name}")
+
+
+if __name__ == "__main__":
+    main()

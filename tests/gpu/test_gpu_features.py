@@ -1,0 +1,101 @@
+"""The features on CUDA, each through ``Trainer(strategy=...).fit`` on NCCL in a fresh interpreter
+(``tests/gpu/worker_features.py``): the token-normalised loss, the non-finite check, global-norm clipping on FSDP2,
+micro-batching against a real CUDA out-of-memory error, local SGD and DiLoCo, asynchronous checkpoints,
+``mgpu_auto`` and the planner against the CUDA allocator.
+
+Run: ``make test-gpu``. Skipped with "no CUDA device" elsewhere (tests/gpu/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.gpu.test_gpu_tier import run
+
+#: the planner's prediction against the CUDA allocator: the tolerance the CPU suite holds it to (tests/test_planning.py)
+PLANNER_TOLERANCE = 0.15
+
+
+@pytest.mark.parametrize("stage", [0, 3], ids=["mgpu_ddp", "mgpu_zero3"])
+def test_token_loss_equals_the_mean_over_every_token_of_the_step(stage: int) -> None:
+    r = run("token_loss", stage=stage)
+    assert r["steps"] == r["expected_steps"], r
+    assert r["tokens"] == r["expected_tokens"], r  # each step counted its own tokens, once
+    assert len(set(r["tokens"])) > 1, "the steps hold different token counts: the check can fail"
+    assert r["max_abs_diff"] < 1e-10 < r["moved"], r
+    assert r["loss_per_token"] == pytest.approx(r["expected_loss_per_token"], rel=1e-6), r
+
+
+@pytest.mark.parametrize("stage", [0, 3], ids=["mgpu_ddp", "mgpu_zero3"])
+def test_nonfinite_error_names_the_rank_and_parameter_on_cuda(stage: int) -> None:
+    r = run("nonfinite", stage=stage)
+    assert r["raised"] == "FloatingPointError", r
+    assert f"optimizer step 1 (rank 0: parameter {r['poisoned']!r}" in r["message"], r
+    assert r["global_step"] == 1 and r["finite"], r  # the poisoned step was not taken
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_global_norm_clipping_on_fsdp2_equals_clipping_the_whole_gradient(stage: int) -> None:
+    r = run("clip_fsdp2", stage=stage)
+    assert r["strategy"] == "MGPUFSDPStrategy" and r["dtensor"], r
+    assert min(r["expected_norms"]) > 0.05, "clipping must bite in every step for the comparison to mean anything"
+    assert r["norms"] == pytest.approx(r["expected_norms"], rel=1e-9), r
+    assert r["max_abs_diff"] < 1e-10 < r["unclipped_diff"], r
+
+
+def test_auto_micro_batch_backs_off_on_a_real_cuda_out_of_memory_error() -> None:
+    r = run("micro_batch_oom")
+    print(json.dumps(r, indent=1))
+    assert not r["simulated"] and r["limit_bytes"] > 0, r
+    assert r["errors"] and all("CUDA out of memory" in e for e in r["errors"]), r
+    assert r["backoffs"] and r["backoffs"][0][0] == 32, r
+    assert all(b[1] == b[0] // 2 and b[2] == [0] for b in r["backoffs"]), r
+    assert r["size"] == r["backoffs"][-1][1] < 32, r
+    assert r["global_step"] == 4 and r["finite"], r
+
+
+def test_local_sgd_and_diloco_on_nccl() -> None:
+    r = run("periodic_sync")
+    for name in ("local_sgd", "diloco_plain", "diloco"):
+        assert r[name]["syncs"] == 3 and r[name]["finite"], r
+    # averaging one rank leaves its weights: local SGD and a plain outer step are mgpu_ddp
+    assert r["local_sgd"]["diff_to_ddp"] < 1e-12 and r["diloco_plain"]["diff_to_ddp"] < 1e-12, r
+    assert r["diloco"]["diff_to_ddp"] > 1e-6, r  # the Nesterov outer step moves elsewhere
+
+
+@pytest.mark.parametrize(
+    "stage,checkpoint", [(0, "consolidated"), (2, "consolidated"), (3, "sharded")], ids=["ddp", "zero2", "zero3_dir"]
+)
+def test_async_checkpoint_on_nccl_holds_its_step_and_resumes_exactly(stage: int, checkpoint: str) -> None:
+    r = run("async_checkpoint", stage=stage, checkpoint=checkpoint)
+    assert r["saved_step"] == 3 and r["saved_exact"] and r["trained_on_after_save"], r
+    assert r["saved_as_dir"] == (checkpoint == "sharded"), r
+    assert r["resume_max_abs_diff"] == 0.0, r
+
+
+def test_mgpu_auto_records_its_decision_and_fits_on_cuda() -> None:
+    r = run("auto")
+    device, tight = r["device"], r["tight"]
+    assert device["class"] == "MGPUDDPStrategy" and device["decision"] == ["mgpu_ddp", False], r
+    assert device["usable_bytes"] == int(r["device_total_bytes"] * 0.9), r  # the device's own memory, 10% kept
+    assert tight["decision"] == ["mgpu_ddp", True] and tight["checkpointing"], r
+    assert "Faster candidates that do not fit: mgpu_ddp needs" in tight["reason"], r
+    for fit in (device, tight):
+        assert fit["steps"] == 4 and fit["finite"], r
+
+
+@pytest.mark.parametrize(
+    "strategy,precision,ac",
+    [
+        ("mgpu_ddp", "32-true", False),
+        ("mgpu_ddp", "bf16-mixed", False),
+        ("mgpu_ddp", "32-true", True),
+        ("mgpu_zero3", "32-true", False),
+    ],
+)
+def test_planner_prediction_against_the_cuda_allocator(strategy: str, precision: str, ac: bool) -> None:
+    r = run("planner_vs_allocator", strategy=strategy, precision=precision, ac=ac)
+    print(json.dumps(r, indent=1))
+    assert r["steps"] == 3 and r["measured_peak_bytes"] > 0, r
+    assert abs(r["ratio"] - 1) <= PLANNER_TOLERANCE, r
