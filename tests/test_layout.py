@@ -45,9 +45,14 @@ def _graph(root: Path) -> dict[str, set[str]]:
     package is only being walked through), on ``pkg`` otherwise."""
     modules = {_module_name(p, root): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
+    top = root.name
     for name, path in modules.items():
         deps = _imported(path)
         deps = {d for d in deps if d in modules and not any(s.startswith(d + ".") and s in modules for s in deps)}
+        # importing a.b.c runs the __init__ of a.b first (when a.b is not imported yet); the top package is
+        # always imported first by whoever imports the pack, so it is left out
+        parents = {".".join(d.split(".")[:i]) for d in deps for i in range(2, d.count(".") + 1)}
+        deps |= {p for p in parents if p in modules and p != top and not name.startswith(p + ".")}
         graph[name] = deps - {name}
     return graph
 
@@ -91,6 +96,19 @@ def test_parts_and_plugins_do_not_import_a_strategy(path):
 
 def test_the_package_has_no_import_cycle_lazy_imports_included():
     assert _cycles(_graph(PACKAGE)) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_subpackage_init(tmp_path):
+    # negative control: sub/x.py imports other/y.py, whose package __init__ imports sub/x's package back
+    root = tmp_path / "lightning_mgpu"
+    for package in ("sub", "other"):
+        (root / package).mkdir(parents=True)
+    (root / "sub" / "__init__.py").write_text("from lightning_mgpu.sub.x import f\n")
+    (root / "sub" / "x.py").write_text("from lightning_mgpu.other.y import g\n")
+    (root / "other" / "__init__.py").write_text("from lightning_mgpu.other.z import h\n")
+    (root / "other" / "y.py").write_text("g = 1\n")
+    (root / "other" / "z.py").write_text("from lightning_mgpu.sub import f\n")
+    assert _cycles(_graph(root)) != []
 
 
 def test_the_cycle_check_finds_a_cycle_hidden_in_a_function_body(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_mgpu.strategies.sharding import follow_module_mode
+from lightning_mgpu.parts.sharding import follow_module_mode
 
 
 class Wrapper(nn.Module):

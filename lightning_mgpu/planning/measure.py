@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mgpu._compat import fake_store, mem_tracker
-from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelFactory, _loss, _optimizers, _quiet, fsdp_units
+from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelFactory, _loss, _optimizers, _quiet
+from lightning_mgpu.parts.sharding import fsdp_unit_roots
 
 __all__ = ["Measured", "fake_process_group", "measure_step"]
 
@@ -55,7 +56,7 @@ def _shard(module: nn.Module, stage: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for unit in reversed(fsdp_units(module)):  # innermost first, as mgpu_sharded does
+    for unit in reversed(fsdp_unit_roots(module)):  # innermost first, as mgpu_sharded does
         fully_shard(unit, mesh=mesh, reshard_after_forward=stage == 3)
     fully_shard(module, mesh=mesh, reshard_after_forward=stage == 3)
 

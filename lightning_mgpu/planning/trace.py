@@ -20,8 +20,9 @@ from torch import nn
 
 from lightning_mgpu._compat import fake_tensor_mode, mem_tracker, timeline_mem_tracker, tree_map_tensors
 from lightning_mgpu.planning.request import PlanError
+from lightning_mgpu.parts.sharding import fsdp_unit_roots
 
-__all__ = ["ModelStates", "StepTrace", "count_model_states", "fsdp_units", "trace_step"]
+__all__ = ["ModelStates", "StepTrace", "count_model_states", "trace_step"]
 
 #: precision -> (dtype the weights and activations are stored in, autocast dtype or None, FP32 master copy)
 PRECISION_LAYOUT: dict[str, tuple[torch.dtype, Optional[torch.dtype], bool]] = {
@@ -219,23 +220,13 @@ def _cast(module: nn.Module, dtype: torch.dtype) -> None:
                 setattr(m, name, buf.to(dtype))
 
 
-def fsdp_units(module: nn.Module) -> list[nn.Module]:
-    """The modules ``mgpu_sharded`` / ``mgpu_zero3`` make FSDP units of, by default (the rule of
-    ``lightning_mgpu.strategies.sharding.FSDP2Backend._unit_roots``): every transformer layer when there are
-    any, else each direct child with parameters; the root is a unit too (the parameters left over)."""
-    layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-    if any(isinstance(m, layers) for m in module.modules()):
-        return [m for m in module.modules() if m is not module and isinstance(m, layers)]
-    return [c for c in module.children() if any(True for _ in c.parameters())]
-
-
 def unit_fractions(factory: ModelFactory) -> tuple[float, float]:
     """The largest FSDP unit's share of the parameters, and the root unit's (the parameters no other unit holds;
     FSDP2 keeps the root gathered between forward and backward)."""
     with fake_tensor_mode(), _quiet():
         module = factory()
         total = sum(p.numel() for p in module.parameters()) or 1
-        units = fsdp_units(module)
+        units = fsdp_unit_roots(module)
         owned: set[int] = set()
         sizes = []
         for unit in units:

@@ -6,8 +6,8 @@
 * ``ddp.py``: :class:`MGPUDDPStrategy` (the DDP family);
 * ``periodic.py``: :class:`MGPULocalSGDStrategy`, :class:`MGPUDiLoCoStrategy` (DDP's launch, weights synced every
   H steps instead of gradients every step);
-* ``sharded.py``: :class:`MGPUShardedStrategy` (ZeRO stages 1-3), its stage classes and its checkpoints;
-* ``sharding.py``: the sharding backends (ZeroRedundancyOptimizer, fairscale OSS/ShardedDataParallel, FSDP2);
+* ``sharded.py``: :class:`MGPUShardedStrategy` (ZeRO stages 1-3), its stage classes and its checkpoints (the
+  sharding backends they use are a part: ``lightning_mgpu/parts/sharding.py``);
 * ``auto.py``: :class:`MGPUAutoStrategy`; ``launchers.py``: the launchers' checks and fork on CPU.
 """
 

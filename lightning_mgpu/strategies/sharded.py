@@ -68,7 +68,7 @@ from lightning_mgpu.settings import (
 )
 from lightning_mgpu.strategies.base import MGPUParallelStrategy, MGPUStrategyMixin
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
-from lightning_mgpu.strategies.sharding import (
+from lightning_mgpu.parts.sharding import (
     ShardingBackend,
     check_optimizer,
     follow_module_mode,
@@ -109,7 +109,7 @@ class ShardMemory:
 # ----------------------------------------------------------------------------------------------------
 # The checkpoints of :class:`~lightning_mgpu.MGPUShardedStrategy`: the consolidated file or the sharded directory
 # (``torch.distributed.checkpoint``), written atomically (and in the background with ``async_checkpoint=True``), and
-# loaded at any world size. A mixin of the sharded strategy's shared base; the sharding backend (``sharding.py``)
+# loaded at any world size. A mixin of the sharded strategy's shared base; the sharding backend (``parts/sharding.py``)
 # gathers and scatters the states.
 
 
@@ -122,7 +122,7 @@ if TYPE_CHECKING:  # what the mixin relies on: the sharded strategy's shared bas
 
     from lightning_mgpu.settings import ShardedSettings
     from lightning_mgpu.strategies.base import MGPUStrategyMixin
-    from lightning_mgpu.strategies.sharding import ShardingBackend
+    from lightning_mgpu.parts.sharding import ShardingBackend
 
     class _StrategyBase(MGPUStrategyMixin, ParallelStrategy):
         _sharding: ShardingBackend
@@ -663,7 +663,7 @@ class MGPUZeRO1Strategy(MGPUShardedStrategy, MGPUDDPStrategy):  # type: ignore[m
 # ----------------------------------------------------------------------------------------------------
 # ZeRO stages 2 and 3 without DDP: torch FSDP2 (``fully_shard``), or fairscale ``OSS`` + ``ShardedDataParallel``
 # at stage 2. Built on :class:`MGPUParallelStrategy` (process group, launch, ledger, failures, resume) and the
-# sharded strategy's optimizer and checkpoint handling; the backend (``sharding.py``) shards the model and says how
+# sharded strategy's optimizer and checkpoint handling; the backend (``parts/sharding.py``) shards the model and says how
 # its gradient sync is blocked.
 #
 # Users write ``MGPUShardedStrategy(stage=2|3)`` or ``strategy="mgpu_sharded"`` / ``"mgpu_zero3"``; this is the

@@ -306,6 +306,25 @@ def _fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def fsdp_unit_roots(module: nn.Module, wrap_modules: Optional[tuple[type[nn.Module], ...]] = None) -> list[nn.Module]:
+    """The modules FSDP2 makes units of (the root, a unit too, holds the parameters left over): those of
+    ``wrap_modules``; by default every transformer layer when there are any, else each direct child with parameters.
+    The one rule, used by the strategy and by the planner.
+
+    Example::
+
+        fsdp_unit_roots(model)  # [model.encoder.layers[0], model.encoder.layers[1], ...]
+    """
+    if wrap_modules is not None:
+        classes: tuple[type[nn.Module], ...] = wrap_modules
+    else:
+        layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+        if not any(isinstance(m, layers) for m in module.modules()):
+            return [c for c in module.children() if any(True for _ in c.parameters())]
+        classes = layers
+    return [m for m in module.modules() if m is not module and isinstance(m, classes)]
+
+
 class FSDP2Backend(ShardingBackend):
     """Stage 2 (``reshard_after_forward=False``) or 3 (``True``) with torch's ``fully_shard``.
 
@@ -321,15 +340,7 @@ class FSDP2Backend(ShardingBackend):
         self.sync_control = FSDP2SyncControl()
 
     def _unit_roots(self, module: nn.Module) -> list[nn.Module]:
-        if self.wrap_modules is not None:
-            classes = self.wrap_modules
-        else:
-            layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-            if any(isinstance(m, layers) for m in module.modules()):
-                classes = layers
-            else:
-                return [c for c in module.children() if any(True for _ in c.parameters())]
-        return [m for m in module.modules() if m is not module and isinstance(m, classes)]
+        return fsdp_unit_roots(module, self.wrap_modules)
 
     def is_sharded(self, model: nn.Module) -> bool:
         from torch.distributed.fsdp import FSDPModule
