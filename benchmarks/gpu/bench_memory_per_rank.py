@@ -42,9 +42,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from env import environment
 
+from lightning_mgpu.parts.sharding import local_bytes
 from lightning_mgpu.planning.lm import TransformerLM
 from lightning_mgpu.planning.measure import fake_process_group
-from lightning_mgpu.parts.sharding import local_bytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 FP32 = {

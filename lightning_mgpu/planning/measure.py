@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mgpu._compat import fake_store, mem_tracker
-from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelFactory, _loss, _optimizers, _quiet
 from lightning_mgpu.parts.sharding import fsdp_unit_roots
+from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelFactory, _loss, _optimizers, _quiet
 
 __all__ = ["Measured", "fake_process_group", "measure_step"]
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat import fake_tensor_mode, mem_tracker, timeline_mem_tracker, tree_map_tensors
-from lightning_mgpu.planning.request import PlanError
 from lightning_mgpu.parts.sharding import fsdp_unit_roots
+from lightning_mgpu.planning.request import PlanError
 
 __all__ = ["ModelStates", "StepTrace", "count_model_states", "trace_step"]
 

@@ -41,6 +41,14 @@ from lightning_mgpu import _compat
 from lightning_mgpu._compat import unwrap_optimizer
 from lightning_mgpu.comm import attached_trainer, group_is_up
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, classes_present
+from lightning_mgpu.parts.sharding import (
+    ShardingBackend,
+    check_optimizer,
+    follow_module_mode,
+    local_bytes,
+    make_backend,
+    rebind_schedulers,
+)
 from lightning_mgpu.plugins.async_checkpoint import sharded_directory_write
 from lightning_mgpu.plugins.checkpoint_io import (
     PathLike,
@@ -68,14 +76,6 @@ from lightning_mgpu.settings import (
 )
 from lightning_mgpu.strategies.base import MGPUParallelStrategy, MGPUStrategyMixin
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
-from lightning_mgpu.parts.sharding import (
-    ShardingBackend,
-    check_optimizer,
-    follow_module_mode,
-    local_bytes,
-    make_backend,
-    rebind_schedulers,
-)
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +120,9 @@ _OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
 if TYPE_CHECKING:  # what the mixin relies on: the sharded strategy's shared base
     from pytorch_lightning.strategies import ParallelStrategy
 
+    from lightning_mgpu.parts.sharding import ShardingBackend
     from lightning_mgpu.settings import ShardedSettings
     from lightning_mgpu.strategies.base import MGPUStrategyMixin
-    from lightning_mgpu.parts.sharding import ShardingBackend
 
     class _StrategyBase(MGPUStrategyMixin, ParallelStrategy):
         _sharding: ShardingBackend
@@ -663,8 +663,8 @@ class MGPUZeRO1Strategy(MGPUShardedStrategy, MGPUDDPStrategy):  # type: ignore[m
 # ----------------------------------------------------------------------------------------------------
 # ZeRO stages 2 and 3 without DDP: torch FSDP2 (``fully_shard``), or fairscale ``OSS`` + ``ShardedDataParallel``
 # at stage 2. Built on :class:`MGPUParallelStrategy` (process group, launch, ledger, failures, resume) and the
-# sharded strategy's optimizer and checkpoint handling; the backend (``parts/sharding.py``) shards the model and says how
-# its gradient sync is blocked.
+# sharded strategy's optimizer and checkpoint handling; the backend (``parts/sharding.py``) shards the model and
+# says how its gradient sync is blocked.
 #
 # Users write ``MGPUShardedStrategy(stage=2|3)`` or ``strategy="mgpu_sharded"`` / ``"mgpu_zero3"``; this is the
 # class they get.
