@@ -254,8 +254,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             kwargs["stage"] = decision.stage
             target = MGPUZeRO1Strategy if decision.stage == 1 else MGPUFSDPStrategy
         self.__dict__.clear()
-        self.__class__ = target  # type: ignore[assignment]
-        target.__init__(self, **kwargs)  # type: ignore[arg-type]
+        self.__class__ = target  # type: ignore[assignment]  # the one class switch: see the class docstring
+        target.__init__(self, **kwargs)  # type: ignore[arg-type]  # self is a target now
         _compat.set_strategy_launcher(self, launcher)
         _compat.set_strategy_layer_sync(self, layer_sync)
         self.num_nodes = num_nodes

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -43,8 +44,11 @@ from lightning_mgpu.strategies.launchers import _CheckedMultiProcessingLauncher,
 log = logging.getLogger(__name__)
 
 
-class MGPUStrategyMixin:
-    """The parts every mgpu strategy has; subclasses call :meth:`_init_parts` in ``__init__``."""
+class MGPUStrategyMixin(ParallelStrategy):
+    """The parts every mgpu strategy has, and the Lightning hooks that hand work to them; subclasses call
+    :meth:`_init_parts` in ``__init__``. A ``ParallelStrategy`` itself, so that what it overrides and calls is
+    Lightning's, visibly (it goes first in the bases, before ``DDPStrategy`` or as the base of
+    :class:`MGPUParallelStrategy`)."""
 
     _ledger: Ledger
     _failures: FailureHandling
@@ -69,6 +73,12 @@ class MGPUStrategyMixin:
         self._async = AsyncCheckpointWriter() if settings.async_checkpoint else None
         self._async_unsettled = False  # every rank: an async save was submitted since the last agreement
         self._checkpoint_group: Any = None  # a gloo group for the background writes' collectives (sharded layout)
+
+    def _processes_and_nodes(self) -> tuple[int, int]:
+        """Processes per node and nodes: DDPStrategy and MGPUParallelStrategy define them, ParallelStrategy
+        does not."""
+        host: Any = self
+        return host.num_processes, host.num_nodes
 
     def _group_backend(self) -> str:
         """The process-group backend asked for, or the device's default (gloo on CPU, nccl on CUDA)."""
@@ -122,7 +132,7 @@ class MGPUStrategyMixin:
     # --- launch -------------------------------------------------------------------------------------------
     def _check_at_construction(self) -> None:
         """Runs in the main process at Trainer construction, once accelerator and devices are known."""
-        PrecisionAdoption.check(_compat.strategy_precision_plugin(self), self.parallel_devices)  # type: ignore[attr-defined]
+        PrecisionAdoption.check(_compat.strategy_precision_plugin(self), self.parallel_devices)
         io = _compat.strategy_checkpoint_io(self)
         if self._launch.async_checkpoint and _compat.is_wrapping_checkpoint_io(io):
             raise ValueError(
@@ -135,21 +145,19 @@ class MGPUStrategyMixin:
     def _configure_launcher(self) -> None:
         # The last moment to refuse a configuration before any process is started.
         self._check_at_construction()
-        strategy: Any = self
-        assert strategy.cluster_environment is not None
+        assert self.cluster_environment is not None
         if self._launch.start_method == "popen":
             launcher: Any = _CheckedSubprocessScriptLauncher(
                 self._check_before_launch,
-                strategy.cluster_environment,
-                strategy.num_processes,
-                strategy.num_nodes,
+                self.cluster_environment,
+                *self._processes_and_nodes(),
                 on_failure=self._end_group_after,
                 grace_s=self._failures.roll_call_s() + 5.0,  # rank 0's roll call, then a margin to raise and print
             )
         else:
             launcher = _CheckedMultiProcessingLauncher(
                 self._check_before_launch,
-                strategy,
+                self,
                 start_method=self._launch.start_method,
                 on_failure=self._end_group_after,
                 weights=self._weights_for_main_process,
@@ -158,28 +166,29 @@ class MGPUStrategyMixin:
 
     def _weights_for_main_process(self) -> dict[str, Any]:
         """After a spawn/fork fit: the weights the main process's module gets (a collective: every rank)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         return PrecisionAdoption.with_masters(self.precision_plugin, module, self._full_module_state())
 
     def _full_module_state(self) -> dict[str, Any]:
-        return self.lightning_module.state_dict()  # type: ignore[attr-defined]
+        module = self.lightning_module
+        assert module is not None
+        return module.state_dict()
 
     def _check_before_launch(self, trainer: pl.Trainer) -> None:
         """Runs in the main process when fit() is called, before any worker starts (and in each torchrun or
         SLURM process before it joins the group)."""
         check_accumulate_grad_batches(trainer.accumulate_grad_batches)
-        strategy: Any = self
         backend = self._group_backend()
-        if backend == "nccl" and strategy.root_device.type != "cuda":
+        if backend == "nccl" and self.root_device.type != "cuda":
             # torch fails only inside every worker ("Distributed package doesn't have NCCL built in" on a CPU
             # build; NCCL collectives take CUDA tensors only). Refused here, not at Trainer construction, so that
             # a configuration can still be built and inspected on a machine without GPUs.
             raise MisconfigurationException(
                 f"process_group_backend={backend!r} needs CUDA devices, but this Trainer runs on "
-                f"{strategy.root_device.type!r}. Use process_group_backend='gloo' (or leave it None: gloo on CPU, "
+                f"{self.root_device.type!r}. Use process_group_backend='gloo' (or leave it None: gloo on CPU, "
                 f"nccl on CUDA), or train on GPUs with Trainer(accelerator='gpu')."
             )
-        model = strategy.lightning_module
+        model = self.lightning_module
         if model is None or trainer.state.fn != TrainerFn.FITTING:
             return
         check_manual_accumulation(trainer, model)
@@ -189,25 +198,21 @@ class MGPUStrategyMixin:
     def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
         """The strategy's own checks of the model, before launch (fitting only)."""
 
-    def setup_distributed(self) -> None:
-        self._join_elastic_store()
-        super().setup_distributed()  # type: ignore[misc]
-
     def _join_elastic_store(self) -> None:
-        strategy: Any = self
         if _compat.torchelastic_shares_its_store() and not group_is_up():
             # Lightning's init would use env:// on the agent's store, which keeps the previous attempt's addresses
             # after a torchrun restart (_compat.py); give it a per-attempt prefix. Lightning's setup_distributed
             # then finds the group initialised and only sets the ranks and seed.
-            strategy.set_world_ranks()
+            host: Any = self  # DDPStrategy and MGPUParallelStrategy define it; ParallelStrategy does not
+            host.set_world_ranks()
             backend = self._group_backend()
             torch.distributed.init_process_group(
                 backend,
                 store=_compat.elastic_attempt_store(self._launch.timeout),
-                rank=strategy.global_rank,
-                world_size=strategy.world_size,
+                rank=self.global_rank,
+                world_size=self.world_size,
                 timeout=self._launch.timeout,
-                device_id=strategy.root_device if strategy.root_device.type != "cpu" else None,  # as Lightning does
+                device_id=self.root_device if self.root_device.type != "cpu" else None,  # as Lightning does
             )
             if backend == "nccl":  # what Lightning's own connection set-up does for NCCL
                 atexit.register(_compat.destroy_dist_connection)
@@ -215,29 +220,28 @@ class MGPUStrategyMixin:
     # --- failures -----------------------------------------------------------------------------------------
     def _end_group_after(self, exception: BaseException) -> list[int]:
         """One rank failed: say which, and leave the group so that no rank waits for it (``parts/failures.py``)."""
-        strategy: Any = self
-        return self._failures.end_group_after(exception, strategy.global_rank, strategy.world_size)
+        return self._failures.end_group_after(exception, self.global_rank, self.world_size)
 
     # --- precision --------------------------------------------------------------------------------------
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)  # type: ignore[misc]
+        super().setup_optimizers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            PrecisionAdoption.attach_masters(self.precision_plugin, self.optimizers)  # type: ignore[attr-defined]
+            PrecisionAdoption.attach_masters(self.precision_plugin, self.optimizers)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         return PrecisionAdoption.with_masters(self.precision_plugin, module, self._module_state())
 
     def _module_state(self) -> dict[str, Any]:
         """The module's weights as this strategy saves them, before the precision plugin puts in its masters."""
-        return super().lightning_module_state_dict()  # type: ignore[misc]
+        return super().lightning_module_state_dict()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self._load_module_state(checkpoint, strict)
-        PrecisionAdoption.load_masters(self.precision_plugin, self.lightning_module, checkpoint)  # type: ignore[attr-defined]
+        PrecisionAdoption.load_masters(self.precision_plugin, self.lightning_module, checkpoint)
 
     def _load_module_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     # --- token-normalised loss (parts/token_loss.py) ------------------------------------------------------
     def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
@@ -256,36 +260,35 @@ class MGPUStrategyMixin:
 
     def _count_tokens(self, output: Any) -> Any:
         """A training_step's output, its ``num_tokens`` counted (automatic optimization, tokens mode)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         if self._tokens is None or module is None or not module.automatic_optimization:
             return output
         return self._tokens.record(output)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._count_tokens(super().training_step(*args, **kwargs))  # type: ignore[misc]
+        return self._count_tokens(super().training_step(*args, **kwargs))
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._tokens is not None:
             closure = self._token_closure(optimizer, closure)
         if self._nonfinite is not None:
             closure = self._nonfinite_closure(optimizer, closure)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _token_closure(self, optimizer: Any, closure: Any) -> Any:
         # after the step's last backward (gradients synced), before unscaling, clipping and the optimizer step
         tokens = self._tokens
         assert tokens is not None
-        strategy: Any = self
         to_model = PrecisionAdoption.model_parameter(self.precision_plugin)
 
         def rescaled() -> Any:
             out = closure()
-            trainer = attached_trainer(strategy.lightning_module)
+            trainer = attached_trainer(self.lightning_module)
             accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
             params = [to_model(p) for group in optimizer.param_groups for p in group["params"]]
-            mean = tokens.rescale(params, strategy.world_size, accumulate)
-            module = strategy.lightning_module
-            if getattr(module, "_current_fx_name", None) is not None:
+            mean = tokens.rescale(params, self.world_size, accumulate)
+            module = self.lightning_module
+            if module is not None and getattr(module, "_current_fx_name", None) is not None:
                 module.log(LOG_NAME, mean, on_step=True, on_epoch=False, prog_bar=True)  # the same on every rank
             return out
 
@@ -295,14 +298,14 @@ class MGPUStrategyMixin:
         # after the step's last backward (and the token rescale), before unscaling, clipping and the step
         check = self._nonfinite
         assert check is not None
-        strategy: Any = self
         plugin = self.precision_plugin
 
         def checked() -> Any:
             out = closure()
             if getattr(plugin, "uses_scaler", False):
                 return out  # fp16: the scaler's agreed inf check skips the step on every rank
-            module = strategy.lightning_module
+            module = self.lightning_module
+            assert module is not None
             to_model = PrecisionAdoption.model_parameter(plugin)
             names = {id(p): name for name, p in module.named_parameters()}
             named = [
@@ -312,7 +315,7 @@ class MGPUStrategyMixin:
             ]
             trainer = attached_trainer(module)
             step = trainer.global_step if trainer is not None else 0
-            check.check(named, strategy.global_rank, strategy.world_size, step)
+            check.check(named, self.global_rank, self.world_size, step)
             return out
 
         return checked
@@ -321,12 +324,7 @@ class MGPUStrategyMixin:
     def _refuse_main_process_save(self) -> None:
         """Plain Lightning writes a checkpoint with empty optimizer states (and the main process's loop
         counters) when ``trainer.save_checkpoint`` runs in the main process after a spawn/fork fit."""
-        strategy: Any = self
-        if (
-            self._launch.start_method != "popen"
-            and not group_is_up()
-            and strategy.num_processes * strategy.num_nodes > 1
-        ):
+        if self._launch.start_method != "popen" and not group_is_up() and math.prod(self._processes_and_nodes()) > 1:
             raise RuntimeError(
                 f"trainer.save_checkpoint() was called in the main process after a {self._launch.start_method!r} "
                 f"launch. Training ran in the worker processes and their optimizer states are gone, so this "
@@ -342,16 +340,16 @@ class MGPUStrategyMixin:
         if self._saves_async():
             assert self._async is not None
             self._async_unsettled = True
-            if self.is_global_zero:  # type: ignore[attr-defined]  # one file, written by rank 0 (as Lightning's)
+            if self.is_global_zero:  # one file, written by rank 0 (as Lightning's)
                 staged = self._async.stage(checkpoint)
                 io = self.checkpoint_io
                 self._async.rank = 0
                 self._async.submit(str(filepath), lambda: io.save_checkpoint(staged, filepath, storage_options))
             return
-        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        parent = super().remove_checkpoint  # type: ignore[misc]
+        parent = super().remove_checkpoint
         self._remove_when_written(lambda: parent(filepath))
 
     # --- asynchronous checkpoints (plugins/async_checkpoint.py) ---------------------------------------------
@@ -370,7 +368,7 @@ class MGPUStrategyMixin:
         waits for it, so it is written before it returns."""
         if self._async is None:
             return False
-        trainer = attached_trainer(self.lightning_module)  # type: ignore[attr-defined]
+        trainer = attached_trainer(self.lightning_module)
         return (
             trainer is not None
             and trainer.state.fn == TrainerFn.FITTING
@@ -385,9 +383,8 @@ class MGPUStrategyMixin:
         self._async_unsettled = False
         failures = self._async.finish()
         causes = self._async.take_causes()
-        strategy: Any = self
-        if group_is_up() and strategy.world_size > 1:
-            gathered: list[Any] = [None] * strategy.world_size
+        if group_is_up() and self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
             torch.distributed.all_gather_object(gathered, failures)
             failures = [f for rank_failures in gathered for f in rank_failures]
         if failures:
@@ -426,29 +423,29 @@ class MGPUStrategyMixin:
                 pass
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume.after_load(checkpoint)
         return checkpoint
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         self._resume.sampler_requested()
-        return super().distributed_sampler_kwargs  # type: ignore[misc]
+        return super().distributed_sampler_kwargs
 
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        return self._resume.process_dataloader(dataloader, attached_trainer(self.lightning_module))  # type: ignore[attr-defined]
+        dataloader = super().process_dataloader(dataloader)
+        return self._resume.process_dataloader(dataloader, attached_trainer(self.lightning_module))
 
     # --- end ----------------------------------------------------------------------------------------------
     def on_train_end(self) -> None:
         self._settle_async_writes()  # fit's end waits for the last write; its failure raises on every rank
-        self._ledger.write(self.lightning_module, self.is_global_zero, force=True)  # type: ignore[attr-defined]
-        super().on_train_end()  # type: ignore[misc]
+        self._ledger.write(self.lightning_module, self.is_global_zero, force=True)
+        super().on_train_end()
 
     def teardown(self) -> None:
         self._end_async_writes()
-        self._checkpointing.remove(self.lightning_module)  # type: ignore[attr-defined]  # the user's module back
-        super().teardown()  # type: ignore[misc]
+        self._checkpointing.remove(self.lightning_module)  # the user's module back
+        super().teardown()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -459,7 +456,7 @@ class MGPUStrategyMixin:
 # comm hooks and static-graph handling (Lightning's own ``FSDPStrategy`` is built the same way).
 
 
-class MGPUParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
+class MGPUParallelStrategy(MGPUStrategyMixin):
     """Distributed training without DDP: the process group, ranks, collectives and launch of the mgpu family.
 
     Not used directly: :class:`~lightning_mgpu.MGPUShardedStrategy` (stages 2 and 3) is built on it.
@@ -536,7 +533,6 @@ class MGPUParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
         super().setup_environment()
         self.setup_distributed()
 
-    @override
     def setup_distributed(self) -> None:
         self._join_elastic_store()  # when torchrun restarted this job (_compat.torchelastic_shares_its_store)
         reset_seed()
@@ -555,7 +551,7 @@ class MGPUParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         # both copies of rank_zero_only (Lightning's and lightning_utilities'), as Lightning's DDPStrategy does
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # a function attribute
 
     @override
     def model_to_device(self) -> None:

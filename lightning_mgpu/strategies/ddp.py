@@ -263,6 +263,11 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             )
 
     # --- set-up -------------------------------------------------------------------------------------------
+    @override
+    def setup_distributed(self) -> None:
+        self._join_elastic_store()  # when torchrun restarted this job (_compat.torchelastic_shares_its_store)
+        super().setup_distributed()
+
     @property
     def _manual_sync(self) -> bool:
         module = self.lightning_module
@@ -317,7 +322,9 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         averaged once, in Lightning's backward of the returned loss, unless Lightning is accumulating
         (``parts/micro_batching.py``)."""
         assert self._micro is not None
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
         syncs = model.require_backward_grad_sync  # False inside Lightning's block_backward_sync
         params = [p for p in model.module.parameters() if p.requires_grad]
         step = super().training_step

@@ -42,7 +42,7 @@ class _PreLaunchCheck:
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
         if trainer is not None:
             self._check(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]  # the launcher after it
 
 
 def _exit_status(code: int) -> str:

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -117,26 +117,16 @@ _METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint (Lightning'
 _OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
 
 
-if TYPE_CHECKING:  # what the mixin relies on: the sharded strategy's shared base
-    from pytorch_lightning.strategies import ParallelStrategy
+class ShardedCheckpoints(MGPUStrategyMixin):
+    """Save, remove and load the sharded strategy's checkpoints (a base of :class:`MGPUShardedStrategy`)."""
 
-    from lightning_mgpu.parts.sharding import ShardingBackend
-    from lightning_mgpu.settings import ShardedSettings
-    from lightning_mgpu.strategies.base import MGPUStrategyMixin
+    _sharding: ShardingBackend
+    _sharded_settings: ShardedSettings
+    _backend_name: str
+    _checkpoint_layout: str
 
-    class _StrategyBase(MGPUStrategyMixin, ParallelStrategy):
-        _sharding: ShardingBackend
-        _sharded_settings: ShardedSettings
-        _backend_name: str
-        _checkpoint_layout: str
-
-        def _process_group(self) -> Any: ...
-else:
-    _StrategyBase = object
-
-
-class ShardedCheckpoints(_StrategyBase):
-    """Save, remove and load the sharded strategy's checkpoints (mixed into :class:`MGPUShardedStrategy`)."""
+    def _process_group(self) -> Any:
+        return torch.distributed.group.WORLD if group_is_up() else None
 
     # --- checkpoints ----------------------------------------------------------------------------------
     @property
@@ -500,7 +490,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
             }
             super().__init__(**common, **settings, **ddp, **ddp_kwargs)
         else:
-            super().__init__(**common, settings=CommonSettings(**settings))  # type: ignore[call-arg]
+            super().__init__(**common, settings=CommonSettings(**settings))  # type: ignore[call-arg]  # stages 2/3's base
         self._sharded_settings = sharded
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
@@ -606,9 +596,6 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
         self.optimizers = wrapped
         assert self.model is not None
         self.model = self._sharding.wrap_after_optimizers(self.model, wrapped, group)
-
-    def _process_group(self) -> Any:
-        return torch.distributed.group.WORLD if group_is_up() else None
 
     # --- memory ---------------------------------------------------------------------------------------
     def memory_report(self) -> ShardMemory:
