@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
 import re
 import sys
 from typing import Any, NoReturn, Optional
@@ -221,8 +222,19 @@ class MGPUCLI(LightningCLI):
                 self.parser.error(f"trainer.strategy: {value!r} is not a registered strategy name.")
 
 
+def _current_directory_importable() -> None:
+    """Put the current directory first on ``sys.path``, as ``python -m`` does, so that a config's
+    ``class_path: mymodel.MyModel`` finds ``mymodel.py`` where the command runs (the console script's
+    ``sys.path[0]`` is its own ``bin`` directory). Nothing changes when it is there already."""
+    cwd = os.getcwd()
+    here = {os.path.realpath(p or os.curdir) for p in sys.path}
+    if os.path.realpath(cwd) not in here:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``lightning-mgpu`` and ``python -m lightning_mgpu``."""
+    _current_directory_importable()
     import lightning_mgpu
     from lightning_mgpu.strategies.launchers import release_process_group
 
