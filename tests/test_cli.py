@@ -236,7 +236,7 @@ def test_the_hint_never_suggests_a_dropped_name():
     assert "did you mean 'ddp'" in hint
 
 
-_MYMODEL = '''
+_MYMODEL = """
 import torch
 import torch.nn.functional as F
 from pytorch_lightning import LightningModule
@@ -258,7 +258,7 @@ class MyModel(LightningModule):
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8)
-'''
+"""
 
 # what the `lightning-mgpu` console script does: a file outside the user's folder (pip writes it to the venv's bin/)
 _CONSOLE_SCRIPT = """import sys

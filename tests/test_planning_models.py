@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_mgpu import MGPUAutoStrategy, plan
 from lightning_mgpu.cli import main as cli_main
