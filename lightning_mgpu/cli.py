@@ -28,12 +28,16 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.strategies import StrategyRegistry
 from typing_extensions import override
 
+from lightning_mgpu import _namespace
 from lightning_mgpu.migration import REMOVED_TRAINER_ARGUMENTS
 
 __all__ = ["MGPUCLI", "MGPUArgumentParser", "main", "strategy_hint"]
 
 # "lightning_mgpu" here, "lightning_mgpu.lightning" in the `lightning` namespace's copy of this module
 _PACKAGE = __name__.rpartition(".")[0]
+# the Lightning namespace this module serves: "lightning" in the copy, and in `lightning_mgpu` itself when only the
+# `lightning` distribution is installed (its imports are rewritten then)
+_RUNNING = "lightning" if LightningCLI.__module__.startswith("lightning.") else "pytorch_lightning"
 
 
 def _version() -> str:
@@ -239,7 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lightning_mgpu.strategies.launchers import release_process_group
 
     args = sys.argv[1:] if argv is None else list(argv)
-    if __name__ == "lightning_mgpu.cli" and _model_namespace(args) == "lightning":
+    if __name__ == "lightning_mgpu.cli" and _namespace.two_namespaces() and _model_namespace(args) == "lightning":
         # a model written against `import lightning as L`: the same CLI, from the `lightning` copy of the pack
         from lightning_mgpu.lightning.cli import main as lightning_main
 
@@ -331,7 +335,7 @@ _NOT_A_SUBCLASS = re.compile(r"Import path ([\w.]+) does not correspond to a sub
 
 def _namespace_hint(message: str) -> Optional[str]:
     """A class of the other Lightning namespace than this CLI's: say so, and name the class to write instead."""
-    running = "lightning" if _PACKAGE == "lightning_mgpu.lightning" else "pytorch_lightning"
+    running = _RUNNING
     for path in dict.fromkeys(_NOT_A_SUBCLASS.findall(message)):
         namespace = _class_namespace(path)
         if namespace is None or namespace == running:
