@@ -117,5 +117,12 @@ def plan(
     ]
     units = unit_fractions(source.factory)
     return estimate(
-        source.name, request, states, traces, units, seconds=time.perf_counter() - start, require_fit=require_fit
+        source.name,
+        request,
+        states,
+        traces,
+        units,
+        seconds=time.perf_counter() - start,
+        require_fit=require_fit,
+        built=source.how_built,
     )
