@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 OLDEST_LIGHTNING ?= 2.6.0
 CUDA_TORCH ?= torch==2.14.1
 
-.PHONY: setup train test test-suite test-slow test-compat test-compat-oldest test-compat-cuda test-gpu bench-gpu bench lint notebooks docs
+.PHONY: setup train test test-suite test-slow test-compat test-install test-compat-oldest test-compat-cuda test-gpu bench-gpu bench lint notebooks docs
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,8 @@ train: $(STAMP)
 
 # What CI runs: the whole suite (both Lightning namespaces) in two parts, the default suite (`pytest`: everything
 # but the `slow` marker) and the slow tests (launches of every kind, notebooks, the docs' examples, the numerics
-# matrix in the lower precisions), then the compatibility tiers, then the docs site.
-test: test-suite test-slow test-compat docs
+# matrix in the lower precisions), then the compatibility tiers, then the install check, then the docs site.
+test: test-suite test-slow test-compat test-install docs
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest
@@ -64,6 +64,15 @@ test-compat-cuda: .venv-cuda/.installed
 	.venv-cuda/bin/python -c "import lightning, torch; \
 		print('compat tier: lightning', lightning.__version__, 'torch', torch.__version__, 'CUDA build', torch.version.cuda)"
 	.venv-cuda/bin/python -m pytest -m compat -p no:cacheprovider
+
+# The pack as users install it (.ci/test-install): the wheel built from this checkout, installed into a fresh
+# virtual environment with torch and one Lightning distribution (`lightning-mgpu[pytorch-lightning]`, then
+# `lightning-mgpu[lightning]`), and from a folder holding a user's mymodel.py and cfg.yaml (tests/install/): the
+# main job, `lightning-mgpu --help`, `lightning-mgpu plan --config cfg.yaml` and `lightning-mgpu fit --config
+# cfg.yaml`. About 5 minutes for pytorch-lightning and 7 for lightning (checked twice) here, half of it pip.
+test-install: $(STAMP)
+	PYTHON=$(PYTHON) BUILD_PYTHON=$(BIN)/python TORCH="$(TORCH)" .ci/test-install pytorch-lightning
+	PYTHON=$(PYTHON) BUILD_PYTHON=$(BIN)/python TORCH="$(TORCH)" .ci/test-install lightning
 
 # The GPU tier, on a machine with an NVIDIA GPU (CI has none: there tests/gpu is skipped with "no CUDA device").
 # `make test-gpu`: tests/gpu (marker `gpu`), every CUDA path and every feature through Trainer.fit on NCCL;

@@ -2,7 +2,9 @@
 
 ``import lightning_mgpu`` registers the preset strategy names (``"mgpu_ddp"``, ``"mgpu_ddp_spawn"``, ...)
 with Lightning, in both of its namespaces, so ``Trainer(strategy="mgpu_ddp")`` works with
-``import lightning as L`` and with ``import pytorch_lightning as pl``.
+``import lightning as L`` and with ``import pytorch_lightning as pl``. One Lightning distribution is enough:
+with only ``lightning`` installed, ``lightning_mgpu`` and ``lightning_mgpu.lightning`` are the same package,
+serving ``import lightning as L``.
 
 Instances (strategies, precision plugins, callbacks) belong to one namespace, as Lightning's own do:
 
@@ -15,11 +17,9 @@ import os as _os
 from lightning_mgpu import _moved, _namespace
 
 if __name__ == "lightning_mgpu":  # not in the `lightning` copy, which is this file loaded again
-    _namespace.install(
-        _namespace.MirrorFinder(
-            "lightning_mgpu", "lightning_mgpu.lightning", [_os.path.dirname(__file__)], requires="lightning"
-        )
-    )
+    # `pytorch_lightning` installed: lightning_mgpu serves it and lightning_mgpu.lightning is the `lightning` copy;
+    # `lightning` only: both names serve `lightning`; neither: an ImportError naming both pip install lines
+    _namespace.setup_namespaces(__name__, _os.path.dirname(__file__))
 
 from lightning_mgpu import distributed
 from lightning_mgpu.callbacks import DeviceMonitor, ScaleLR
@@ -96,7 +96,7 @@ __all__ = [
 register_presets()
 guard_trainer()  # Trainer(gpus=2) and the other Lightning 1.x arguments name their replacement
 
-if __name__ == "lightning_mgpu" and _namespace.lightning_available():
+if __name__ == "lightning_mgpu" and _namespace.two_namespaces() and _namespace.lightning_available():
     # the `lightning` namespace: the same package loaded again with its imports rewritten (_namespace.py);
     # importing it registers the presets in lightning.pytorch's StrategyRegistry
     import lightning_mgpu.lightning  # noqa: F401

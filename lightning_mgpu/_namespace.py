@@ -15,6 +15,15 @@ when a module of ``lightning_mgpu.lightning`` is imported: it reads the file of 
     ``import lightning_mgpu``                 -> ``import lightning_mgpu.lightning as lightning_mgpu``
 
 so every file has one source of truth, tracebacks point at it, and the two copies cannot drift apart.
+
+The pack depends on one Lightning distribution, whichever the user has (``pip install lightning-mgpu[lightning]``
+or ``lightning-mgpu[pytorch-lightning]``). With both, ``lightning_mgpu`` serves ``pytorch_lightning`` and
+``lightning_mgpu.lightning`` serves ``lightning``, as above. With ``lightning`` only (:func:`setup_namespaces`),
+``lightning_mgpu`` itself is loaded with the ``pytorch_lightning`` / ``lightning_fabric`` imports rewritten to
+``lightning.pytorch`` / ``lightning.fabric`` (:data:`LIGHTNING_ONLY_RENAMES`), and ``lightning_mgpu.lightning`` is
+another name of the same modules: ``from lightning_mgpu import MGPUDDPStrategy`` and ``from
+lightning_mgpu.lightning import MGPUDDPStrategy`` give one class, for ``lightning.Trainer``. With neither, ``import
+lightning_mgpu`` raises an ``ImportError`` naming both install lines.
 ``import lightning_mgpu`` imports the ``lightning`` copy too when ``lightning`` is installed, so the preset
 names are registered in both namespaces whichever Trainer the user builds. The copy is a real package:
 ``lightning_mgpu.lightning.MGPUDDPStrategy`` pickles and unpickles (spawn launches) by its module path.
@@ -34,7 +43,19 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any, Optional
 
-__all__ = ["LIGHTNING_RENAMES", "MirrorFinder", "install", "lightning_available", "rewrite_imports"]
+__all__ = [
+    "LIGHTNING_ONLY_RENAMES",
+    "LIGHTNING_RENAMES",
+    "NO_LIGHTNING",
+    "AliasFinder",
+    "MirrorFinder",
+    "install",
+    "lightning_available",
+    "pytorch_lightning_available",
+    "rewrite_imports",
+    "setup_namespaces",
+    "two_namespaces",
+]
 
 #: top-level module renames that turn the ``pytorch_lightning`` copy into the ``lightning`` one
 LIGHTNING_RENAMES: Mapping[str, str] = {
@@ -42,6 +63,20 @@ LIGHTNING_RENAMES: Mapping[str, str] = {
     "lightning_fabric": "lightning.fabric",
     "lightning_mgpu": "lightning_mgpu.lightning",
 }
+
+
+#: the renames that make ``lightning_mgpu`` itself serve ``lightning`` when ``pytorch_lightning`` is not installed
+LIGHTNING_ONLY_RENAMES: Mapping[str, str] = {
+    "pytorch_lightning": "lightning.pytorch",
+    "lightning_fabric": "lightning.fabric",
+}
+
+#: the error of ``import lightning_mgpu`` without either Lightning distribution
+NO_LIGHTNING = (
+    "lightning-mgpu needs one Lightning distribution, and neither is installed. With `import lightning as L`: "
+    "pip install 'lightning-mgpu[lightning]' (or pip install lightning); with `import pytorch_lightning as pl`: "
+    "pip install 'lightning-mgpu[pytorch-lightning]' (or pip install pytorch-lightning)."
+)
 
 
 def _renamed(module: str, renames: Mapping[str, str]) -> Optional[str]:
@@ -156,16 +191,86 @@ class MirrorFinder(importlib.abc.MetaPathFinder):
         return None
 
 
-def install(finder: MirrorFinder) -> MirrorFinder:
-    """Put ``finder`` first on ``sys.meta_path`` (before the path finders, which would load the same files
-    under the copy's name without rewriting them); one finder per target. Returns the installed finder."""
+def install(finder: Any) -> Any:
+    """Put ``finder`` (a :class:`MirrorFinder` or :class:`AliasFinder`) first on ``sys.meta_path`` (before the
+    path finders, which would load the same files under the copy's name without rewriting them); one finder per
+    name it serves. Returns the installed finder."""
     for existing in sys.meta_path:
-        if isinstance(existing, MirrorFinder) and existing.target == finder.target:
+        if type(existing) is type(finder) and _serves(existing) == _serves(finder):
             return existing
     sys.meta_path.insert(0, finder)
     return finder
 
 
+def _serves(finder: Any) -> str:
+    return finder.alias if isinstance(finder, AliasFinder) else finder.target
+
+
 def lightning_available() -> bool:
     """Whether the ``lightning`` distribution (``import lightning``) is installed."""
     return importlib.util.find_spec("lightning") is not None
+
+
+def pytorch_lightning_available() -> bool:
+    """Whether the ``pytorch-lightning`` distribution (``import pytorch_lightning``) is installed."""
+    return importlib.util.find_spec("pytorch_lightning") is not None
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, module_name: str) -> None:
+        self.module_name = module_name
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.module_name)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # already executed under its own name; the import system gave it the alias's spec: put its own back
+        # (importlib.resources and pickling read it)
+        module.__spec__ = self.spec
+
+
+class AliasFinder(importlib.abc.MetaPathFinder):
+    """Finds ``alias[.x.y]`` as the module ``target[.x.y]`` itself (one module object, two names)."""
+
+    def __init__(self, alias: str, target: str) -> None:
+        self.alias, self.target = alias, target
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[ModuleType] = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != self.alias and not fullname.startswith(self.alias + "."):
+            return None
+        real = self.target + fullname[len(self.alias) :]
+        if importlib.util.find_spec(real) is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real))
+
+
+_TWO_NAMESPACES: Optional[bool] = None
+
+
+def two_namespaces() -> bool:
+    """Whether ``lightning_mgpu`` serves ``pytorch_lightning`` and ``lightning_mgpu.lightning`` is its rewritten
+    copy (``pytorch_lightning`` installed), rather than both names serving ``lightning`` (only ``lightning``)."""
+    return _TWO_NAMESPACES if _TWO_NAMESPACES is not None else pytorch_lightning_available()
+
+
+def setup_namespaces(package: str, directory: str) -> bool:
+    """Install the finders of ``package`` (``"lightning_mgpu"``, whose files are in ``directory``) for the
+    Lightning distributions installed; see the module docstring. Returns :func:`two_namespaces`. Raises
+    ``ImportError`` (:data:`NO_LIGHTNING`) when neither is installed."""
+    global _TWO_NAMESPACES
+    if pytorch_lightning_available():
+        install(MirrorFinder(package, f"{package}.lightning", [directory], requires="lightning"))
+        _TWO_NAMESPACES = True
+    elif lightning_available():
+        # every submodule of `package` is loaded with its Lightning imports rewritten; `package.lightning` is
+        # another name of the same modules
+        install(MirrorFinder(package, package, [directory], renames=LIGHTNING_ONLY_RENAMES))
+        install(AliasFinder(f"{package}.lightning", package))
+        _TWO_NAMESPACES = False
+    else:
+        raise ImportError(NO_LIGHTNING, name=package)
+    return _TWO_NAMESPACES

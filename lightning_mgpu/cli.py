@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
 import re
 import sys
 from typing import Any, NoReturn, Optional
@@ -27,12 +28,16 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.strategies import StrategyRegistry
 from typing_extensions import override
 
+from lightning_mgpu import _namespace
 from lightning_mgpu.migration import REMOVED_TRAINER_ARGUMENTS
 
 __all__ = ["MGPUCLI", "MGPUArgumentParser", "main", "strategy_hint"]
 
 # "lightning_mgpu" here, "lightning_mgpu.lightning" in the `lightning` namespace's copy of this module
 _PACKAGE = __name__.rpartition(".")[0]
+# the Lightning namespace this module serves: "lightning" in the copy, and in `lightning_mgpu` itself when only the
+# `lightning` distribution is installed (its imports are rewritten then)
+_RUNNING = "lightning" if LightningCLI.__module__.startswith("lightning.") else "pytorch_lightning"
 
 
 def _version() -> str:
@@ -221,13 +226,24 @@ class MGPUCLI(LightningCLI):
                 self.parser.error(f"trainer.strategy: {value!r} is not a registered strategy name.")
 
 
+def _current_directory_importable() -> None:
+    """Put the current directory first on ``sys.path``, as ``python -m`` does, so that a config's
+    ``class_path: mymodel.MyModel`` finds ``mymodel.py`` where the command runs (the console script's
+    ``sys.path[0]`` is its own ``bin`` directory). Nothing changes when it is there already."""
+    cwd = os.getcwd()
+    here = {os.path.realpath(p or os.curdir) for p in sys.path}
+    if os.path.realpath(cwd) not in here:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``lightning-mgpu`` and ``python -m lightning_mgpu``."""
+    _current_directory_importable()
     import lightning_mgpu
     from lightning_mgpu.strategies.launchers import release_process_group
 
     args = sys.argv[1:] if argv is None else list(argv)
-    if __name__ == "lightning_mgpu.cli" and _model_namespace(args) == "lightning":
+    if __name__ == "lightning_mgpu.cli" and _namespace.two_namespaces() and _model_namespace(args) == "lightning":
         # a model written against `import lightning as L`: the same CLI, from the `lightning` copy of the pack
         from lightning_mgpu.lightning.cli import main as lightning_main
 
@@ -319,7 +335,7 @@ _NOT_A_SUBCLASS = re.compile(r"Import path ([\w.]+) does not correspond to a sub
 
 def _namespace_hint(message: str) -> Optional[str]:
     """A class of the other Lightning namespace than this CLI's: say so, and name the class to write instead."""
-    running = "lightning" if _PACKAGE == "lightning_mgpu.lightning" else "pytorch_lightning"
+    running = _RUNNING
     for path in dict.fromkeys(_NOT_A_SUBCLASS.findall(message)):
         namespace = _class_namespace(path)
         if namespace is None or namespace == running:

@@ -234,3 +234,55 @@ def test_the_hint_never_suggests_a_dropped_name():
     hint = lightning_mgpu.cli.strategy_hint("dp2")
     assert "'dp'" not in hint and "'ddp2'" not in hint
     assert "did you mean 'ddp'" in hint
+
+
+_MYMODEL = """
+import torch
+import torch.nn.functional as F
+from pytorch_lightning import LightningModule
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class MyModel(LightningModule):
+    def __init__(self, hidden: int = 8):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.fc2(torch.tanh(self.fc1(x))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8)
+"""
+
+# what the `lightning-mgpu` console script does: a file outside the user's folder (pip writes it to the venv's bin/)
+_CONSOLE_SCRIPT = """import sys
+from lightning_mgpu.cli import main
+sys.exit(main())
+"""
+
+
+def test_the_console_script_imports_the_users_module_from_the_current_directory(tmp_path):
+    user, bin_dir = tmp_path / "project", tmp_path / "bin"
+    user.mkdir()
+    bin_dir.mkdir()
+    (user / "mymodel.py").write_text(_MYMODEL)
+    (user / "cfg.yaml").write_text("model:\n  class_path: mymodel.MyModel\n")
+    script = bin_dir / "lightning-mgpu"
+    script.write_text(_CONSOLE_SCRIPT)
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script), "plan", "--config", "cfg.yaml", "--devices", "2", "--device-memory", "1GiB"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=user,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mymodel.MyModel" in proc.stdout and "**<- recommended**" in proc.stdout

@@ -296,3 +296,51 @@ def test_the_main_job_trains_the_sample_in_the_lightning_namespace(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "strategy mgpu_ddp" in proc.stdout and "on 2 x CPUAccelerator" in proc.stdout
     assert float(proc.stdout.split("held-out test accuracy ")[1].split()[0]) >= 0.9
+
+
+# one Lightning distribution: a missing one is simulated as Python does for a module known to be absent
+_ONLY_LIGHTNING = """
+import sys
+sys.modules["pytorch_lightning"] = None
+sys.modules["lightning_fabric"] = None
+import lightning as L
+import lightning_mgpu
+from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu.lightning import MGPUDDPStrategy as Same
+from lightning_mgpu.lightning.examples import DigitsCNN, DigitsDataModule
+import lightning_mgpu.lightning.cli
+
+assert Same is MGPUDDPStrategy and lightning_mgpu.lightning is lightning_mgpu
+assert lightning_mgpu.lightning.cli is lightning_mgpu.cli
+assert isinstance(MGPUDDPStrategy(), L.pytorch.strategies.Strategy) and isinstance(DigitsCNN(), L.LightningModule)
+assert "pytorch_lightning" not in {m.split(".")[0] for m, v in sys.modules.items() if v is not None}
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp", logger=False)
+print("preset:", type(trainer.strategy).__module__, type(trainer.strategy).__name__)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MGPUDDPStrategy(start_method="fork"), max_steps=2,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(DigitsCNN(), DigitsDataModule())
+"""
+
+
+@pytest.mark.slow
+def test_with_only_the_lightning_distribution_lightning_mgpu_serves_lightning(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONLY_LIGHTNING], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "preset: lightning_mgpu.strategies.ddp MGPUDDPStrategy" in proc.stdout
+    assert "`Trainer.fit` stopped: `max_steps=2` reached" in proc.stderr  # in the forked ranks
+
+
+def test_with_no_lightning_distribution_the_import_names_both_install_lines(tmp_path):
+    script = (
+        "import sys\n"
+        "for name in ('lightning', 'pytorch_lightning', 'lightning_fabric'):\n"
+        "    sys.modules[name] = None\n"
+        "import lightning_mgpu\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "ImportError: lightning-mgpu needs one Lightning distribution, and neither is installed" in proc.stderr
+    assert "pip install 'lightning-mgpu[lightning]'" in proc.stderr
+    assert "pip install 'lightning-mgpu[pytorch-lightning]'" in proc.stderr

@@ -4,7 +4,9 @@
 and without activation checkpointing; each precision), the peak memory per rank split into parameters,
 gradients, optimizer state, activations and communication buffers, says which fit the device with the
 headroom kept free, and recommends the fastest that fits. Nothing is allocated and no process is started:
-the model is built, stepped and traced under ``FakeTensorMode`` with torch's ``MemTracker``.
+the model is built, stepped and traced under ``FakeTensorMode`` with torch's ``MemTracker``. A model whose
+constructor fails under fake tensors (``self.double()`` in ``__init__``) is built once on the meta device, or
+failing that for real on CPU, and traced as fake copies of that build.
 
 Example::
 
@@ -71,12 +73,15 @@ def plan(
         devices: ranks (data-parallel world size).
         device_memory: per device, e.g. ``"80GiB"``.
         batch: one micro-batch per device (real or meta tensors); default: the first batch of ``datamodule``'s
-            (or the config's data module's) ``train_dataloader``.
+            (or the config's data module's) ``train_dataloader``, else of the module's own
+            ``train_dataloader()``, else its ``example_input_array`` (traced through ``forward``), as Lightning
+            finds its data.
         headroom: fraction of the device kept free.
         precisions: default ``("32-true", "bf16-mixed", "bf16-master")``.
         strategies: default all four.
         activation_checkpointing: the policy of the "with AC" candidates; default the config's, else the
-            transformer layers, else every block of the outermost containers.
+            transformer layers, else every block of the outermost containers; a model with neither (layers kept
+            as plain attributes) gets no "with AC" candidates.
         bucket_cap_mb: DDP's bucket size.
         require_fit: raise :class:`NoPlanFits` (naming the smallest plan and its shortfall) when nothing fits.
 
@@ -103,12 +108,21 @@ def plan(
     source = resolve_source(model_or_config, batch=batch, datamodule=datamodule)
     policy = activation_checkpointing or source.policy or default_policy(source.factory)
     states = count_model_states(source.factory)
+    # no policy: the model has no blocks to checkpoint (no transformer layers, no Sequential/ModuleList), so
+    # every candidate runs without activation checkpointing
     traces = [
-        trace_step(source.factory, source.batch, precision, ac_policy)
+        trace_step(source.factory, source.batch, precision, ac_policy, forward=source.forward)
         for precision in request.precisions
-        for ac_policy in (None, policy)
+        for ac_policy in ((None, policy) if policy is not None else (None,))
     ]
     units = unit_fractions(source.factory)
     return estimate(
-        source.name, request, states, traces, units, seconds=time.perf_counter() - start, require_fit=require_fit
+        source.name,
+        request,
+        states,
+        traces,
+        units,
+        seconds=time.perf_counter() - start,
+        require_fit=require_fit,
+        built=source.how_built,
     )

@@ -80,6 +80,13 @@ class PlanRow:
         return (_PRECISION_RANK[self.precision], int(self.activation_checkpointing), _STRATEGY_RANK[self.strategy])
 
 
+_BUILT = {
+    "fake": "FakeTensorMode, nothing allocated",
+    "meta": "built once on the meta device, then FakeTensorMode: nothing allocated",
+    "cpu": "built once on CPU (its constructor fails under fake tensors and on the meta device), then FakeTensorMode",
+}
+
+
 class NoPlanFits(PlanError):
     """No candidate fits the device memory; ``.plan`` holds the table."""
 
@@ -144,6 +151,9 @@ class Plan:
     rows: list[PlanRow]
     seconds: float = 0.0
     checkpointed: tuple[str, ...] = field(default_factory=tuple)
+    built: str = "fake"
+    """How the model was built to plan it: ``"fake"`` (under FakeTensorMode), or once on ``"meta"`` or ``"cpu"``
+    when its constructor fails under fake tensors (then traced as fake copies of that build)."""
 
     @property
     def recommended(self) -> Optional[PlanRow]:
@@ -183,7 +193,7 @@ class Plan:
             f"{self.model}: {s.parameter_count:,} parameters ({s.trainable_count:,} trainable), optimizer "
             f"{'+'.join(s.optimizer_names)}; {req.devices} ranks x {format_bytes(req.device_memory_bytes)}, "
             f"{req.headroom:.0%} headroom -> {format_bytes(req.usable_bytes)} usable per rank; planned in "
-            f"{self.seconds:.2f} s (FakeTensorMode, nothing allocated)."
+            f"{self.seconds:.2f} s ({_BUILT[self.built]})."
         )
         best = self.recommended
         if best is not None:
@@ -203,6 +213,7 @@ def estimate(
     units: tuple[float, float],
     seconds: float = 0.0,
     require_fit: bool = True,
+    built: str = "fake",
 ) -> Plan:
     """Combine the counted states and traces into one row per candidate and pick the recommendation."""
     usable = request.usable_bytes
@@ -213,7 +224,7 @@ def estimate(
     best = next((r for r in rows if r.fits), None)
     rows = [PlanRow(**{**asdict(r), "recommended": r is best}) for r in rows]
     checkpointed = next((t.checkpointed for t in traces if t.checkpointed), ())
-    result = Plan(name, request, states, rows, seconds, checkpointed)
+    result = Plan(name, request, states, rows, seconds, checkpointed, built)
     if best is None and require_fit:
         smallest = min(rows, key=lambda r: r.predicted_peak_bytes_per_rank)
         miss = smallest.predicted_peak_bytes_per_rank - usable

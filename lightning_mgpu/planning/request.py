@@ -88,7 +88,7 @@ class PlanRequest:
     activation_checkpointing: Optional[Any] = None
     """The blocks to checkpoint in the "with AC" candidates (any ``activation_checkpointing`` policy); default:
     ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` when present, else each child of the first
-    ``nn.Sequential`` / ``nn.ModuleList`` (``EveryNth(1)``)."""
+    ``nn.Sequential`` / ``nn.ModuleList`` (``EveryNth(1)``); with neither, no "with AC" candidates."""
     bucket_cap_mb: float = 25.0
     """DDP's ``bucket_cap_mb``: one bucket in flight is counted as a communication buffer."""
     device_memory_bytes: int = field(init=False)

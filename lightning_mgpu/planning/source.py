@@ -48,6 +48,13 @@ class PlanSource:
     batch: Any
     name: str
     policy: Any = None
+    forward: bool = False
+    """The batch is the module's ``example_input_array``: trace ``module(*batch)`` (its outputs summed as the
+    loss) instead of ``training_step(batch, 0)``."""
+    how_built: str = "fake"
+    """How the factory builds the model: ``"fake"`` (constructed under FakeTensorMode), ``"meta"`` or ``"cpu"``
+    (constructed once on the meta device, or for real on CPU, when construction under fake tensors fails;
+    each build is then a copy with fake tensors of its shapes)."""
 
 
 def _class_spec(spec: Any, what: str) -> tuple[type, dict[str, Any]]:
@@ -90,19 +97,111 @@ def _batch_from_data(data: Any) -> Any:
         ) from None
 
 
-def _fake_copy_factory(module: nn.Module) -> Callable[[], nn.Module]:
-    """A factory of copies of ``module`` whose parameters and buffers are fake (nothing copied, nothing allocated):
-    ``deepcopy`` with each tensor pre-mapped to an empty tensor of its shape, made inside the caller's fake mode."""
+def plain_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Tensors a module keeps outside its parameters and buffers (torchmetrics states and defaults, caches):
+    attributes, and the items of attribute lists, tuples and dicts."""
+    found: list[torch.Tensor] = []
+    for m in module.modules():
+        for value in vars(m).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            items = [value] if isinstance(value, torch.Tensor) else items
+            found += [t for t in items if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+    return found
+
+
+def fake_copy_factory(module: nn.Module, exclude: tuple[Any, ...] = ()) -> Callable[[], nn.Module]:
+    """A factory of copies of ``module`` whose tensors are fake (nothing copied, nothing allocated): ``deepcopy``
+    with each parameter, buffer and plain tensor attribute pre-mapped to an empty tensor of its shape, made inside
+    the caller's fake mode. The objects in ``exclude`` (an attached Trainer) are left out of the copy."""
 
     def build() -> nn.Module:
-        memo: dict[int, Any] = {}
+        memo: dict[int, Any] = {id(x): None for x in exclude}
         for p in module.parameters():
             memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-        for b in module.buffers():
-            memo[id(b)] = torch.empty(b.shape, dtype=b.dtype)
+        for t in [*module.buffers(), *plain_tensors(module)]:
+            memo.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype))
         return copy.deepcopy(module, memo)
 
     return build
+
+
+def _why(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def buildable(factory: Callable[[], nn.Module], name: str) -> tuple[Callable[[], nn.Module], str]:
+    """``factory`` if the model builds under FakeTensorMode, else a factory of fake copies of one build on the
+    meta device, else of one real build on CPU; with how it builds (``"fake"``, ``"meta"``, ``"cpu"``).
+
+    Some constructors fail under fake tensors though they train fine: ``self.double()``, ``.float()`` or
+    ``.to(dtype)`` in ``__init__`` swap tensors in place, which fake tensors refuse. The meta device builds those
+    without allocating; a real CPU build (memory of one replica) is the last resort. A :class:`PlanError`
+    naming each failure when none of the three builds the model."""
+    from lightning_mgpu._compat import fake_tensor_mode
+
+    failures = []
+    try:
+        with fake_tensor_mode(), _quiet():
+            module = factory()
+        if not isinstance(module, nn.Module):
+            raise PlanError(f"{name} built {type(module).__name__}, not an nn.Module.")
+        return factory, "fake"
+    except PlanError:
+        raise
+    except Exception as err:
+        failures.append(f"under fake tensors: {_why(err)}")
+    for device in ("meta", "cpu"):
+        try:
+            with torch.device(device), _quiet():
+                template = factory()
+            if not isinstance(template, nn.Module):
+                raise PlanError(f"{name} built {type(template).__name__}, not an nn.Module.")
+            with fake_tensor_mode(), _quiet():
+                fake_copy_factory(template)()
+            return fake_copy_factory(template), device
+        except PlanError:
+            raise
+        except Exception as err:
+            failures.append(f"on the {device} device: {_why(err)}")
+    raise PlanError(
+        f"{name} cannot be built to plan it: {'; '.join(failures)}. Check that the model builds with its default "
+        f"arguments (or give them in the config's init_args), or pass an instance: plan(model, batch=...)."
+    )
+
+
+def _quiet() -> Any:
+    from lightning_mgpu.planning.trace import _quiet as quiet
+
+    return quiet()
+
+
+def _is_lightning_default(cls: type, hook: str) -> bool:
+    """Whether ``cls.hook`` is Lightning's own (not overridden by the user's class)."""
+    fn = getattr(cls, hook, None)
+    module = getattr(fn, "__module__", "") or ""
+    return fn is None or module.startswith(("pytorch_lightning.", "lightning.pytorch.", "lightning.fabric."))
+
+
+def _batch_from_module(module: nn.Module) -> tuple[Any, bool]:
+    """The sample batch of a LightningModule without a data module, as Lightning finds its data: the first batch
+    of its own ``train_dataloader()``, else its ``example_input_array`` (then traced through ``forward``).
+    ``(None, False)`` when it has neither."""
+    problem = None
+    if hasattr(module, "train_dataloader") and not _is_lightning_default(type(module), "train_dataloader"):
+        try:
+            return next(iter(module.train_dataloader())), False  # type: ignore[operator]
+        except Exception as err:
+            problem = err
+    example = getattr(module, "example_input_array", None)
+    if example is not None:
+        return example, True
+    if problem is not None:
+        raise PlanError(
+            f"could not draw a sample batch from {type(module).__name__}.train_dataloader() ({_why(problem)}). "
+            f"Pass one instead: plan(model, batch=...) with tensors (meta tensors work) of one micro-batch."
+        )
+    return None, False
 
 
 def resolve_source(model_or_config: Any, batch: Any = None, datamodule: Any = None) -> PlanSource:
@@ -128,6 +227,7 @@ def resolve_source(model_or_config: Any, batch: Any = None, datamodule: Any = No
         raise PlanError(f"model class {model_cls.__module__}.{model_cls.__qualname__} is not an nn.Module. {_HOW}")
 
     factory: Callable[[], nn.Module]
+    instance: Optional[nn.Module] = None
     if model_cls is not None:
         cls, kwargs = model_cls, init_args
 
@@ -136,30 +236,62 @@ def resolve_source(model_or_config: Any, batch: Any = None, datamodule: Any = No
 
         name = f"{cls.__module__}.{cls.__qualname__}"
     elif isinstance(model_or_config, nn.Module):
-        factory, name = _fake_copy_factory(model_or_config), type(model_or_config).__qualname__
+        instance = model_or_config
+        factory, name = fake_copy_factory(model_or_config), type(model_or_config).__qualname__
     else:
         factory, name = model_or_config, getattr(model_or_config, "__qualname__", repr(model_or_config))
+    factory, how_built = buildable(factory, name)
 
+    forward = False
     if batch is None:
         if datamodule is None and data_spec is not None:
             data_cls, data_args = data_spec
             datamodule = data_cls(**data_args)
-        if datamodule is None:
+        if datamodule is not None:
+            batch = _batch_from_data(datamodule)
+        else:
+            if instance is None:  # the module's own data hooks, on a build that allocates nothing (meta)
+                instance = _data_instance(factory)
+            if instance is not None:
+                batch, forward = _batch_from_module(instance)
+        if batch is None:
             raise PlanError(
-                f"no sample batch for {name}: pass batch=... (tensors of one micro-batch per device; meta tensors "
-                f"work), datamodule=..., or a config with a 'data' section."
+                f"no sample batch for {name}: it has no data module, no train_dataloader() of its own and no "
+                f"example_input_array. Pass batch=... (tensors of one micro-batch per device; meta tensors work), "
+                f"datamodule=..., or a config with a 'data' section."
             )
-        batch = _batch_from_data(datamodule)
-    return PlanSource(factory=factory, batch=batch, name=name, policy=policy)
+    return PlanSource(factory=factory, batch=batch, name=name, policy=policy, forward=forward, how_built=how_built)
 
 
-def default_policy(factory: Callable[[], nn.Module]) -> Union[set[type[nn.Module]], Any]:
-    """Checkpoint the transformer layers when there are any, else every block of the outermost containers."""
+def _data_instance(factory: Callable[[], nn.Module]) -> Optional[nn.Module]:
+    """A module to call the data hooks of, allocating nothing: built on the meta device (the data its hooks make
+    stays on CPU: they run outside the device context), else a fake build. None if neither builds."""
     from lightning_mgpu._compat import fake_tensor_mode
-    from lightning_mgpu.parts.activation_checkpointing import EveryNth
+
+    for context in (lambda: torch.device("meta"), fake_tensor_mode):
+        try:
+            with context(), _quiet():
+                return factory()
+        except Exception:
+            continue
+    return None
+
+
+def default_policy(factory: Callable[[], nn.Module]) -> Optional[Union[set[type[nn.Module]], Any]]:
+    """Checkpoint the transformer layers when there are any, else every block of the outermost containers
+    (``EveryNth(1)``); None (no "with activation checkpointing" candidates) when the model has neither, e.g.
+    layers kept as plain attributes (``self.fc1``, ``self.fc2``)."""
+    from lightning_mgpu._compat import fake_tensor_mode
+    from lightning_mgpu.parts.activation_checkpointing import EveryNth, select_modules
 
     layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-    with fake_tensor_mode():
+    with fake_tensor_mode(), _quiet():
         module = factory()
         present = {type(m) for m in module.modules() if isinstance(m, layers)}
-    return present if present else EveryNth(1)
+        if present:
+            return present
+        try:
+            select_modules(module, EveryNth(1))
+        except ValueError:
+            return None
+    return EveryNth(1)

@@ -159,8 +159,26 @@ class StepTrace:
         return int(max((a + fraction * g for a, g in self.timeline), default=self.activations))
 
 
-def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
+def _forward_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    """The outputs of ``module(batch)`` summed: ``module(*batch)`` for a tuple or list, ``module(**batch)`` for a
+    dict (as Lightning calls ``forward`` with ``example_input_array``)."""
+    if isinstance(batch, (tuple, list)):
+        out = module(*batch)
+    elif isinstance(batch, dict):
+        out = module(**batch)
+    else:
+        out = module(batch)
+    tensors: list[torch.Tensor] = []
+    tree_map_tensors(tensors.append, out)
+    if not tensors:
+        raise PlanError(f"{type(module).__name__}.forward returned no tensor to sum as the loss.")
+    return sum(t.float().sum() for t in tensors if t.is_floating_point() or t.is_complex())  # type: ignore[return-value]
+
+
+def _loss(module: nn.Module, batch: Any, forward: bool = False) -> torch.Tensor:
     # duck-typed: a LightningModule of either namespace (pytorch_lightning or lightning.pytorch)
+    if forward:
+        return _forward_loss(module, batch)
     if hasattr(module, "training_step") and hasattr(module, "automatic_optimization"):
         if not module.automatic_optimization:
             raise PlanError(
@@ -178,9 +196,12 @@ def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
-def trace_step(factory: ModelFactory, batch: Any, precision: str, policy: Any = None) -> StepTrace:
+def trace_step(
+    factory: ModelFactory, batch: Any, precision: str, policy: Any = None, forward: bool = False
+) -> StepTrace:
     """Forward + backward of one micro-batch of ``batch`` (a sample batch: real, meta or fake tensors) under
-    FakeTensorMode and ``TimelineTracker``; ``policy``: checkpoint these blocks (None: no checkpointing)."""
+    FakeTensorMode and ``TimelineTracker``; ``policy``: checkpoint these blocks (None: no checkpointing);
+    ``forward``: ``batch`` is the input of ``module(...)`` (``example_input_array``), not of ``training_step``."""
     from lightning_mgpu.parts.activation_checkpointing import apply_activation_checkpointing
 
     dtype, autocast, _ = PRECISION_LAYOUT[precision]
@@ -195,7 +216,7 @@ def trace_step(factory: ModelFactory, batch: Any, precision: str, policy: Any = 
         tracker.track_external(module)
         with tracker:
             with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
-                loss = _loss(module, fake)
+                loss = _loss(module, fake, forward)
             loss.backward()
         params = list(module.parameters())
         return StepTrace(

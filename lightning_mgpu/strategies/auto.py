@@ -20,10 +20,9 @@ Example::
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import pytorch_lightning as pl
 import torch
@@ -32,44 +31,15 @@ from lightning_fabric.plugins.collectives.torch_collective import default_pg_tim
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
-from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu import _compat
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.planning import STRATEGIES, PlanError, plan
 from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, planner_precision
-from lightning_mgpu.planning.source import default_policy
+from lightning_mgpu.planning.source import default_policy, fake_copy_factory
 from lightning_mgpu.settings import LossNormalization, MicroBatchSetting, NonFinite, StartMethod
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
-
-
-def _plain_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Tensors a module keeps outside its parameters and buffers (torchmetrics states and defaults, caches):
-    attributes, and the items of attribute lists, tuples and dicts."""
-    found: list[torch.Tensor] = []
-    for m in module.modules():
-        for value in vars(m).values():
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-            items = [value] if isinstance(value, torch.Tensor) else items
-            found += [t for t in items if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
-    return found
-
-
-def _fake_copy_factory(module: nn.Module, trainer: Any) -> Callable[[], nn.Module]:
-    """Copies of ``module`` with empty tensors of its shapes (made inside the planner's fake mode: nothing is
-    copied or allocated), and without the Trainer it is attached to (the copy must not drag the Trainer, its
-    loops and data along)."""
-
-    def build() -> nn.Module:
-        memo: dict[int, Any] = {id(trainer): None}
-        for p in module.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-        for t in [*module.buffers(), *_plain_tensors(module)]:
-            memo.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype))
-        return copy.deepcopy(module, memo)
-
-    return build
 
 
 class MGPUAutoStrategy(MGPUDDPStrategy):
@@ -83,7 +53,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         strategies: the candidates, default all four; ``micro_batch_size`` keeps mgpu_ddp and mgpu_zero1 (the
             strategies that micro-batch), manual optimization keeps mgpu_ddp.
         activation_checkpointing: the blocks the "with activation checkpointing" candidates checkpoint; default
-            the transformer layers, else every block of the outermost containers.
+            the transformer layers, else every block of the outermost containers; a model with neither (layers
+            kept as plain attributes) is planned without activation checkpointing.
         micro_batch_size: passed to the chosen strategy (see :class:`~lightning_mgpu.MGPUDDPStrategy`).
         start_method: as for every mgpu strategy; so are ``process_group_backend``, ``timeout``,
             ``log_comm_stats``, ``loss_normalization``, ``nonfinite`` and ``async_checkpoint``, all passed to the
@@ -199,7 +170,9 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
     def _plan(self, trainer: pl.Trainer) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
-        factory = _fake_copy_factory(module, trainer)
+        # copies of the module with fake tensors of its shapes, without the Trainer it is attached to (the copy
+        # must not drag the Trainer, its loops and data along)
+        factory = fake_copy_factory(module, exclude=(trainer,))
         memory = device_memory_bytes(self._auto["device_memory"], self.root_device, self.num_processes)
         if not module.automatic_optimization:  # the planner traces automatic optimization only
             reason = "mgpu_auto chose mgpu_ddp: the module uses manual optimization, which only mgpu_ddp supports."
