@@ -215,7 +215,7 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         super().__init__(check, strategy, start_method=start_method)
         self._on_failure = on_failure
         self._weights = weights
-        self._results = results
+        self._hand_back = results
         self._forks = start_method in ("fork", "forkserver")
         self._of_strategy = strategy
 
@@ -263,15 +263,15 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
     @override
     def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
-        if self._results is not None:
-            extra[_RESULTS] = self._results[0](trainer)
+        if self._hand_back is not None:
+            extra[_RESULTS] = self._hand_back[0](trainer)
         return extra
 
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
-        if self._results is not None and _RESULTS in extra:
-            self._results[1](trainer, extra[_RESULTS])
+        if self._hand_back is not None and _RESULTS in extra:
+            self._hand_back[1](trainer, extra[_RESULTS])
 
 
 _RESULTS = "lightning_mgpu_results"  # the key of the strategy's results among the worker's extra results
