@@ -15,7 +15,7 @@ import pytest
 import pytorch_lightning as pl
 
 from lightning_mgpu import DeviceMonitor
-from tests.helpers import Recorder, RankData, Regressor, load_ranks, make_data, run_isolated
+from tests.helpers import RankData, Recorder, Regressor, load_ranks, make_data, run_isolated
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -338,9 +338,7 @@ def _without_tied(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
 
     def tied(unit: nn.Module) -> bool:
         prefix = names[id(unit)] + "."
-        return any(
-            any(not other.startswith(prefix) for other in owners[id(p)]) for p in unit.parameters(recurse=True)
-        )
+        return any(any(not other.startswith(prefix) for other in owners[id(p)]) for p in unit.parameters(recurse=True))
 
     return [u for u in units if not tied(u)]
 

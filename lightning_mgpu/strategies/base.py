@@ -45,6 +45,11 @@ from lightning_mgpu.strategies.launchers import _CheckedMultiProcessingLauncher,
 log = logging.getLogger(__name__)
 
 
+def _callbacks(trainer: pl.Trainer) -> list[Any]:
+    # set on the Trainer at runtime by Lightning's callback connector (not a declared attribute)
+    return list(getattr(trainer, "callbacks", []))
+
+
 class MGPUStrategyMixin(ParallelStrategy):
     """The parts every mgpu strategy has, and the Lightning hooks that hand work to them; subclasses call
     :meth:`_init_parts` in ``__init__``. A ``ParallelStrategy`` itself, so that what it overrides and calls is
@@ -172,7 +177,7 @@ class MGPUStrategyMixin(ParallelStrategy):
         has ``results_for_main_process`` (``DeviceMonitor``'s history), keyed by its place in the callbacks."""
         callbacks = {
             i: (type(c).__name__, c.results_for_main_process())
-            for i, c in enumerate(trainer.callbacks)
+            for i, c in enumerate(_callbacks(trainer))
             if callable(getattr(c, "results_for_main_process", None))
         }
         decision = getattr(self, "auto_decision", None)
@@ -194,8 +199,9 @@ class MGPUStrategyMixin(ParallelStrategy):
         if results["auto_decision"] is not None:
             kind, fields = results["auto_decision"]
             self.auto_decision = kind(**fields)
+        present = _callbacks(trainer)
         for i, (kind, state) in results["callbacks"].items():
-            callback = trainer.callbacks[i] if i < len(trainer.callbacks) else None
+            callback: Any = present[i] if i < len(present) else None
             if type(callback).__name__ == kind and callable(getattr(callback, "restore_results_from_worker", None)):
                 callback.restore_results_from_worker(state)
 
