@@ -469,12 +469,37 @@ def fake_store() -> Any:
     return FakeStore()
 
 
-def mem_tracker() -> Any:
-    """``torch.distributed._tools.mem_tracker.MemTracker()``: sorts every storage a step allocates into
-    parameters, buffers, gradients, activations, temporaries and optimizer state."""
+class _NoHook:
+    """A hook handle for a frozen parameter, which has no gradient hook to remove."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_safe_mem_tracker() -> type:
+    """``MemTracker`` that leaves frozen parameters (``requires_grad=False``) alone: torch 2.13's registers a
+    gradient hook on every parameter of a module it enters, which raises "cannot register a hook on a tensor
+    that doesn't require gradient" for a frozen one (reproduced here with a frozen ``nn.Linear``). Its private
+    ``_param_to_grad_hook_handles`` marks a parameter as hooked already; a frozen one gets a handle that removes
+    nothing. Missing: the frozen parameters raise as in plain torch."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    return MemTracker()
+    class FrozenSafeMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            handles = getattr(self, "_param_to_grad_hook_handles", None)
+            if handles is not None:
+                for param in module.parameters():
+                    if not param.requires_grad and handles.get(param, None) is None:
+                        handles[param] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenSafeMemTracker
+
+
+def mem_tracker() -> Any:
+    """``torch.distributed._tools.mem_tracker.MemTracker()``: sorts every storage a step allocates into
+    parameters, buffers, gradients, activations, temporaries and optimizer state (frozen parameters included)."""
+    return _frozen_safe_mem_tracker()()
 
 
 def timeline_mem_tracker() -> Any:
@@ -483,11 +508,11 @@ def timeline_mem_tracker() -> Any:
     their own, beside the gradients in time (a sharded rank keeps 1/N of each gradient). Overrides its private
     ``_update_peak_stats`` (called after every dispatched op), whose own version also walks every module's stats
     on every op (a minute for a 1B model), and reads its ``_curr_mem_snap`` / ``_peak_mem`` / ``_peak_mem_snap``."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import _MemRefType
 
     live = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)
 
-    class TimelineTracker(MemTracker):
+    class TimelineTracker(_frozen_safe_mem_tracker()):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.timeline: list[tuple[int, int]] = []

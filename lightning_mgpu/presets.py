@@ -92,9 +92,17 @@ PRESETS: tuple[Preset, ...] = (
         "ZeRO stage 2, torch FSDP2: optimizer state + gradients sharded",
         {"start_method": "popen", "stage": 2},
     ),
-    Preset("mgpu_sharded_spawn", MGPUShardedStrategy, "mgpu_sharded launched with spawn", {"start_method": "spawn"}),
     Preset(
-        "mgpu_sharded_notebook", MGPUShardedStrategy, "mgpu_sharded for Jupyter (fork launch)", {"start_method": "fork"}
+        "mgpu_sharded_spawn",
+        MGPUShardedStrategy,
+        "mgpu_sharded launched with spawn",
+        {"start_method": "spawn", "stage": 2},
+    ),
+    Preset(
+        "mgpu_sharded_notebook",
+        MGPUShardedStrategy,
+        "mgpu_sharded for Jupyter (fork launch)",
+        {"start_method": "fork", "stage": 2},
     ),
     Preset(
         "mgpu_zero1",
@@ -103,10 +111,34 @@ PRESETS: tuple[Preset, ...] = (
         {"start_method": "popen", "stage": 1},
     ),
     Preset(
+        "mgpu_zero1_spawn",
+        MGPUShardedStrategy,
+        "mgpu_zero1 launched with spawn",
+        {"start_method": "spawn", "stage": 1},
+    ),
+    Preset(
+        "mgpu_zero1_notebook",
+        MGPUShardedStrategy,
+        "mgpu_zero1 for Jupyter (fork launch)",
+        {"start_method": "fork", "stage": 1},
+    ),
+    Preset(
         "mgpu_zero3",
         MGPUShardedStrategy,
         "ZeRO stage 3, torch FSDP2: + parameters sharded",
         {"start_method": "popen", "stage": 3},
+    ),
+    Preset(
+        "mgpu_zero3_spawn",
+        MGPUShardedStrategy,
+        "mgpu_zero3 launched with spawn",
+        {"start_method": "spawn", "stage": 3},
+    ),
+    Preset(
+        "mgpu_zero3_notebook",
+        MGPUShardedStrategy,
+        "mgpu_zero3 for Jupyter (fork launch)",
+        {"start_method": "fork", "stage": 3},
     ),
     Preset(
         "mgpu_sharded_fairscale",
@@ -123,6 +155,18 @@ PRESETS: tuple[Preset, ...] = (
     Preset("mgpu_auto_spawn", MGPUAutoStrategy, "mgpu_auto launched with spawn", {"start_method": "spawn"}),
     Preset("mgpu_auto_notebook", MGPUAutoStrategy, "mgpu_auto for Jupyter (fork launch)", {"start_method": "fork"}),
 )
+
+#: The launch variants of a preset family: its popen name plus these suffixes.
+LAUNCH_VARIANTS: tuple[str, ...] = ("", "_spawn", "_notebook")
+
+#: The presets outside that rule, and why (``preset_table`` prints it; ``tests/test_presets.py`` checks that every
+#: other family has each of :data:`LAUNCH_VARIANTS`).
+LAUNCH_EXCEPTIONS: dict[str, str] = {
+    "mgpu_ddp_fork": "mgpu_ddp_notebook under Lightning's name ddp_fork",
+    "mgpu_ddp_fp16_compress": "popen only: MGPUDDPStrategy(comm_hook='fp16', start_method=...) for another launch",
+    "mgpu_ddp_powersgd": "popen only: MGPUDDPStrategy(comm_hook='powersgd', start_method=...) likewise",
+    "mgpu_sharded_fairscale": "popen only: MGPUShardedStrategy(backend='fairscale', start_method=...) likewise",
+}
 
 
 @dataclass(frozen=True)
@@ -246,4 +290,7 @@ def preset_table() -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
     lines += [f"launch {k:<5}  {v}" for k, v in _LAUNCH.items()]
+    lines.append("")
+    lines.append("every family: popen, _spawn, _notebook (fork); besides those:")
+    lines += [f"  {name}: {why}" for name, why in LAUNCH_EXCEPTIONS.items()]
     return "\n".join(lines)

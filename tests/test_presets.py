@@ -13,6 +13,7 @@ from pytorch_lightning.strategies import StrategyRegistry
 
 import lightning_mgpu
 from lightning_mgpu import PRESETS, preset_table, register_presets
+from lightning_mgpu.presets import LAUNCH_EXCEPTIONS, LAUNCH_VARIANTS
 from lightning_mgpu.strategies import MGPUStrategyMixin
 from tests.helpers import WORLD, Regressor, fit, make_data
 
@@ -58,6 +59,28 @@ def test_list_prints_every_name_description_and_launch_mode():
     for p in PRESETS:
         line = next(line for line in out.splitlines() if line.startswith(p.name + " "))
         assert p.description in line and line.rstrip().endswith(p.launch)
+
+
+def test_every_preset_family_has_every_launch_variant_or_says_why_not():
+    """Each family (a popen preset outside LAUNCH_EXCEPTIONS) has a _spawn and a _notebook (fork) preset of the
+    same class and arguments; every preset is a family member or an exception that the table explains."""
+    by_name = {p.name: p for p in PRESETS}
+    launches = {"": "popen", "_spawn": "spawn", "_notebook": "fork"}
+    assert set(LAUNCH_VARIANTS) == set(launches)
+    assert set(LAUNCH_EXCEPTIONS) <= set(by_name)
+    families = [p for p in PRESETS if p.launch == "popen" and p.name not in LAUNCH_EXCEPTIONS]
+    members = set()
+    for family in families:
+        args = {k: v for k, v in family.init_params.items() if k != "start_method"}
+        for suffix, launch in launches.items():
+            variant = by_name.get(family.name + suffix)
+            assert variant is not None, f"{family.name}{suffix} is missing"
+            assert variant.strategy is family.strategy and variant.launch == launch
+            assert {k: v for k, v in variant.init_params.items() if k != "start_method"} == args
+            members.add(variant.name)
+    assert members | set(LAUNCH_EXCEPTIONS) == set(by_name)
+    table = preset_table()
+    assert all(f"{name}: {why}" in table for name, why in LAUNCH_EXCEPTIONS.items())
 
 
 @pytest.mark.compat

@@ -228,6 +228,28 @@ class DeviceMonitor(MGPUCallback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         self._last_end = None  # nor is the time spent writing a checkpoint
 
+    # ------------------------------------------------------------------------------------ main process
+    def results_for_main_process(self) -> dict[str, Any]:
+        """After a spawn/fork fit, in rank 0's worker: what this callback in the main process gets
+        (:meth:`restore_results_from_worker`); the strategy hands it back as Lightning hands back
+        ``callback_metrics``.
+
+        Example:
+
+            >>> from lightning_mgpu import DeviceMonitor
+            >>> worker, main = DeviceMonitor(), DeviceMonitor()
+            >>> worker.history.append({"step": 2.0, "device/rank0/step_ms": 1.5}); worker.intervals = 1
+            >>> main.restore_results_from_worker(worker.results_for_main_process())
+            >>> main.history, main.intervals
+            ([{'step': 2.0, 'device/rank0/step_ms': 1.5}], 1)
+        """
+        return {"history": [dict(row) for row in self.history], "intervals": self.intervals}
+
+    def restore_results_from_worker(self, results: dict[str, Any]) -> None:
+        """In the main process: rank 0's ``history`` and ``intervals`` (see :meth:`results_for_main_process`)."""
+        self.history = list(results["history"])
+        self.intervals = int(results["intervals"])
+
     # ---------------------------------------------------------------------------------------------- flush
     def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = pl_module.device

@@ -309,7 +309,9 @@ def _fsdp_units(model: nn.Module) -> list[nn.Module]:
 def fsdp_unit_roots(module: nn.Module, wrap_modules: Optional[tuple[type[nn.Module], ...]] = None) -> list[nn.Module]:
     """The modules FSDP2 makes units of (the root, a unit too, holds the parameters left over): those of
     ``wrap_modules``; by default every transformer layer when there are any, else each direct child with parameters.
-    The one rule, used by the strategy and by the planner.
+    The one rule, used by the strategy and by the planner. A module holding a tied parameter (one that a module
+    outside it uses too: an output projection that is the embedding) is no unit: ``fully_shard`` refuses a
+    parameter shared across units, so it stays in an enclosing unit (the root at the latest).
 
     Example::
 
@@ -320,9 +322,25 @@ def fsdp_unit_roots(module: nn.Module, wrap_modules: Optional[tuple[type[nn.Modu
     else:
         layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
         if not any(isinstance(m, layers) for m in module.modules()):
-            return [c for c in module.children() if any(True for _ in c.parameters())]
+            return _without_tied(module, [c for c in module.children() if any(True for _ in c.parameters())])
         classes = layers
-    return [m for m in module.modules() if m is not module and isinstance(m, classes)]
+    return _without_tied(module, [m for m in module.modules() if m is not module and isinstance(m, classes)])
+
+
+def _without_tied(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """``units`` less those holding a parameter that a module outside them uses too (tied weights, e.g. an output
+    projection that is the embedding): ``fully_shard`` refuses a parameter shared across units, so a tied
+    parameter stays in an enclosing unit (the root at the latest), which gathers it for both uses."""
+    owners: dict[int, list[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+
+    def tied(unit: nn.Module) -> bool:
+        prefix = names[id(unit)] + "."
+        return any(any(not other.startswith(prefix) for other in owners[id(p)]) for p in unit.parameters(recurse=True))
+
+    return [u for u in units if not tied(u)]
 
 
 class FSDP2Backend(ShardingBackend):
@@ -331,7 +349,8 @@ class FSDP2Backend(ShardingBackend):
     ``wrap_modules``: module classes that get their own FSDP unit (gathered and freed one at a time), applied
     innermost first; the root is always a unit. ``None``: every ``nn.TransformerEncoderLayer`` /
     ``nn.TransformerDecoderLayer``, and otherwise each direct child of the LightningModule that has
-    parameters (one unit per block of the sample models).
+    parameters (one unit per block of the sample models). A module holding a tied parameter (one that a module
+    outside it uses too) gets no unit of its own: the parameter stays in the enclosing unit.
     """
 
     def __init__(self, stage: int, wrap_modules: Optional[tuple[type[nn.Module], ...]] = None) -> None:

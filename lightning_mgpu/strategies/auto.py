@@ -16,6 +16,7 @@ Example::
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy=MGPUAutoStrategy(device_memory="8GiB"))
     trainer.fit(model, datamodule)  # in the workers: trainer.strategy is the chosen strategy, .auto_decision why
+    print(trainer.strategy.auto_decision.reason)  # also in the main process after a spawn/fork launch
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
 
     After set-up, in the training processes, ``trainer.strategy`` is the chosen strategy and its
     ``auto_decision`` (an ``AutoDecision``: ``strategy``, ``activation_checkpointing``, ``reason``, ``table``)
-    says what and why.
+    says what and why. After ``fit`` with a spawn or fork launch, the main process's ``trainer.strategy`` (still
+    this class) has rank 0's ``auto_decision`` and ``comm_stats`` too.
 
     Example (``trainer.fit(model, datamodule)`` then plans and logs which strategy was chosen and why):
 

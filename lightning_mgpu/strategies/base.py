@@ -7,6 +7,7 @@ machinery (``_start_method``, ``_timeout``, ``_get_process_group_backend``)."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -42,6 +43,11 @@ from lightning_mgpu.settings import CommonSettings
 from lightning_mgpu.strategies.launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
 
 log = logging.getLogger(__name__)
+
+
+def _callbacks(trainer: pl.Trainer) -> list[Any]:
+    # set on the Trainer at runtime by Lightning's callback connector (not a declared attribute)
+    return list(getattr(trainer, "callbacks", []))
 
 
 class MGPUStrategyMixin(ParallelStrategy):
@@ -161,8 +167,43 @@ class MGPUStrategyMixin(ParallelStrategy):
                 start_method=self._launch.start_method,
                 on_failure=self._end_group_after,
                 weights=self._weights_for_main_process,
+                results=(self._results_for_main_process, self._restore_results_from_worker),
             )
         _compat.set_strategy_launcher(self, launcher)
+
+    def _results_for_main_process(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """After a spawn/fork fit, in rank 0's worker: what the main process's objects get (as Lightning hands
+        back ``callback_metrics``): the ledger, ``mgpu_auto``'s decision, and the state of each callback that
+        has ``results_for_main_process`` (``DeviceMonitor``'s history), keyed by its place in the callbacks."""
+        callbacks = {
+            i: (type(c).__name__, c.results_for_main_process())
+            for i, c in enumerate(_callbacks(trainer))
+            if callable(getattr(c, "results_for_main_process", None))
+        }
+        decision = getattr(self, "auto_decision", None)
+        # dataclasses travel as dicts: Lightning moves the results to the CPU with apply_to_collection, which
+        # refuses frozen dataclasses
+        return {
+            "comm_stats": dataclasses.asdict(self._ledger.stats),
+            "auto_decision": (type(decision), dataclasses.asdict(decision)) if decision is not None else None,
+            "callbacks": callbacks,
+        }
+
+    def _restore_results_from_worker(self, trainer: pl.Trainer, results: dict[str, Any]) -> None:
+        """In the main process, after a spawn/fork fit: rank 0's ledger (updated in place: the parts that count
+        into it keep their reference), ``auto_decision`` and callback states (see
+        :meth:`_results_for_main_process`)."""
+        stats = self._ledger.stats
+        for name, value in results["comm_stats"].items():
+            setattr(stats, name, value)
+        if results["auto_decision"] is not None:
+            kind, fields = results["auto_decision"]
+            self.auto_decision = kind(**fields)
+        present = _callbacks(trainer)
+        for i, (kind, state) in results["callbacks"].items():
+            callback: Any = present[i] if i < len(present) else None
+            if type(callback).__name__ == kind and callable(getattr(callback, "restore_results_from_worker", None)):
+                callback.restore_results_from_worker(state)
 
     def _weights_for_main_process(self) -> dict[str, Any]:
         """After a spawn/fork fit: the weights the main process's module gets (a collective: every rank)."""

@@ -198,6 +198,9 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         weights: a collective, run on every rank after fit: the module state the main process gets (the FP32
             masters of master-weight precision; under FSDP2 the full state gathered from the shards, where
             Lightning hands back rank 0's shards only).
+        results: ``(collect, restore)``: ``collect(trainer)`` runs in rank 0's worker after the call and returns
+            a picklable object; ``restore(trainer, it)`` runs in the main process with it, beside Lightning's
+            ``callback_metrics`` (the ledger, ``mgpu_auto``'s decision, ``DeviceMonitor``'s history).
     """
 
     def __init__(
@@ -207,10 +210,12 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         start_method: Any = "spawn",
         on_failure: Optional[Callable[[BaseException], list[int]]] = None,
         weights: Optional[Callable[[], dict[str, Any]]] = None,
+        results: Optional[tuple[Callable[[pl.Trainer], Any], Callable[[pl.Trainer, Any], None]]] = None,
     ) -> None:
         super().__init__(check, strategy, start_method=start_method)
         self._on_failure = on_failure
         self._weights = weights
+        self._hand_back = results
         self._forks = start_method in ("fork", "forkserver")
         self._of_strategy = strategy
 
@@ -254,6 +259,22 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
             strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
         return worker_output(best_model_path, weights_path, trainer.state, results, extra)
+
+    @override
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        if self._hand_back is not None:
+            extra[_RESULTS] = self._hand_back[0](trainer)
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if self._hand_back is not None and _RESULTS in extra:
+            self._hand_back[1](trainer, extra[_RESULTS])
+
+
+_RESULTS = "lightning_mgpu_results"  # the key of the strategy's results among the worker's extra results
 
 
 def release_process_group() -> None:
