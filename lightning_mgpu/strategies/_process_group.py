@@ -91,10 +91,6 @@ class MGPUParallelStrategy(MGPUStrategyMixin, ParallelStrategy):
     def process_group_backend(self) -> Optional[str]:
         return self._launch.process_group_backend
 
-    @override
-    def _group_backend(self) -> str:
-        return self._launch.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-
     @property
     def timeout(self) -> Optional[timedelta]:
         return self._launch.timeout
