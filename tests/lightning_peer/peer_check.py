@@ -243,13 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lightning {version}; Lightning's tests from {origin}; {len(files)} files, {replacements} replacements")
     print(f"work directory: {work}", flush=True)
 
-    results = {}
-    for name, root in (("released", released), ("swapped", swapped)):
-        if args.only and args.only != name:
-            continue
-        seconds = run(root, files, work / f"{name}.xml", args.timeout, args.python, work / f"{name}.log")
-        results[name] = outcomes(work / f"{name}.xml")
-        print(f"{name:9s} {_counts(results[name])}  ({seconds:.0f} s; log {work / (name + '.log')})", flush=True)
+    # file by file, each as released then swapped: an interrupted check still compares the files it finished
+    variants = [(n, r) for n, r in (("released", released), ("swapped", swapped)) if args.only in (None, n)]
+    results: dict[str, dict[str, str]] = {name: {} for name, _ in variants}
+    seconds = dict.fromkeys(results, 0.0)
+    for i, rel in enumerate(files):
+        line = []
+        for name, root in variants:
+            stem = f"{name}-{i:03d}"
+            seconds[name] += run(root, [rel], work / f"{stem}.xml", args.timeout, args.python, work / f"{stem}.log")
+            found = outcomes(work / f"{stem}.xml")
+            results[name].update(found)
+            line.append(f"{name} {_counts(found)}")
+        print(f"[{i + 1}/{len(files)}] {rel}: {'; '.join(line)}", flush=True)
+    print()
+    for name in results:
+        print(f"{name:9s} {_counts(results[name])}  ({seconds[name]:.0f} s; logs {work}/{name}-*.log)")
     if len(results) < 2:
         return 0
     before, after = results["released"], results["swapped"]
