@@ -247,15 +247,20 @@ def main(argv: list[str] | None = None) -> int:
     variants = [(n, r) for n, r in (("released", released), ("swapped", swapped)) if args.only in (None, n)]
     results: dict[str, dict[str, str]] = {name: {} for name, _ in variants}
     seconds = dict.fromkeys(results, 0.0)
-    for i, rel in enumerate(files):
-        line = []
-        for name, root in variants:
-            stem = f"{name}-{i:03d}"
-            seconds[name] += run(root, [rel], work / f"{stem}.xml", args.timeout, args.python, work / f"{stem}.log")
-            found = outcomes(work / f"{stem}.xml")
-            results[name].update(found)
-            line.append(f"{name} {_counts(found)}")
-        print(f"[{i + 1}/{len(files)}] {rel}: {'; '.join(line)}", flush=True)
+    try:
+        for i, rel in enumerate(files):
+            found = {}
+            for name, root in variants:
+                stem = f"{name}-{i:03d}"
+                log = work / f"{stem}.log"
+                seconds[name] += run(root, [rel], work / f"{stem}.xml", args.timeout, args.python, log)
+                found[name] = outcomes(work / f"{stem}.xml")
+            for name in found:  # a file counts once both copies have run
+                results[name].update(found[name])
+            line = "; ".join(f"{name} {_counts(r)}" for name, r in found.items())
+            print(f"[{i + 1}/{len(files)}] {rel}: {line}", flush=True)
+    except KeyboardInterrupt:
+        print(f"interrupted: the files finished so far are compared ({len(files)} selected)")
     print()
     for name in results:
         print(f"{name:9s} {_counts(results[name])}  ({seconds[name]:.0f} s; logs {work}/{name}-*.log)")
