@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 OLDEST_LIGHTNING ?= 2.6.0
 CUDA_TORCH ?= torch==2.14.1
 
-.PHONY: setup train test test-suite test-slow test-compat test-install test-compat-oldest test-compat-cuda test-gpu bench-gpu bench lint notebooks docs
+.PHONY: setup train test test-suite test-slow test-compat test-install test-compat-oldest test-compat-cuda test-gpu bench-gpu bench lint notebooks docs test-lightning
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,17 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 
 test-compat: test-compat-oldest test-compat-cuda
+
+# The peer check (not part of `make test`: it needs a clone of Lightning's repository): Lightning's own tests that
+# name a DDP or FSDP strategy, at the tag of the installed release, run as released and with the mgpu presets
+# swapped in; prints both runs' counts and every test whose outcome differs. LIGHTNING_FILES narrows it to some
+# files (paths under tests/tests_pytorch); see docs/development.md.
+LIGHTNING_SRC ?=
+LIGHTNING_FILES ?=
+test-lightning: $(STAMP)
+	@test -n "$(LIGHTNING_SRC)" || { echo "make test-lightning LIGHTNING_SRC=/path/to/pytorch-lightning"; exit 2; }
+	$(BIN)/python -m pip install -q "cloudpickle>=1.3"
+	$(BIN)/python tests/lightning_peer/peer_check.py --lightning-src "$(LIGHTNING_SRC)" $(LIGHTNING_FILES)
 
 .venv-oldest/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv .venv-oldest

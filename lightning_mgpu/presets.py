@@ -6,6 +6,7 @@ harmless because entries are registered with ``override=True``.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -272,6 +273,55 @@ def register_presets(registry: Any = StrategyRegistry, accelerators: Any = Accel
                 r.old, _RenamedName, description=f"removed: {r.replacement}", override=True, message=r.message
             )
     return [p.name for p in PRESETS]
+
+
+def _setting(strategy: Any, key: str) -> Any:
+    launch = getattr(strategy, "launch_settings", None)
+    return getattr(launch, key) if hasattr(launch, key) else getattr(strategy, key, None)
+
+
+def preset_of(strategy: Any) -> Optional[Preset]:
+    """The preset that builds a strategy like ``strategy``: of its class (the nearest in its class's bases) and
+    with every argument the preset sets equal to the strategy's; the most specific such preset, else None.
+
+    Example:
+
+        >>> from lightning_mgpu import MGPUDDPStrategy
+        >>> from lightning_mgpu.presets import preset_of
+        >>> preset_of(MGPUDDPStrategy(comm_hook="fp16")).name
+        'mgpu_ddp_fp16_compress'
+    """
+    bases = type(strategy).__mro__
+    matches = [
+        p for p in PRESETS if p.strategy in bases and all(_setting(strategy, k) == v for k, v in p.init_params.items())
+    ]
+    if not matches:
+        return None
+    return min(matches, key=lambda p: (bases.index(p.strategy), -len(p.init_params)))
+
+
+def _arguments(preset: Preset) -> dict[str, Any]:
+    """The preset's arguments but the launch, each given or the strategy's default for the arguments any preset of
+    the same class sets."""
+    defaults = inspect.signature(preset.strategy.__init__).parameters  # type: ignore[misc]  # the class, not an instance
+    keys = {k for p in PRESETS if p.strategy is preset.strategy for k in p.init_params} - {"start_method"}
+    return {k: preset.init_params.get(k, defaults[k].default if k in defaults else None) for k in keys}
+
+
+def notebook_choice(strategy: Any) -> tuple[str, str]:
+    """What a notebook user wrote and what to write instead, as ``Trainer(strategy=...)`` arguments: the
+    strategy's preset name (else its class), and the notebook preset of the same strategy and arguments (fork
+    launch), else the same class with ``start_method='fork'``."""
+    preset = preset_of(strategy)
+    name = type(strategy).__name__ if preset is None else preset.strategy.__name__
+    if preset is None:
+        return f"{name}(...)", f"{name}(..., start_method='fork')"
+    args = _arguments(preset)
+    for p in PRESETS:
+        if p.strategy is preset.strategy and p.name.endswith("_notebook") and _arguments(p) == args:
+            return repr(preset.name), repr(p.name)
+    spelled = "".join(f"{k}={v!r}, " for k, v in preset.init_params.items() if k != "start_method")
+    return repr(preset.name), f"{name}({spelled}start_method='fork')"
 
 
 def preset_table() -> str:

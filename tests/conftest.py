@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -29,3 +32,77 @@ def _fresh_distributed_env():
         os.environ.pop(k, None)
     os.environ.update(saved)
     os.environ.update(saved_seed)
+
+
+# --- nothing of the pack outlives a test ------------------------------------------------------------------
+# After every test (as Lightning's own suite does): no thread of the pack (every one is named "mgpu..." or
+# "lightning_mgpu...") still running, no child process of this one still running or unreaped, no process group
+# left initialised in this process. A multi-process test is where these would come from (the main process of a
+# fork/spawn launch keeps no group; its workers and the popen launcher's observer end with the Trainer call).
+# Cheap: a thread list, one scan of the process table, one flag.
+_PACK_THREADS = ("mgpu", "lightning_mgpu")
+_REAP_GRACE_S = 5.0  # a child that has just exited when the test returns gets this long to be reaped
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _multiprocessing_helpers(pid: int) -> bool:
+    """multiprocessing's resource tracker and forkserver: started once per interpreter, by design long-lived."""
+    import psutil
+
+    try:
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+    except psutil.ZombieProcess:
+        return False  # ended, not reaped: a leftover
+    except psutil.Error:
+        return True  # gone already
+    return "resource_tracker" in cmdline or "forkserver" in cmdline
+
+
+def leftovers(threads_before: set[threading.Thread], children_before: set[int]) -> list[str]:
+    """What a test left behind: the pack's threads still alive, child processes still there after a short grace
+    (running, or ended and not reaped), an initialised process group (which is destroyed here, so the next test
+    starts clean)."""
+    import psutil
+
+    found = [
+        f"thread {t.name!r} still running"
+        for t in set(threading.enumerate()) - threads_before
+        if t.is_alive() and t.name.startswith(_PACK_THREADS)
+    ]
+    new = [pid for pid in _children() - children_before if not _multiprocessing_helpers(pid)]
+    if new:
+        procs = []
+        for pid in new:
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(pid))
+        deadline = time.monotonic() + _REAP_GRACE_S
+        while procs and time.monotonic() < deadline:
+            procs = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if procs:
+                time.sleep(0.1)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                found.append(f"child process {p.pid} ({' '.join(p.cmdline())[:120]}) still running")
+        for pid in new:
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    found.append(f"child process {pid} ended and was never reaped (a zombie)")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        found.append("a process group is still initialised in the test process")
+        torch.distributed.destroy_process_group()
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind():
+    threads_before = set(threading.enumerate())
+    children_before = _children()
+    yield
+    found = leftovers(threads_before, children_before)
+    if found:
+        pytest.fail("the test left behind: " + "; ".join(found), pytrace=False)

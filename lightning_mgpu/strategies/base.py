@@ -2,7 +2,7 @@
 the launcher with its pre-launch check, failure handling, mid-epoch resume and the elastic-restart store.
 
 :class:`MGPUStrategyMixin` goes first in the bases of a Lightning ``ParallelStrategy`` that has DDP's process-group
-machinery (``_start_method``, ``_timeout``, ``_get_process_group_backend``)."""
+machinery (``_start_method``, ``_timeout``)."""
 
 from __future__ import annotations
 
@@ -87,8 +87,17 @@ class MGPUStrategyMixin(ParallelStrategy):
         return host.num_processes, host.num_nodes
 
     def _group_backend(self) -> str:
-        """The process-group backend asked for, or the device's default (gloo on CPU, nccl on CUDA)."""
-        return _compat.process_group_backend(self)
+        """The process-group backend asked for, or the device's default (gloo on CPU, nccl on CUDA), as Lightning's
+        DDP chooses it; from the devices' type, not from this rank's device (see :meth:`_device_type`)."""
+        return self._launch.process_group_backend or ("nccl" if self._device_type() == "cuda" else "gloo")
+
+    def _device_type(self) -> str:
+        """The type of the Trainer's devices. The launch path (Trainer construction, the checks before launch, the
+        launcher) asks only for this, never for ``root_device``: that indexes the devices by this process's local
+        rank, which a cluster environment may put past the local device count before any worker exists (Lightning's
+        DDP reads ``root_device`` only once set up, in the worker)."""
+        devices = getattr(self, "parallel_devices", None)
+        return devices[0].type if devices else self.root_device.type
 
     # --- what users read ----------------------------------------------------------------------------------
     @property
@@ -150,6 +159,7 @@ class MGPUStrategyMixin(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         # The last moment to refuse a configuration before any process is started.
+        self._check_interactive()
         self._check_at_construction()
         assert self.cluster_environment is not None
         if self._launch.start_method == "popen":
@@ -205,6 +215,22 @@ class MGPUStrategyMixin(ParallelStrategy):
             if type(callback).__name__ == kind and callable(getattr(callback, "restore_results_from_worker", None)):
                 callback.restore_results_from_worker(state)
 
+    def _check_interactive(self) -> None:
+        """In a notebook, a launch that re-runs the script (popen) or spawns fresh interpreters cannot work.
+        Lightning refuses it too, right after this, but suggests its own ``strategy='ddp_notebook'``, which would
+        silently drop the pack; the refusal here names the notebook preset of the same strategy."""
+        if not _compat.is_interactive() or self._launch.start_method == "fork":
+            return
+        from lightning_mgpu.presets import notebook_choice  # the preset table imports the strategies
+
+        flag, choice = notebook_choice(self)
+        raise MisconfigurationException(
+            f"`Trainer(strategy={flag})` is not compatible with an interactive environment. Run your code as a "
+            f"script, or choose a notebook-compatible strategy: `Trainer(strategy={choice})` (fork launch; CUDA "
+            f"must not be initialised before it). In case you are spawning processes yourself, make sure to "
+            f"include the Trainer creation inside the worker function."
+        )
+
     def _weights_for_main_process(self) -> dict[str, Any]:
         """After a spawn/fork fit: the weights the main process's module gets (a collective: every rank)."""
         module = self.lightning_module
@@ -220,13 +246,13 @@ class MGPUStrategyMixin(ParallelStrategy):
         SLURM process before it joins the group)."""
         check_accumulate_grad_batches(trainer.accumulate_grad_batches)
         backend = self._group_backend()
-        if backend == "nccl" and self.root_device.type != "cuda":
+        if backend == "nccl" and self._device_type() != "cuda":
             # torch fails only inside every worker ("Distributed package doesn't have NCCL built in" on a CPU
             # build; NCCL collectives take CUDA tensors only). Refused here, not at Trainer construction, so that
             # a configuration can still be built and inspected on a machine without GPUs.
             raise MisconfigurationException(
                 f"process_group_backend={backend!r} needs CUDA devices, but this Trainer runs on "
-                f"{self.root_device.type!r}. Use process_group_backend='gloo' (or leave it None: gloo on CPU, "
+                f"{self._device_type()!r}. Use process_group_backend='gloo' (or leave it None: gloo on CPU, "
                 f"nccl on CUDA), or train on GPUs with Trainer(accelerator='gpu')."
             )
         model = self.lightning_module
@@ -560,10 +586,6 @@ class MGPUParallelStrategy(MGPUStrategyMixin):
     @property
     def process_group_backend(self) -> Optional[str]:
         return self._launch.process_group_backend
-
-    @override
-    def _group_backend(self) -> str:
-        return self._launch.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
 
     @property
     def timeout(self) -> Optional[timedelta]:

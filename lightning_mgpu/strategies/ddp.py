@@ -241,7 +241,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
 
     @override
     def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
-        if _compat.strategy_layer_sync(self) is not None and self.root_device.type == "cpu":
+        if _compat.strategy_layer_sync(self) is not None and self._device_type() == "cpu":
             raise MisconfigurationException(
                 "sync_batchnorm=True on CPU: torch's DistributedDataParallel refuses SyncBatchNorm layers in CPU "
                 "modules ('SyncBatchNorm layers only work with GPU modules'). Train on GPUs, drop sync_batchnorm, or "

@@ -87,20 +87,27 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally and not self.procs:
             call_children_scripts(self)
-            self._observer = _ChildObserver(self.procs, self._node_rank_offset(), self._grace_s)
-            self._observer.start()
             atexit.register(_end_and_reap, self.procs, self._grace_s)
+        # One observer per Trainer call, while child ranks run (none with one device per node): it ends with the
+        # call, so no thread of this launcher outlives it. A later call (trainer.test after fit) starts its own.
+        observer = None
+        if any(proc.poll() is None for proc in self.procs):
+            observer = self._observer = _ChildObserver(self.procs, self._node_rank_offset(), self._grace_s)
+            observer.start()
         set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as exception:
-            # rank 0 is handling a failure: no SIGKILL from behind. The observer otherwise keeps watching for
-            # the children's lifetime, through later calls (trainer.test after fit) that start no children.
-            if self._observer is not None:
-                self._observer.stand_down.set()
+            # rank 0 is handling a failure: no SIGKILL from behind
+            if observer is not None:
+                observer.stand_down.set()
             missing = self._on_failure(exception) if self._on_failure is not None else []
             self._end_children(exception, missing)
             raise
+        finally:
+            if observer is not None:
+                observer.stand_down.set()
+                observer.join()
 
     def _node_rank_offset(self) -> int:
         return self.cluster_environment.node_rank() * self.num_processes
@@ -146,7 +153,7 @@ _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL (Li
 
 
 class _ChildObserver(threading.Thread):
-    """Watches the child ranks for their lifetime (every Trainer call of this process). When one ends with an
+    """Watches the child ranks during one Trainer call of this process. When one ends with an
     error, rank 0 (this process) gets ``grace_s`` to notice in its collective and raise, which makes it stand
     down (its error is the one the user reads); if rank 0 has not, it is stuck (e.g. in user code): the
     observer names the child, kills the others and this process, as Lightning's observer does at once."""
@@ -221,7 +228,7 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
-        if self._forks and self._of_strategy.root_device.type == "cpu":
+        if self._forks and self._of_strategy._device_type() == "cpu":
             # CPU workers never initialise CUDA, so a fork is safe even in a process that torch marks as a "bad
             # fork" (on the CUDA wheel without a GPU, asking for the device count marks every later fork child
             # so). Lightning refuses such forks on any device; on CUDA its refusal stands.
