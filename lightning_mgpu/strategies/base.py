@@ -12,7 +12,7 @@ import logging
 import math
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import pytorch_lightning as pl
 import torch
@@ -43,6 +43,16 @@ from lightning_mgpu.settings import CommonSettings
 from lightning_mgpu.strategies.launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
 
 log = logging.getLogger(__name__)
+
+#: strategy -> (what the user wrote, the notebook form of the same strategy), as ``Trainer(strategy=...)``
+#: arguments. Handed in by ``lightning_mgpu.presets``, which holds the preset table: it imports the strategies, so
+#: they cannot import it.
+_NOTEBOOK_ADVICE: list[Callable[[Any], tuple[str, str]]] = []
+
+
+def set_notebook_advice(advice: Callable[[Any], tuple[str, str]]) -> None:
+    """Where a notebook refusal finds the notebook preset to suggest (:meth:`MGPUStrategyMixin._check_interactive`)."""
+    _NOTEBOOK_ADVICE[:] = [advice]
 
 
 def _callbacks(trainer: pl.Trainer) -> list[Any]:
@@ -221,9 +231,9 @@ class MGPUStrategyMixin(ParallelStrategy):
         silently drop the pack; the refusal here names the notebook preset of the same strategy."""
         if not _compat.is_interactive() or self._launch.start_method == "fork":
             return
-        from lightning_mgpu.presets import notebook_choice  # the preset table imports the strategies
-
-        flag, choice = notebook_choice(self)
+        name = type(self).__name__
+        advice = _NOTEBOOK_ADVICE[0] if _NOTEBOOK_ADVICE else None
+        flag, choice = advice(self) if advice else (f"{name}(...)", f"{name}(..., start_method='fork')")
         raise MisconfigurationException(
             f"`Trainer(strategy={flag})` is not compatible with an interactive environment. Run your code as a "
             f"script, or choose a notebook-compatible strategy: `Trainer(strategy={choice})` (fork launch; CUDA "
