@@ -2,7 +2,7 @@
 
 Every ``torch.distributed`` collective of the package goes through the functions of this module
 (:func:`all_reduce`, :func:`broadcast`, :func:`reduce`, :func:`all_gather`, the object collectives,
-:func:`barrier`, :func:`new_group`); ``tests/test_comm.py`` fails when another module calls one directly.
+:func:`barrier`, :func:`new_group`, and Lightning's reduce and module-state broadcast); ``tests/test_comm.py`` fails when another module calls one directly.
 Each puts its buffer on the device the group's backend needs (:func:`collective_device`: CUDA under NCCL,
 CPU under gloo, and for a mixed group such as ``"cpu:gloo,cuda:nccl"`` the tensor's own device when that
 part of the group takes it), copies the result back to the caller's tensor, and counts the call and its
@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from lightning_mgpu._compat import patch_batched_powersgd
+from lightning_mgpu._compat import patch_batched_powersgd, sync_ddp_if_available, sync_module_states
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -575,6 +575,23 @@ def barrier(group: Optional[Any] = None, device: Optional[torch.device] = None) 
         dist.barrier(group=group, device_ids=[index])
     else:
         dist.barrier(group=group)
+
+
+def lightning_reduce(tensor: torch.Tensor, group: Optional[Any] = None, reduce_op: Any = "mean") -> torch.Tensor:
+    """A strategy's ``reduce``: Lightning's all-reduce with its ``"mean"`` / ``"sum"`` / ``ReduceOp`` semantics
+    (``self.log(..., sync_dist=True)`` comes here), run on the collective device; the result is returned on
+    ``tensor``'s device. Without a process group: ``tensor``."""
+    if not group_is_up():
+        return tensor
+    device = collective_device(group, tensor)
+    return sync_ddp_if_available(tensor.to(device), group, reduce_op).to(tensor.device)
+
+
+def broadcast_module_states(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers copied into every rank's ``module`` (Lightning's helper: what DDP does at
+    construction), for evaluation without a wrapper; they are broadcast where they live (the model's device)."""
+    if group_is_up():
+        sync_module_states(module)
 
 
 def new_group(ranks: Optional[Sequence[int]] = None, **kwargs: Any) -> Any:

@@ -221,6 +221,7 @@ def test_a_buffer_off_the_collective_device_is_staged_and_copied_back():
         assert comm.all_gather_object({"a": 1}) == [{"a": 1}]
         assert comm.broadcast_object("x") == "x"
         assert comm.gather_object(5) == [5]
+        torch.testing.assert_close(comm.lightning_reduce(torch.tensor([2.0, 4.0])), torch.tensor([2.0, 4.0]))
 
     in_one_rank_group(run)
 

@@ -573,5 +573,5 @@ class MGPUParallelStrategy(MGPUStrategyMixin):
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            return _compat.sync_ddp_if_available(tensor, group, reduce_op)
+            return comm.lightning_reduce(tensor, group, reduce_op)
         return tensor
