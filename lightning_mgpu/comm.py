@@ -2,13 +2,13 @@
 
 Every ``torch.distributed`` collective of the package goes through the functions of this module
 (:func:`all_reduce`, :func:`broadcast`, :func:`reduce`, :func:`all_gather`, the object collectives,
-:func:`barrier`, :func:`new_group`, and Lightning's reduce and module-state broadcast); ``tests/test_comm.py`` fails when another module calls one directly.
-Each puts its buffer on the device the group's backend needs (:func:`collective_device`: CUDA under NCCL,
-CPU under gloo, and for a mixed group such as ``"cpu:gloo,cuda:nccl"`` the tensor's own device when that
-part of the group takes it), copies the result back to the caller's tensor, and counts the call and its
-bytes in a :class:`CommStats` when given one. Two kinds of collectives are torch's, not ours, and do not pass
-here: those DDP issues for its buckets (the comm hooks below run inside its ``GradBucket`` machinery) and
-those of FSDP2 and ``torch.distributed.checkpoint``.
+:func:`barrier`, :func:`new_group`, and Lightning's reduce and module-state broadcast); ``tests/test_comm.py``
+fails when another module calls one directly. Each puts its buffer on the device the group's backend needs
+(:func:`collective_device`: CUDA under NCCL, CPU under gloo, and for a mixed group such as ``"cpu:gloo,cuda:nccl"``
+the tensor's own device when that part of the group takes it), copies the result back to the caller's tensor, and
+counts the call and its bytes in a :class:`CommStats` when given one. Two kinds of collectives are torch's, not
+ours, and do not pass here: those DDP issues for its buckets (the comm hooks below run inside its ``GradBucket``
+machinery) and those of FSDP2 and ``torch.distributed.checkpoint``.
 
 The hooks themselves are torch's (``torch.distributed.algorithms.ddp_comm_hooks``); this module gives them
 names usable from a string or a YAML file, checks that the process-group backend can run them, and wraps
