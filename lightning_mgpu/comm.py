@@ -1,4 +1,14 @@
-"""Named DDP communication hooks and the communication ledger.
+"""The pack's communication: every collective it issues, named DDP communication hooks, and the ledger.
+
+Every ``torch.distributed`` collective of the package goes through the functions of this module
+(:func:`all_reduce`, :func:`broadcast`, :func:`reduce`, :func:`all_gather`, the object collectives,
+:func:`barrier`, :func:`new_group`, and Lightning's reduce and module-state broadcast); ``tests/test_comm.py``
+fails when another module calls one directly. Each puts its buffer on the device the group's backend needs
+(:func:`collective_device`: CUDA under NCCL, CPU under gloo, and for a mixed group such as ``"cpu:gloo,cuda:nccl"``
+the tensor's own device when that part of the group takes it), copies the result back to the caller's tensor, and
+counts the call and its bytes in a :class:`CommStats` when given one. Two kinds of collectives are torch's, not
+ours, and do not pass here: those DDP issues for its buckets (the comm hooks below run inside its ``GradBucket``
+machinery) and those of FSDP2 and ``torch.distributed.checkpoint``.
 
 The hooks themselves are torch's (``torch.distributed.algorithms.ddp_comm_hooks``); this module gives them
 names usable from a string or a YAML file, checks that the process-group backend can run them, and wraps
@@ -24,7 +34,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from lightning_mgpu._compat import patch_batched_powersgd
+from lightning_mgpu._compat import patch_batched_powersgd, sync_ddp_if_available, sync_module_states
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -373,10 +383,8 @@ def allreduce_gradients(
         pieces.append(torch.tensor([float(p.grad is not None) for p in bucket], dtype=dtype, device=device))
         flat = torch.cat(pieces)
         flat.div_(world)  # before the sum, as torch's hooks do: keeps fp16 in range
-        work = dist.all_reduce(flat, group=group, async_op=True)
+        work = all_reduce(flat, group=group, ledger=ledger, async_op=True)
         pending.append((bucket, flat, work))
-        if ledger is not None:
-            ledger.record(1, flat.numel() * flat.element_size())
     for bucket, flat, work in pending:
         work.wait()
         flags = flat[-len(bucket) :]
@@ -393,6 +401,202 @@ def allreduce_gradients(
     if ledger is not None:
         ledger.sync_rounds += 1
         ledger.synced_gradient_bytes += sum(p.numel() * p.element_size() for p in params)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The one home of the pack's collectives: the device each buffer must be on, and the calls themselves.
+
+#: Device types each single backend takes buffers on, in order of preference. gloo runs some collectives on
+#: CUDA tensors too, but not all: the pack gives it CPU buffers. A backend not named here: torch's table.
+_BACKEND_DEVICES: dict[str, tuple[str, ...]] = {"nccl": ("cuda",), "gloo": ("cpu",), "xccl": ("xpu",)}
+
+
+def backend_devices(group: Optional[Any] = None) -> dict[str, str]:
+    """Device type -> backend of ``group`` (the default group for ``None``): ``{"cuda": "nccl"}`` for NCCL,
+    ``{"cpu": "gloo"}`` for gloo, ``{"cpu": "gloo", "cuda": "nccl"}`` for ``"cpu:gloo,cuda:nccl"``."""
+    name = str(dist.get_backend(group)).lower()
+    if ":" in name:  # a mixed group: "device:backend" pairs
+        pairs = (part.split(":", 1) for part in name.split(",") if part.strip())
+        return {device.strip(): backend.strip() for device, backend in pairs}
+    devices = _BACKEND_DEVICES.get(name) or tuple(dist.Backend.backend_capability.get(name, ["cpu"]))
+    return {device: name for device in devices}
+
+
+def _current(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device_type, None)
+    current = getattr(module, "current_device", None)
+    return torch.device(device_type, current()) if callable(current) else torch.device(device_type)
+
+
+def collective_device(group: Optional[Any] = None, tensor: Optional[torch.Tensor] = None) -> torch.device:
+    """The device a collective's buffer must be on for ``group``'s backend.
+
+    NCCL: the current CUDA device; gloo: the CPU. A group with several backends (``"cpu:gloo,cuda:nccl"``)
+    keeps ``tensor`` where it is when its device type has a backend in the group, and otherwise prefers CUDA
+    when the group has a CUDA part and CUDA is available, else the CPU. Without a process group: ``tensor``'s
+    device, or the CPU.
+
+    Example::
+
+        flags = torch.zeros(2, dtype=torch.int64, device=collective_device(group))
+    """
+    if not group_is_up():
+        return tensor.device if tensor is not None else torch.device("cpu")
+    devices = backend_devices(group)
+    if tensor is not None and tensor.device.type in devices:
+        return tensor.device
+    if "cuda" in devices and (len(devices) == 1 or torch.cuda.is_available()):
+        return _current("cuda")
+    if "cpu" in devices:
+        return torch.device("cpu")
+    return _current(next(iter(devices)))
+
+
+def _staged(tensor: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
+    """``tensor`` itself when it is on the collective device (and contiguous), else a copy there."""
+    device = collective_device(group, tensor)
+    if tensor.device == device and tensor.is_contiguous():
+        return tensor
+    return tensor.to(device=device, memory_format=torch.contiguous_format, copy=True)
+
+
+class _StagedWork:
+    """An asynchronous collective on a staged copy: ``wait()`` also copies the result back."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
+        self.work, self.tensor, self.buffer = work, tensor, buffer
+
+    def wait(self) -> bool:
+        done = self.work.wait()
+        self.tensor.copy_(self.buffer)
+        return bool(done) if done is not None else True
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+def _record(ledger: Optional[CommStats], tensor: torch.Tensor) -> None:
+    if ledger is not None:
+        ledger.record(1, tensor.numel() * tensor.element_size())
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: Any = None,
+    group: Optional[Any] = None,
+    *,
+    ledger: Optional[CommStats] = None,
+    async_op: bool = False,
+) -> Any:
+    """``torch.distributed.all_reduce`` of ``tensor`` in place (``op``: ``ReduceOp.SUM`` unless given), on the
+    collective device of ``group``; counts one call and the tensor's bytes in ``ledger``. With ``async_op``
+    returns a handle whose ``wait()`` leaves the result in ``tensor``; else ``None``."""
+    op = dist.ReduceOp.SUM if op is None else op
+    buffer = _staged(tensor, group)
+    work = dist.all_reduce(buffer, op=op, group=group, async_op=async_op)
+    _record(ledger, buffer)
+    if buffer is tensor:
+        return work
+    if async_op:
+        return _StagedWork(work, tensor, buffer)
+    tensor.copy_(buffer)
+    return None
+
+
+def reduce(
+    tensor: torch.Tensor, dst: int, op: Any = None, group: Optional[Any] = None, *, ledger: Optional[CommStats] = None
+) -> None:
+    """``torch.distributed.reduce`` into ``tensor`` on global rank ``dst`` (the others' ``tensor`` is left as the
+    backend leaves it), on the collective device."""
+    op = dist.ReduceOp.SUM if op is None else op
+    buffer = _staged(tensor, group)
+    dist.reduce(buffer, dst=dst, op=op, group=group)
+    _record(ledger, buffer)
+    if buffer is not tensor:
+        tensor.copy_(buffer)
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: Optional[Any] = None, *, ledger: Optional[CommStats] = None
+) -> None:
+    """``torch.distributed.broadcast`` of global rank ``src``'s ``tensor`` into every rank's, in place, on the
+    collective device."""
+    buffer = _staged(tensor, group)
+    dist.broadcast(buffer, src=src, group=group)
+    _record(ledger, buffer)
+    if buffer is not tensor:
+        tensor.copy_(buffer)
+
+
+def all_gather(
+    tensor: torch.Tensor, group: Optional[Any] = None, *, ledger: Optional[CommStats] = None
+) -> torch.Tensor:
+    """``(world, *tensor.shape)``: every rank's ``tensor`` (same shape on each), in rank order, in one
+    ``torch.distributed.all_gather`` on the collective device; returned on ``tensor``'s device."""
+    buffer = _staged(tensor, group)
+    out = [torch.empty_like(buffer) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, buffer, group=group)
+    _record(ledger, buffer)
+    return torch.stack(out).to(tensor.device)
+
+
+def all_gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (torch stages the pickles on the group's device)."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def gather_object(obj: Any, dst: int = 0, group: Optional[Any] = None) -> Optional[list[Any]]:
+    """Every rank's picklable ``obj`` on global rank ``dst``, in rank order; ``None`` on the other ranks."""
+    gathered: Optional[list[Any]] = None
+    if dist.get_rank() == dst:
+        gathered = [None] * dist.get_world_size(group)
+    dist.gather_object(obj, gathered, dst=dst, group=group)
+    return gathered
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any:
+    """Global rank ``src``'s picklable ``obj``, on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group: Optional[Any] = None, device: Optional[torch.device] = None) -> None:
+    """``torch.distributed.barrier``; under NCCL on ``device`` (the current CUDA device unless given), so that
+    torch does not have to guess which GPU this rank uses."""
+    if str(dist.get_backend(group)).lower() == "nccl":
+        index = device.index if device is not None and device.index is not None else _current("cuda").index
+        dist.barrier(group=group, device_ids=[index])
+    else:
+        dist.barrier(group=group)
+
+
+def lightning_reduce(tensor: torch.Tensor, group: Optional[Any] = None, reduce_op: Any = "mean") -> torch.Tensor:
+    """A strategy's ``reduce``: Lightning's all-reduce with its ``"mean"`` / ``"sum"`` / ``ReduceOp`` semantics
+    (``self.log(..., sync_dist=True)`` comes here), run on the collective device; the result is returned on
+    ``tensor``'s device. Without a process group: ``tensor``."""
+    if not group_is_up():
+        return tensor
+    device = collective_device(group, tensor)
+    return sync_ddp_if_available(tensor.to(device), group, reduce_op).to(tensor.device)
+
+
+def broadcast_module_states(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers copied into every rank's ``module`` (Lightning's helper: what DDP does at
+    construction), for evaluation without a wrapper; they are broadcast where they live (the model's device)."""
+    if group_is_up():
+        sync_module_states(module)
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, **kwargs: Any) -> Any:
+    """``torch.distributed.new_group`` (a collective: every rank of the default group calls it)."""
+    return dist.new_group(ranks=ranks, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from pytorch_lightning.utilities.parsing import lightning_getattr, lightning_hasattr
 from torch import Tensor
 
+from lightning_mgpu import comm
 from lightning_mgpu.comm import group_is_up
 
 Value = Union[Tensor, float, int]
@@ -57,15 +58,12 @@ def _rank(group: Optional[Any]) -> int:
 
 
 def _comm_device(group: Optional[Any], values: list[Value]) -> torch.device:
-    """Where the collective's buffer lives: NCCL needs CUDA tensors, gloo takes CPU ones."""
-    for v in values:
-        if isinstance(v, Tensor):
-            if v.device.type == "cuda" or _world(group) == 1:
-                return v.device
-            break
-    if _world(group) > 1 and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where the collective's buffer lives (:func:`lightning_mgpu.comm.collective_device`: CUDA under NCCL, the
+    CPU under gloo), given the first tensor among ``values``; without other ranks, that tensor's device."""
+    first = next((v for v in values if isinstance(v, Tensor)), None)
+    if _world(group) == 1:
+        return first.device if first is not None else torch.device("cpu")
+    return comm.collective_device(group, first)
 
 
 def _as_dict(value: Values, name: str) -> tuple[dict[str, Value], bool]:
@@ -95,9 +93,9 @@ def _reduce(
 ) -> Tensor:  # one collective whatever the number of keys
     if _world(group) > 1:
         if dst is None:
-            dist.all_reduce(flat, group=group)
+            comm.all_reduce(flat, group=group)
         else:
-            dist.reduce(flat, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
+            comm.reduce(flat, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
     return flat
 
 
@@ -215,10 +213,7 @@ def all_gather_rows(tensor: Tensor, group: Optional[Any] = None) -> Tensor:
     world = _world(group)
     if world == 1:
         return tensor.unsqueeze(0)
-    tensor = tensor.to(_comm_device(group, [tensor]))
-    out = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(out, tensor, group=group)
-    return torch.stack(out)
+    return comm.all_gather(tensor.to(_comm_device(group, [tensor])), group)
 
 
 def per_device_batch_size(trainer: pl.Trainer) -> int:

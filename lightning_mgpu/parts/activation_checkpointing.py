@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_mgpu import comm
 from lightning_mgpu._compat import check_norm_input_dim, tensor_version
 from lightning_mgpu.comm import group_is_up
 
@@ -347,13 +348,13 @@ class _StatsAllReduce(torch.autograd.Function):
         if cached is not None:
             return cached.clone()
         out = local.clone()
-        dist.all_reduce(out, group=group)
+        comm.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        comm.all_reduce(grad, group=ctx.group)
         return grad, None, None
 
 

@@ -17,10 +17,10 @@ from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_mgpu import comm
 from lightning_mgpu.comm import CommStats
 
 #: optimizer -> the parameters whose gradients this rank holds a distinct share of
@@ -55,14 +55,13 @@ class GlobalNormClipping:
         """The L2 norm over every rank's shares (a collective: call it on every rank)."""
         local = [_local(g) for g in grads]
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in local) else torch.float32
-        device = local[0].device if local else torch.device("cpu")
+        # a rank holding no share still joins the all-reduce, with a zero on the group's collective device
+        device = local[0].device if local else comm.collective_device(self.group)
         squared = torch.zeros((), dtype=dtype, device=device)
         for g in local:
             squared += torch.linalg.vector_norm(g, dtype=dtype) ** 2
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(squared, group=self.group)
-            if self.ledger is not None:
-                self.ledger.record(1, squared.numel() * squared.element_size())
+        if comm.group_is_up():
+            comm.all_reduce(squared, group=self.group, ledger=self.ledger)
         return squared.sqrt()
 
     def clip(self, optimizer: Optimizer, max_norm: float) -> Tensor:

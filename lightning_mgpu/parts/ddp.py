@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_mgpu import comm
 from lightning_mgpu._compat import enable_static_graph
 from lightning_mgpu.comm import Ledger, register_comm_hook
 from lightning_mgpu.settings import DDPSettings
@@ -55,7 +56,7 @@ class DDPWrapping:
             by_dtype.setdefault((b.device, b.dtype), []).append(b)
         for buffers in by_dtype.values():
             flat = torch.cat([b.reshape(-1) for b in buffers])
-            torch.distributed.broadcast(flat, src=0, group=ddp.process_group)
+            comm.broadcast(flat, src=0, group=ddp.process_group)
             offset = 0
             for b in buffers:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))

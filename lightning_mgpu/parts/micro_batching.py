@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from lightning_mgpu import comm
+
 __all__ = ["BackOff", "MicroBatchTooSmall", "MicroBatching", "batch_rows", "is_out_of_memory", "slice_batch"]
 
 log = logging.getLogger(__name__)
@@ -149,7 +151,7 @@ def agree_across_ranks(group: Any, rank: int, world: int, device: torch.device) 
         flags = torch.zeros(world + 1, dtype=torch.int64, device=device)
         flags[rank] = int(oom)
         flags[world] = left
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+        comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
         values = flags.tolist()
         return tuple(r for r in range(world) if values[r]), int(values[world])
 

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mgpu import comm
 from lightning_mgpu.comm import CommStats
 
 
@@ -46,12 +46,10 @@ class NonFiniteCheck:
             if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
                 first = index + 1
                 break
-        found = torch.zeros(world_size, dtype=torch.int64)
+        found = torch.zeros(world_size, dtype=torch.int64, device=comm.collective_device(group))
         found[rank] = first
-        if world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(found, group=group)
-            if self.ledger is not None:
-                self.ledger.record(1, found.numel() * found.element_size())
+        if world_size > 1 and comm.group_is_up():
+            comm.all_reduce(found, group=group, ledger=self.ledger)
         bad = [(r, int(i) - 1) for r, i in enumerate(found.tolist()) if i]
         if not bad:
             return

@@ -31,9 +31,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mgpu import comm
 from lightning_mgpu.comm import CommStats
 from lightning_mgpu.settings import DiLoCoSettings, LocalSGDSettings
 
@@ -134,7 +134,7 @@ class PeriodicSync:
             flat = torch.cat([t.reshape(-1).to(dtype) for t in bucket])
             flat.div_(self.world_size)  # before the sum, as torch's hooks do (no fp16 overflow)
             if self.world_size > 1:
-                dist.all_reduce(flat, group=self.group)
+                comm.all_reduce(flat, group=self.group)
                 calls += 1
                 nbytes += flat.numel() * flat.element_size()
             offset = 0

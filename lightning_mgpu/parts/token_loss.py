@@ -20,9 +20,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mgpu import comm
 from lightning_mgpu.comm import CommStats
 
 LOG_NAME = "loss_per_token"
@@ -68,11 +68,9 @@ class TokenNormalization:
     def rescale(self, params: Iterable[Tensor], world_size: int, accumulate: int, group: Any = None) -> float:
         """After the step's last backward (gradients synced): one all-reduce of ``[tokens, loss]``, then every
         gradient times ``world_size * accumulate / T``. Returns the global token mean of the loss; a collective."""
-        totals = torch.tensor([self._tokens, self._loss], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(totals, group=group)
-            if self.ledger is not None:
-                self.ledger.record(1, totals.numel() * totals.element_size())
+        totals = torch.tensor([self._tokens, self._loss], dtype=torch.float64, device=comm.collective_device(group))
+        if comm.group_is_up():
+            comm.all_reduce(totals, group=group, ledger=self.ledger)
         self._tokens = self._loss = 0.0
         tokens, loss = float(totals[0]), float(totals[1])
         if tokens <= 0:

@@ -44,6 +44,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_mgpu import comm
+
 log = logging.getLogger(__name__)
 
 
@@ -284,7 +286,7 @@ def sharded_directory_write(
             failed[0] = 1
             raise
         finally:
-            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
+            comm.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
         if failed.item():
             raise RuntimeError(f"another rank failed to write its part into {staging}; it was not marked complete")
         if commit is not None:

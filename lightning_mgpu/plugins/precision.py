@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mgpu import comm
 from lightning_mgpu._compat import (
     DtypeContextManager,
     convert_fp_tensor,
@@ -247,7 +248,7 @@ class MGPUPrecision(Precision):
             # taken before that, from each rank's own initialisation: rank 0's are the ones to train
             with torch.no_grad():
                 for master, _ in self._pairs:
-                    dist.broadcast(master, src=0)
+                    comm.broadcast(master, src=0)
         self._fp32_source = {}
 
     def model_parameter(self, param: Tensor) -> Tensor:
@@ -631,9 +632,7 @@ def any_nonfinite(grads: list[Tensor]) -> bool:
     else:
         found = torch.zeros(1, device=device)
     if world_size() > 1:
-        if dist.get_backend() == "nccl" and found.device.type != "cuda":
-            found = found.cuda()
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        comm.all_reduce(found, op=dist.ReduceOp.MAX)
     return bool(found.item() > 0)
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
-from lightning_mgpu import _compat
+from lightning_mgpu import _compat, comm
 from lightning_mgpu.comm import CommStats, Ledger, attached_trainer, group_is_up
 from lightning_mgpu.parts.accumulation import check_accumulate_grad_batches, check_manual_accumulation
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointing
@@ -461,9 +461,7 @@ class MGPUStrategyMixin(ParallelStrategy):
         failures = self._async.finish()
         causes = self._async.take_causes()
         if group_is_up() and self.world_size > 1:
-            gathered: list[Any] = [None] * self.world_size
-            torch.distributed.all_gather_object(gathered, failures)
-            failures = [f for rank_failures in gathered for f in rank_failures]
+            failures = [f for rank_failures in comm.all_gather_object(failures) for f in rank_failures]
         if failures:
             raise CheckpointWriteError(failure_message(failures)) from (causes[0] if causes else None)
 
@@ -480,7 +478,7 @@ class MGPUStrategyMixin(ParallelStrategy):
         the training thread's collectives on the default group (torch's advice for ``dcp.async_save``). Made on
         every rank at the first asynchronous sharded save (a collective)."""
         if self._checkpoint_group is None:
-            self._checkpoint_group = torch.distributed.new_group(backend="gloo", timeout=self._launch.timeout)
+            self._checkpoint_group = comm.new_group(backend="gloo", timeout=self._launch.timeout)
         return self._checkpoint_group
 
     def _end_async_writes(self) -> None:
@@ -635,23 +633,18 @@ class MGPUParallelStrategy(MGPUStrategyMixin):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not group_is_up():
             return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        comm.barrier(device=self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not group_is_up():
             return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=torch.distributed.group.WORLD)
-        return box[0]
+        return comm.broadcast_object(obj, src, group=torch.distributed.group.WORLD)
 
     @override
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            return _compat.sync_ddp_if_available(tensor, group, reduce_op)
+            return comm.lightning_reduce(tensor, group, reduce_op)
         return tensor

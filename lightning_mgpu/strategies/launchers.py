@@ -19,6 +19,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_mgpu import comm
 from lightning_mgpu._compat import (
     MultiProcessingLauncher,
     SubprocessScriptLauncher,
@@ -289,5 +290,5 @@ def release_process_group() -> None:
     sometimes destroyed while still running ("terminate called without an active exception", SIGABRT, seen
     intermittently here on spawn workers and on the popen rank 0)."""
     if group_is_up():
-        torch.distributed.barrier()
+        comm.barrier()
         torch.distributed.destroy_process_group()

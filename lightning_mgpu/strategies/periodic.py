@@ -28,6 +28,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from lightning_mgpu import comm
 from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.parts.periodic_sync import PeriodicSync
@@ -223,8 +224,7 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
                 # on CPU: a CUDA tensor would be unpickled on rank 0 onto the sender's device
                 "optimizer_states": move_data_to_device([self.optimizer_state(o) for o in self.optimizers], "cpu"),
             }
-            ranks: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
-            torch.distributed.gather_object(mine, ranks, dst=0, group=self._ddp.process_group)
+            ranks = comm.gather_object(mine, dst=0, group=self._ddp.process_group)
             if self.is_global_zero:
                 checkpoint[CHECKPOINT_KEY] = {**self._periodic.state_dict(), "ranks": ranks}
         super().save_checkpoint(checkpoint, filepath, storage_options)

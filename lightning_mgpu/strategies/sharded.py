@@ -37,7 +37,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mgpu import _compat
+from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import unwrap_optimizer
 from lightning_mgpu.comm import attached_trainer, group_is_up
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, classes_present
@@ -690,7 +690,7 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
             self._shard_model(policy)
             self.setup_optimizers(trainer)  # after the model is sharded: the optimizers hold the shards
         else:
-            _compat.sync_module_states(self.model)  # evaluation without a wrapper: rank 0's weights everywhere
+            comm.broadcast_module_states(self.model)  # evaluation without a wrapper: rank 0's weights everywhere
         self.setup_precision_plugin()
         if fitting:
             clipping = self._sharding.norm_clipping(self._process_group(), self._ledger.stats)
