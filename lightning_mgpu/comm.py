@@ -603,6 +603,18 @@ def new_group(ranks: Optional[Sequence[int]] = None, **kwargs: Any) -> Any:
 # Whether this process is in a torch process group (the one check every part and strategy makes).
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: the local shard of a ``DTensor`` (FSDP2's parameters and gradients), a plain
+    tensor itself.
+
+    Example::
+
+        norm_sq = sum(local_shard(p.grad).float().pow(2).sum() for p in params)  # this rank's share only
+    """
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def group_is_up() -> bool:
     """True when ``torch.distributed`` is built in and the default process group is initialised.
 

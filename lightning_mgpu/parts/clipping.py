@@ -27,10 +27,6 @@ from lightning_mgpu.comm import CommStats
 ShareOf = Callable[[Optimizer], list[Tensor]]
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
-
-
 class GlobalNormClipping:
     """Clip by the global gradient norm when each rank holds a distinct share of the gradients.
 
@@ -53,7 +49,7 @@ class GlobalNormClipping:
 
     def total_norm(self, grads: Iterable[Tensor]) -> Tensor:
         """The L2 norm over every rank's shares (a collective: call it on every rank)."""
-        local = [_local(g) for g in grads]
+        local = [comm.local_shard(g) for g in grads]
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in local) else torch.float32
         # a rank holding no share still joins the all-reduce, with a zero on the group's collective device
         device = local[0].device if local else comm.collective_device(self.group)
@@ -72,6 +68,6 @@ class GlobalNormClipping:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
             for g in grads:
-                local = _local(g)
+                local = comm.local_shard(g)
                 local.mul_(coef.to(local.dtype))
         return total

@@ -22,10 +22,6 @@ from lightning_mgpu import comm
 from lightning_mgpu.comm import CommStats
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 class NonFiniteCheck:
     """Example::
 
@@ -43,7 +39,7 @@ class NonFiniteCheck:
         collective: call it on every rank)."""
         first = 0
         for index, (_, p) in enumerate(named):
-            if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
+            if p.grad is not None and not bool(torch.isfinite(comm.local_shard(p.grad)).all()):
                 first = index + 1
                 break
         found = torch.zeros(world_size, dtype=torch.int64, device=comm.collective_device(group))

@@ -32,7 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mgpu._compat import copy_lr_scheduler_step_tracking, init_optimizer_state, sync_param_groups
-from lightning_mgpu.comm import CommStats
+from lightning_mgpu.comm import CommStats, local_shard
 from lightning_mgpu.parts.accumulation import (
     BackwardSyncControl,
     DDPSyncControl,
@@ -468,7 +468,7 @@ def local_bytes(tensor: Any) -> int:
     """Bytes this rank holds for ``tensor`` (a ``DTensor`` counts its local shard only)."""
     if not isinstance(tensor, torch.Tensor):
         return 0
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local_shard(tensor)
     return local.numel() * local.element_size()
 
 

@@ -612,12 +612,6 @@ def check_device(mode: str, device_type: str) -> None:
         )
 
 
-def _local(t: Tensor) -> Tensor:
-    # a DTensor (FSDP2 shard) -> this rank's shard; a plain tensor -> itself
-    to_local = getattr(t, "to_local", None)
-    return cast(Tensor, to_local()) if callable(to_local) else t
-
-
 def world_size() -> int:
     """The default process group's size; 1 without one."""
     return dist.get_world_size() if group_is_up() else 1
@@ -627,7 +621,7 @@ def any_nonfinite(grads: list[Tensor]) -> bool:
     """True if any gradient holds inf/NaN on any rank (one all-reduce when a process group is up)."""
     device = grads[0].device if grads else torch.device("cpu")
     if grads:
-        norms = [n.to(device) for n in foreach_norm([_local(g) for g in grads], float("inf"))]
+        norms = [n.to(device) for n in foreach_norm([comm.local_shard(g) for g in grads], float("inf"))]
         found = torch.logical_not(torch.stack(norms).isfinite().all()).float().reshape(1)
     else:
         found = torch.zeros(1, device=device)
