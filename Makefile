@@ -109,7 +109,7 @@ bench-gpu:
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_checkpoint_blocking.py --out benchmarks/results && \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_planner_vs_allocator.py --out benchmarks/results
 
-# Re-run every notebook and store its outputs (tests/test_notebooks.py fails on outputs older than the cells).
+# Re-run every notebook and store its outputs (tests/meta/test_notebooks.py fails on outputs older than the cells).
 notebooks: $(STAMP)
 	$(BIN)/python notebooks/execute.py --write notebooks/*.ipynb
 

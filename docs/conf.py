@@ -46,7 +46,7 @@ autodoc_inherit_docstrings = False
 
 
 # Public names still without a docstring (a data constant needs a ``#:`` comment where it is assigned). The list
-# is for the maintainers of ``lightning_mgpu/`` to empty; tests/test_docs.py checks it is exactly the names that
+# is for the maintainers of ``lightning_mgpu/`` to empty; tests/meta/test_docs.py checks it is exactly the names that
 # lack one, so nothing is added to it quietly and a name documented since must leave it.
 KNOWN_UNDOCUMENTED: set[str] = set()
 

@@ -1,7 +1,7 @@
 """Every private name of torch and Lightning the package touches, and every version difference (the
 development page's rules). Nothing else in the package may import a ``_``-prefixed name from torch /
 pytorch_lightning / lightning_fabric, or read a ``_``-prefixed attribute their objects define: it goes through a
-function or flag here (``tests/test_compat.py`` enforces it).
+function or flag here (``tests/meta/test_compat.py`` enforces it).
 
 Each entry says which releases it was checked on and what happens when the name is gone. "Checked" means:
 read in the installed sources and exercised by the test suite, on torch 2.13.0 and pytorch-lightning /

@@ -2,7 +2,7 @@
 
 Every ``torch.distributed`` collective of the package goes through the functions of this module
 (:func:`all_reduce`, :func:`broadcast`, :func:`reduce`, :func:`all_gather`, the object collectives,
-:func:`barrier`, :func:`new_group`, and Lightning's reduce and module-state broadcast); ``tests/test_comm.py``
+:func:`barrier`, :func:`new_group`, and Lightning's reduce and module-state broadcast); ``tests/unit/test_comm.py``
 fails when another module calls one directly. Each puts its buffer on the device the group's backend needs
 (:func:`collective_device`: CUDA under NCCL, CPU under gloo, and for a mixed group such as ``"cpu:gloo,cuda:nccl"``
 the tensor's own device when that part of the group takes it), copies the result back to the caller's tensor, and

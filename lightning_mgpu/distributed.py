@@ -23,7 +23,7 @@ Why ``gather`` is not torchmetrics' ``gather_all_tensors`` (torchmetrics 1.9, wh
 that function takes one tensor, and for each one runs a ``barrier``, an ``all_gather`` of its shape, then an
 ``all_gather`` of the padded tensor: 3 collectives per key (2 for a 0-dim tensor), where ``gather`` takes
 1 + number of keys, without a barrier (a dict of 3 uneven keys on 2 gloo ranks: 9 against 4, counted with
-torch.profiler; ``tests/test_scaling.py`` pins our count). It also pads every dimension, so ranks whose
+torch.profiler; ``tests/integration/test_distributed.py`` pins our count). It also pads every dimension, so ranks whose
 trailing shapes differ get tensors that cannot be concatenated, where ``gather`` names the key and the shape.
 The padding itself is a ``torch.zeros`` and a slice: no code worth a dependency's semantics.
 """

@@ -161,7 +161,7 @@ PRESETS: tuple[Preset, ...] = (
 #: The launch variants of a preset family: its popen name plus these suffixes.
 LAUNCH_VARIANTS: tuple[str, ...] = ("", "_spawn", "_notebook")
 
-#: The presets outside that rule, and why (``preset_table`` prints it; ``tests/test_presets.py`` checks that every
+#: The presets outside that rule, and why (``preset_table`` prints it; ``tests/unit/test_presets.py`` checks that every
 #: other family has each of :data:`LAUNCH_VARIANTS`).
 LAUNCH_EXCEPTIONS: dict[str, str] = {
     "mgpu_ddp_fork": "mgpu_ddp_notebook under Lightning's name ddp_fork",

@@ -12,7 +12,7 @@ already counts the real number:
         return {"optimizer": opt, "lr_scheduler": lightning_mgpu.warmup_schedule(opt, self.trainer, warmup=0.1)}
 
 Why a ``LambdaLR`` with our formula rather than torch's ``SequentialLR(LinearLR, CosineAnnealingLR / LinearLR /
-ConstantLR)``: within the run the two give the same LRs to float rounding (``tests/test_scaling.py`` compares
+ConstantLR)``: within the run the two give the same LRs to float rounding (``tests/unit/test_schedules.py`` compares
 them step by step; the warmup's first step, ``peak / warmup``, is ``LinearLR(start_factor=1 / warmup)``, so
 LinearLR's ``start_factor > 0`` is no obstacle), and both checkpoints resume exactly. They differ where it
 matters to a run whose length is an estimate:
@@ -23,7 +23,7 @@ matters to a run whose length is an estimate:
   finished run resumed with a larger ``max_epochs``), so steps past the end do happen;
 * torch's chainable schedulers are recursive (each step multiplies the current LR), so the last step's LR is
   ``final_lr_ratio`` x peak only to rounding (linear: ``0.009999999999999997`` for ``0.1 x 0.1``); ``LambdaLR``
-  computes every step from the base LR in closed form and lands on it exactly (``tests/test_scaling.py``);
+  computes every step from the base LR in closed form and lands on it exactly (``tests/unit/test_schedules.py``);
 * closed form also means an LR a callback changes for one step does not carry into the next ones.
 """
 

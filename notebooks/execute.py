@@ -5,7 +5,7 @@
 
 The notebooks are stored *with* their outputs (plots and printed numbers people would rather look at than
 read about), regenerated only by ``--write``. The stamp ``metadata.lightning_mgpu.sources_sha256`` is the hash
-of the cells' sources when the outputs were made; tests/test_notebooks.py fails when a cell was edited
+of the cells' sources when the outputs were made; tests/meta/test_notebooks.py fails when a cell was edited
 without regenerating, so a stored output is never stale relative to the code above it.
 """
 

@@ -1,8 +1,9 @@
 """The tests, and their `lightning` namespace copy ``tests.lightning_ns``: the same files loaded again with
 ``pytorch_lightning`` -> ``lightning.pytorch``, ``lightning_mgpu`` -> ``lightning_mgpu.lightning`` and ``tests`` ->
-``tests.lightning_ns`` in their imports (the package's own mechanism, ``lightning_mgpu/_namespace.py``).
-``tests/test_namespaces.py`` runs the compatibility subset (``-m compat``) from that copy. Installed here, in the
-package every test module and worker imports first, so that spawned workers unpickle the copy's functions too."""
+``tests.lightning_ns`` in their imports (the package's own mechanism, ``lightning_mgpu/_namespace.py``), subfolders
+included (``tests.lightning_ns.unit.test_presets``). ``tests/integration/test_namespaces.py`` runs the compatibility
+subset (``-m compat``) from that copy. Installed here, in the package every test module and worker imports first, so
+that spawned workers unpickle the copy's functions too."""
 
 import os
 

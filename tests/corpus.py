@@ -1,5 +1,5 @@
-"""A corpus of models written as users write them, for ``tests/test_corpus.py``: one from a well-kept library
-(a transformers GPT-2 from a tiny random config: no download) and plain-PyTorch shapes that break assumptions a
+"""A corpus of models written as users write them, for ``tests/integration/test_corpus.py``: one from a well-kept
+library (a transformers GPT-2 from a tiny random config: no download) and plain-PyTorch shapes that break assumptions a
 strategy might make: layers as plain attributes, a cast in ``__init__``, tied weights, frozen parameters,
 buffers, several optimizers (manual optimization), a ``training_step`` that returns a dict.
 

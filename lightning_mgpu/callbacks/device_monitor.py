@@ -336,7 +336,10 @@ class DeviceMonitor(MGPUCallback):
     def _memory(device: torch.device) -> tuple[float, float]:
         if device.type == "cuda":
             return torch.cuda.max_memory_allocated(device) / _MB, torch.cuda.memory_allocated(device) / _MB
-        return _rss_peak_mb(), _rss_mb()
+        # two reads of two /proc files: the RSS can grow by a page between them, so the peak is read second
+        # and never reported below the current RSS
+        current = _rss_mb()
+        return max(_rss_peak_mb(), current), current
 
     def _gpu(self, device: torch.device) -> tuple[float, float, float]:
         if not self._nvml_ok:

@@ -6,7 +6,7 @@ What Lightning 2.6.6 does when ``Trainer.fit(ckpt_path=...)`` resumes from a che
 same epoch (same permutation), but a torch ``DataLoader`` has no position: its new iterator starts at the
 epoch's first batch, and the epoch ends when the restored counter reaches the epoch's length. The first j
 batches of the interrupted epoch are trained on twice and its last j never (measured in
-``tests/test_resume.py``); Lightning only warns that the dataloader "is not resumable". With
+``tests/integration/parts/test_resume.py``); Lightning only warns that the dataloader "is not resumable". With
 ``num_workers > 0`` even an end-of-epoch checkpoint resumes wrongly: the resumed epoch's iterator is created
 (and the workers draw their indices) before ``set_epoch``, so it gets the permutation of epoch 0. A loader with
 ``state_dict``/``load_state_dict`` is saved in ``loops.fit_loop.state_dict.combined_loader`` and given its

@@ -13,7 +13,8 @@ import pytest
 
 from tests.gpu.test_gpu_tier import run
 
-#: the planner's prediction against the CUDA allocator: the tolerance the CPU suite holds it to (tests/test_planning.py)
+#: the planner's prediction against the CUDA allocator: the tolerance the CPU suite holds it to
+#: (tests/unit/planning/test_planning.py)
 PLANNER_TOLERANCE = 0.15
 
 

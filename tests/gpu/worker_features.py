@@ -90,7 +90,7 @@ def token_loss(stage: int = 0) -> dict[str, Any]:
     """``loss_normalization="tokens"`` with 3 accumulated micro-batches of different token counts (padding masks):
     the weights of one plain loop minimising the mean over every token of each step, the tokens each step counted
     (read where the strategy rescales), and the logged ``loss_per_token`` (float64)."""
-    from tests.test_token_loss import B, K, TokenRegressor, token_data, token_losses
+    from tests.integration.parts.test_token_loss import B, K, TokenRegressor, token_data, token_losses
 
     steps = len(token_data()) // (B * K)
     counted: list[float] = []
@@ -369,7 +369,8 @@ def async_checkpoint(stage: int, checkpoint: str = "consolidated", steps: int = 
 
 
 class _Deep(Regressor):
-    """Blocks whose activations dominate (``tests/test_auto.py``'s model): checkpointing them lowers the peak."""
+    """Blocks whose activations dominate (``tests/integration/strategies/test_auto.py``'s model): checkpointing
+    them lowers the peak."""
 
     def __init__(self, blocks: int = 4, width: int = 32) -> None:
         super().__init__()

@@ -1,0 +1,279 @@
+"""Launches as clusters and users make them: two "nodes" on loopback, an elastic restart, and fork launches in a
+process torch marks as a bad fork.
+
+* Multi-node. Two "nodes" on one machine, as a cluster launches them: torchrun ``--nnodes 2`` on loopback
+(Lightning's TorchElasticEnvironment) and a simulated ``srun`` (the variables SLURM sets, Lightning's
+SLURMEnvironment), 1 process per node, each running ``python -m lightning_mgpu fit --config configs/ddp.yaml``.
+Lightning must detect the cluster, not relaunch (the cluster made the processes), and the two nodes must train one
+model.
+
+* Elastic. Elastic restart under ``torchrun --max-restarts 1`` on loopback: one worker is SIGKILLed in the middle of
+epoch 2; torchrun restarts the group, the restarted run resumes from ``last.ckpt`` by itself (configs/elastic.yaml:
+``ckpt_path: last``, ``ModelCheckpoint(dirpath fixed, save_last)``), and the final weights and optimizer step count
+equal an uninterrupted run of the same command.
+
+What makes it work: the killed rank's peer ends at once and names it (tests/integration/parts/test_failures.py) so
+torchrun sees the failure without waiting for a timeout; ``last.ckpt`` is written atomically, so a kill during a
+save cannot leave a half file for the restart to load (tests/integration/plugins/test_checkpoint_io.py); an epoch
+that restarts from its beginning replays the same data order (the sampler is seeded by seed and epoch).
+
+* Fork in a bad fork. torch's CUDA wheel without a GPU: every ``Trainer`` asks CUDA for the device count, and torch
+then marks each process forked afterwards as a "bad fork" (``torch.cuda._is_in_bad_fork()``). Lightning's fork
+launcher refuses to start in such a process, even for CPU workers that never touch CUDA; the mgpu fork presets start
+(their CPU workers are safe), and keep Lightning's refusal on CUDA. On the CPU wheel the state is simulated the way
+torch reports it; on the CUDA wheel (``make test-compat``) it is real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from pytorch_lightning.strategies import DDPStrategy
+
+from lightning_mgpu import MGPUDDPStrategy
+from tests.helpers import RankData, Regressor, make_data, run_isolated
+
+ROOT = Path(__file__).resolve().parents[3]
+
+MULTINODE_PROBE = '''
+import torch
+from pytorch_lightning.callbacks import Callback
+
+
+class Probe(Callback):
+    """Saves what this process saw of the cluster, and its weights, after fit."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        torch.save(
+            {
+                "env": type(trainer.strategy.cluster_environment).__name__,
+                "strategy": type(trainer.strategy).__name__,
+                "external": trainer.strategy.cluster_environment.creates_processes_externally,
+                "node_rank": trainer.node_rank,
+                "global_rank": trainer.global_rank,
+                "local_rank": trainer.local_rank,
+                "world_size": trainer.world_size,
+                "num_nodes": trainer.num_nodes,
+                "steps": trainer.global_step,
+                "weights": torch.cat([p.detach().flatten() for p in pl_module.parameters()]),
+            },
+            f"{self.out}/rank{trainer.global_rank}.pt",
+        )
+'''
+
+
+def fit_args(out: Path) -> list[str]:
+    return [
+        "-m", "lightning_mgpu", "fit", "--config", str(ROOT / "configs" / "ddp.yaml"),
+        "--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.max_epochs", "1",
+        "--trainer.limit_train_batches", "8", "--trainer.limit_val_batches", "2",
+        "--trainer.default_root_dir", str(out), "--trainer.callbacks+=probe.Probe", f"--trainer.callbacks.out={out}",
+    ]  # fmt: skip
+
+
+def launch(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(cwd), str(ROOT), env.get("PYTHONPATH", "")])
+    procs = [
+        subprocess.Popen(
+            cmd, env={**env, **extra}, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
+        for cmd, extra in commands
+    ]  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:  # a hung node must not outlive the test, nor the ranks it launched
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+
+
+def torchrun_nodes(out: Path) -> list[tuple[list[str], dict[str, str]]]:
+    port = str(find_free_network_port())
+    return [
+        (
+            [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, *fit_args(out),
+            ],
+            {},
+        )
+        for node in (0, 1)
+    ]  # fmt: skip
+
+
+def slurm_nodes(out: Path) -> list[tuple[list[str], dict[str, str]]]:
+    """What ``srun --nodes 2 --ntasks-per-node 1`` sets in each task's environment (hosts on loopback)."""
+    common = {
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "mgpu-test", "SLURM_NTASKS": "2", "SLURM_NNODES": "2",
+        "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(find_free_network_port()),
+    }  # fmt: skip
+    return [
+        (
+            [sys.executable, *fit_args(out)],
+            {**common, "SLURM_PROCID": str(node), "SLURM_NODEID": str(node), "SLURM_LOCALID": "0"},
+        )
+        for node in (0, 1)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("nodes", "environment"),
+    [(torchrun_nodes, "TorchElasticEnvironment"), (slurm_nodes, "SLURMEnvironment")],
+    ids=["torchrun", "slurm"],
+)
+def test_two_nodes_on_loopback_train_one_model(nodes, environment, tmp_path):
+    (tmp_path / "probe.py").write_text(MULTINODE_PROBE)
+    launch(nodes(tmp_path), tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for r, seen in enumerate(ranks):
+        assert seen["env"] == environment
+        assert seen["strategy"] == "MGPUDDPStrategy"
+        assert seen["external"]  # the cluster made the processes: the popen launcher re-runs nothing
+        assert (seen["node_rank"], seen["global_rank"], seen["local_rank"]) == (r, r, 0)
+        assert (seen["world_size"], seen["num_nodes"]) == (2, 2)
+        assert seen["steps"] == 4  # 8 batches, accumulate_grad_batches 2
+    assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])  # one model: the nodes' replicas agree
+
+
+# --- elastic restart: torchrun --max-restarts 1 ---
+
+ELASTIC_PROBE = '''
+import os, signal, torch
+from pytorch_lightning.callbacks import Callback
+
+
+class KillOnce(Callback):
+    """SIGKILLs global rank 1 at (epoch, batch) on torchrun's first attempt only."""
+
+    def __init__(self, epoch: int = 2, batch: int = 3) -> None:
+        self.epoch, self.batch = epoch, batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        at = (trainer.current_epoch, batch_idx) == (self.epoch, self.batch)
+        if first_attempt and at and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Final(Callback):
+    """Rank 0 saves the final weights, the step count and the attempt that finished."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.start_epoch = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start_epoch = trainer.current_epoch  # 0 for a fresh run; the resumed epoch after a restart
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            torch.save(
+                {
+                    "weights": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+                    "steps": trainer.global_step,
+                    "start_epoch": self.start_epoch,
+                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                },
+                f"{self.out}/final.pt",
+            )
+'''
+
+
+def torchrun(workdir: Path, kill: bool) -> dict:
+    workdir.mkdir()
+    (workdir / "probe.py").write_text(ELASTIC_PROBE)
+    callbacks = ["--trainer.callbacks+=probe.Final", f"--trainer.callbacks.out={workdir}"]
+    if kill:
+        callbacks += ["--trainer.callbacks+=probe.KillOnce"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(workdir), str(ROOT), env.get("PYTHONPATH", "")])
+    proc, _ = run_isolated(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "1", "-m", "lightning_mgpu", "fit", "--config", str(ROOT / "configs" / "elastic.yaml"),
+            "--trainer.max_epochs", "3", *callbacks,
+        ],
+        timeout=300, cwd=workdir, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = torch.load(workdir / "final.pt")
+    result["log"] = proc.stdout + proc.stderr
+    return result
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_weights(tmp_path):
+    straight = torchrun(tmp_path / "straight", kill=False)
+    restarted = torchrun(tmp_path / "restarted", kill=True)
+    assert straight["attempt"] == 0
+    assert restarted["attempt"] == 1  # torchrun restarted the group once
+    assert "rank 1 of 2 is gone" in restarted["log"]  # rank 0 named the killed worker before the restart
+    assert "Restored all states from the checkpoint" in restarted["log"]
+    assert (straight["start_epoch"], restarted["start_epoch"]) == (0, 2)  # resumed after epoch 1's last.ckpt
+    assert restarted["steps"] == straight["steps"]
+    for name, value in straight["weights"].items():
+        torch.testing.assert_close(restarted["weights"][name], value, rtol=0, atol=0, msg=name)
+
+
+# --- fork launches in a process torch marks as a bad fork ---
+
+
+def _fit_in_a_fork_child(strategy: Any, out: Path) -> None:
+    torch.cuda._is_in_bad_fork = lambda: True  # what torch reports here on its CUDA wheel after a device-count query
+    try:
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
+        trainer.fit(Regressor().double(), datamodule=RankData(make_data(n=16), 4))
+        out.write_text("ok")
+    except BaseException:
+        out.write_text(traceback.format_exc())
+
+
+def _run(strategy: Any, tmp_path: Path) -> str:
+    out = tmp_path / "result.txt"
+    child = multiprocessing.get_context("fork").Process(target=_fit_in_a_fork_child, args=(strategy, out))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked fit did not end")
+    return out.read_text()
+
+
+def test_a_cpu_fork_launch_starts_in_a_process_torch_marks_as_a_bad_fork(tmp_path):
+    assert _run(MGPUDDPStrategy(start_method="fork"), tmp_path) == "ok"
+
+
+def test_lightnings_own_fork_launcher_refuses_there(tmp_path):
+    """Negative control: the state the test above starts in is the one Lightning refuses."""
+    assert "Cannot re-initialize CUDA in forked subprocess" in _run(DDPStrategy(start_method="fork"), tmp_path)

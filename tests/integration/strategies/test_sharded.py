@@ -1,0 +1,445 @@
+"""mgpu_sharded: ZeRO stages 1/2/3 (torch) and 1/2 (fairscale) on 2 gloo processes.
+
+Tolerance: float64 with ``assert_close`` defaults (rtol 1e-7, atol 1e-7), tighter than torch's own ZeRO and
+FSDP tests (which compare float32 runs with atol/rtol around 1e-5): the sharded runs differ from one
+process only by the order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+
+from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
+from lightning_mgpu.strategies import MGPUStrategyMixin
+from tests.helpers import WORLD, fit, flat_params
+from tests.models import OptRegressor, make_data, reference_run
+
+CONFIGS = [(1, "torch"), (2, "torch"), (3, "torch"), (1, "fairscale"), (2, "fairscale")]
+IDS = ["zero1-torch", "zero2-fsdp2", "zero3-fsdp2", "zero1-fairscale", "zero2-fairscale"]
+B = 4
+# the collectives that carry gradients: DDP's all-reduce, FSDP2's reduce-scatter (an all-reduce on gloo),
+# ShardedDataParallel's reduce to the owner. Parameter broadcasts and all-gathers are not gradient syncs.
+GRAD_COLLECTIVES = ("gloo:all_reduce", "gloo:reduce", "gloo:reduce_scatter")
+
+
+def sharded(stage: int, backend: str, **kwargs: Any) -> MGPUShardedStrategy:
+    return MGPUShardedStrategy(stage=stage, backend=backend, start_method="fork", **kwargs)  # type: ignore[arg-type]
+
+
+class FinalState(Callback):
+    """At the end of fit, on every rank (the gathers are collectives): rank 0 writes the consolidated
+    optimizer state; every rank writes its memory report."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = Path(out_dir)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, MGPUShardedStrategy)
+        optim = [strategy.consolidated_optimizer_state(o) for o in trainer.optimizers]
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {"optim": optim, "memory": strategy.memory_report()}, self.out_dir / f"final{trainer.global_rank}.pt"
+        )
+
+
+def final(out_dir: Path, rank: int = 0) -> dict[str, Any]:
+    return torch.load(Path(out_dir) / f"final{rank}.pt", weights_only=False)
+
+
+def assert_same_optimizer_state(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert sorted(got["state"]) == sorted(expected["state"])
+    for index, state in expected["state"].items():
+        assert sorted(got["state"][index]) == sorted(state)
+        for name, value in state.items():
+            torch.testing.assert_close(torch.as_tensor(got["state"][index][name]), torch.as_tensor(value))
+    assert len(got["param_groups"]) == len(expected["param_groups"])
+    for g, e in zip(got["param_groups"], expected["param_groups"]):
+        for key, value in e.items():
+            assert g[key] == value, key
+
+
+# ---------------------------------------------------------------------------------------------------------
+# parity
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize(("stage", "backend"), CONFIGS, ids=IDS)
+def test_sharded_training_equals_single_process_with_global_batch(tmp_path, stage, backend, k, optimizer):
+    dataset = make_data()
+    model = OptRegressor(optimizer).double()
+    initial = flat_params(model)
+    steps = 2 * len(dataset) // (WORLD * B * k)
+    expected, expected_optim = reference_run(model, dataset, WORLD * B * k, steps, optimizer)
+
+    ranks = fit(
+        model,
+        sharded(stage, backend),
+        tmp_path,
+        dataset=dataset,
+        batch_size=B,
+        accumulate=k,
+        max_epochs=2,
+        callbacks=[FinalState(tmp_path)],
+    )
+
+    for r in ranks:
+        assert r["global_step"] == steps
+        torch.testing.assert_close(r["weights"], expected)
+    assert (expected - initial).abs().max() > 1e-2, "weights did not move: the comparison would prove nothing"
+    assert_same_optimizer_state(final(tmp_path)["optim"][0], expected_optim)
+
+
+@pytest.mark.compat
+def test_sharded_parity_check_can_fail(tmp_path):
+    """Negative control: the same comparison fails against a reference that ignores accumulation."""
+    dataset = make_data()
+    model = OptRegressor("adam").double()
+    wrong, _ = reference_run(model, dataset, WORLD * B, 2 * len(dataset) // (WORLD * B * 2), "adam")
+    ranks = fit(model, sharded(2, "torch"), tmp_path, dataset=dataset, batch_size=B, accumulate=2)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(ranks[0]["weights"], wrong)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gradient sync only on stepping micro-batches
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _grad_collectives(record: dict[str, Any]) -> list[int]:
+    return [sum(n for name, n in events.items() if name in GRAD_COLLECTIVES) for events in record["batch_events"]]
+
+
+@pytest.mark.parametrize(("stage", "backend"), CONFIGS, ids=IDS)
+def test_accumulation_reduces_gradients_only_when_the_optimizer_steps(tmp_path, stage, backend):
+    ranks = fit(OptRegressor("sgd").double(), sharded(stage, backend), tmp_path, accumulate=2, profile=True)
+    for r in ranks:
+        seen = _grad_collectives(r)
+        assert len(seen) == len(make_data()) // (WORLD * B) * 2
+        assert seen[0::2] == [0] * len(seen[0::2]), "a non-stepping micro-batch reduced gradients"
+        assert all(n > 0 for n in seen[1::2])
+        # the ledger counts exactly what the profiler saw, on every stepping micro-batch
+        assert r["batch_ledger_calls"][1::2] == seen[1::2]
+        ledger = r["ledger"]
+        assert ledger.sync_rounds == ledger.optimizer_steps == r["global_step"]
+
+
+class AlwaysSyncSharded(MGPUShardedStrategy):
+    """Negative control: accumulation that forgets to block the gradient sync."""
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        yield None
+
+
+def test_sync_count_check_can_fail(tmp_path):
+    ranks = fit(
+        OptRegressor("sgd").double(),
+        AlwaysSyncSharded(stage=2, start_method="fork"),
+        tmp_path,
+        accumulate=2,
+        profile=True,
+    )
+    assert all(n > 0 for n in _grad_collectives(ranks[0])[0::2])
+
+
+def test_wrap_modules_sets_the_fsdp_units(tmp_path):
+    """One FSDP unit per Linear: two gradient reductions per synchronised backward instead of one."""
+    default = fit(OptRegressor("sgd").double(), sharded(2, "torch"), tmp_path / "default", profile=True)
+    per_linear = fit(
+        OptRegressor("sgd").double(),
+        sharded(2, "torch", wrap_modules=[torch.nn.Linear]),
+        tmp_path / "linear",
+        profile=True,
+    )
+    assert set(_grad_collectives(default[0])) == {1}
+    assert set(_grad_collectives(per_linear[0])) == {2}
+    torch.testing.assert_close(default[0]["weights"], per_linear[0]["weights"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# memory: each rank holds a shard
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _state_bytes(state_dict: dict[str, Any]) -> int:
+    return sum(
+        v.numel() * v.element_size() for s in state_dict["state"].values() for v in s.values() if torch.is_tensor(v)
+    )
+
+
+@pytest.mark.parametrize(("stage", "backend"), CONFIGS, ids=IDS)
+def test_each_rank_holds_only_its_share_of_optimizer_state_and_gradients(tmp_path, stage, backend):
+    # four parameters of two equal sizes: whole-parameter partitions (ZeRO, OSS) can split them evenly
+    dataset = make_data(d_in=32, d_out=32)
+    model = OptRegressor("adam", d_in=32, hidden=32, d_out=32).double()
+    _, ddp_optim = reference_run(model, dataset, WORLD * B, 1, "adam")
+    ddp_bytes = _state_bytes(ddp_optim)  # what DDP keeps on every rank
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    fit(model, sharded(stage, backend), tmp_path, dataset=dataset, callbacks=[FinalState(tmp_path)])
+
+    reports = [final(tmp_path, r)["memory"] for r in range(WORLD)]
+    for m in reports:
+        assert 0 < m.optimizer_state <= (1 / WORLD + 0.02) * ddp_bytes
+    assert sum(m.optimizer_state for m in reports) >= ddp_bytes  # nothing is missing: it is a partition
+    for m in reports:
+        if stage == 1:
+            assert m.gradients == param_bytes  # stage 1: DDP leaves every gradient on every rank
+        else:
+            assert 0 < m.gradients <= (1 / WORLD + 0.02) * param_bytes
+        if backend == "torch" and stage >= 2:
+            assert m.parameters <= (1 / WORLD + 0.02) * param_bytes  # FSDP2 reshards after backward
+        else:
+            assert m.parameters == param_bytes
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoints resume at another world size
+# ---------------------------------------------------------------------------------------------------------
+
+RESUME_DATA = 24  # 2 steps per epoch at global batch 12, which 1, 2 and 3 ranks all divide
+GLOBAL = 12
+
+
+def _run(tmp: Path, strategy: Any, world: int, epochs: int, **kwargs: Any) -> list[dict[str, Any]]:
+    return fit(
+        OptRegressor("adam").double(),
+        strategy,
+        tmp,
+        dataset=make_data(n=RESUME_DATA),
+        batch_size=GLOBAL // world,
+        devices=world,
+        max_epochs=epochs,
+        callbacks=[FinalState(tmp), *kwargs.pop("callbacks", [])],
+        **kwargs,
+    )
+
+
+def _save(tmp: Path, strategy: Any, world: int) -> Path:
+    ckpt = ModelCheckpoint(dirpath=tmp / "ckpt", filename="saved", save_top_k=-1)
+    _run(tmp / f"save{world}", strategy, world, epochs=1, callbacks=[ckpt], enable_checkpointing=True)
+    path = tmp / "ckpt" / "saved.ckpt"
+    assert path.exists()
+    return path
+
+
+def _assert_resumed_like_straight(tmp: Path, ranks: list[dict[str, Any]]) -> None:
+    expected, expected_optim = reference_run(OptRegressor("adam").double(), make_data(n=RESUME_DATA), GLOBAL, 4, "adam")
+    for r in ranks:
+        assert r["global_step"] == 4
+        torch.testing.assert_close(r["weights"], expected)
+    assert_same_optimizer_state(final(tmp)["optim"][0], expected_optim)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize(("save_world", "resume_worlds"), [(2, (1, 3)), (1, (2,))], ids=["2to1,2to3", "1to2"])
+@pytest.mark.parametrize("layout", ["consolidated", "sharded"])
+@pytest.mark.parametrize(("stage", "backend"), CONFIGS, ids=IDS)
+def test_checkpoint_resumes_at_another_world_size(tmp_path, stage, backend, layout, save_world, resume_worlds):
+    """2 steps, save, resume at another N for 2 steps == 4 steps straight: weights, optimizer state and the
+    learning-rate schedule."""
+    path = _save(tmp_path, sharded(stage, backend, checkpoint=layout), save_world)
+    assert path.is_dir() == (layout == "sharded")
+    for world in resume_worlds:
+        out = tmp_path / f"resume{world}"
+        ranks = _run(out, sharded(stage, backend, checkpoint=layout), world, epochs=2, ckpt_path=str(path))
+        _assert_resumed_like_straight(out, ranks)
+
+
+@pytest.mark.parametrize(
+    ("saver", "resumer", "world"),
+    [
+        (dict(stage=3, backend="torch", checkpoint="sharded"), dict(stage=1, backend="fairscale"), 3),
+        (dict(stage=2, backend="fairscale"), dict(stage=3, backend="torch", checkpoint="sharded"), 1),
+        (dict(stage=1, backend="torch", checkpoint="sharded"), dict(stage=2, backend="torch"), 2),
+    ],
+    ids=["fsdp2-sharded-to-oss", "oss-consolidated-to-fsdp2", "zero-sharded-to-fsdp2"],
+)
+def test_either_layout_resumes_under_another_stage_and_backend(tmp_path, saver, resumer, world):
+    path = _save(tmp_path, sharded(**saver), 2)
+    out = tmp_path / "resume"
+    _assert_resumed_like_straight(out, _run(out, sharded(**resumer), world, epochs=2, ckpt_path=str(path)))
+
+
+_PLAIN_RESUME = """
+import sys
+sys.modules["lightning_mgpu"] = None  # importing it would fail: this run must not need it
+import torch, pytorch_lightning as pl
+from tests.models import OptRegressor, RankData, make_data
+model = OptRegressor("adam").double()
+trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+trainer.fit(model, datamodule=RankData(make_data(n={n}), {batch}), ckpt_path=sys.argv[1])
+torch.save({{"weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
+             "optim": trainer.optimizers[0].state_dict(), "step": trainer.global_step}}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize(("stage", "backend"), [(2, "torch"), (3, "torch"), (1, "torch")], ids=IDS[:3])
+def test_consolidated_checkpoint_resumes_in_plain_lightning_without_this_package(tmp_path, stage, backend):
+    path = _save(tmp_path, sharded(stage, backend), 2)
+    out = tmp_path / "plain.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", _PLAIN_RESUME.format(n=RESUME_DATA, batch=GLOBAL), str(path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[3],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out, weights_only=False)
+    expected, expected_optim = reference_run(OptRegressor("adam").double(), make_data(n=RESUME_DATA), GLOBAL, 4, "adam")
+    assert got["step"] == 4
+    torch.testing.assert_close(got["weights"], expected)
+    assert_same_optimizer_state(got["optim"], expected_optim)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launches
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["mgpu_sharded_notebook", "mgpu_ddp_fork"])
+def test_saving_in_the_main_process_after_a_fork_launch_is_refused(tmp_path, strategy):
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False
+    )
+    from tests.models import RankData
+
+    trainer.fit(OptRegressor("adam").double(), datamodule=RankData(make_data(), B))
+    with pytest.raises(RuntimeError, match="main process after a 'fork' launch") as err:
+        trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert "ModelCheckpoint" in str(err.value)
+    assert not (tmp_path / "after.ckpt").exists()
+
+
+@pytest.mark.slow
+def test_spawn_preset_hands_the_gathered_weights_back_to_the_main_process(tmp_path):
+    """Under FSDP2 rank 0's own state_dict() holds only shards; the main process must get whole weights."""
+    model = OptRegressor("adam").double()
+    before = flat_params(model)
+    ranks = fit(model, "mgpu_sharded_spawn", tmp_path, accumulate=2)
+    torch.testing.assert_close(ranks[0]["weights"], ranks[1]["weights"])
+    torch.testing.assert_close(flat_params(model), ranks[0]["weights"])
+    assert not torch.allclose(ranks[0]["weights"], before)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "fragments"),
+    [
+        (dict(stage=0), ValueError, ["stage=0", "stage=1", "3"]),
+        (dict(stage=4), ValueError, ["stage=4"]),
+        (dict(stage=True), ValueError, ["stage=True"]),
+        (dict(stage="2"), ValueError, ["stage='2'"]),
+        (dict(backend="deepspeed"), ValueError, ["backend='deepspeed'", "'fairscale'"]),
+        (dict(stage=3, backend="fairscale"), ValueError, ["stage=3", "mgpu_zero3"]),
+        (dict(checkpoint="zip"), ValueError, ["checkpoint='zip'", "'sharded'"]),
+        (dict(wrap_modules=[int]), TypeError, ["wrap_modules", "nn.Module"]),
+        (dict(stage=1, wrap_modules=[torch.nn.Linear]), ValueError, ["wrap_modules", "stages 2 and 3"]),
+        (dict(stage=2, comm_hook="fp16"), ValueError, ["comm_hook", "stage=1"]),
+    ],
+    ids=lambda v: str(v) if not isinstance(v, (dict, list)) else None,
+)
+def test_bad_argument_is_refused_with_value_and_fix(kwargs, exc, fragments):
+    with pytest.raises(exc) as err:
+        MGPUShardedStrategy(**kwargs)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_missing_fairscale_fails_at_trainer_construction_with_the_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fairscale" else real(name, *a))
+    with pytest.raises(ModuleNotFoundError) as err:
+        pl.Trainer(accelerator="cpu", devices=WORLD, strategy="mgpu_sharded_fairscale", logger=False)
+    assert "pip install 'lightning-mgpu[fairscale]'" in str(err.value)
+    assert "mgpu_sharded" in str(err.value)
+
+
+class LBFGSRegressor(OptRegressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+
+class AdafactorRegressor(OptRegressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adafactor(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize(
+    ("model", "stage", "fragments"),
+    [
+        (LBFGSRegressor, 1, ["cannot shard LBFGS", "mgpu_ddp"]),
+        (LBFGSRegressor, 3, ["cannot shard LBFGS"]),
+        (AdafactorRegressor, 2, ["Adafactor", "stage=1"]),
+    ],
+    ids=["lbfgs-zero1", "lbfgs-zero3", "adafactor-zero2"],
+)
+def test_optimizer_the_backend_cannot_shard_is_refused(tmp_path, model, stage, fragments):
+    with pytest.raises(Exception) as err:  # torch's ProcessRaisedException carries the worker's message
+        fit(model().double(), sharded(stage, "torch"), tmp_path)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_adafactor_trains_at_stage_1_where_ranks_own_whole_parameters(tmp_path):
+    ranks = fit(AdafactorRegressor().double(), sharded(1, "torch"), tmp_path)
+    torch.testing.assert_close(ranks[0]["weights"], ranks[1]["weights"])
+
+
+class ManualRegressor(OptRegressor):
+    def __init__(self) -> None:
+        super().__init__("sgd")
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+
+def test_manual_optimization_is_refused_before_launch_pointing_to_mgpu_ddp(tmp_path):
+    with pytest.raises(pl.utilities.exceptions.MisconfigurationException) as err:
+        fit(ManualRegressor().double(), sharded(2, "torch"), tmp_path)
+    assert "manual optimization" in str(err.value) and "mgpu_ddp" in str(err.value)
+    assert not (tmp_path / "rank0.pt").exists()  # no worker ran
+
+
+def test_presets_build_the_documented_configuration():
+    expected = {
+        "mgpu_sharded": (2, "torch", "popen"),
+        "mgpu_sharded_spawn": (2, "torch", "spawn"),
+        "mgpu_sharded_notebook": (2, "torch", "fork"),
+        "mgpu_zero1": (1, "torch", "popen"),
+        "mgpu_zero3": (3, "torch", "popen"),
+        "mgpu_sharded_fairscale": (2, "fairscale", "popen"),
+    }
+    for name, (stage, backend, launch) in expected.items():
+        strategy = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=name, logger=False).strategy
+        assert isinstance(strategy, MGPUShardedStrategy) and isinstance(strategy, MGPUStrategyMixin)
+        # stage 1 is DDP + a sharded optimizer; stages 2/3 shard the gradients and are not DDP
+        assert isinstance(strategy, MGPUDDPStrategy) == (stage == 1)
+        assert (strategy.stage, strategy.backend, strategy.launch_settings.start_method) == (stage, backend, launch)

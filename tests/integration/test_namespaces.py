@@ -1,0 +1,353 @@
+"""Both Lightning namespaces: ``import lightning as L`` (what Lightning's docs use) and ``import pytorch_lightning``.
+
+Every preset name works in both Trainers; every public plugin has a copy for each namespace
+(``lightning_mgpu.X`` / ``lightning_mgpu.lightning.X``) built from the same source file; the ``lightning-mgpu``
+command follows the namespace of the model it is given. The compatibility subset (``-m compat``: parity of every
+preset, manual accumulation, sharded resume at another world size, CLI round trip) runs here a second time from
+the ``lightning`` copy of the tests (``tests.lightning_ns``, see ``tests/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import lightning as L
+import lightning.pytorch
+import pytest
+import pytorch_lightning as pl
+import torch
+
+import lightning_mgpu
+import lightning_mgpu.examples
+import lightning_mgpu.lightning
+import lightning_mgpu.lightning.examples
+from lightning_mgpu._namespace import LIGHTNING_RENAMES, rewrite_imports
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMESPACES: dict[str, tuple[ModuleType, ModuleType]] = {
+    "pytorch_lightning": (pl, lightning_mgpu),
+    "lightning": (lightning.pytorch, lightning_mgpu.lightning),
+}
+IDS = list(NAMESPACES)
+
+
+def _public_instances(mgpu: ModuleType) -> dict[str, Any]:
+    """One instance of every public plugin class, as a user would pass it to the Trainer."""
+    return {
+        "MGPUDDPStrategy": mgpu.MGPUDDPStrategy(start_method="fork"),
+        "MGPUShardedStrategy": mgpu.MGPUShardedStrategy(stage=3, start_method="fork"),
+        "MGPUAutoStrategy": mgpu.MGPUAutoStrategy(device_memory="8GiB", start_method="fork"),
+        "MGPULocalSGDStrategy": mgpu.MGPULocalSGDStrategy(sync_every=4, start_method="fork"),
+        "MGPUDiLoCoStrategy": mgpu.MGPUDiLoCoStrategy(sync_every=4, start_method="fork"),
+        "MGPUPrecision": mgpu.MGPUPrecision("bf16-mixed"),
+        "AtomicCheckpointIO": mgpu.AtomicCheckpointIO(),
+        "DeviceMonitor": mgpu.DeviceMonitor(),
+        "ScaleLR": mgpu.ScaleLR(base_batch_size=32),
+    }
+
+
+@pytest.mark.parametrize("namespace", IDS)
+def test_every_preset_name_builds_its_strategy_in_the_namespaces_trainer(namespace):
+    ns, mgpu = NAMESPACES[namespace]
+    for preset in mgpu.PRESETS:
+        trainer = ns.Trainer(accelerator="cpu", devices=2, strategy=preset.name, logger=False)
+        assert isinstance(trainer.strategy, preset.strategy), preset.name
+        assert isinstance(trainer.strategy, ns.strategies.Strategy)
+        assert type(trainer.strategy).__module__.startswith(mgpu.__name__ + ".")
+
+
+@pytest.mark.parametrize("namespace", IDS)
+def test_every_public_plugin_is_accepted_by_the_namespaces_trainer(namespace):
+    ns, mgpu = NAMESPACES[namespace]
+    instances = _public_instances(mgpu)
+    lightning_bases = (ns.strategies.Strategy, ns.plugins.Precision, ns.Callback, ns.plugins.CheckpointIO)
+    public = {
+        name
+        for name in mgpu.__all__
+        if inspect.isclass(getattr(mgpu, name)) and issubclass(getattr(mgpu, name), lightning_bases)
+    }
+    assert public == set(instances), "a public plugin class is missing from this test"
+    for strategy in (
+        "MGPUDDPStrategy",
+        "MGPUShardedStrategy",
+        "MGPUAutoStrategy",
+        "MGPULocalSGDStrategy",
+        "MGPUDiLoCoStrategy",
+    ):
+        trainer = ns.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=instances[strategy],
+            plugins=[instances["MGPUPrecision"], instances["AtomicCheckpointIO"]],
+            callbacks=[instances["DeviceMonitor"], instances["ScaleLR"]],
+            logger=False,
+        )
+        assert trainer.strategy is instances[strategy]
+        assert trainer.precision_plugin is instances["MGPUPrecision"]
+        assert trainer.strategy.checkpoint_io is instances["AtomicCheckpointIO"]
+        assert instances["DeviceMonitor"] in trainer.callbacks and instances["ScaleLR"] in trainer.callbacks
+
+
+def test_a_strategy_of_the_other_namespace_is_refused_by_lightning():
+    """Negative control: the copies are needed, Lightning checks the class hierarchy of its own namespace."""
+    with pytest.raises(ValueError, match="invalid strategy"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=lightning_mgpu.MGPUDDPStrategy(), logger=False)
+    with pytest.raises(ValueError, match="invalid strategy"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=lightning_mgpu.lightning.MGPUDDPStrategy(), logger=False)
+
+
+def test_both_copies_come_from_one_source_file():
+    for name in ("MGPUDDPStrategy", "MGPUShardedStrategy", "MGPUPrecision", "DeviceMonitor", "DigitsCNN"):
+        plain = getattr(lightning_mgpu, name, None) or getattr(lightning_mgpu.examples, name)
+        copy = getattr(lightning_mgpu.lightning, name, None) or getattr(lightning_mgpu.lightning.examples, name)
+        assert plain is not copy
+        assert inspect.getsourcefile(plain) == inspect.getsourcefile(copy)
+    assert issubclass(lightning_mgpu.lightning.examples.DigitsCNN, L.LightningModule)
+    assert issubclass(lightning_mgpu.examples.DigitsCNN, pl.LightningModule)
+
+
+def test_only_import_statements_are_rewritten():
+    source = (
+        "import pytorch_lightning as pl\n"
+        "import pytorch_lightning.callbacks\n"
+        "import lightning_mgpu\n"
+        "from lightning_fabric.plugins import CheckpointIO\n"
+        "from lightning_mgpu.lightning import x\n"
+        "NAME = 'pytorch_lightning and lightning_mgpu.sharded'\n"
+        "pytorch_lightning = pytorch_lightning\n"
+    )
+    got = ast_unparse(rewrite_imports(source, "<test>"))
+    assert got.splitlines() == [
+        "import lightning.pytorch as pl",
+        "import lightning.pytorch.callbacks, lightning.pytorch as pytorch_lightning",
+        "import lightning_mgpu.lightning as lightning_mgpu",
+        "from lightning.fabric.plugins import CheckpointIO",
+        "from lightning_mgpu.lightning import x",
+        "NAME = 'pytorch_lightning and lightning_mgpu.sharded'",  # strings (checkpoint keys, messages) unchanged
+        "pytorch_lightning = pytorch_lightning",
+    ]
+    assert LIGHTNING_RENAMES["pytorch_lightning"] == "lightning.pytorch"
+
+
+def ast_unparse(tree: Any) -> str:
+    import ast
+
+    return ast.unparse(tree)
+
+
+def test_the_lightning_copy_pickles_by_its_own_module_path():
+    import pickle
+
+    strategy = lightning_mgpu.lightning.MGPUDDPStrategy(start_method="spawn", comm_hook="fp16")
+    clone = pickle.loads(pickle.dumps(strategy))
+    assert type(clone) is lightning_mgpu.lightning.MGPUDDPStrategy
+    # a fresh interpreter (what a spawn launch starts) unpickles it with no import of its own
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; print(type(pickle.loads(sys.stdin.buffer.read())).__module__)"],
+        input=pickle.dumps(strategy),
+        capture_output=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert fresh.returncode == 0, fresh.stderr.decode()[-2000:]
+    assert fresh.stdout.decode().strip() == "lightning_mgpu.lightning.strategies.ddp"
+
+
+# --- the lightning-mgpu command with a model written against `import lightning as L` ----------------------------
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_mgpu", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def _lightning_config(tmp_path: Path, strategy: str) -> Path:
+    """configs/ddp.yaml with every class of the pack taken from its `lightning` copy."""
+    text = (ROOT / "configs" / "ddp.yaml").read_text().replace("lightning_mgpu.", "lightning_mgpu.lightning.")
+    text = text.replace("strategy: mgpu_ddp ", f"strategy: {strategy} ")
+    path = tmp_path / "ddp_lightning.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.slow
+def test_the_command_trains_a_model_written_against_lightning(tmp_path):
+    """``tests/lightning_user_model.py`` imports only ``lightning``; the command picks the `lightning` copy."""
+    proc = _cli(
+        "fit",
+        "--model",
+        "tests.lightning_user_model.TinyLightningModel",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "mgpu_ddp_fork",
+        "--trainer.max_steps",
+        "4",
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lightning-mgpu fit: MGPUDDPStrategy on 2 process(es)" in proc.stdout
+    assert "4 optimizer step(s)" in proc.stdout
+
+
+@pytest.mark.compat
+def test_a_lightning_config_round_trips_through_print_config(tmp_path):
+    config = _lightning_config(tmp_path, "mgpu_ddp_fork")
+    first = _cli("fit", "--config", str(config), "--print_config", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(first.stdout)
+    second = _cli("fit", "--config", str(dumped), "--print_config", cwd=tmp_path)
+    assert second.stdout == first.stdout
+    assert "class_path: lightning_mgpu.lightning.examples.DigitsCNN" in first.stdout
+    assert "class_path: lightning_mgpu.lightning.DeviceMonitor" in first.stdout
+
+
+def test_a_config_mixing_the_namespaces_names_the_class_to_write(tmp_path):
+    config = _lightning_config(tmp_path, "mgpu_ddp_fork")
+    mixed = config.read_text().replace("lightning_mgpu.lightning.DeviceMonitor", "lightning_mgpu.DeviceMonitor")
+    config.write_text(mixed)
+    proc = _cli("fit", "--config", str(config), "--print_config", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "lightning_mgpu.DeviceMonitor is built on `pytorch_lightning`, but this run uses `lightning`" in proc.stderr
+    assert "Write lightning_mgpu.lightning.DeviceMonitor" in proc.stderr
+
+
+# --- the compatibility subset again, from the `lightning` copy of the tests ----------------------------------------
+
+# test_cli is left out: its configs name pytorch_lightning classes; the lightning CLI has its own tests above
+_COMPAT_MODULES = (
+    "integration.strategies.test_ddp",
+    "integration.strategies.test_sharded",
+    "integration.parts.test_accumulation",
+    "unit.test_presets",
+    "integration.test_presets",
+)
+
+
+def _is_compat(obj: Any) -> bool:
+    return any(mark.name == "compat" for mark in getattr(obj, "pytestmark", []))
+
+
+def _collect_lightning_copies() -> dict[str, Any]:
+    """The compat tests of ``_COMPAT_MODULES`` loaded from ``tests.lightning_ns`` (their fixtures too), under names
+    that say where they come from: ``test_lightning__<folder>_<module>__<test>`` (``integration_strategies_ddp``)."""
+    found: dict[str, Any] = {}
+    for name in _COMPAT_MODULES:
+        module = importlib.import_module(f"tests.lightning_ns.{name}")
+        for attr, obj in vars(module).items():
+            if attr.startswith("test_") and callable(obj) and _is_compat(obj):
+                where = name.replace(".test_", "_").replace(".", "_")
+                found[f"test_lightning__{where}__{attr.removeprefix('test_')}"] = obj
+            elif hasattr(obj, "_fixture_function_marker") or type(obj).__name__ == "FixtureFunctionDefinition":
+                found.setdefault(attr, obj)
+    return found
+
+
+globals().update(_collect_lightning_copies())
+
+
+def test_the_lightning_copies_run_on_lightning():
+    copies = _collect_lightning_copies()
+    tests = [name for name in copies if name.startswith("test_lightning__")]
+    assert len(tests) >= 8
+    module = importlib.import_module("tests.lightning_ns.helpers")
+    assert module.pl is lightning.pytorch
+    assert issubclass(module.Regressor, L.LightningModule)
+    assert torch.equal(torch.ones(1), torch.ones(1))
+
+
+@pytest.mark.parametrize("name", ["DeviceMonitor", "ScaleLR"])
+def test_a_callback_given_to_the_other_namespaces_trainer_says_which_to_use(name, tmp_path):
+    """Lightning takes any object with hook methods as a callback; ours refuse the other namespace's Trainer."""
+    callback = getattr(lightning_mgpu, name)(**({"base_batch_size": 32} if name == "ScaleLR" else {}))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, callbacks=[callback])
+    with pytest.raises(TypeError) as info:
+        trainer.fit(importlib.import_module("tests.lightning_user_model").TinyLightningModel())
+    assert f"lightning_mgpu.{name} serves `pytorch_lightning`, but this Trainer is `lightning`'s" in str(info.value)
+    assert f"Use lightning_mgpu.lightning.{name}" in str(info.value)
+
+
+@pytest.mark.slow
+def test_the_main_job_trains_the_sample_in_the_lightning_namespace(tmp_path):
+    """``python -m lightning_mgpu.lightning.examples.train``: the sample module and the popen launch (each rank
+    re-runs the module) from the `lightning` copy."""
+    job = ["-m", "lightning_mgpu.lightning.examples.train", "--min-accuracy", "0.9", "--default-root-dir"]
+    proc = subprocess.run(
+        [sys.executable, *job, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "strategy mgpu_ddp" in proc.stdout and "on 2 x CPUAccelerator" in proc.stdout
+    assert float(proc.stdout.split("held-out test accuracy ")[1].split()[0]) >= 0.9
+
+
+# one Lightning distribution: a missing one is simulated as Python does for a module known to be absent
+_ONLY_LIGHTNING = """
+import sys
+sys.modules["pytorch_lightning"] = None
+sys.modules["lightning_fabric"] = None
+import lightning as L
+import lightning_mgpu
+from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu.lightning import MGPUDDPStrategy as Same
+from lightning_mgpu.lightning.examples import DigitsCNN, DigitsDataModule
+import lightning_mgpu.lightning.cli
+
+assert Same is MGPUDDPStrategy and lightning_mgpu.lightning is lightning_mgpu
+assert lightning_mgpu.lightning.cli is lightning_mgpu.cli
+assert isinstance(MGPUDDPStrategy(), L.pytorch.strategies.Strategy) and isinstance(DigitsCNN(), L.LightningModule)
+assert "pytorch_lightning" not in {m.split(".")[0] for m, v in sys.modules.items() if v is not None}
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp", logger=False)
+print("preset:", type(trainer.strategy).__module__, type(trainer.strategy).__name__)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MGPUDDPStrategy(start_method="fork"), max_steps=2,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(DigitsCNN(), DigitsDataModule())
+"""
+
+
+@pytest.mark.slow
+def test_with_only_the_lightning_distribution_lightning_mgpu_serves_lightning(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONLY_LIGHTNING], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "preset: lightning_mgpu.strategies.ddp MGPUDDPStrategy" in proc.stdout
+    assert "`Trainer.fit` stopped: `max_steps=2` reached" in proc.stderr  # in the forked ranks
+
+
+def test_with_no_lightning_distribution_the_import_names_both_install_lines(tmp_path):
+    script = (
+        "import sys\n"
+        "for name in ('lightning', 'pytorch_lightning', 'lightning_fabric'):\n"
+        "    sys.modules[name] = None\n"
+        "import lightning_mgpu\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "ImportError: lightning-mgpu needs one Lightning distribution, and neither is installed" in proc.stderr
+    assert "pip install 'lightning-mgpu[lightning]'" in proc.stderr
+    assert "pip install 'lightning-mgpu[pytorch-lightning]'" in proc.stderr

@@ -1,0 +1,173 @@
+"""The package's layout rules (docs/development.md): one home per concept, data flowing one way (parts and plugins
+never import a strategy), no import cycle, lazy imports inside functions included, and the import paths that
+moved still working with a warning that names the new one."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_mgpu._moved import MOVED
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_mgpu"
+LOWER = [
+    *sorted((PACKAGE / "parts").glob("*.py")),
+    *sorted((PACKAGE / "plugins").glob("*.py")),
+    PACKAGE / "settings.py",
+    PACKAGE / "comm.py",
+]
+
+
+def _module_name(path: Path, root: Path = PACKAGE) -> str:
+    name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def _imported(path: Path) -> set[str]:
+    """Every ``lightning_mgpu`` module ``path`` imports, at module level or inside a function (``ast.walk``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.startswith("lightning_mgpu")}
+
+
+def _graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules it imports. ``from pkg import sub`` depends on ``sub`` when ``sub`` is a module (the
+    package is only being walked through), on ``pkg`` otherwise."""
+    modules = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    top = root.name
+    for name, path in modules.items():
+        deps = _imported(path)
+        deps = {d for d in deps if d in modules and not any(s.startswith(d + ".") and s in modules for s in deps)}
+        # importing a.b.c runs the __init__ of a.b first (when a.b is not imported yet); the top package is
+        # always imported first by whoever imports the pack, so it is left out
+        parents = {".".join(d.split(".")[:i]) for d in deps for i in range(2, d.count(".") + 1)}
+        deps |= {p for p in parents if p in modules and p != top and not name.startswith(p + ".")}
+        graph[name] = deps - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.mark.parametrize("path", LOWER, ids=[_module_name(p) for p in LOWER])
+def test_parts_and_plugins_do_not_import_a_strategy(path):
+    assert not [n for n in _imported(path) if n.startswith("lightning_mgpu.strategies")]
+
+
+def test_the_package_has_no_import_cycle_lazy_imports_included():
+    assert _cycles(_graph(PACKAGE)) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_subpackage_init(tmp_path):
+    # negative control: sub/x.py imports other/y.py, whose package __init__ imports sub/x's package back
+    root = tmp_path / "lightning_mgpu"
+    for package in ("sub", "other"):
+        (root / package).mkdir(parents=True)
+    (root / "sub" / "__init__.py").write_text("from lightning_mgpu.sub.x import f\n")
+    (root / "sub" / "x.py").write_text("from lightning_mgpu.other.y import g\n")
+    (root / "other" / "__init__.py").write_text("from lightning_mgpu.other.z import h\n")
+    (root / "other" / "y.py").write_text("g = 1\n")
+    (root / "other" / "z.py").write_text("from lightning_mgpu.sub import f\n")
+    assert _cycles(_graph(root)) != []
+
+
+def test_the_cycle_check_finds_a_cycle_hidden_in_a_function_body(tmp_path):
+    # negative control: a.py imports b at module level, b.py imports a inside a function
+    root = tmp_path / "lightning_mgpu"
+    root.mkdir()
+    (root / "a.py").write_text("from lightning_mgpu.b import g\n")
+    (root / "b.py").write_text("def g():\n    from lightning_mgpu.a import x\n")
+    assert _cycles(_graph(root)) == [["lightning_mgpu.a", "lightning_mgpu.b"]]
+
+
+def test_no_module_only_forwards_to_another():
+    """A module whose body is nothing but imports (and a docstring / ``__all__``) is a second home: merge it."""
+    forwarding = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__init__.py":
+            continue  # a package's __init__ gathers its public names
+        body = [n for n in ast.parse(path.read_text()).body if not isinstance(n, (ast.Import, ast.ImportFrom))]
+        body = [n for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        body = [
+            n
+            for n in body
+            if not (isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets))
+        ]
+        if not body:
+            forwarding.append(path.name)
+    assert forwarding == []
+
+
+def test_every_moved_import_path_warns_and_gives_the_module_at_its_new_home():
+    # a fresh interpreter: no old path may be in sys.modules from an earlier import
+    code = (
+        "import warnings, importlib\n"
+        "import lightning_mgpu\n"
+        "from lightning_mgpu._moved import MOVED\n"
+        "for old, new in MOVED.items():\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        "        module = importlib.import_module(f'lightning_mgpu.{old}')\n"
+        "    assert module is importlib.import_module(f'lightning_mgpu.{new}'), (old, module)\n"
+        "    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]\n"
+        "    assert any(f'lightning_mgpu.{new}' in m for m in messages), (old, messages)\n"
+        "print(len(MOVED))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True)
+    assert int(done.stdout.strip()) == len(MOVED) > 0
+
+
+def test_a_moved_top_level_module_is_an_attribute_of_the_package():
+    import lightning_mgpu
+
+    with pytest.warns(DeprecationWarning, match="lightning_mgpu.plugins.precision"):
+        precision = lightning_mgpu.precision
+    assert precision.MGPUPrecision is lightning_mgpu.MGPUPrecision
+    with pytest.raises(AttributeError, match="no_such_name"):
+        lightning_mgpu.no_such_name  # noqa: B018
+
+
+def test_a_moved_path_works_in_the_lightning_namespace_copy():
+    with pytest.warns(DeprecationWarning, match="lightning_mgpu.lightning.parts.activation_checkpointing"):
+        module = importlib.import_module("lightning_mgpu.lightning.checkpointing")
+    assert module.__name__ == "lightning_mgpu.lightning.parts.activation_checkpointing"

@@ -1,0 +1,157 @@
+"""The planner and ``mgpu_auto`` on models written the way users write them: layers kept as plain attributes,
+``self.double()`` in ``__init__``, the data in the module's own ``train_dataloader()``, an
+``example_input_array``. Each trains under plain ``mgpu_ddp``, so each must be planned too."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_mgpu import MGPUAutoStrategy, plan
+from lightning_mgpu.cli import main as cli_main
+from lightning_mgpu.planning import PlanError
+from tests.helpers import WORLD, fit, make_data
+from tests.integration.strategies.test_auto import Chosen
+
+
+class TwoLayer(pl.LightningModule):
+    """Layers as plain attributes: no Sequential, no ModuleList, nothing to checkpoint block by block."""
+
+    def __init__(self, d_in: int = 6, hidden: int = 16, d_out: int = 3) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class DoubleWithOwnData(TwoLayer):
+    """``self.double()`` in ``__init__`` (fails under fake tensors) and its data in its own train_dataloader()."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__(hidden=hidden)
+        self.double()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(), batch_size=8)
+
+
+class WithExampleInput(TwoLayer):
+    """No data of its own: only ``example_input_array`` (what Lightning's model summary uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.zeros(8, 6)
+
+
+class ItemInInit(TwoLayer):
+    """Reads a tensor's value in ``__init__``: neither fake nor meta tensors have one, a CPU build does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = float(torch.ones(1).sum().item())
+
+
+class Unbuildable(TwoLayer):
+    def __init__(self) -> None:
+        super().__init__()
+        raise RuntimeError("weights file not found")
+
+
+def _batch(rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(t[:rows].float() for t in make_data().tensors)  # type: ignore[return-value]
+
+
+def test_layers_as_plain_attributes_are_planned_without_activation_checkpointing():
+    p = plan(TwoLayer, devices=WORLD, device_memory="1GiB", batch=_batch(), precisions=("32-true",))
+    assert p.rows and not any(r.activation_checkpointing for r in p.rows)
+    assert (p.recommended.strategy, p.recommended.activation_checkpointing) == ("mgpu_ddp", False)
+    assert {r.strategy for r in p.rows} == {"mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_zero3"}
+
+
+def test_a_model_that_casts_itself_in_init_is_planned_with_its_own_dtype():
+    p = plan(DoubleWithOwnData, devices=WORLD, device_memory="1GiB", precisions=("32-true",))
+    params = sum(q.numel() for q in TwoLayer().parameters())
+    assert p.states.parameters == {"float64": params * 8}
+    assert p.recommended.strategy == "mgpu_ddp"
+
+
+def test_the_sample_batch_comes_from_the_modules_own_train_dataloader_then_example_input_array():
+    own = plan(DoubleWithOwnData, devices=WORLD, device_memory="1GiB", precisions=("32-true",))
+    given = plan(
+        DoubleWithOwnData,
+        devices=WORLD,
+        device_memory="1GiB",
+        batch=tuple(t[:8] for t in make_data().tensors),
+        precisions=("32-true",),
+    )
+    assert own.row("mgpu_ddp").activations_bytes == given.row("mgpu_ddp").activations_bytes > 0
+    example = plan(WithExampleInput, devices=WORLD, device_memory="1GiB", precisions=("32-true",))
+    assert example.row("mgpu_ddp").activations_bytes > 0
+    with pytest.raises(PlanError, match=r"no train_dataloader\(\) of its own and no example_input_array"):
+        plan(TwoLayer, devices=WORLD, device_memory="1GiB")
+
+
+def test_the_build_falls_back_from_fake_tensors_to_meta_then_to_cpu_and_the_plan_says_so():
+    built = {}
+    for cls in (TwoLayer, DoubleWithOwnData, ItemInInit):
+        p = plan(cls, devices=WORLD, device_memory="1GiB", batch=_batch(), precisions=("32-true",))
+        built[cls.__name__] = p.built
+        assert p.recommended.strategy == "mgpu_ddp"
+    # `.double()` under fake tensors fails in a fresh interpreter only (once torch has built other modules under
+    # fake tensors it passes): the fresh case runs in a subprocess below
+    assert (built["TwoLayer"], built["ItemInInit"]) == ("fake", "cpu")
+    assert built["DoubleWithOwnData"] in ("fake", "meta")
+    assert "built once on CPU" in p.table()
+    script = (
+        f"from {__name__} import DoubleWithOwnData\n"
+        "from lightning_mgpu import plan\n"
+        "print('built:', plan(DoubleWithOwnData, devices=2, device_memory='1GiB', precisions=('32-true',)).built)\n"
+    )
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "built: meta" in proc.stdout
+
+
+def test_a_model_that_builds_nowhere_is_refused_naming_each_failure():
+    with pytest.raises(PlanError, match=r"cannot be built to plan it: under fake tensors: RuntimeError: weights"):
+        plan(Unbuildable, devices=WORLD, device_memory="1GiB", batch=_batch())
+
+
+def test_lightning_mgpu_plan_takes_a_config_without_data_whose_model_casts_itself(tmp_path, capsys):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(f"model:\n  class_path: {__name__}.DoubleWithOwnData\n  init_args: {{hidden: 32}}\n")
+    assert cli_main(["plan", "--config", str(config), "--devices", "2", "--device-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "DoubleWithOwnData" in out and "**<- recommended**" in out
+
+
+@pytest.mark.slow
+def test_mgpu_auto_trains_a_model_with_layers_as_plain_attributes(tmp_path: Path):
+    strategy = MGPUAutoStrategy(start_method="fork", device_memory="1GiB")
+    fit(TwoLayer().double(), strategy, tmp_path, max_epochs=1, callbacks=[Chosen(tmp_path)])
+    for r in range(WORLD):
+        record = torch.load(tmp_path / f"chosen{r}.pt", weights_only=False)
+        assert (record["class"], record["decision"], record["checkpointing"]) == (
+            "MGPUDDPStrategy",
+            ("mgpu_ddp", False),
+            False,
+        )

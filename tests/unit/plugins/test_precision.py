@@ -1,0 +1,43 @@
+"""plugins/precision.py: the strategy adopts Lightning's plugin and hands it what it needs through arguments."""
+
+from __future__ import annotations
+
+import torch
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from torch import nn
+
+from lightning_mgpu import MGPUPrecision
+from lightning_mgpu.plugins.precision import PrecisionAdoption
+
+
+def test_lightnings_default_and_mixed_plugins_become_mgpu_precision():
+    assert isinstance(PrecisionAdoption.adopt(Precision()), MGPUPrecision)
+    adopted = PrecisionAdoption.adopt(MixedPrecision("bf16-mixed", device="cpu"))
+    assert isinstance(adopted, MGPUPrecision) and adopted.mode == "bf16-mixed"
+
+
+def test_another_plugin_is_kept():
+    class Custom(Precision):
+        pass
+
+    plugin = Custom()
+    assert PrecisionAdoption.adopt(plugin) is plugin
+
+
+def test_the_gradient_sync_is_handed_to_the_plugin_and_called_before_clipping():
+    plugin = MGPUPrecision("32-true")
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    synced: list[torch.optim.Optimizer] = []
+    PrecisionAdoption.connect_gradient_sync(plugin, synced.append)
+    plugin.clip_gradients(opt, clip_val=1.0)
+    assert synced == [opt]
+    PrecisionAdoption.connect_gradient_sync(plugin, None)
+    plugin.clip_gradients(opt, clip_val=1.0)
+    assert synced == [opt]
+
+
+def test_a_plain_plugin_saves_the_state_it_is_given():
+    state = {"weight": torch.ones(1)}
+    assert PrecisionAdoption.with_masters(Precision(), nn.Linear(1, 1), state) is state

@@ -1,0 +1,353 @@
+"""comm.py: the ledger's inputs, bucket rounds and its logging cadence."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_mgpu import comm
+from lightning_mgpu.comm import CommStats, Ledger, attached_trainer
+from lightning_mgpu.parts.clipping import GlobalNormClipping
+from lightning_mgpu.parts.nonfinite import NonFiniteCheck
+from lightning_mgpu.parts.token_loss import TokenNormalization
+from tests.parts_harness import in_one_rank_group
+
+
+class _Logger:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        assert "comm/optimizer_steps" in metrics
+        self.steps.append(step)
+
+
+class _Module(nn.Linear):
+    def __init__(self, trainer: Any) -> None:
+        super().__init__(2, 2)
+        self._attached = trainer
+
+    @property
+    def trainer(self) -> Any:
+        return self._attached
+
+
+def test_start_reads_the_trainable_gradient_bytes_and_the_world_size():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[1].requires_grad_(False)
+    ledger = Ledger()
+    ledger.start(model, world_size=4)
+    assert (ledger.stats.world_size, ledger.stats.gradient_bytes) == (4, (16 + 4) * 4)
+
+
+def test_metrics_are_logged_every_log_every_n_steps_on_rank_zero_only():
+    logger = _Logger()
+    trainer = SimpleNamespace(loggers=[logger], log_every_n_steps=2, global_step=0)
+    module = _Module(trainer)
+    ledger = Ledger(log=True)
+    for step in range(1, 5):
+        trainer.global_step = step
+        ledger.optimizer_stepped(module, is_global_zero=True)
+    ledger.optimizer_stepped(module, is_global_zero=False)
+    assert logger.steps == [2, 4]
+
+
+def test_nothing_is_logged_when_logging_is_off_or_no_trainer_is_attached():
+    logger = _Logger()
+    module = _Module(SimpleNamespace(loggers=[logger], log_every_n_steps=1, global_step=1))
+    Ledger(log=False).optimizer_stepped(module, is_global_zero=True)
+    Ledger(log=True).optimizer_stepped(nn.Linear(1, 1), is_global_zero=True)  # a plain module: no trainer
+    assert logger.steps == []
+    assert attached_trainer(None) is None
+
+
+def _a_synchronised_backward_records_one_round_of_the_bucket_bytes() -> None:
+    ddp = DistributedDataParallel(nn.Linear(3, 2), gradient_as_bucket_view=True)
+    ddp(torch.ones(1, 3)).sum().backward()
+    ledger = Ledger()
+    ledger.record_buckets(ddp)
+    assert (ledger.stats.sync_rounds, ledger.stats.allreduce_calls) == (1, 1)  # one bucket
+    assert ledger.stats.allreduce_bytes == (3 * 2 + 2) * 4
+
+
+def test_a_synchronised_backward_records_one_round_of_the_bucket_bytes():
+    in_one_rank_group(_a_synchronised_backward_records_one_round_of_the_bucket_bytes)
+
+
+# ----------------------------------------------------------------------------------------------------
+# lightning_mgpu/comm.py is the one home of the pack's collectives: no other module calls a ``torch.distributed``
+# collective, each buffer goes to the device the group's backend needs (CUDA under NCCL, the CPU under gloo, the
+# tensor's own device in a mixed group that takes it), and the parts that all-reduce small tensors (token loss,
+# non-finite check, clipping) build them there. No GPU is needed: the backend's name is mocked.
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_mgpu"
+HOME = PACKAGE / "comm.py"
+
+#: torch.distributed's collectives (and group creation, which every rank must call together)
+COLLECTIVES = frozenset(
+    {
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "batch_isend_irecv",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "irecv",
+        "isend",
+        "monitored_barrier",
+        "new_group",
+        "new_subgroups",
+        "recv",
+        "recv_object_list",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "send_object_list",
+    }
+)
+
+
+def _dotted(node: ast.AST) -> str:
+    """``a.b.c`` for a chain of attributes on a name, ``""`` otherwise."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else ""
+    return ""
+
+
+def direct_collectives(source: str, filename: str = "<module>") -> list[str]:
+    """Every call of a ``torch.distributed`` collective in ``source``: ``"file:line: name"``. Follows the names
+    ``torch.distributed`` (and its submodules) is imported under, and collectives imported by name."""
+    tree = ast.parse(source)
+    modules: dict[str, str] = {"torch": "torch"}  # local name -> module it stands for
+    functions: dict[str, str] = {}  # local name -> collective imported by name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    modules[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                local = alias.asname or alias.name
+                if node.module.startswith("torch.distributed") and alias.name in COLLECTIVES:
+                    functions[local] = alias.name
+                else:
+                    modules[local] = f"{node.module}.{alias.name}"
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = ""
+        if isinstance(func, ast.Attribute) and func.attr in COLLECTIVES:
+            owner = _dotted(func.value)
+            head, _, rest = owner.partition(".")
+            resolved = modules.get(head, head) + (f".{rest}" if rest else "")
+            if resolved == "torch.distributed" or resolved.startswith("torch.distributed."):
+                name = func.attr
+        elif isinstance(func, ast.Name) and func.id in functions:
+            name = functions[func.id]
+        if name:
+            found.append(f"{filename}:{node.lineno}: {name}")
+    return found
+
+
+def test_no_module_but_comm_calls_a_collective():
+    found = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != HOME
+        for hit in direct_collectives(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    ]
+    assert found == [], "call these through lightning_mgpu.comm:\n" + "\n".join(found)
+
+
+def test_the_scanner_flags_each_way_of_calling_a_collective_directly():
+    source = """
+import torch
+import torch.distributed as dist
+from torch import distributed as tdist
+from torch.distributed import broadcast as bcast
+import torch.distributed.distributed_c10d as c10d
+
+def f(t, self, comm):
+    dist.all_reduce(t)
+    torch.distributed.barrier()
+    tdist.new_group(backend="gloo")
+    bcast(t, 0)
+    c10d.all_gather_object([None], t)
+    self.broadcast(t)            # a strategy's method: not a collective of torch.distributed
+    comm.all_reduce(t)           # the home
+    dist.get_world_size()        # not a collective
+"""
+    lines = [hit.split(": ")[1] for hit in direct_collectives(source)]
+    assert lines == ["all_reduce", "barrier", "new_group", "broadcast", "all_gather_object"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The device each backend gets
+
+
+@pytest.fixture
+def backend(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Pretend a process group of the given backend is up; CUDA device 3 is current (no GPU needed)."""
+
+    def use(name: str, cuda_available: bool = True) -> None:
+        monkeypatch.setattr(comm, "group_is_up", lambda: True)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: name)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
+
+    return use
+
+
+CPU, CUDA3 = torch.device("cpu"), torch.device("cuda", 3)
+
+
+def _on(device: str) -> Any:
+    """Something with a ``.device`` (all collective_device reads), on a device this machine may not have."""
+    return SimpleNamespace(device=torch.device(device))
+
+
+def test_nccl_gets_the_current_cuda_device(backend):
+    backend("nccl")
+    assert comm.collective_device() == CUDA3
+    assert comm.collective_device(tensor=torch.zeros(1)) == CUDA3  # a CPU tensor is moved
+    assert comm.collective_device(tensor=_on("cuda:1")) == torch.device("cuda", 1)  # a CUDA one stays
+
+
+def test_gloo_gets_the_cpu(backend):
+    backend("gloo")
+    assert comm.collective_device() == CPU
+    assert comm.collective_device(tensor=_on("cuda:1")) == CPU
+    assert comm.collective_device(tensor=torch.zeros(1)) == CPU
+
+
+def test_a_mixed_group_keeps_the_tensor_where_a_part_takes_it_and_prefers_cuda_otherwise(backend):
+    backend("cpu:gloo,cuda:nccl")
+    assert comm.backend_devices() == {"cpu": "gloo", "cuda": "nccl"}
+    assert comm.collective_device(tensor=torch.zeros(1)) == CPU
+    assert comm.collective_device(tensor=_on("cuda:1")) == torch.device("cuda", 1)
+    assert comm.collective_device() == CUDA3
+    backend("cpu:gloo,cuda:nccl", cuda_available=False)
+    assert comm.collective_device() == CPU
+
+
+def test_without_a_process_group_the_tensor_stays_where_it_is(monkeypatch):
+    monkeypatch.setattr(comm, "group_is_up", lambda: False)
+    assert comm.collective_device() == CPU
+    assert comm.collective_device(tensor=_on("cuda:1")) == torch.device("cuda", 1)
+
+
+def test_barrier_names_the_gpu_under_nccl_only(backend, monkeypatch):
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(dist, "barrier", lambda **kwargs: calls.append(kwargs))
+    backend("nccl")
+    comm.barrier()
+    comm.barrier(device=torch.device("cuda", 1))
+    backend("gloo")
+    comm.barrier()
+    assert calls == [{"group": None, "device_ids": [3]}, {"group": None, "device_ids": [1]}, {"group": None}]
+
+
+def test_a_buffer_off_the_collective_device_is_staged_and_copied_back():
+    """A non-contiguous tensor goes through a contiguous copy; the result lands in the caller's tensor, in the
+    synchronous and the asynchronous call, and the ledger counts each call's bytes."""
+
+    def run() -> None:
+        ledger = CommStats()
+        t = torch.arange(6.0).reshape(2, 3).t()
+        assert not t.is_contiguous()
+        comm.all_reduce(t, ledger=ledger)
+        torch.testing.assert_close(t, torch.arange(6.0).reshape(2, 3).t())
+        work = comm.all_reduce(t, op=dist.ReduceOp.MAX, ledger=ledger, async_op=True)
+        work.wait()
+        torch.testing.assert_close(t, torch.arange(6.0).reshape(2, 3).t())
+        assert (ledger.allreduce_calls, ledger.allreduce_bytes) == (2, 48)
+        assert comm.all_gather(torch.ones(2)).shape == (1, 2)
+        assert comm.all_gather_object({"a": 1}) == [{"a": 1}]
+        assert comm.broadcast_object("x") == "x"
+        assert comm.gather_object(5) == [5]
+        torch.testing.assert_close(comm.lightning_reduce(torch.tensor([2.0, 4.0])), torch.tensor([2.0, 4.0]))
+
+    in_one_rank_group(run)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The three parts that all-reduced CPU tensors whatever the backend (NCCL raises on a CPU tensor)
+
+
+class _Reached(Exception):
+    pass
+
+
+@pytest.fixture
+def nccl_collectives(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """A 2-rank NCCL group without a GPU: ``collective_device`` answers ``meta`` (standing in for CUDA, which
+    this machine has not), and ``dist.all_reduce`` records the device of the tensor it is given, then stops."""
+    seen: list[torch.device] = []
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        seen.append(tensor.device)
+        raise _Reached
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    # raising=False: the same test runs (and fails) against a tree without the home
+    monkeypatch.setattr(comm, "collective_device", lambda group=None, tensor=None: torch.device("meta"), raising=False)
+    return seen
+
+
+def test_token_normalization_all_reduces_on_the_collective_device(nccl_collectives):
+    """loss_normalization="tokens" on GPUs: the token and loss totals reach NCCL on its device (before the
+    home, a CPU float64 tensor: this test failed with ``[device(type='cpu')]``)."""
+    tokens = TokenNormalization()
+    tokens.add(5, 2.0)
+    with pytest.raises(_Reached):
+        tokens.rescale([], world_size=2, accumulate=1)
+    assert nccl_collectives == [torch.device("meta")]
+
+
+def test_nonfinite_check_all_reduces_on_the_collective_device(nccl_collectives):
+    """nonfinite="error" on GPUs: the per-rank flags reach NCCL on its device (before the home, a CPU int64
+    tensor: this test failed with ``[device(type='cpu')]``)."""
+    with pytest.raises(_Reached):
+        NonFiniteCheck().check([], rank=0, world_size=2, step=0)
+    assert nccl_collectives == [torch.device("meta")]
+
+
+def test_clipping_without_a_gradient_share_all_reduces_on_the_collective_device(nccl_collectives):
+    """A rank holding no gradient shard still joins the norm's all-reduce, with its zero on NCCL's device
+    (before the home, allocated on the CPU: this test failed with ``[device(type='cpu')]``)."""
+    with pytest.raises(_Reached):
+        GlobalNormClipping(lambda optimizer: []).total_norm([])
+    assert nccl_collectives == [torch.device("meta")]
+
+
+def test_clipping_with_a_share_on_another_device_is_staged_to_the_collective_device(nccl_collectives):
+    with pytest.raises(_Reached):
+        GlobalNormClipping(lambda optimizer: []).total_norm([torch.ones(3)])
+    assert nccl_collectives == [torch.device("meta")]

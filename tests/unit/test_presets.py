@@ -1,0 +1,83 @@
+"""The preset table: registration, re-registration, listing, and the configuration each preset name builds (in
+one process; the trainings are in tests/integration/test_presets.py)."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import pytorch_lightning as pl
+from pytorch_lightning.strategies import StrategyRegistry
+
+import lightning_mgpu
+from lightning_mgpu import PRESETS, preset_table, register_presets
+from lightning_mgpu.presets import LAUNCH_EXCEPTIONS, LAUNCH_VARIANTS
+from lightning_mgpu.strategies import MGPUStrategyMixin
+from tests.helpers import WORLD
+
+NAMES = [p.name for p in PRESETS]
+
+
+def test_importing_the_package_registers_every_preset_with_its_description():
+    for p in PRESETS:
+        entry = StrategyRegistry[p.name]
+        assert entry["strategy"] is p.strategy
+        assert entry["description"] == p.description
+        assert entry["init_params"] == p.init_params
+
+
+def test_registering_twice_is_harmless():
+    before = {name: dict(StrategyRegistry[name]) for name in NAMES}
+    register_presets()
+    importlib.reload(lightning_mgpu)
+    after = {name: dict(StrategyRegistry[name]) for name in NAMES}
+    assert before.keys() == after.keys()
+    for name in NAMES:
+        assert after[name]["init_params"] == before[name]["init_params"]
+        assert after[name]["description"] == before[name]["description"]
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("preset", PRESETS, ids=NAMES)
+def test_trainer_builds_the_preset_configuration(preset):
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=preset.name, logger=False)
+    strategy = trainer.strategy
+    assert isinstance(strategy, MGPUStrategyMixin)  # every mgpu strategy (the sharded stages 2/3 are not DDP)
+    assert isinstance(strategy, preset.strategy)
+    assert strategy.launch_settings.start_method == preset.init_params["start_method"]
+    assert getattr(strategy, "comm_hook", None) == preset.init_params.get("comm_hook")
+    assert strategy.process_group_backend in (None, "gloo")  # decided at setup; gloo on CPU
+
+
+def test_list_prints_every_name_description_and_launch_mode():
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_mgpu", "--list"], capture_output=True, text=True, check=True
+    ).stdout
+    assert out == preset_table() + "\n"
+    for p in PRESETS:
+        line = next(line for line in out.splitlines() if line.startswith(p.name + " "))
+        assert p.description in line and line.rstrip().endswith(p.launch)
+
+
+def test_every_preset_family_has_every_launch_variant_or_says_why_not():
+    """Each family (a popen preset outside LAUNCH_EXCEPTIONS) has a _spawn and a _notebook (fork) preset of the
+    same class and arguments; every preset is a family member or an exception that the table explains."""
+    by_name = {p.name: p for p in PRESETS}
+    launches = {"": "popen", "_spawn": "spawn", "_notebook": "fork"}
+    assert set(LAUNCH_VARIANTS) == set(launches)
+    assert set(LAUNCH_EXCEPTIONS) <= set(by_name)
+    families = [p for p in PRESETS if p.launch == "popen" and p.name not in LAUNCH_EXCEPTIONS]
+    members = set()
+    for family in families:
+        args = {k: v for k, v in family.init_params.items() if k != "start_method"}
+        for suffix, launch in launches.items():
+            variant = by_name.get(family.name + suffix)
+            assert variant is not None, f"{family.name}{suffix} is missing"
+            assert variant.strategy is family.strategy and variant.launch == launch
+            assert {k: v for k, v in variant.init_params.items() if k != "start_method"} == args
+            members.add(variant.name)
+    assert members | set(LAUNCH_EXCEPTIONS) == set(by_name)
+    table = preset_table()
+    assert all(f"{name}: {why}" in table for name, why in LAUNCH_EXCEPTIONS.items())
