@@ -599,6 +599,19 @@ def new_group(ranks: Optional[Sequence[int]] = None, **kwargs: Any) -> Any:
     return dist.new_group(ranks=ranks, **kwargs)
 
 
+def destroy_group(group: Any = None, *, quiet: bool = False) -> None:
+    """Leave ``group`` (``None``: the default group, and with it every group) when a process group is up.
+    ``quiet``: an error on the way out is swallowed (a peer may be dead or stuck; torch versions differ in what a
+    broken group raises)."""
+    if not group_is_up():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except Exception:
+        if not quiet:
+            raise
+
+
 # ----------------------------------------------------------------------------------------------------
 # Whether this process is in a torch process group (the one check every part and strategy makes).
 

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from lightning_mgpu import comm
 from lightning_mgpu._compat import default_store
 from lightning_mgpu.comm import group_is_up
 
@@ -140,11 +141,7 @@ def prepend(exception: BaseException, text: str) -> None:
 
 def tear_down() -> None:
     """Leave the process group without waiting for peers (they may be dead or stuck)."""
-    if group_is_up():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # torch versions differ in what a broken group raises on destroy; we are exiting
-            pass
+    comm.destroy_group(quiet=True)
 
 
 class FailureHandling:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_mgpu import comm
 from lightning_mgpu._compat import fake_store, mem_tracker
 from lightning_mgpu.parts.sharding import fsdp_unit_roots
 from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelFactory, _loss, _optimizers, _quiet
@@ -48,7 +49,7 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        comm.destroy_group()
 
 
 def _shard(module: nn.Module, stage: int) -> None:

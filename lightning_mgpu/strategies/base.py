@@ -491,11 +491,8 @@ class MGPUStrategyMixin(ParallelStrategy):
         self._async.take_causes()
         self._async_unsettled = False
         group, self._checkpoint_group = self._checkpoint_group, None
-        if group is not None and group_is_up():
-            try:
-                torch.distributed.destroy_process_group(group)
-            except Exception:
-                pass
+        if group is not None:
+            comm.destroy_group(group, quiet=True)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only=weights_only)

@@ -15,7 +15,6 @@ import time
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from typing_extensions import override
 
@@ -291,4 +290,4 @@ def release_process_group() -> None:
     intermittently here on spawn workers and on the popen rank 0)."""
     if group_is_up():
         comm.barrier()
-        torch.distributed.destroy_process_group()
+        comm.destroy_group()
