@@ -5,8 +5,7 @@ Local SGD and DiLoCo average weights every H steps instead of gradients every st
 with finite weights that moved, without a reference.
 
 The whole matrix is ``slow``; the default suite runs each model once, under a different preset per model.
-A refusal by design is asserted as such (the error names the reason); a known defect is a strict xfail naming
-it, so that fixing it flips the test.
+A refusal by design is asserted as such (the error names the reason); every other case must train.
 """
 
 from __future__ import annotations
@@ -45,12 +44,8 @@ REFUSED: dict[tuple[str, str], str] = {
     ("two_optimizers", "mgpu_local_sgd"): _PERIODIC_MANUAL,
     ("two_optimizers", "mgpu_diloco"): _PERIODIC_MANUAL,
 }
-#: (model, preset family) -> the defect that makes it fail (strict xfail)
-DEFECTS: dict[tuple[str, str], str] = {}
 #: model -> a phrase of the planner's refusal by design
 PLAN_REFUSED = {"two_optimizers": "uses manual optimization"}
-#: model -> the planner's defect (strict xfail)
-PLAN_DEFECTS: dict[str, str] = {}
 
 MODEL_NAMES = list(MODELS)
 FAMILIES = list(PRESETS)
@@ -63,8 +58,6 @@ def _cases() -> list[Any]:
     for model in MODEL_NAMES:
         for family in FAMILIES:
             marks = [] if (model, family) in DEFAULT else [pytest.mark.slow]
-            if (model, family) in DEFECTS:
-                marks.append(pytest.mark.xfail(strict=True, reason=DEFECTS[(model, family)]))
             cases.append(pytest.param(model, family, marks=marks, id=f"{model}-{family}"))
     return cases
 
@@ -120,13 +113,7 @@ def test_corpus_model_trains_under_preset(name, family, tmp_path):
         torch.testing.assert_close(flat(model), reference, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(m, marks=[pytest.mark.xfail(strict=True, reason=PLAN_DEFECTS[m])] if m in PLAN_DEFECTS else [])
-        for m in MODEL_NAMES
-    ],
-)
+@pytest.mark.parametrize("name", MODEL_NAMES)
 def test_the_planner_plans_every_corpus_model(name):
     if name == "hf_gpt2":
         pytest.importorskip("transformers")
