@@ -283,6 +283,38 @@ class LocalSGDSettings:
             )
 
 
+    @staticmethod
+    def ddp_kwargs(owner: str, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The DistributedDataParallel keywords of a periodic-sync strategy (``owner``): the DDP options it has no use
+        for are refused, naming why; buffers are averaged by the sync, so DDP's buffer broadcast is turned off."""
+        kwargs = dict(given)
+        if kwargs.get("micro_batch_size") is not None:
+            raise TypeError(
+                f"{owner} does not take micro_batch_size={kwargs['micro_batch_size']!r}: micro-batching averages the "
+                f"gradients across ranks after every step, which this strategy replaces by a weight sync every "
+                f"sync_every steps. Use a smaller loader batch with accumulate_grad_batches."
+            )
+        kwargs.pop("micro_batch_size", None)
+        for name in ("comm_hook", "comm_state", "static_graph"):
+            if kwargs.get(name) not in (None, False):
+                raise TypeError(
+                    f"{owner} does not take {name}={kwargs[name]!r}: it never all-reduces gradients after the warm-up "
+                    f"(comm_dtype='fp16' halves the bytes of its weight syncs). Remove {name}."
+                )
+            kwargs.pop(name, None)
+        # DDP would broadcast rank 0's buffers (BatchNorm statistics) before every forward: the sync averages them
+        # instead, in the same round as the weights
+        # (torch 2.13 renamed DDP's flag forward_sync_buffers; both still sync the buffers once, when DDP is built)
+        # (LightningCLI passes DDP's arguments at their defaults: those count as not given)
+        flags = [k for k in ("broadcast_buffers", "forward_sync_buffers") if k in kwargs]
+        if all(is_default_ddp_kwarg(k, kwargs[k]) for k in flags):
+            for k in flags:
+                del kwargs[k]
+            flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_KEYWORDS else "broadcast_buffers"
+            kwargs[flag] = False
+        return kwargs
+
+
 @dataclass(frozen=True)
 class DiLoCoSettings(LocalSGDSettings):
     """What :class:`~lightning_mgpu.MGPUDiLoCoStrategy` adds: the outer optimizer (SGD, Nesterov by default) that
@@ -411,3 +443,41 @@ class ShardedSettings:
                 f"{', '.join(ddp_only)}: DDP all-reduce settings, which stage {self.stage} does not use (gradients "
                 f"are reduce-scattered). Use stage=1 (the preset 'mgpu_zero1') for them, or remove them."
             )
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """What :class:`~lightning_mgpu.MGPUAutoStrategy` plans with (its common options are the strategies' own)."""
+
+    device_memory: Optional[Union[str, int]] = None
+    """The memory of one device (bytes or ``"80GiB"``); ``None``: the device's own (on CPU: the machine's available
+    memory shared by the processes on it)."""
+    headroom: float = 0.10
+    """The fraction of ``device_memory`` kept free."""
+    strategies: Optional[tuple[str, ...]] = None
+    """The candidates, in the planner's order; ``None``: every strategy the planner knows."""
+    micro_batch_size: Optional[MicroBatchSetting] = None
+    """Given: only the strategies that micro-batch (mgpu_ddp, mgpu_zero1) are candidates."""
+
+    def __post_init__(self) -> None:
+        from lightning_mgpu.planning.request import STRATEGIES, parse_memory
+
+        if self.device_memory is not None:
+            parse_memory(self.device_memory)  # a bad size is refused here, naming it
+        h = self.headroom
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
+            raise ValueError(f"headroom={h!r} must be a fraction in [0, 1), e.g. headroom=0.1 for 10%.")
+        given = self.strategies
+        candidates = tuple(given) if given is not None else STRATEGIES
+        unknown = [s for s in candidates if s not in STRATEGIES]
+        if unknown or not candidates:
+            raise ValueError(f"strategies={list(candidates)!r}: {unknown or 'none given'}; choose from {STRATEGIES}.")
+        if self.micro_batch_size is not None:
+            _check_micro_batch_size(self.micro_batch_size)
+            candidates = tuple(s for s in candidates if s in ("mgpu_ddp", "mgpu_zero1"))
+            if not candidates:
+                raise ValueError(
+                    f"micro_batch_size={self.micro_batch_size!r} works with mgpu_ddp and mgpu_zero1 only; strategies="
+                    f"{list(given or ())!r} names neither. Add one, or leave micro_batch_size=None."
+                )
+        object.__setattr__(self, "strategies", candidates)

@@ -36,10 +36,10 @@ from typing_extensions import override
 
 from lightning_mgpu import _compat
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
-from lightning_mgpu.planning import STRATEGIES, PlanError, plan
+from lightning_mgpu.planning import PlanError, plan
 from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, planner_precision
 from lightning_mgpu.planning.source import default_policy, fake_copy_factory
-from lightning_mgpu.settings import LossNormalization, MicroBatchSetting, NonFinite, StartMethod
+from lightning_mgpu.settings import AutoSettings, LossNormalization, MicroBatchSetting, NonFinite, StartMethod
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 
 
@@ -122,25 +122,15 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             activation_checkpointing=activation_checkpointing,
             **common,
         )
-        if device_memory is not None:
-            device_memory_bytes(device_memory, torch.device("cpu"), 1)  # a bad size is refused here
-        candidates = tuple(strategies) if strategies is not None else STRATEGIES
-        unknown = [s for s in candidates if s not in STRATEGIES]
-        if unknown or not candidates:
-            raise ValueError(f"strategies={list(candidates)!r}: {unknown or 'none given'}; choose from {STRATEGIES}.")
-        if micro_batch_size is not None:
-            candidates = tuple(s for s in candidates if s in ("mgpu_ddp", "mgpu_zero1"))
-            if not candidates:
-                raise ValueError(
-                    f"micro_batch_size={micro_batch_size!r} works with mgpu_ddp and mgpu_zero1 only; strategies="
-                    f"{list(strategies or ())!r} names neither. Add one, or leave micro_batch_size=None."
-                )
+        auto = AutoSettings(
+            device_memory=device_memory,
+            headroom=headroom,
+            strategies=tuple(strategies) if strategies is not None else None,
+            micro_batch_size=micro_batch_size,
+        )
         self._auto: dict[str, Any] = {
-            "device_memory": device_memory,
-            "headroom": headroom,
-            "strategies": candidates,
+            "settings": auto,
             "policy": activation_checkpointing,
-            "micro_batch_size": micro_batch_size,
             "common": common,
         }
         self._micro = None  # this object micro-batches nothing itself: the chosen strategy does
@@ -175,7 +165,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         # copies of the module with fake tensors of its shapes, without the Trainer it is attached to (the copy
         # must not drag the Trainer, its loops and data along)
         factory = fake_copy_factory(module, exclude=(trainer,))
-        memory = device_memory_bytes(self._auto["device_memory"], self.root_device, self.num_processes)
+        memory = device_memory_bytes(self._auto["settings"].device_memory, self.root_device, self.num_processes)
         if not module.automatic_optimization:  # the planner traces automatic optimization only
             reason = "mgpu_auto chose mgpu_ddp: the module uses manual optimization, which only mgpu_ddp supports."
             return {"decision": AutoDecision("mgpu_ddp", False, "32-true", 0, memory, reason), "policy": None}
@@ -191,9 +181,9 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             devices=self.world_size,
             device_memory=memory,
             batch=batch,
-            headroom=self._auto["headroom"],
+            headroom=self._auto["settings"].headroom,
             precisions=(planner_precision(self.precision_plugin),),
-            strategies=self._auto["strategies"],
+            strategies=self._auto["settings"].strategies,
             activation_checkpointing=policy,
         )
         decision = decide(result)
@@ -218,8 +208,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         num_nodes, module = self.num_nodes, self.lightning_module
         auto = self._auto
         kwargs: dict[str, Any] = {**kept, **auto["common"]}
-        if auto["micro_batch_size"] is not None:
-            kwargs["micro_batch_size"] = auto["micro_batch_size"]
+        if auto["settings"].micro_batch_size is not None:
+            kwargs["micro_batch_size"] = auto["settings"].micro_batch_size
         if decision.activation_checkpointing:
             kwargs["activation_checkpointing"] = auto["policy"] or policy
         target: type

@@ -34,12 +34,10 @@ from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointin
 from lightning_mgpu.parts.periodic_sync import PeriodicSync
 from lightning_mgpu.plugins.precision import MGPUPrecision
 from lightning_mgpu.settings import (
-    DDP_KEYWORDS,
     CommDtype,
     DiLoCoSettings,
     LocalSGDSettings,
     StartMethod,
-    is_default_ddp_kwarg,
 )
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 
@@ -131,31 +129,7 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         return LocalSGDSettings(**kwargs)
 
     def _init_ddp(self, ddp_kwargs: dict[str, Any], **kwargs: Any) -> None:
-        if ddp_kwargs.get("micro_batch_size") is not None:
-            raise TypeError(
-                f"{type(self).__name__} does not take micro_batch_size={ddp_kwargs['micro_batch_size']!r}: "
-                f"micro-batching averages the gradients across ranks after every step, which this strategy replaces "
-                f"by a weight sync every sync_every steps. Use a smaller loader batch with accumulate_grad_batches."
-            )
-        ddp_kwargs.pop("micro_batch_size", None)
-        for name in ("comm_hook", "comm_state", "static_graph"):
-            if ddp_kwargs.get(name) not in (None, False):
-                raise TypeError(
-                    f"{type(self).__name__} does not take {name}={ddp_kwargs[name]!r}: it never all-reduces gradients "
-                    f"after the warm-up (comm_dtype='fp16' halves the bytes of its weight syncs). Remove {name}."
-                )
-            ddp_kwargs.pop(name, None)
-        # DDP would broadcast rank 0's buffers (BatchNorm statistics) before every forward: the sync averages them
-        # instead, in the same round as the weights
-        # (torch 2.13 renamed DDP's flag forward_sync_buffers; both still sync the buffers once, when DDP is built)
-        # (LightningCLI passes DDP's arguments at their defaults: those count as not given)
-        flags = [k for k in ("broadcast_buffers", "forward_sync_buffers") if k in ddp_kwargs]
-        if all(is_default_ddp_kwarg(k, ddp_kwargs[k]) for k in flags):
-            for k in flags:
-                del ddp_kwargs[k]
-            flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_KEYWORDS else "broadcast_buffers"
-            ddp_kwargs[flag] = False
-        super().__init__(**kwargs, **ddp_kwargs)
+        super().__init__(**kwargs, **LocalSGDSettings.ddp_kwargs(type(self).__name__, ddp_kwargs))
 
     # --- what users read ----------------------------------------------------------------------------------
     @property

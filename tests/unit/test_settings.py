@@ -47,3 +47,40 @@ def test_settings_are_frozen_and_keep_the_values_given():
 
 def test_a_none_timeout_leaves_torch_its_default():
     assert DDPSettings(timeout=None).timeout is None
+
+
+def test_the_periodic_strategies_refuse_the_ddp_options_they_have_no_use_for_in_their_settings():
+    from lightning_mgpu.settings import LocalSGDSettings
+
+    with pytest.raises(TypeError, match=r"S does not take comm_hook='fp16': it never all-reduces gradients"):
+        LocalSGDSettings.ddp_kwargs("S", {"comm_hook": "fp16"})
+    with pytest.raises(TypeError, match=r"S does not take micro_batch_size=4: micro-batching averages"):
+        LocalSGDSettings.ddp_kwargs("S", {"micro_batch_size": 4})
+    # the options at their "not given" values are dropped; DDP's buffer broadcast is replaced by the sync
+    kept = LocalSGDSettings.ddp_kwargs("S", {"comm_hook": None, "static_graph": False, "bucket_cap_mb": 5})
+    assert kept.pop("bucket_cap_mb") == 5
+    assert kept == {next(iter(kept)): False} and next(iter(kept)) in ("broadcast_buffers", "forward_sync_buffers")
+    # a buffer flag the user set is kept as given
+    assert LocalSGDSettings.ddp_kwargs("S", {"broadcast_buffers": True}) == {"broadcast_buffers": True}
+
+
+def test_the_auto_strategy_settings_are_checked_in_one_place():
+    from lightning_mgpu import MGPUAutoStrategy
+    from lightning_mgpu.planning import STRATEGIES, PlanError
+    from lightning_mgpu.settings import AutoSettings
+
+    assert AutoSettings().strategies == STRATEGIES
+    assert AutoSettings(strategies=("mgpu_zero3", "mgpu_ddp"), micro_batch_size=4).strategies == ("mgpu_ddp",)
+    with pytest.raises(ValueError, match=r"\['deepspeed'\]; choose from"):
+        AutoSettings(strategies=("mgpu_ddp", "deepspeed"))
+    with pytest.raises(ValueError, match="none given"):
+        AutoSettings(strategies=())
+    with pytest.raises(ValueError, match=r"headroom=1.5 must be a fraction in \[0, 1\)"):
+        AutoSettings(headroom=1.5)
+    with pytest.raises(PlanError, match="device_memory"):
+        AutoSettings(device_memory="eighty gigs")
+    with pytest.raises(ValueError, match="micro_batch_size=4 works with mgpu_ddp and mgpu_zero1 only"):
+        AutoSettings(strategies=("mgpu_zero3",), micro_batch_size=4)
+    # the strategy builds them from its keywords, so the same errors come from Trainer(strategy=MGPUAutoStrategy(...))
+    with pytest.raises(ValueError, match=r"headroom=-0.1"):
+        MGPUAutoStrategy(headroom=-0.1)
