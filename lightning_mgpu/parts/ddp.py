@@ -1,16 +1,22 @@
-"""DDP wrapping: comm hooks on every device type, static graph switched on at the first synchronised
-forward, and rank 0's buffers broadcast by hand where DDP's own forward is kept out of the step."""
+"""DDP wrapping, the one home of what the pack does with torch's ``DistributedDataParallel``: building it, comm
+hooks on every device type, static graph switched on at the first synchronised forward, rank 0's buffers broadcast
+by hand where DDP's own forward is kept out of the step, micro-batched steps, the models DDP cannot train and the
+errors it raises. Used by ``mgpu_ddp`` (and its periodic-sync family) and by ``MGPUShardedStrategy(stage=1)``."""
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
 
 import torch
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu import comm
+from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import enable_static_graph
-from lightning_mgpu.comm import Ledger, register_comm_hook
+from lightning_mgpu.comm import CommStats, Ledger, allreduce_gradients, register_comm_hook
+from lightning_mgpu.parts.micro_batching import MicroBatching, agree_across_ranks
 from lightning_mgpu.settings import DDPSettings
 
 
@@ -25,6 +31,106 @@ class DDPWrapping:
 
     def __init__(self, settings: DDPSettings) -> None:
         self.settings = settings
+
+    def wrap(self, module: nn.Module, device: torch.device) -> DistributedDataParallel:
+        """``module`` in torch's DistributedDataParallel with the settings' keywords, built as Lightning's
+        ``DDPStrategy`` builds it (on CUDA in a side stream, as torch's CUDA notes advise)."""
+        device_ids = None if device.type == "cpu" else [device.index]
+        context = torch.cuda.stream(torch.cuda.Stream()) if device.type == "cuda" else nullcontext()
+        with context:
+            return DistributedDataParallel(module=module, device_ids=device_ids, **self.settings.all_ddp_kwargs)
+
+    def check_model(self, model: Any, device_type: str, sync_batchnorm: bool, micro: Optional[MicroBatching]) -> None:
+        """What DDP (with these settings) cannot train, refused before any process starts."""
+        if sync_batchnorm and device_type == "cpu":
+            raise MisconfigurationException(
+                "sync_batchnorm=True on CPU: torch's DistributedDataParallel refuses SyncBatchNorm layers in CPU "
+                "modules ('SyncBatchNorm layers only work with GPU modules'). Train on GPUs, drop sync_batchnorm, or "
+                "use strategy=MGPUShardedStrategy(activation_checkpointing=...) with the BatchNorm layers inside "
+                "checkpointed blocks (mgpu_sharded, stage 2 or 3), where lightning_mgpu synchronises them on CPU."
+            )
+        if not model.automatic_optimization and self.settings.comm_hook in ("powersgd", "batched_powersgd"):
+            raise MisconfigurationException(
+                f"comm_hook={self.settings.comm_hook!r} needs automatic optimization: with manual optimization "
+                f"mgpu_ddp averages each optimizer's gradients itself when it steps, outside DDP's buckets, where "
+                f"PowerSGD cannot run. Use comm_hook='fp16' (half the bytes) or None for {type(model).__name__}."
+            )
+        if micro is not None and not model.automatic_optimization:
+            raise MisconfigurationException(
+                f"micro_batch_size={micro.setting!r} needs automatic optimization: {type(model).__name__} "
+                f"runs its own backward and optimizer steps in training_step, which the strategy cannot split or "
+                f"redo. Leave micro_batch_size=None and split the batch in training_step (with "
+                f"lightning_mgpu.ManualAccumulation), or use automatic optimization."
+            )
+
+    def micro_batched_step(
+        self,
+        micro: MicroBatching,
+        ddp: DistributedDataParallel,
+        step: Callable[[Any], Any],
+        backward: Callable[[Any], Any],
+        batch: Any,
+        batch_idx: Any,
+        accumulate_grad_batches: int,
+        stats: CommStats,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ) -> Any:
+        """``micro_batch_size``: every micro-batch runs forward and backward under ``no_sync`` (an out-of-memory
+        error in any of them, on any rank, is then recoverable: no rank is inside a collective); the gradients are
+        averaged once, after the last micro-batch, unless Lightning is accumulating (``parts/micro_batching.py``).
+        ``step(micro_batch)`` runs training_step; ``backward(loss)`` is the strategy's backward of a loss already
+        divided by the accumulation."""
+        syncs = ddp.require_backward_grad_sync  # False inside Lightning's block_backward_sync
+        params = [p for p in ddp.module.parameters() if p.requires_grad]
+        micro.rank = rank
+        bucket_cap_mb = self.settings.ddp_kwargs.get("bucket_cap_mb") or 25.0
+        compress = self.settings.comm_hook if self.settings.comm_hook in ("fp16", "bf16") else None
+
+        def sync() -> None:
+            if syncs:
+                allreduce_gradients(
+                    params, group=ddp.process_group, compress=compress, ledger=stats, bucket_cap_mb=bucket_cap_mb
+                )
+
+        window_starts = isinstance(batch_idx, int) and batch_idx % accumulate_grad_batches == 0
+        return micro.run(
+            batch,
+            forward=step,
+            backward=backward,
+            no_sync=ddp.no_sync,
+            agree=agree_across_ranks(ddp.process_group, rank, world_size, device),
+            params=params,
+            after_backward=sync,
+            keep_gradients=not window_starts,  # Lightning zeroes them after this training_step
+        )
+
+    @staticmethod
+    def explain(exception: BaseException, find_unused_parameters_fix: str) -> None:
+        """DDP's two classic errors, rewritten to name the fix (``find_unused_parameters_fix``: the strategy as
+        the user writes it with ``find_unused_parameters=True``)."""
+        _compat.augment_message(
+            exception,
+            pattern=".*Expected to have finished reduction in the prior iteration.*",
+            new_message=(
+                f"Some parameters of your LightningModule were not used to produce the loss returned by "
+                f"training_step. If that is intended, pass `{find_unused_parameters_fix}` "
+                "(slower: a graph traversal per step); better, remove or freeze (requires_grad=False) the unused "
+                "parameters."
+            ),
+        )
+        _compat.augment_message(
+            exception,
+            pattern=".*Expected to mark a variable ready only once.*",
+            new_message=(
+                "DDP saw a parameter's gradient twice in one backward. With reentrant activation checkpointing "
+                "(torch.utils.checkpoint(use_reentrant=True), or activation_checkpointing_reentrant=True) use the "
+                "non-reentrant mode instead: MGPUDDPStrategy(activation_checkpointing=...) is non-reentrant by "
+                "default. Otherwise a parameter is used outside forward or shared across checkpointed blocks; "
+                "static_graph=True can help when the graph is the same every step."
+            ),
+        )
 
     def register_hooks(self, ddp: DistributedDataParallel, ledger: Ledger, manual: bool) -> Any:
         """Register the comm hook (Lightning registers hooks only when the device is CUDA; the torch hooks used

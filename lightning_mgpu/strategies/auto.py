@@ -41,6 +41,7 @@ from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_b
 from lightning_mgpu.planning.source import default_policy, fake_copy_factory
 from lightning_mgpu.settings import AutoSettings, LossNormalization, MicroBatchSetting, NonFinite, StartMethod
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
+from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
 
 class MGPUAutoStrategy(MGPUDDPStrategy):
@@ -192,8 +193,6 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
 
     def _become(self, decision: AutoDecision, policy: Any) -> None:
         """Re-initialise this object as the chosen strategy, keeping what Lightning gave it after construction."""
-        from lightning_mgpu.strategies.sharded import MGPUFSDPStrategy, MGPUZeRO1Strategy
-
         kept = {
             "accelerator": self.accelerator,
             "parallel_devices": self.parallel_devices,
@@ -217,7 +216,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             target = MGPUDDPStrategy
         else:
             kwargs["stage"] = decision.stage
-            target = MGPUZeRO1Strategy if decision.stage == 1 else MGPUFSDPStrategy
+            target = MGPUShardedStrategy
         self.__dict__.clear()
         self.__class__ = target  # type: ignore[assignment]  # the one class switch: see the class docstring
         target.__init__(self, **kwargs)  # type: ignore[arg-type]  # self is a target now

@@ -523,15 +523,16 @@ class MGPUStrategyMixin(ParallelStrategy):
 # ----------------------------------------------------------------------------------------------------
 # ``MGPUParallelStrategy``: one process per device in a torch process group, without DistributedDataParallel.
 #
-# The base of the strategies whose model is not a DDP module (the sharded stages 2 and 3: FSDP2, fairscale's
-# ShardedDataParallel). What Lightning's ``DDPStrategy`` does for the process group, without its DDP wrapping,
-# comm hooks and static-graph handling (Lightning's own ``FSDPStrategy`` is built the same way).
+# The base of the strategies that are not Lightning ``DDPStrategy`` subclasses (``MGPUShardedStrategy``: FSDP2 or
+# fairscale's ShardedDataParallel at stages 2 and 3, a DDP wrapper composed from ``parts/ddp.py`` at stage 1).
+# What Lightning's ``DDPStrategy`` does for the process group, without its DDP wrapping, comm hooks and
+# static-graph handling (Lightning's own ``FSDPStrategy`` is built the same way).
 
 
 class MGPUParallelStrategy(MGPUStrategyMixin):
     """Distributed training without DDP: the process group, ranks, collectives and launch of the mgpu family.
 
-    Not used directly: :class:`~lightning_mgpu.MGPUShardedStrategy` (stages 2 and 3) is built on it.
+    Not used directly: :class:`~lightning_mgpu.MGPUShardedStrategy` (every stage) is built on it.
 
     Example::
 

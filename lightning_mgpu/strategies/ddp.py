@@ -26,7 +26,6 @@ from lightning_fabric.plugins.collectives.torch_collective import default_pg_tim
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -34,11 +33,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import _compat
-from lightning_mgpu.comm import allreduce_gradients, check_backend
+from lightning_mgpu.comm import check_backend
 from lightning_mgpu.parts.accumulation import DDPSyncControl, ManualGradientSync
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.parts.ddp import DDPWrapping
-from lightning_mgpu.parts.micro_batching import MicroBatching, agree_across_ranks
+from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_directory_message
 from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import (
@@ -241,26 +240,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
 
     @override
     def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
-        if _compat.strategy_layer_sync(self) is not None and self._device_type() == "cpu":
-            raise MisconfigurationException(
-                "sync_batchnorm=True on CPU: torch's DistributedDataParallel refuses SyncBatchNorm layers in CPU "
-                "modules ('SyncBatchNorm layers only work with GPU modules'). Train on GPUs, drop sync_batchnorm, or "
-                "use strategy=MGPUShardedStrategy(activation_checkpointing=...) with the BatchNorm layers inside "
-                "checkpointed blocks (mgpu_sharded, stage 2 or 3), where lightning_mgpu synchronises them on CPU."
-            )
-        if not model.automatic_optimization and self._settings.comm_hook in ("powersgd", "batched_powersgd"):
-            raise MisconfigurationException(
-                f"comm_hook={self._settings.comm_hook!r} needs automatic optimization: with manual optimization "
-                f"mgpu_ddp averages each optimizer's gradients itself when it steps, outside DDP's buckets, where "
-                f"PowerSGD cannot run. Use comm_hook='fp16' (half the bytes) or None for {type(model).__name__}."
-            )
-        if self._micro is not None and not model.automatic_optimization:
-            raise MisconfigurationException(
-                f"micro_batch_size={self._micro.setting!r} needs automatic optimization: {type(model).__name__} "
-                f"runs its own backward and optimizer steps in training_step, which the strategy cannot split or "
-                f"redo. Leave micro_batch_size=None and split the batch in training_step (with "
-                f"lightning_mgpu.ManualAccumulation), or use automatic optimization."
-            )
+        sync_batchnorm = _compat.strategy_layer_sync(self) is not None
+        self._wrapping.check_model(model, self._device_type(), sync_batchnorm, self._micro)
 
     # --- set-up -------------------------------------------------------------------------------------------
     @override
@@ -317,39 +298,24 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     def _micro_batched_step(self, model: DistributedDataParallel, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        """``micro_batch_size``: every micro-batch runs forward and backward under ``no_sync`` (an out-of-memory
-        error in any of them, on any rank, is then recoverable: no rank is inside a collective); the gradients are
-        averaged once, in Lightning's backward of the returned loss, unless Lightning is accumulating
-        (``parts/micro_batching.py``)."""
         assert self._micro is not None
         module = self.lightning_module
         assert module is not None
-        trainer = module.trainer
-        syncs = model.require_backward_grad_sync  # False inside Lightning's block_backward_sync
-        params = [p for p in model.module.parameters() if p.requires_grad]
-        step = super().training_step
+        accumulate = module.trainer.accumulate_grad_batches
         optimizer = self.optimizers[0] if self.optimizers else None
-        self._micro.rank = self.global_rank
-        bucket_cap_mb = self._settings.ddp_kwargs.get("bucket_cap_mb") or 25.0
-        compress = self._settings.comm_hook if self._settings.comm_hook in ("fp16", "bf16") else None
-
-        def sync() -> None:
-            if syncs:
-                stats = self._ledger.stats
-                allreduce_gradients(
-                    params, group=model.process_group, compress=compress, ledger=stats, bucket_cap_mb=bucket_cap_mb
-                )
-
-        window_starts = bool(args) and isinstance(args[0], int) and args[0] % trainer.accumulate_grad_batches == 0
-        return self._micro.run(
-            batch,
-            forward=lambda micro: step(micro, *args, **kwargs),
-            backward=lambda loss: self.backward(loss / trainer.accumulate_grad_batches, optimizer),
-            no_sync=model.no_sync,
-            agree=agree_across_ranks(model.process_group, self.global_rank, self.world_size, self.root_device),
-            params=params,
-            after_backward=sync,
-            keep_gradients=not window_starts,  # Lightning zeroes them after this training_step
+        step = super().training_step
+        return self._wrapping.micro_batched_step(
+            self._micro,
+            model,
+            step=lambda micro: step(micro, *args, **kwargs),
+            backward=lambda loss: self.backward(loss / accumulate, optimizer),
+            batch=batch,
+            batch_idx=args[0] if args else None,
+            accumulate_grad_batches=accumulate,
+            stats=self._ledger.stats,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            device=self.root_device,
         )
 
     @property
@@ -422,27 +388,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        _compat.augment_message(
-            exception,
-            pattern=".*Expected to have finished reduction in the prior iteration.*",
-            new_message=(
-                f"Some parameters of your LightningModule were not used to produce the loss returned by "
-                f"training_step. If that is intended, pass `{self._find_unused_parameters_fix()}` "
-                "(slower: a graph traversal per step); better, remove or freeze (requires_grad=False) the unused "
-                "parameters."
-            ),
-        )
-        _compat.augment_message(
-            exception,
-            pattern=".*Expected to mark a variable ready only once.*",
-            new_message=(
-                "DDP saw a parameter's gradient twice in one backward. With reentrant activation checkpointing "
-                "(torch.utils.checkpoint(use_reentrant=True), or activation_checkpointing_reentrant=True) use the "
-                "non-reentrant mode instead: MGPUDDPStrategy(activation_checkpointing=...) is non-reentrant by "
-                "default. Otherwise a parameter is used outside forward or shared across checkpointed blocks; "
-                "static_graph=True can help when the graph is the same every step."
-            ),
-        )
+        DDPWrapping.explain(exception, self._find_unused_parameters_fix())
         self._end_group_after(exception)
 
     def __repr__(self) -> str:

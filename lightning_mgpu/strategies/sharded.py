@@ -16,31 +16,33 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from abc import ABCMeta
+import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import unwrap_optimizer
-from lightning_mgpu.comm import attached_trainer, group_is_up
+from lightning_mgpu.comm import attached_trainer, check_backend, group_is_up
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, classes_present
+from lightning_mgpu.parts.ddp import DDPWrapping
+from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.parts.sharding import (
     ShardingBackend,
     check_optimizer,
@@ -66,6 +68,7 @@ from lightning_mgpu.settings import (
     CheckpointLayout,
     CommHookName,
     CommonSettings,
+    DDPSettings,
     LossNormalization,
     MicroBatchSetting,
     NonFinite,
@@ -75,7 +78,6 @@ from lightning_mgpu.settings import (
     split_ddp_kwargs,
 )
 from lightning_mgpu.strategies.base import MGPUParallelStrategy, MGPUStrategyMixin
-from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 
 log = logging.getLogger(__name__)
 
@@ -330,41 +332,12 @@ class ShardedCheckpoints(MGPUStrategyMixin):
             self._sharding.load_full_optimizer_state(self.lightning_module, opt, state)
 
 
-class _StageDispatch(ABCMeta):
-    """``MGPUShardedStrategy(stage=...)`` as users (and LightningCLI, and the presets) write it builds the stage's
-    class: stage 1 is DDP + a sharded optimizer (an MGPUDDPStrategy); stages 2/3 shard gradients (and parameters)
-    and are not DDP. A bad stage goes to the stage-2/3 class, whose settings refuse it. (A metaclass, not
-    ``__new__``: LightningCLI reads the arguments from ``__new__`` when a class defines one.)"""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-
-        if not issubclass(cls, (MGPUZeRO1Strategy, MGPUFSDPStrategy)):
-            stage = kwargs.get("stage", args[0] if args else 2)
-            stage_class = MGPUZeRO1Strategy if type(stage) is int and stage == 1 else MGPUFSDPStrategy
-            # a user's subclass of MGPUShardedStrategy keeps its overrides in front of the stage's class
-            built: type = stage_class if cls is MGPUShardedStrategy else _with_stage_class(cls, stage_class)
-            return type.__call__(built, *args, **kwargs)
-        return type.__call__(cls, *args, **kwargs)
-
-
-_STAGED: dict[tuple[type, type], type] = {}
-
-
-def _with_stage_class(user_class: type, stage_class: type) -> type:
-    """``user_class`` (a subclass of MGPUShardedStrategy) on top of the stage's class, made once per pair. Under
-    the fork and popen launches it works as it is; a spawn launch pickles the strategy by class name, so give a
-    subclass used with spawn the stage class as a base yourself (e.g. ``class Mine(MGPUFSDPStrategy)``)."""
-    key = (user_class, stage_class)
-    if key not in _STAGED:
-        _STAGED[key] = type(user_class.__name__, (user_class, stage_class), {"__module__": user_class.__module__})
-    return _STAGED[key]
-
-
-class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrategy, metaclass=_StageDispatch):
+class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
     """Sharded data-parallel training (ZeRO), torch-native by default, on CPU (gloo) and CUDA (NCCL).
 
     * ``stage=1``: optimizer state split across ranks (torch ``ZeroRedundancyOptimizer``, or fairscale
-      ``OSS``); gradients all-reduced by mgpu_ddp's DDP (comm hooks and the ledger work as there).
+      ``OSS``); gradients all-reduced by torch's DistributedDataParallel, wrapped as mgpu_ddp wraps it (comm hooks,
+      static graph, micro-batching and the ledger work as there).
     * ``stage=2`` (default): + gradients (FSDP2 ``fully_shard(reshard_after_forward=False)``, or fairscale
       ``OSS`` + ``ShardedDataParallel``).
     * ``stage=3``: + parameters (FSDP2 ``fully_shard``; not with fairscale).
@@ -409,15 +382,13 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
         >>> from lightning_mgpu import MGPUShardedStrategy
         >>> strategy = MGPUShardedStrategy(stage=3, checkpoint="sharded")
         >>> trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
-        >>> type(trainer.strategy).__name__, trainer.strategy.stage  # the stage's own class
-        ('MGPUFSDPStrategy', 3)
-        >>> type(MGPUShardedStrategy(stage=1)).__name__
-        'MGPUZeRO1Strategy'
+        >>> type(trainer.strategy).__name__, trainer.strategy.stage  # one class for every stage
+        ('MGPUShardedStrategy', 3)
+        >>> MGPUShardedStrategy(stage=1, comm_hook="fp16").comm_hook  # stage 1 wraps the model in DDP
+        'fp16'
     """
 
     strategy_name = "mgpu_sharded"
-    #: the next ``__init__`` in the MRO takes DDP's keywords (stage 1 is an MGPUDDPStrategy)
-    _takes_ddp_keywords = False
 
     def __init__(
         self,
@@ -456,20 +427,13 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
         )
         own = [name for name in inspect.signature(MGPUShardedStrategy.__init__).parameters if name != "self"]
         ddp_kwargs = split_ddp_kwargs("MGPUShardedStrategy", ddp_kwargs, own[:-1])  # all but **ddp_kwargs
-        ddp_only = {
+        ddp_only: dict[str, Any] = {
             "comm_hook": comm_hook,
             "static_graph": static_graph,
             "find_unused_parameters": find_unused_parameters,
         }
         sharded.check_ddp_settings({**ddp_only, **ddp_kwargs})
         common: dict[str, Any] = {
-            "accelerator": accelerator,
-            "parallel_devices": parallel_devices,
-            "cluster_environment": cluster_environment,
-            "checkpoint_io": checkpoint_io,
-            "precision_plugin": precision_plugin,
-        }
-        settings: dict[str, Any] = {
             "process_group_backend": process_group_backend,
             "timeout": timeout,
             "start_method": start_method,
@@ -479,30 +443,44 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
             "loss_normalization": loss_normalization,
             "nonfinite": nonfinite,
             "async_checkpoint": async_checkpoint,
+            "micro_batch_size": micro_batch_size,
         }
-        if micro_batch_size is not None:  # stage 1 (above): MGPUDDPStrategy takes it
-            settings["micro_batch_size"] = micro_batch_size
-        if self._takes_ddp_keywords:
-            ddp: dict[str, Any] = {
+        # stage 1 trains a DistributedDataParallel model: its settings are mgpu_ddp's
+        settings: CommonSettings = (
+            DDPSettings(
+                **common,
                 **ddp_only,
-                "comm_state": comm_state,
-                "gradient_as_bucket_view": gradient_as_bucket_view,
-            }
-            super().__init__(**common, **settings, **ddp, **ddp_kwargs)
-        else:
-            super().__init__(**common, settings=CommonSettings(**settings))  # type: ignore[call-arg]  # stages 2/3's base
+                comm_state=dict(comm_state) if isinstance(comm_state, Mapping) and comm_state else comm_state or None,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                ddp_kwargs=ddp_kwargs,
+            )
+            if sharded.uses_ddp
+            else CommonSettings(**common)
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            settings=settings,
+        )
         self._sharded_settings = sharded
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
         self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.wrap_modules)
         self._loaded_sharded = False
+        self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
+        # stage 1: the DDP wrapping of mgpu_ddp, composed (parts/ddp.py); None at stages 2 and 3
+        self._ddp_settings: Optional[DDPSettings] = settings if isinstance(settings, DDPSettings) else None
+        self._ddp_wrapping = DDPWrapping(self._ddp_settings) if self._ddp_settings is not None else None
+        self._micro = MicroBatching(micro_batch_size) if micro_batch_size is not None else None
+        self._comm_hook_state: Any = None
 
     @property
     @override
     def public_name(self) -> str:
-        # the stage classes this package builds print as the class users wrote; a user's subclass as itself
-        internal = type(self).__module__.startswith("lightning_mgpu.")
-        return "MGPUShardedStrategy" if internal else type(self).__name__
+        return type(self).__name__
 
     @property
     def settings(self) -> ShardedSettings:
@@ -521,9 +499,34 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
     def checkpoint_layout(self) -> str:
         return self._checkpoint_layout
 
-    # --- launch ---------------------------------------------------------------------------------------
+    @property
+    def ddp_settings(self) -> CommonSettings:
+        """The launch settings and, at stage 1, the DDP ones (a :class:`~lightning_mgpu.settings.DDPSettings`)."""
+        return self._launch
+
+    @property
+    def comm_hook(self) -> Optional[str]:
+        """Stage 1: the DDP comm hook; stages 2 and 3 reduce-scatter without one (None)."""
+        return self._ddp_settings.comm_hook if self._ddp_settings is not None else None
+
+    @property
+    def comm_hook_state(self) -> Any:
+        """Stage 1: the registered hook's state (e.g. torch's ``PowerSGDState``), available after setup."""
+        return self._comm_hook_state
+
+    @property
+    def static_graph(self) -> bool:
+        return self._ddp_settings.static_graph if self._ddp_settings is not None else False
+
+    @property
+    def micro_batching(self) -> Optional[MicroBatching]:
+        """Stage 1 with ``micro_batch_size``: ``.size`` in use and ``.backoffs``; else None."""
+        return self._micro
+
     @override
     def _check_at_construction(self) -> None:
+        if self._ddp_settings is not None:
+            check_backend(self._ddp_settings.comm_hook, self._group_backend())
         super()._check_at_construction()
         plugin = self.precision_plugin
         if not (isinstance(plugin, MGPUPrecision) and plugin.master):
@@ -550,8 +553,9 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
 
     @override
     def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
-        if self._sharded_settings.uses_ddp:
-            super()._check_model_before_launch(trainer, model)
+        if self._ddp_wrapping is not None:
+            sync_batchnorm = _compat.strategy_layer_sync(self) is not None
+            self._ddp_wrapping.check_model(model, self._device_type(), sync_batchnorm, self._micro)
         wrap = self._sharded_settings.wrap_modules
         if wrap is not None and not any(isinstance(m, wrap) for m in model.modules()):
             # FSDP2 would silently make the whole model one unit (all parameters gathered at once)
@@ -579,96 +583,6 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
 
     # --- set-up ---------------------------------------------------------------------------------------
     @override
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        # A second fit() in the same process re-wraps: start from the module's own optimizers.
-        _compat.reset_optimizers_and_schedulers(self)
-        super().setup_optimizers(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
-            return
-        group = self._process_group()
-        wrapped = []
-        for opt in self.optimizers:
-            check_optimizer(opt, self._sharded_settings.stage, self._backend_name)
-            new = self._sharding.wrap_optimizer(opt, group)
-            if new is not opt:
-                rebind_schedulers(self.lr_scheduler_configs, opt, new)
-            wrapped.append(new)
-        self.optimizers = wrapped
-        assert self.model is not None
-        self.model = self._sharding.wrap_after_optimizers(self.model, wrapped, group)
-
-    # --- memory ---------------------------------------------------------------------------------------
-    def memory_report(self) -> ShardMemory:
-        """Optimizer-state, gradient and parameter bytes held by this rank now (no communication)."""
-        module = self.lightning_module
-        assert module is not None
-        opt_bytes = 0
-        for opt in self.optimizers:
-            local = self._sharding.local_optimizer(opt)
-            for state in local.state.values():
-                opt_bytes += sum(local_bytes(v) for v in state.values())
-        grads = sum(local_bytes(p.grad) for p in module.parameters() if p.grad is not None)
-        params = sum(local_bytes(p) for p in module.parameters())
-        return ShardMemory(optimizer_state=opt_bytes, gradients=grads, parameters=params)
-
-    def __repr__(self) -> str:
-        return (
-            f"{self.public_name}(stage={self._sharded_settings.stage}, backend={self._backend_name!r}, "
-            f"checkpoint={self._checkpoint_layout!r}, start_method={self.launch_settings.start_method!r})"
-        )
-
-
-# MGPUShardedStrategy is never instantiated as itself: __new__ builds the stage's concrete class, which gets the
-# ParallelStrategy methods from MGPUDDPStrategy or MGPUParallelStrategy. LightningCLI (jsonargparse) refuses an
-# abstract class_path, so the abstract-method set ABCMeta computed for the shared base is cleared.
-MGPUShardedStrategy.__abstractmethods__ = frozenset()
-
-
-# ----------------------------------------------------------------------------------------------------
-# ZeRO stage 1: mgpu_ddp's DistributedDataParallel (comm hooks, ledger, accumulation without extra syncs) with the
-# optimizer state sharded across ranks (torch ``ZeroRedundancyOptimizer`` or fairscale ``OSS``).
-#
-# Users write ``MGPUShardedStrategy(stage=1)`` or ``strategy="mgpu_zero1"``; this is the class they get.
-#
-# Example::
-#
-#     strategy = MGPUShardedStrategy(stage=1, comm_hook="fp16")
-#     assert isinstance(strategy, (MGPUShardedStrategy, MGPUDDPStrategy))
-
-
-class MGPUZeRO1Strategy(MGPUShardedStrategy, MGPUDDPStrategy):  # type: ignore[misc]  # `settings`: the sharded ones
-    """Stage 1 of :class:`~lightning_mgpu.MGPUShardedStrategy`: DDP plus a sharded optimizer. The sharded
-    strategy's checkpoint and optimizer handling comes first in the MRO, DDP's training loop after it."""
-
-    _takes_ddp_keywords = True
-
-    @override
-    def _find_unused_parameters_fix(self) -> str:
-        return "strategy=MGPUShardedStrategy(stage=1, find_unused_parameters=True)"
-
-
-# ----------------------------------------------------------------------------------------------------
-# ZeRO stages 2 and 3 without DDP: torch FSDP2 (``fully_shard``), or fairscale ``OSS`` + ``ShardedDataParallel``
-# at stage 2. Built on :class:`MGPUParallelStrategy` (process group, launch, ledger, failures, resume) and the
-# sharded strategy's optimizer and checkpoint handling; the backend (``parts/sharding.py``) shards the model and
-# says how its gradient sync is blocked.
-#
-# Users write ``MGPUShardedStrategy(stage=2|3)`` or ``strategy="mgpu_sharded"`` / ``"mgpu_zero3"``; this is the
-# class they get.
-#
-# Example::
-#
-#     strategy = MGPUShardedStrategy(stage=3, wrap_modules=[nn.TransformerEncoderLayer])
-#     assert isinstance(strategy, MGPUShardedStrategy) and not isinstance(strategy, MGPUDDPStrategy)
-
-
-class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
-    """Stages 2 and 3 of :class:`~lightning_mgpu.MGPUShardedStrategy` (see there for the arguments)."""
-
-    _sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
-
-    # --- set-up -------------------------------------------------------------------------------------------
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -687,8 +601,8 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if fitting:
-            self._shard_model(policy)
-            self.setup_optimizers(trainer)  # after the model is sharded: the optimizers hold the shards
+            self._wrap_model(policy)
+            self.setup_optimizers(trainer)  # after the model is wrapped or sharded: the optimizers hold the shards
         else:
             comm.broadcast_module_states(self.model)  # evaluation without a wrapper: rank 0's weights everywhere
         self.setup_precision_plugin()
@@ -697,12 +611,19 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
             PrecisionAdoption.connect_norm_clipping(self.precision_plugin, clipping)  # shards: the global norm
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _shard_model(self, policy: Any) -> None:
-        # Order (torchtitan's parallelize): SyncBatchNorm conversion -> activation checkpointing -> sharding, so
-        # that FSDP's hooks stay outside the recompute.
+    def _wrap_model(self, policy: Any) -> None:
+        """The model's set-up order, in one place (torchtitan's ``parallelize`` order): SyncBatchNorm conversion
+        (in ``setup``) -> activation checkpointing -> DDP (stage 1) or sharding (stages 2/3), so that DDP's and
+        FSDP's hooks stay outside the recompute; the sharded optimizers come after (``setup_optimizers``)."""
         module = self.lightning_module
         assert module is not None
         self._checkpointing.apply(module)
+        if self._ddp_wrapping is not None:
+            ddp = self._ddp_wrapping.wrap(module, self.root_device)
+            self.model = ddp
+            self._ledger.start(ddp, self.world_size)
+            self._comm_hook_state = self._ddp_wrapping.register_hooks(ddp, self._ledger, manual=False)
+            return
         mesh = self._sharding.device_mesh(self.root_device.type, self.world_size)
         sharded = self._sharding.shard_model(module, mesh, policy)
         if sharded is not None:
@@ -710,18 +631,66 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
         assert self.model is not None
         self._ledger.start(self.model, self.world_size)
 
-    # --- steps --------------------------------------------------------------------------------------------
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # A second fit() in the same process re-wraps: start from the module's own optimizers.
+        _compat.reset_optimizers_and_schedulers(self)
+        super().setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        group = self._process_group()
+        wrapped = []
+        for opt in self.optimizers:
+            check_optimizer(opt, self._sharded_settings.stage, self._backend_name)
+            new = self._sharding.wrap_optimizer(opt, group)
+            if new is not opt:
+                rebind_schedulers(self.lr_scheduler_configs, opt, new)
+            wrapped.append(new)
+        self.optimizers = wrapped
+        assert self.model is not None
+        self.model = self._sharding.wrap_after_optimizers(self.model, wrapped, group)
+
+    # --- steps ----------------------------------------------------------------------------------------
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        # FSDP2 shards the LightningModule itself: its pre-forward hook (gather the root's parameters, lazy init)
-        # only runs through __call__, so every step goes through forward, as for a wrapper (fairscale's SDP).
+        # Every step goes through the wrapper's forward (DDP's, fairscale's SDP's), or the module's own __call__
+        # under FSDP2, which shards the LightningModule itself: its pre-forward hook (gather the root's
+        # parameters, lazy init) only runs through __call__.
         assert self.model is not None and self.lightning_module is not None
         return _compat.forward_redirection(self)(self.model, self.lightning_module, method, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         follow_module_mode(self.model, self.lightning_module)  # after validation: fairscale's SDP hooks need it
+        if self._ddp_wrapping is not None:
+            ddp = cast(DistributedDataParallel, self.model)
+            if self._micro is not None:
+                return self._micro_batched_step(ddp, *args, **kwargs)
+            self._ddp_wrapping.before_training_step(ddp)
+        return self._one_training_step(*args, **kwargs)
+
+    def _one_training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context():
             return self._count_tokens(self._redirect("training_step", *args, **kwargs))
+
+    def _micro_batched_step(self, ddp: DistributedDataParallel, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self._micro is not None and self._ddp_wrapping is not None
+        module = self.lightning_module
+        assert module is not None
+        accumulate = module.trainer.accumulate_grad_batches
+        optimizer = self.optimizers[0] if self.optimizers else None
+        return self._ddp_wrapping.micro_batched_step(
+            self._micro,
+            ddp,
+            step=lambda micro: self._one_training_step(micro, *args, **kwargs),
+            backward=lambda loss: self.backward(loss / accumulate, optimizer),
+            batch=batch,
+            batch_idx=args[0] if args else None,
+            accumulate_grad_batches=accumulate,
+            stats=self._ledger.stats,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            device=self.root_device,
+        )
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -755,7 +724,10 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
         trainer = attached_trainer(self.lightning_module)
         if self._sync_blocked or self.model is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return
-        self._ledger.record_round(self._sharding.sync_layout(self.model))
+        if self._ddp_settings is None:
+            self._ledger.record_round(self._sharding.sync_layout(self.model))
+        elif self._ddp_settings.count_from_buckets and self._micro is None:
+            self._ledger.record_buckets(cast(DistributedDataParallel, self.model))
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -763,15 +735,70 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
         self._ledger.optimizer_stepped(self.lightning_module, self.is_global_zero)
         return output
 
-    # --- end ----------------------------------------------------------------------------------------------
+    # --- memory ---------------------------------------------------------------------------------------
+    def memory_report(self) -> ShardMemory:
+        """Optimizer-state, gradient and parameter bytes held by this rank now (no communication)."""
+        module = self.lightning_module
+        assert module is not None
+        opt_bytes = 0
+        for opt in self.optimizers:
+            local = self._sharding.local_optimizer(opt)
+            for state in local.state.values():
+                opt_bytes += sum(local_bytes(v) for v in state.values())
+        grads = sum(local_bytes(p.grad) for p in module.parameters() if p.grad is not None)
+        params = sum(local_bytes(p) for p in module.parameters())
+        return ShardMemory(optimizer_state=opt_bytes, gradients=grads, parameters=params)
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.public_name}(stage={self._sharded_settings.stage}, backend={self._backend_name!r}, "
+            f"checkpoint={self._checkpoint_layout!r}, start_method={self.launch_settings.start_method!r})"
+        )
+
+    # --- end ------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None:
             PrecisionAdoption.connect_norm_clipping(self.precision_plugin, None)
-            self.model = module  # unwrap fairscale's ShardedDataParallel (FSDP2 shards the module in place)
+            self.model = module  # unwrap DDP or fairscale's ShardedDataParallel (FSDP2 shards the module in place)
             trainer = attached_trainer(module)
             layer_sync = _compat.strategy_layer_sync(self)
             if layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 self.model = layer_sync.revert(self.model)
         super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._ddp_wrapping is not None:  # stage 1: DDP's errors name the fix, and the group ends as mgpu_ddp's
+            DDPWrapping.explain(exception, "strategy=MGPUShardedStrategy(stage=1, find_unused_parameters=True)")
+            self._end_group_after(exception)
+
+
+
+class MGPUZeRO1Strategy(MGPUShardedStrategy):
+    """Deprecated name of ``MGPUShardedStrategy(stage=1)`` (``strategy="mgpu_zero1"``), kept so that code and
+    configs that name it keep working; building it warns. It is an ``MGPUShardedStrategy``, no longer an
+    ``MGPUDDPStrategy``: stage 1 composes mgpu_ddp's DDP wrapping instead of inheriting it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _deprecated("MGPUZeRO1Strategy", "MGPUShardedStrategy(stage=1)")
+        kwargs.setdefault("stage", 1)
+        super().__init__(*args, **kwargs)
+
+
+class MGPUFSDPStrategy(MGPUShardedStrategy):
+    """Deprecated name of ``MGPUShardedStrategy(stage=2|3)``, kept so that code and configs that name it keep
+    working; building it warns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _deprecated("MGPUFSDPStrategy", "MGPUShardedStrategy(stage=2) or (stage=3)")
+        super().__init__(*args, **kwargs)
+
+
+def _deprecated(name: str, new: str) -> None:
+    warnings.warn(
+        f"lightning_mgpu.{name} is deprecated: write {new}, one class for every stage (the presets already build it).",
+        DeprecationWarning,
+        stacklevel=3,
+    )

@@ -1,5 +1,5 @@
-"""The strategies' shape: the sharded stages 2/3 are not DDP, MGPUShardedStrategy(stage=...) builds the stage's
-class, and no strategy module branches on the wrapper type."""
+"""The strategies' shape: plain classes (no metaclass, nothing abstract cleared by hand), one MGPUShardedStrategy
+for every stage, none of them DDP, and no strategy module branches on the wrapper type."""
 
 from __future__ import annotations
 
@@ -18,20 +18,32 @@ from lightning_mgpu.strategies import MGPUFSDPStrategy, MGPUParallelStrategy, MG
 STRATEGIES = Path(__file__).resolve().parents[2] / "lightning_mgpu" / "strategies"
 
 
-@pytest.mark.parametrize(("stage", "cls", "is_ddp"), [(1, MGPUZeRO1Strategy, True), (2, MGPUFSDPStrategy, False)])
-def test_the_sharded_strategy_builds_the_stages_class(stage, cls, is_ddp):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_sharded_strategy_is_one_plain_class_for_every_stage(stage):
     strategy = MGPUShardedStrategy(stage=stage)
-    assert type(strategy) is cls
-    assert isinstance(strategy, (MGPUShardedStrategy, MGPUStrategyMixin))
-    assert isinstance(strategy, MGPUDDPStrategy) is is_ddp
-    assert isinstance(strategy, MGPUParallelStrategy) is not is_ddp
+    assert type(strategy) is MGPUShardedStrategy
+    assert type(type(strategy)) is type(MGPUParallelStrategy)  # no metaclass of its own
+    assert MGPUShardedStrategy.__abstractmethods__ == frozenset()  # concrete by itself, nothing cleared by hand
+    assert isinstance(strategy, (MGPUParallelStrategy, MGPUStrategyMixin)) and not isinstance(strategy, MGPUDDPStrategy)
     assert repr(strategy).startswith(f"MGPUShardedStrategy(stage={stage}")
+    assert type(pickle.loads(pickle.dumps(strategy))) is MGPUShardedStrategy  # what a spawn launch does
 
 
-def test_stage_3_is_not_a_ddp_strategy_and_pickles_as_its_class():
-    strategy = MGPUShardedStrategy(stage=3, wrap_modules=[nn.Linear])
-    assert not issubclass(type(strategy), MGPUDDPStrategy)
-    assert type(pickle.loads(pickle.dumps(strategy))) is MGPUFSDPStrategy  # what a spawn launch does
+def test_no_strategy_module_defines_a_metaclass_or_clears_abstract_methods():
+    for path in STRATEGIES.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                assert not [k for k in node.keywords if k.arg == "metaclass"], f"{path.name}: {node.name}"
+            if isinstance(node, ast.Attribute):
+                assert node.attr != "__abstractmethods__", f"{path.name}:{node.lineno}"
+
+
+@pytest.mark.parametrize(("cls", "stage"), [(MGPUZeRO1Strategy, 1), (MGPUFSDPStrategy, 2)])
+def test_the_old_stage_class_names_still_build_the_sharded_strategy_with_a_deprecation_warning(cls, stage):
+    with pytest.warns(DeprecationWarning, match=r"write MGPUShardedStrategy\(stage="):
+        strategy = cls()
+    assert isinstance(strategy, MGPUShardedStrategy) and strategy.stage == stage
 
 
 class _Mine(MGPUShardedStrategy):
@@ -40,9 +52,10 @@ class _Mine(MGPUShardedStrategy):
         yield
 
 
-def test_a_subclass_of_the_sharded_strategy_keeps_its_overrides_over_the_stages_class():
-    strategy = _Mine(stage=2)
-    assert isinstance(strategy, (_Mine, MGPUFSDPStrategy))
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_subclass_of_the_sharded_strategy_is_itself_with_its_overrides(stage):
+    strategy = _Mine(stage=stage)
+    assert type(strategy) is _Mine and strategy.stage == stage
     assert type(strategy).block_backward_sync is _Mine.block_backward_sync
 
 

@@ -84,12 +84,12 @@ def _between(low: int, high: int) -> int:
         (
             lambda rows: _between(rows["mgpu_zero1", False], rows["mgpu_ddp", False]),
             None,
-            ("MGPUZeRO1Strategy", 1, "mgpu_zero1", False),
+            ("MGPUShardedStrategy", 1, "mgpu_zero1", False),
         ),
         (
             lambda rows: _between(rows["mgpu_sharded", False], rows["mgpu_ddp", False]),
             ("mgpu_ddp", "mgpu_sharded"),
-            ("MGPUFSDPStrategy", 2, "mgpu_sharded", False),
+            ("MGPUShardedStrategy", 2, "mgpu_sharded", False),
         ),
         (
             lambda rows: _between(rows["mgpu_ddp", True], min(v for (_, ac), v in rows.items() if not ac)),
