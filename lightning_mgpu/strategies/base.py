@@ -411,9 +411,19 @@ class MGPUStrategyMixin(ParallelStrategy):
             )
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self._before_save(checkpoint)
+        self._write_file(checkpoint, filepath, storage_options)
+
+    def _before_save(self, checkpoint: dict[str, Any]) -> None:
+        """What every save does first, once: refuse a save that could not resume, wait for the previous background
+        write (or raise its error), and put the mid-epoch position into the checkpoint."""
         self._refuse_main_process_save()
         self._settle_async_writes()
         self._resume.before_save(checkpoint)
+
+    def _write_file(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """One checkpoint file, written by rank 0 through the checkpoint IO (atomic by default), in the background
+        with ``async_checkpoint=True``."""
         if self._saves_async():
             assert self._async is not None
             self._async_unsettled = True

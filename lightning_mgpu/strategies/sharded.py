@@ -165,9 +165,7 @@ class ShardedCheckpoints(MGPUStrategyMixin):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
     ) -> None:
-        self._refuse_main_process_save()
-        self._settle_async_writes()  # the previous background write finished everywhere (or raise)
-        self._resume.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
+        self._before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
         filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
         local = local_path(filepath)
         if self._checkpoint_layout == "consolidated":
@@ -176,7 +174,7 @@ class ShardedCheckpoints(MGPUStrategyMixin):
                     f"{local} is a directory (a sharded checkpoint?); a consolidated checkpoint is one file. Choose "
                     f"another file name, or save with MGPUShardedStrategy(checkpoint='sharded')."
                 )
-            super().save_checkpoint(checkpoint, filepath, storage_options)  # checkpoint_io: atomic by default
+            self._write_file(checkpoint, filepath, storage_options)  # checkpoint_io: atomic by default
             return
         import torch.distributed.checkpoint as dcp
 

@@ -443,3 +443,15 @@ def test_presets_build_the_documented_configuration():
         # one class for every stage, none of them a DDP strategy (stage 1 composes mgpu_ddp's DDP wrapping)
         assert type(strategy) is MGPUShardedStrategy and not isinstance(strategy, MGPUDDPStrategy)
         assert (strategy.stage, strategy.backend, strategy.launch_settings.start_method) == (stage, backend, launch)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_save_preamble_runs_once_per_save(tmp_path, stage):
+    """Refusal, settling the previous background write and the mid-epoch position run once, then one write (the
+    consolidated layout used to run them twice: in the sharded strategy and again in the base it handed to)."""
+    strategy = MGPUShardedStrategy(stage=stage)
+    calls: list[str] = []
+    strategy._before_save = lambda checkpoint: calls.append("before")  # type: ignore[method-assign]
+    strategy._write_file = lambda checkpoint, path, options=None: calls.append("write")  # type: ignore[method-assign]
+    strategy.save_checkpoint({"state_dict": {}}, str(tmp_path / "last.ckpt"))
+    assert calls == ["before", "write"]
