@@ -47,3 +47,20 @@ def test_settings_are_frozen_and_keep_the_values_given():
 
 def test_a_none_timeout_leaves_torch_its_default():
     assert DDPSettings(timeout=None).timeout is None
+
+
+def test_the_hybrid_mesh_shards_within_a_machine_by_default_and_replicates_across():
+    hybrid = ShardedSettings(stage=3, mesh="hybrid")
+    assert hybrid.mesh_shape(world_size=4, num_nodes=2) == (2, 2)
+    assert hybrid.mesh_shape(world_size=16, num_nodes=2) == (2, 8)
+    assert hybrid.mesh_shape(world_size=4, num_nodes=1) == (1, 4)  # one machine: one replica
+    assert ShardedSettings(stage=2, mesh="hybrid", shard_size=1).mesh_shape(4, 2) == (4, 1)
+    assert ShardedSettings(stage=3, mesh="hybrid", shard_size=4).mesh_shape(8, 2) == (2, 4)
+    assert ShardedSettings(stage=3).mesh_shape(world_size=4, num_nodes=2) == (1, 4)  # flat
+
+
+def test_a_hybrid_mesh_that_cannot_be_built_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match=r"5 ranks do not split evenly over num_nodes=2.*shard_size=N"):
+        ShardedSettings(stage=3, mesh="hybrid").mesh_shape(world_size=5, num_nodes=2)
+    with pytest.raises(ValueError, match=r"shard_size=3 does not divide the world size 4"):
+        ShardedSettings(stage=3, mesh="hybrid", shard_size=3).mesh_shape(world_size=4, num_nodes=2)
