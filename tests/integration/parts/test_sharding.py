@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import tempfile
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,23 +22,18 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-import torch.multiprocessing as mp
-from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_mgpu import MGPUShardedStrategy
-from tests.helpers import full
+from tests.helpers import NODES, PER_NODE, Job, full, run_on_two_machines
 from tests.models import OptRegressor, RankData, configure, make_data, reference_run
 
-NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 CLIP = 0.05
 B = 2  # per rank
-
-Job = Callable[[Path], None]
 
 
 class GroupCollectives(Callback):
@@ -140,35 +132,6 @@ def fit_job(
         trainer.fit(model, datamodule=RankData(make_data(n=n), batch), ckpt_path=resume_from or None)
 
     return job
-
-
-def _node(node: int, jobs: list[Job], ports: list[int], out: str) -> None:
-    torch.set_num_threads(1)
-    for i, (job, port) in enumerate(zip(jobs, ports)):
-        # what a cluster sets on each machine; Lightning's environment reads them, its fork launch starts the ranks
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
-        path = Path(out) / str(i)
-        path.mkdir(exist_ok=True)
-        try:
-            job(path)
-        except BaseException:
-            (Path(out) / f"node{node}.err").write_text(f"job {i}:\n{traceback.format_exc()}")
-            raise
-
-
-def run_on_two_machines(jobs: list[Job]) -> list[list[dict[str, Any]]]:
-    """Every job, one after the other, on 2 "machines" x 2 ranks; returns each job's 4 rank records."""
-    with tempfile.TemporaryDirectory() as out:
-        ports = [find_free_network_port() for _ in jobs]
-        try:
-            mp.start_processes(_node, nprocs=NODES, start_method="fork", args=(jobs, ports, out))
-        except Exception as err:
-            errors = sorted(Path(out).glob("*.err"))
-            raise AssertionError("a machine failed:\n" + "\n".join(e.read_text() for e in errors)) from err
-        return [
-            [torch.load(Path(out) / str(i) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-            for i in range(len(jobs))
-        ]
 
 
 class AlwaysSyncSharded(MGPUShardedStrategy):
