@@ -117,6 +117,12 @@ class PlanRequest:
                 f"num_nodes={nodes!r} must be a positive int that divides devices={self.devices} (the same number "
                 f"of ranks on every machine), e.g. num_nodes=2 for 2 machines of {max(self.devices // 2, 1)}."
             )
+        if not self.candidates():
+            raise PlanError(
+                f"strategies={self.strategies!r} on num_nodes=1: mgpu_hsdp shards within a machine and replicates "
+                f"across machines, so on one machine it is mgpu_zero3. Add 'mgpu_zero3' (or another strategy), or "
+                f"plan for num_nodes > 1."
+            )
         if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0:
             raise PlanError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a positive number of MiB (DDP: 25).")
 

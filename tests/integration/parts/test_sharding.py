@@ -189,12 +189,13 @@ def hybrid_runs() -> list[list[dict[str, Any]]]:
             fit_job(hybrid(), accumulate=3, **clip),
             fit_job(hybrid(mesh="flat"), accumulate=3),  # the flat mesh, for comparison
             fit_job(hybrid(cls=AlwaysSyncSharded), accumulate=3),  # negative control
+            fit_job(hybrid(stage=2), accumulate=3, **clip),  # hybrid ZeRO-2
         ]
     )
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("job", "k"), [(0, 1), (1, 3)], ids=["k1", "k3"])
+@pytest.mark.parametrize(("job", "k"), [(0, 1), (1, 3), (4, 3)], ids=["k1", "k3", "stage2-k3"])
 def test_hybrid_training_equals_one_process_with_norm_clipping(hybrid_runs, job, k):
     ranks = hybrid_runs[job]
     steps = 48 // (WORLD * B * k)

@@ -243,6 +243,7 @@ def test_a_device_memory_that_fits_nothing_names_the_smallest_plan_and_the_short
         ("precisions", {"precisions": ("fp8",)}, "choose from"),
         ("strategies", {"strategies": ("deepspeed",)}, "choose from"),
         ("num_nodes", {"devices": 3, "num_nodes": 2}, "divides devices=3"),
+        ("strategies", {"strategies": ("mgpu_hsdp",)}, "on num_nodes=1.*Add 'mgpu_zero3'"),
     ],
 )
 def test_the_request_names_the_bad_field_and_the_fix(field: str, kwargs: dict[str, Any], fix: str):
