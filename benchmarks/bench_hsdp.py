@@ -27,8 +27,9 @@ divided by ``B`` MB/s plus ``--latency-ms``. The benchmark runs every runner on 
 simulated link. A real network also has contention and overlap that this does not model: the figures show how the
 bytes crossing machines turn into time, not what a given cluster will measure.
 
-GPU: ``--accelerator gpu`` runs the same on 4 GPUs of one machine as 2 x 2 (NCCL); not measured on a GPU yet (the
-GPU tier has one GPU, and NCCL needs a device per rank).
+GPU: ``--accelerator gpu`` runs the same on 4 GPUs of one machine as 2 x 2 (NCCL, each "machine" seeing 2 of them,
+spawned workers); ``make bench-gpu`` runs it, and it says so and measures nothing on fewer than 4 GPUs. Not measured
+on a GPU yet.
 """
 
 from __future__ import annotations
@@ -174,7 +175,11 @@ class LinkSpy(Callback):
 def _machine(node: int, args: argparse.Namespace, mesh: str, link: float, port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
-    strategy = MGPUShardedStrategy(stage=3, mesh=mesh, start_method="fork", log_comm_stats=False)  # type: ignore[arg-type]
+    gpu = args.accelerator == "gpu"
+    if gpu:  # each "machine" sees its own 2 GPUs, as on two machines (NCCL needs a device per rank)
+        os.environ["CUDA_VISIBLE_DEVICES"] = f"{PER_NODE * node},{PER_NODE * node + 1}"
+    start = "spawn" if gpu else "fork"  # CUDA in the workers: a fresh interpreter each
+    strategy = MGPUShardedStrategy(stage=3, mesh=mesh, start_method=start, log_comm_stats=False)  # type: ignore[arg-type]
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=PER_NODE, num_nodes=NODES, strategy=strategy,
         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -202,6 +207,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--link-mb-s", type=float, default=100.0, help="simulated link between machines, MB/s")
     parser.add_argument("--latency-ms", type=float, default=0.2, help="simulated latency per collective, ms")
     args = parser.parse_args(argv)
+    if args.accelerator == "gpu" and torch.cuda.device_count() < NODES * PER_NODE:
+        print(
+            f"bench_hsdp: {NODES} 'machines' x {PER_NODE} GPUs need {NODES * PER_NODE} GPUs, this machine has "
+            f"{torch.cuda.device_count()}: not measured (run it on a machine with 4 GPUs, or on 2 machines)."
+        )
+        return
     params = sum(p.numel() for p in MLP(args.layers, args.width).parameters())
     print(
         f"HSDP vs flat ZeRO-3 on {NODES} 'machines' x {PER_NODE} processes ({args.accelerator}), MLP "
