@@ -199,6 +199,16 @@ def test_the_cli_prints_json_rows_for_a_config(capsys):
     assert sum(r["recommended"] for r in rows) == 1
 
 
+def test_the_cli_plans_hybrid_sharding_on_several_machines(capsys):
+    assert cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "4", "--num-nodes", "2", "--device-memory",
+                                    "1GiB", "--json", "--precisions", "32-true"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 10  # 5 strategies (mgpu_hsdp too) x with/without checkpointing
+    hsdp = next(r for r in rows if r["strategy"] == "mgpu_hsdp" and not r["activation_checkpointing"])
+    zero3 = next(r for r in rows if r["strategy"] == "mgpu_zero3" and not r["activation_checkpointing"])
+    assert hsdp["optimizer_state_bytes"] == 2 * zero3["optimizer_state_bytes"]  # sharded over 2 ranks, not 4
+
+
 # --- bad input: a clear error before anything runs ---------------------------------------------------------
 
 
