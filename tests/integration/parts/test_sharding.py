@@ -3,10 +3,11 @@
 2 ranks (Lightning's environment: global rank = node rank x 2 + local rank). By default the shard group is the
 processes of one machine: ranks {0, 1} and {2, 3} hold the shards, {0, 2} and {1, 3} are replicas.
 
-What is checked: float64 parity with one process (k = 1 and 3, with norm clipping that bites), the collectives per
-group counted by torch.profiler (FSDP2's reduce-scatter within the shard group, its all-reduce of the shards across
-replicas, none of either on a non-stepping micro-batch), the ledger's split of the traffic, and sharded checkpoints
-that resume at other mesh shapes (2 x 2 -> 1 x 4 -> 4 x 1).
+What is checked: float64 parity with one process (stage 3 at k = 1 and 3, stage 2 at k = 3, with norm clipping that
+bites), the collectives per group counted by torch.profiler (FSDP2's reduce-scatter within the shard group, its
+all-reduce of the shards across replicas, none of either on a non-stepping micro-batch; the flat mesh and an
+accumulation that forgets to block the sync as negative controls), the ledger's split of the traffic, and
+checkpoints that resume at other mesh shapes (2 x 2 -> 1 x 4 -> 4 x 1; the consolidated layout in the slow tests).
 
 Tolerance: ``assert_close`` defaults in float64, as in ``tests/integration/strategies/test_sharded.py``.
 """
