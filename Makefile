@@ -89,7 +89,7 @@ test-install: $(STAMP)
 # `make test-gpu`: tests/gpu (marker `gpu`), every CUDA path and every feature through Trainer.fit on NCCL;
 # `make bench-gpu`: memory per rank at world sizes 2/4/8 (torch's fake process group), tokens/s + MFU, the blocking
 # time of synchronous and asynchronous checkpoints, and the planner's prediction against the CUDA allocator, results
-# saved as JSON under benchmarks/results/. Both use the package from this checkout (PYTHONPATH) with an interpreter
+# saved as JSON under benchmarks/results/; then hybrid against flat sharding (printed; needs 4 GPUs, else a message). Both use the package from this checkout (PYTHONPATH) with an interpreter
 # that already has a CUDA torch and Lightning (GPU_PYTHON, default python3, as on GPU images without network access);
 # where that interpreter lacks them, .venv-cuda (torch's CUDA wheel, CUDA_TORCH) is built and used. Each test case runs in a
 # fresh interpreter (tests/gpu/worker.py), six at a time on the one GPU where pytest-xdist is installed; the tier
@@ -107,7 +107,8 @@ bench-gpu:
 	py=$(GPU_PY); PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_memory_per_rank.py --out benchmarks/results && \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_throughput.py --out benchmarks/results && \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_checkpoint_blocking.py --out benchmarks/results && \
-	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_planner_vs_allocator.py --out benchmarks/results
+	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_planner_vs_allocator.py --out benchmarks/results && \
+	PYTHONPATH=$(CURDIR) $$py benchmarks/bench_hsdp.py --accelerator gpu
 
 # Re-run every notebook and store its outputs (tests/meta/test_notebooks.py fails on outputs older than the cells).
 notebooks: $(STAMP)

@@ -73,6 +73,50 @@ class CommStats:
     synced_gradient_bytes: int = 0
     """Manual optimization only: cumulative uncompressed bytes of the gradients each optimizer step needed
     synchronised (that optimizer's parameters). 0 means every step needs all of ``gradient_bytes``."""
+    round_bytes: int = 0
+    """The part of ``allreduce_bytes`` handed to the gradient collectives of synchronised backwards (the rest:
+    the pack's own collectives such as norm clipping's scalar all-reduce)."""
+    replicas: int = 1
+    """Hybrid sharding (HSDP): the number of replicas of each shard (the mesh's replicate dimension); 1 otherwise.
+    Then each synchronised backward reduce-scatters the gradients (``allreduce_bytes``) within a shard group of
+    ``world_size / replicas`` ranks, and all-reduces the resulting shards (1/shard of those bytes) across the
+    replicas; :meth:`per_group` splits the traffic, each against its lower bound."""
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks per shard group (the world size unless sharding is hybrid)."""
+        return max(self.world_size // max(self.replicas, 1), 1)
+
+    def per_group(self) -> dict[str, float]:
+        """Bytes each rank sends per optimizer step within its shard group and across replicas (ring
+        collectives), and each one's lower bound. A reduce-scatter of ``G`` gradient bytes over ``s`` ranks sends
+        ``(s - 1) / s x G`` per rank; an all-reduce of the ``G / s`` shard bytes over ``r`` replicas sends
+        ``2 (r - 1) / r x G / s``. The bounds take ``G`` as the model's gradient bytes (one sync per step). The
+        pack's own all-reduces (norm clipping's scalar) run within the shard group and count there.
+
+        Example:
+
+            >>> stats = CommStats(allreduce_calls=4, allreduce_bytes=4 * 1000, round_bytes=4 * 1000, sync_rounds=4,
+            ...                   optimizer_steps=4, gradient_bytes=1000, world_size=4, replicas=2)
+            >>> stats.per_group()["replica_bytes_per_step"], stats.per_group()["shard_ratio_to_lower_bound"]
+            (250.0, 1.0)
+        """
+        s, r = self.shard_size, max(self.replicas, 1)
+        steps = max(self.optimizer_steps, 1)
+        payload, other = self.round_bytes / steps, (self.allreduce_bytes - self.round_bytes) / steps
+        needed = float(self.gradient_bytes)
+        shard_sent = (s - 1) / s * payload + 2 * (s - 1) / s * other
+        shard_bound = (s - 1) / s * needed
+        replica_sent = 2 * (r - 1) / r * payload / s
+        replica_bound = 2 * (r - 1) / r * needed / s
+        return {
+            "shard_bytes_per_step": shard_sent,
+            "shard_lower_bound_bytes": shard_bound,
+            "shard_ratio_to_lower_bound": shard_sent / shard_bound if shard_bound else 0.0,
+            "replica_bytes_per_step": replica_sent,
+            "replica_lower_bound_bytes": replica_bound,
+            "replica_ratio_to_lower_bound": replica_sent / replica_bound if replica_bound else 0.0,
+        }
 
     @property
     def calls_per_step(self) -> float:
@@ -113,6 +157,7 @@ class CommStats:
     def record_round(self, bucket_bytes: list[int]) -> None:
         """One synchronised backward of DDP's built-in all-reduce: one call per bucket."""
         self.record(len(bucket_bytes), sum(bucket_bytes))
+        self.round_bytes += sum(bucket_bytes)
         self.sync_rounds += 1
 
     def as_metrics(self, prefix: str = "comm/") -> dict[str, float]:
@@ -127,6 +172,7 @@ class CommStats:
             f"{prefix}ring_bytes_per_step": self.ring_bytes_per_step,
             f"{prefix}ring_lower_bound_bytes": self.ring_lower_bound_bytes,
             f"{prefix}ratio_to_lower_bound": self.ratio_to_lower_bound,
+            **({f"{prefix}{k}": v for k, v in self.per_group().items()} if self.replicas > 1 else {}),
         }
 
     def summary(self) -> str:
@@ -137,7 +183,18 @@ class CommStats:
             f"sync rounds {self.sync_rounds}, optimizer steps {self.optimizer_steps}; "
             f"ring traffic/step {self.ring_bytes_per_step:.0f} B vs lower bound "
             f"2(N-1)/N x {self.gradient_bytes} B = {self.ring_lower_bound_bytes:.0f} B "
-            f"(ratio {self.ratio_to_lower_bound:.2f}, N={self.world_size})"
+            f"(ratio {self.ratio_to_lower_bound:.2f}, N={self.world_size})" + self._hybrid_summary()
+        )
+
+    def _hybrid_summary(self) -> str:
+        if self.replicas <= 1:
+            return ""
+        g = self.per_group()
+        return (
+            f"; hybrid {self.replicas} replicas x {self.shard_size} shards: within the shard group "
+            f"{g['shard_bytes_per_step']:.0f} B/step (lower bound {g['shard_lower_bound_bytes']:.0f} B, ratio "
+            f"{g['shard_ratio_to_lower_bound']:.2f}), across replicas {g['replica_bytes_per_step']:.0f} B/step "
+            f"(lower bound {g['replica_lower_bound_bytes']:.0f} B, ratio {g['replica_ratio_to_lower_bound']:.2f})"
         )
 
 
@@ -674,9 +731,11 @@ class Ledger:
         self.log = log
         self._bucket_layout: list[int] = []
 
-    def start(self, model: nn.Module, world_size: int) -> None:
-        """The model's trainable gradient bytes and the world size: the ring all-reduce lower bound's inputs."""
+    def start(self, model: nn.Module, world_size: int, mesh_shape: Optional[tuple[int, int]] = None) -> None:
+        """The model's trainable gradient bytes and the world size: the ring all-reduce lower bound's inputs.
+        ``mesh_shape``: ``(replicas, shard size)`` of a hybrid sharded mesh (the traffic per group)."""
         self.stats.world_size = world_size
+        self.stats.replicas = mesh_shape[0] if mesh_shape is not None else 1
         self.stats.gradient_bytes = trainable_bytes(model.parameters())
 
     def record_round(self, layout: list[int]) -> None:

@@ -143,6 +143,12 @@ PRESETS: tuple[Preset, ...] = (
         {"start_method": "fork", "stage": 3},
     ),
     Preset(
+        "mgpu_hsdp",
+        MGPUShardedStrategy,
+        "hybrid ZeRO stage 3 (HSDP): sharded within each machine, replicated across machines",
+        {"start_method": "popen", "stage": 3, "mesh": "hybrid"},
+    ),
+    Preset(
         "mgpu_sharded_fairscale",
         MGPUShardedStrategy,
         "fairscale OSS + ShardedDataParallel (Lightning 1.x ddp_sharded); needs the [fairscale] extra",
@@ -168,6 +174,8 @@ LAUNCH_EXCEPTIONS: dict[str, str] = {
     "mgpu_ddp_fp16_compress": "popen only: MGPUDDPStrategy(comm_hook='fp16', start_method=...) for another launch",
     "mgpu_ddp_powersgd": "popen only: MGPUDDPStrategy(comm_hook='powersgd', start_method=...) likewise",
     "mgpu_sharded_fairscale": "popen only: MGPUShardedStrategy(backend='fairscale', start_method=...) likewise",
+    "mgpu_hsdp": "popen only: jobs on several machines are started by torchrun or SLURM; "
+    "MGPUShardedStrategy(stage=3, mesh='hybrid', start_method=...) for another launch",
 }
 
 

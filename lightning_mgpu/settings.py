@@ -35,6 +35,7 @@ CommHookName = Literal["fp16", "bf16", "powersgd", "batched_powersgd"]
 Stage = Literal[1, 2, 3]
 Backend = Literal["torch", "fairscale"]
 CheckpointLayout = Literal["consolidated", "sharded"]
+MeshLayout = Literal["flat", "hybrid"]
 LossNormalization = Literal["tokens"]
 NonFinite = Literal["error"]
 MicroBatchSetting = Union[int, Literal["auto"]]
@@ -42,6 +43,7 @@ MicroBatchSetting = Union[int, Literal["auto"]]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("torch", "fairscale")
 LAYOUTS = ("consolidated", "sharded")
+MESHES = ("flat", "hybrid")
 FAIRSCALE_INSTALL = "pip install 'lightning-mgpu[fairscale]'"
 
 # Arguments of Lightning's DDPStrategy that the mgpu strategies replace with named ones.
@@ -282,7 +284,6 @@ class LocalSGDSettings:
                 f"'bf16' (half the bytes)."
             )
 
-
     @staticmethod
     def ddp_kwargs(owner: str, given: Mapping[str, Any]) -> dict[str, Any]:
         """The DistributedDataParallel keywords of a periodic-sync strategy (``owner``): the DDP options it has no use
@@ -379,6 +380,12 @@ class ShardedSettings:
     """Stages 2/3 torch: module classes that each become an FSDP unit; a single class is taken as ``[cls]``."""
     micro_batch_size: Optional[MicroBatchSetting] = None
     """Stage 1 only (as for :class:`~lightning_mgpu.MGPUDDPStrategy`); checked with the launch settings."""
+    mesh: MeshLayout = "flat"
+    """Stages 2/3 torch: ``"flat"`` shards over all ranks; ``"hybrid"`` (HSDP) shards within groups of
+    ``shard_size`` ranks and replicates across them (one all-reduce of the shards between replicas per step)."""
+    shard_size: Optional[int] = None
+    """``mesh="hybrid"`` only: ranks per shard group; ``None``: the processes of one machine (world size /
+    ``num_nodes``). Must divide the world size."""
 
     def __post_init__(self) -> None:
         stage = self.stage
@@ -422,6 +429,60 @@ class ShardedSettings:
                 f"stage={stage}, backend={self.backend!r}. Use stage=2 or 3 with backend='torch', or remove "
                 f"wrap_modules."
             )
+        self._check_mesh()
+
+    def _check_mesh(self) -> None:
+        if self.mesh not in MESHES:
+            raise ValueError(
+                f"mesh={self.mesh!r} is unknown. Use mesh='flat' (shard over all ranks, the default) or 'hybrid' "
+                f"(shard within each machine, replicate across machines)."
+            )
+        size = self.shard_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(
+                f"shard_size={size!r} must be a whole number of ranks >= 1 (e.g. the GPUs of one machine), or None "
+                f"for the processes of one machine."
+            )
+        if size is not None and self.mesh != "hybrid":
+            raise ValueError(
+                f"shard_size={size} sets the shard group of a hybrid mesh, but mesh={self.mesh!r}. Pass "
+                f"mesh='hybrid' with it, or remove shard_size."
+            )
+        if self.mesh == "hybrid" and not self.uses_fsdp2:
+            raise ValueError(
+                f"mesh='hybrid' (shard within a machine, replicate across machines) needs FSDP2: stage 2 or 3 with "
+                f"backend='torch'; got stage={self.stage}, backend={self.backend!r}. Use "
+                f"MGPUShardedStrategy(stage=3, mesh='hybrid') (the preset 'mgpu_hsdp'), or mesh='flat'."
+            )
+
+    def mesh_shape(self, world_size: int, num_nodes: int = 1) -> tuple[int, int]:
+        """``(replicas, shard group size)`` of the device mesh at ``world_size`` ranks on ``num_nodes`` machines:
+        ``(1, world_size)`` for the flat mesh; for the hybrid one the shard group is ``shard_size`` ranks, by
+        default the processes of one machine.
+
+        Example:
+
+            >>> ShardedSettings(stage=3, mesh="hybrid").mesh_shape(world_size=16, num_nodes=2)
+            (2, 8)
+            >>> ShardedSettings(stage=3, mesh="hybrid", shard_size=4).mesh_shape(world_size=16, num_nodes=2)
+            (4, 4)
+        """
+        if self.mesh == "flat":
+            return (1, world_size)
+        nodes = max(int(num_nodes), 1)
+        if self.shard_size is None and world_size % nodes:
+            raise ValueError(
+                f"mesh='hybrid' shards within each machine, but {world_size} ranks do not split evenly over "
+                f"num_nodes={nodes}. Launch the same number of processes on every machine, or pass shard_size=N."
+            )
+        size = self.shard_size if self.shard_size is not None else world_size // nodes
+        if world_size % size:
+            raise ValueError(
+                f"shard_size={size} does not divide the world size {world_size}: the hybrid mesh needs "
+                f"world size = replicas x shard size. Pass a shard_size that divides {world_size} (e.g. the "
+                f"processes of one machine, {world_size // nodes}), or mesh='flat'."
+            )
+        return (world_size // size, size)
 
     @property
     def uses_ddp(self) -> bool:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import tempfile
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -30,6 +32,10 @@ from lightning_mgpu import MGPUDDPStrategy
 from tests.models import RankData, Regressor, make_data  # noqa: F401  (re-exported for the tests)
 
 WORLD = 2
+#: "machines" x ranks per machine of :func:`run_on_two_machines`
+NODES, PER_NODE = 2, 2
+#: a job of :func:`run_on_two_machines`: one ``Trainer.fit`` per machine, writing its records under the path given
+Job = Callable[[Path], None]
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -325,3 +331,35 @@ def _session_members(sid: int) -> list[int]:
             if os.getsid(pid) == sid and pid != sid:
                 members.append(pid)
     return members
+
+
+def _node(node: int, jobs: list[Job], ports: list[int], out: str) -> None:
+    torch.set_num_threads(1)
+    for i, (job, port) in enumerate(zip(jobs, ports)):
+        # what a cluster sets on each machine; Lightning's environment reads them, its fork launch starts the ranks
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
+        path = Path(out) / str(i)
+        path.mkdir(exist_ok=True)
+        try:
+            job(path)
+        except BaseException:
+            (Path(out) / f"node{node}.err").write_text(f"job {i}:\n{traceback.format_exc()}")
+            raise
+
+
+def run_on_two_machines(jobs: list[Job]) -> list[list[dict[str, Any]]]:
+    """Every job, one after the other, on 2 "machines" x 2 ranks: each machine is a forked process with
+    ``NODE_RANK`` set (as a cluster sets it), whose job runs ``Trainer(num_nodes=2, devices=2)``; Lightning's
+    environment reads it and the fork launch starts the machine's 2 ranks (global rank = node x 2 + local rank).
+    Each job writes ``rank{r}.pt`` into the folder it is given; returns each job's 4 rank records."""
+    with tempfile.TemporaryDirectory() as out:
+        ports = [find_free_network_port() for _ in jobs]
+        try:
+            mp.start_processes(_node, nprocs=NODES, start_method="fork", args=(jobs, ports, out))
+        except Exception as err:
+            errors = sorted(Path(out).glob("*.err"))
+            raise AssertionError("a machine failed:\n" + "\n".join(e.read_text() for e in errors)) from err
+        return [
+            [torch.load(Path(out) / str(i) / f"rank{r}.pt", weights_only=False) for r in range(NODES * PER_NODE)]
+            for i in range(len(jobs))
+        ]

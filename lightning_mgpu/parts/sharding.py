@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from lightning_mgpu.parts.accumulation import (
     ShardedDDPSyncControl,
 )
 from lightning_mgpu.parts.clipping import GlobalNormClipping
+
+#: ``(world_size, num_nodes) -> (replicas, shard group size)``
+MeshShape = Callable[[int, int], tuple[int, int]]
 
 # Optimizers whose state is not one elementwise tensor per parameter: no backend can split them.
 _UNSHARDABLE = {
@@ -112,8 +115,14 @@ class ShardingBackend:
         """Whether ``model`` is sharded in place already (FSDP2 cannot be undone: a later evaluation keeps it)."""
         return False
 
-    def device_mesh(self, device_type: str, world_size: int) -> Any:
+    def device_mesh(self, device_type: str, world_size: int, num_nodes: int = 1) -> Any:
         """The device mesh the model is sharded over, or None where the backend takes a process group."""
+        return None
+
+    @property
+    def mesh_shape(self) -> Optional[tuple[int, int]]:
+        """``(replicas, shard group size)`` of the mesh built by :meth:`device_mesh`; None before, or where the
+        backend takes a process group."""
         return None
 
     def mixed_precision_policy(self, plugin: Any) -> Any:
@@ -353,10 +362,17 @@ class FSDP2Backend(ShardingBackend):
     outside it uses too) gets no unit of its own: the parameter stays in the enclosing unit.
     """
 
-    def __init__(self, stage: int, wrap_modules: Optional[tuple[type[nn.Module], ...]] = None) -> None:
+    def __init__(
+        self,
+        stage: int,
+        wrap_modules: Optional[tuple[type[nn.Module], ...]] = None,
+        shape_of: Optional[MeshShape] = None,
+    ) -> None:
         super().__init__(stage)
         self.wrap_modules = wrap_modules
         self.sync_control = FSDP2SyncControl()
+        self.shape_of: MeshShape = shape_of if shape_of is not None else (lambda world, nodes: (1, world))
+        self._mesh: Any = None
 
     def _unit_roots(self, module: nn.Module) -> list[nn.Module]:
         return fsdp_unit_roots(module, self.wrap_modules)
@@ -366,10 +382,31 @@ class FSDP2Backend(ShardingBackend):
 
         return isinstance(model, FSDPModule)
 
-    def device_mesh(self, device_type: str, world_size: int) -> Any:
+    def device_mesh(self, device_type: str, world_size: int, num_nodes: int = 1) -> Any:
+        """1-D over all ranks (flat), or 2-D ``("replicate", "shard")`` (hybrid, HSDP): FSDP2 then
+        reduce-scatters each unit's gradient within the shard group and all-reduces the shards across replicas.
+        Rank ``r`` is in shard group ``r // shard`` (the processes of one machine are consecutive ranks)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (world_size,))
+        replicas, shard = self.shape_of(world_size, num_nodes)
+        if replicas == 1:
+            self._mesh = init_device_mesh(device_type, (world_size,))
+        else:
+            self._mesh = init_device_mesh(device_type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
+        return self._mesh
+
+    @property
+    def mesh_shape(self) -> Optional[tuple[int, int]]:
+        mesh = self._mesh
+        if mesh is None:
+            return None
+        return (1, mesh.size()) if mesh.ndim == 1 else (mesh.size(0), mesh.size(1))
+
+    def shard_group(self, group: Any) -> Any:
+        """The process group whose ranks hold distinct shards: the mesh's shard dimension (hybrid), else
+        ``group``."""
+        mesh = self._mesh
+        return mesh.get_group("shard") if mesh is not None and mesh.ndim == 2 else group
 
     def mixed_precision_policy(self, plugin: Any) -> Any:
         from lightning_mgpu.plugins.precision import MGPUPrecision
@@ -404,7 +441,9 @@ class FSDP2Backend(ShardingBackend):
         return sizes
 
     def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
-        return GlobalNormClipping(optimizer_params, group, ledger)  # every gradient is a DTensor shard
+        # every gradient is a DTensor shard; under the hybrid mesh the replicas hold the same shards, so the
+        # squared norms are summed over the shard group only (over all ranks they would count `replicas` times)
+        return GlobalNormClipping(optimizer_params, self.shard_group(group), ledger)
 
     def full_model_state(self, module: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -455,13 +494,18 @@ class FSDP2Backend(ShardingBackend):
 
 
 def make_backend(
-    stage: int, backend: str, wrap_modules: Optional[tuple[type[nn.Module], ...]] = None
+    stage: int,
+    backend: str,
+    wrap_modules: Optional[tuple[type[nn.Module], ...]] = None,
+    shape_of: Optional[MeshShape] = None,
 ) -> ShardingBackend:
+    """``shape_of(world_size, num_nodes) -> (replicas, shard size)``: the FSDP2 mesh (``ShardedSettings.mesh_shape``);
+    None: flat."""
     if backend == "fairscale":
         return FairscaleOSSBackend(stage)
     if stage == 1:
         return TorchZeroBackend(stage)
-    return FSDP2Backend(stage, wrap_modules)
+    return FSDP2Backend(stage, wrap_modules, shape_of)
 
 
 def local_bytes(tensor: Any) -> int:

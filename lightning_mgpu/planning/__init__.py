@@ -1,6 +1,7 @@
 """Autopilot, part 1: a memory plan before launch.
 
-:func:`plan` predicts, for every candidate (``mgpu_ddp``, ``mgpu_zero1``, ``mgpu_sharded``, ``mgpu_zero3``; with
+:func:`plan` predicts, for every candidate (``mgpu_ddp``, ``mgpu_zero1``, ``mgpu_sharded``, ``mgpu_zero3``, and
+``mgpu_hsdp`` on several machines; with
 and without activation checkpointing; each precision), the peak memory per rank split into parameters,
 gradients, optimizer state, activations and communication buffers, says which fit the device with the
 headroom kept free, and recommends the fastest that fits. Nothing is allocated and no process is started:
@@ -64,6 +65,7 @@ def plan(
     activation_checkpointing: Any = None,
     bucket_cap_mb: float = 25.0,
     require_fit: bool = True,
+    num_nodes: int = 1,
 ) -> Plan:
     """Plan the memory of training ``model_or_config`` on ``devices`` ranks of ``device_memory`` each.
 
@@ -84,6 +86,8 @@ def plan(
             as plain attributes) gets no "with AC" candidates.
         bucket_cap_mb: DDP's bucket size.
         require_fit: raise :class:`NoPlanFits` (naming the smallest plan and its shortfall) when nothing fits.
+        num_nodes: machines the ``devices`` ranks are spread over; with more than one, ``mgpu_hsdp`` (sharded
+            within a machine, its memory per rank that of ``devices / num_nodes`` ranks) is a candidate too.
 
     Example:
 
@@ -103,6 +107,7 @@ def plan(
         strategies=strategies if strategies is not None else STRATEGIES,
         activation_checkpointing=activation_checkpointing,
         bucket_cap_mb=bucket_cap_mb,
+        num_nodes=num_nodes,
     )
     start = time.perf_counter()
     source = resolve_source(model_or_config, batch=batch, datamodule=datamodule)

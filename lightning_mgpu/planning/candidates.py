@@ -15,6 +15,9 @@ mgpu_sharded    P / N + P (all gathered     G(t) / N            O / N      reduc
 mgpu_zero3      P / N + R P (root stays     G(t) / N            O / N      max(all-gather of two units, 2 U P
                 gathered)                                                  in forward; one unit + reduce-scatter
                                                                            in backward)
+mgpu_hsdp       as mgpu_zero3 with N the    G(t) / S            O / S      as mgpu_zero3 with S (the shard's
+                shard group S (the ranks                                   all-reduce across machines reuses the
+                of one machine)                                            reduce-scatter's output)
 ==============  ==========================  ==================  =========  =====================================
 
 plus ``A(t)`` in forward/backward (the sharded rows take the largest ``A(t) + G(t) / N``). The optimizer step
@@ -34,12 +37,13 @@ from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelStates, StepTra
 
 __all__ = ["ORDER", "NoPlanFits", "Plan", "PlanRow", "estimate"]
 
-_STRATEGY_RANK = {"mgpu_ddp": 0, "mgpu_zero1": 1, "mgpu_sharded": 2, "mgpu_zero3": 3}
+_STRATEGY_RANK = {"mgpu_ddp": 0, "mgpu_zero1": 1, "mgpu_sharded": 2, "mgpu_hsdp": 3, "mgpu_zero3": 4}
 _PRECISION_RANK = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 2, "bf16-master": 3, "16-master": 4}
 ORDER = (
     "precision first (32-true, bf16-mixed, 16-mixed, bf16-master, 16-master: a plan never changes the numerics "
     "when the model fits without), then no activation checkpointing before checkpointing (it costs a second "
-    "forward), then mgpu_ddp, mgpu_zero1, mgpu_sharded, mgpu_zero3 (less communication first)"
+    "forward), then mgpu_ddp, mgpu_zero1, mgpu_sharded, mgpu_hsdp (several machines only: sharded within a machine, "
+    "one all-reduce of the shards between machines per step), mgpu_zero3 (less communication first)"
 )
 
 
@@ -103,7 +107,8 @@ def _row(
     request: PlanRequest,
     usable: int,
 ) -> PlanRow:
-    n = request.devices
+    # mgpu_hsdp: the states are sharded over the ranks of one machine only (the replicas hold the same shards)
+    n = request.shard_size if strategy == "mgpu_hsdp" else request.devices
     _, _, master = PRECISION_LAYOUT[trace.precision]
     fp32 = sum(states.parameters.values())
     p_c, g, a, b = trace.parameters, trace.gradients, trace.activations, states.buffers
@@ -218,7 +223,7 @@ def estimate(
     """Combine the counted states and traces into one row per candidate and pick the recommendation."""
     usable = request.usable_bytes
     rows = sorted(
-        (_row(s, states, t, units, request, usable) for t in traces for s in request.strategies),
+        (_row(s, states, t, units, request, usable) for t in traces for s in request.candidates()),
         key=lambda r: r.sort_key,
     )
     best = next((r for r in rows if r.fits), None)

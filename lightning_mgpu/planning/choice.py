@@ -13,7 +13,13 @@ from lightning_mgpu.planning.request import PRECISIONS, format_bytes, parse_memo
 __all__ = ["AutoDecision", "decide", "device_memory_bytes", "planner_precision"]
 
 #: the arguments that build each candidate from :class:`~lightning_mgpu.MGPUShardedStrategy` (None: mgpu_ddp)
-STAGES: dict[str, Optional[int]] = {"mgpu_ddp": None, "mgpu_zero1": 1, "mgpu_sharded": 2, "mgpu_zero3": 3}
+STAGES: dict[str, Optional[int]] = {
+    "mgpu_ddp": None,
+    "mgpu_zero1": 1,
+    "mgpu_sharded": 2,
+    "mgpu_hsdp": 3,
+    "mgpu_zero3": 3,
+}
 
 
 @dataclass(frozen=True)
@@ -21,7 +27,7 @@ class AutoDecision:
     """The candidate ``mgpu_auto`` resolved to (the same on every rank: rank 0 decides and broadcasts it)."""
 
     strategy: str
-    """``"mgpu_ddp"``, ``"mgpu_zero1"``, ``"mgpu_sharded"`` or ``"mgpu_zero3"``."""
+    """``"mgpu_ddp"``, ``"mgpu_zero1"``, ``"mgpu_sharded"``, ``"mgpu_hsdp"`` or ``"mgpu_zero3"``."""
     activation_checkpointing: bool
     precision: str
     predicted_peak_bytes_per_rank: int
@@ -35,6 +41,11 @@ class AutoDecision:
     def stage(self) -> Optional[int]:
         """The ZeRO stage (None: mgpu_ddp)."""
         return STAGES[self.strategy]
+
+    @property
+    def mesh(self) -> str:
+        """``"hybrid"`` for ``mgpu_hsdp`` (sharded within a machine), else ``"flat"``."""
+        return "hybrid" if self.strategy == "mgpu_hsdp" else "flat"
 
 
 def decide(plan: Plan) -> AutoDecision:

@@ -2,6 +2,7 @@
 
 lightning-mgpu plan --config configs/transformer.yaml --devices 8 --device-memory 80GiB
 lightning-mgpu plan --config configs/transformer.yaml --devices 8 --device-memory 80GiB --json
+lightning-mgpu plan --config configs/transformer.yaml --devices 16 --num-nodes 2 --device-memory 80GiB
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device-memory", required=True, help="per device, e.g. 80GiB or 40GB")
     parser.add_argument("--headroom", type=float, default=0.10, help="fraction kept free (default 0.10)")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, help="default: 32-true bf16-mixed bf16-master")
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, help="default: all four")
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, help="default: all (mgpu_hsdp: --num-nodes > 1)")
+    parser.add_argument(
+        "--num-nodes", type=int, default=1, help="machines the --devices ranks are spread over (default 1)"
+    )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
@@ -38,6 +42,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             precisions=tuple(args.precisions) if args.precisions else None,
             strategies=tuple(args.strategies) if args.strategies else None,
             bucket_cap_mb=args.bucket_cap_mb,
+            num_nodes=args.num_nodes,
         )
     except NoPlanFits as err:
         print(err.plan.to_json() if args.json else err.plan.table(), file=sys.stderr)

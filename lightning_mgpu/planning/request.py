@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 __all__ = ["DEFAULT_PRECISIONS", "PRECISIONS", "STRATEGIES", "PlanError", "PlanRequest", "format_bytes", "parse_memory"]
 
 #: candidate strategies, fastest first (see :data:`lightning_mgpu.planning.candidates.ORDER`)
-STRATEGIES: tuple[str, ...] = ("mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_zero3")
+STRATEGIES: tuple[str, ...] = ("mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_hsdp", "mgpu_zero3")
 #: every precision the planner models; "16-mixed"/"16-master" take the same bytes as their bf16 twins
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-master", "16-master")
 DEFAULT_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-master")
@@ -91,6 +91,10 @@ class PlanRequest:
     ``nn.Sequential`` / ``nn.ModuleList`` (``EveryNth(1)``); with neither, no "with AC" candidates."""
     bucket_cap_mb: float = 25.0
     """DDP's ``bucket_cap_mb``: one bucket in flight is counted as a communication buffer."""
+    num_nodes: int = 1
+    """Machines the ranks are spread over (the same number on each). ``mgpu_hsdp`` shards within a machine
+    (``devices / num_nodes`` ranks), so it is a candidate only when ``num_nodes > 1`` (on one machine it is
+    ``mgpu_zero3``)."""
     device_memory_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -107,8 +111,29 @@ class PlanRequest:
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown or not self.strategies:
             raise PlanError(f"strategies={self.strategies!r}: {unknown or 'none given'}; choose from {STRATEGIES}.")
+        nodes = self.num_nodes
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or self.devices % nodes:
+            raise PlanError(
+                f"num_nodes={nodes!r} must be a positive int that divides devices={self.devices} (the same number "
+                f"of ranks on every machine), e.g. num_nodes=2 for 2 machines of {max(self.devices // 2, 1)}."
+            )
+        if not self.candidates():
+            raise PlanError(
+                f"strategies={self.strategies!r} on num_nodes=1: mgpu_hsdp shards within a machine and replicates "
+                f"across machines, so on one machine it is mgpu_zero3. Add 'mgpu_zero3' (or another strategy), or "
+                f"plan for num_nodes > 1."
+            )
         if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0:
             raise PlanError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a positive number of MiB (DDP: 25).")
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks per shard group of ``mgpu_hsdp``: the processes of one machine."""
+        return self.devices // self.num_nodes
+
+    def candidates(self) -> tuple[str, ...]:
+        """:attr:`strategies` less ``mgpu_hsdp`` on one machine (where it is ``mgpu_zero3``)."""
+        return tuple(s for s in self.strategies if s != "mgpu_hsdp" or self.num_nodes > 1)
 
     @property
     def usable_bytes(self) -> int:

@@ -45,14 +45,15 @@ from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
 
 class MGPUAutoStrategy(MGPUDDPStrategy):
-    """Chooses mgpu_ddp, mgpu_zero1, mgpu_sharded or mgpu_zero3 (with or without activation checkpointing) at
-    set-up: the fastest that the memory plan says fits (see the module docstring).
+    """Chooses mgpu_ddp, mgpu_zero1, mgpu_sharded, mgpu_hsdp (on several machines: ``num_nodes > 1``) or mgpu_zero3
+    (with or without activation checkpointing) at set-up: the fastest that the memory plan says fits (see the
+    module docstring).
 
     Args:
         device_memory: memory of one device, e.g. ``"8GiB"``. Default: on CUDA the device's total memory; on CPU
             the machine's available memory divided by the processes on it.
         headroom: fraction of ``device_memory`` kept free.
-        strategies: the candidates, default all four; ``micro_batch_size`` keeps mgpu_ddp and mgpu_zero1 (the
+        strategies: the candidates, default all; ``micro_batch_size`` keeps mgpu_ddp and mgpu_zero1 (the
             strategies that micro-batch), manual optimization keeps mgpu_ddp.
         activation_checkpointing: the blocks the "with activation checkpointing" candidates checkpoint; default
             the transformer layers, else every block of the outermost containers; a model with neither (layers
@@ -180,6 +181,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         result = plan(
             factory,
             devices=self.world_size,
+            num_nodes=self.num_nodes,
             device_memory=memory,
             batch=batch,
             headroom=self._auto["settings"].headroom,
@@ -216,6 +218,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             target = MGPUDDPStrategy
         else:
             kwargs["stage"] = decision.stage
+            if decision.mesh == "hybrid":
+                kwargs["mesh"] = "hybrid"
             target = MGPUShardedStrategy
         self.__dict__.clear()
         self.__class__ = target  # type: ignore[assignment]  # the one class switch: see the class docstring

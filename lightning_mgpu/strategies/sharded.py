@@ -70,6 +70,7 @@ from lightning_mgpu.settings import (
     CommonSettings,
     DDPSettings,
     LossNormalization,
+    MeshLayout,
     MicroBatchSetting,
     NonFinite,
     ShardedSettings,
@@ -369,6 +370,9 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
             ``mgpu_ddp``).
         nonfinite: ``"error"``: every rank raises the same error on a NaN/Inf gradient (as for ``mgpu_ddp``).
         micro_batch_size: stage 1 only: as for :class:`~lightning_mgpu.MGPUDDPStrategy`.
+        mesh: stages 2/3 torch: ``"flat"`` (shard over all ranks) or ``"hybrid"`` (HSDP: shard within each
+            group of ``shard_size`` ranks, by default the processes of one machine, and replicate across groups).
+        shard_size: ``mesh="hybrid"``: ranks per shard group (None: world size / ``num_nodes``).
         async_checkpoint: stage checkpoints saved during fit off the live tensors and write them in the
             background (either layout; a sharded directory is marked complete once every rank's part is written).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
@@ -414,6 +418,8 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         micro_batch_size: Optional[MicroBatchSetting] = None,
+        mesh: MeshLayout = "flat",
+        shard_size: Optional[int] = None,
         **ddp_kwargs: Any,
     ) -> None:
         sharded = ShardedSettings(
@@ -422,6 +428,8 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
             checkpoint=checkpoint,
             wrap_modules=wrap_modules,  # type: ignore[arg-type]  # a sequence or one class: the settings normalise it
             micro_batch_size=micro_batch_size,
+            mesh=mesh,
+            shard_size=shard_size,
         )
         own = [name for name in inspect.signature(MGPUShardedStrategy.__init__).parameters if name != "self"]
         ddp_kwargs = split_ddp_kwargs("MGPUShardedStrategy", ddp_kwargs, own[:-1])  # all but **ddp_kwargs
@@ -466,7 +474,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         self._sharded_settings = sharded
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
-        self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.wrap_modules)
+        self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.wrap_modules, sharded.mesh_shape)
         self._loaded_sharded = False
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
         # stage 1: the DDP wrapping of mgpu_ddp, composed (parts/ddp.py); None at stages 2 and 3
@@ -526,6 +534,8 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         if self._ddp_settings is not None:
             check_backend(self._ddp_settings.comm_hook, self._group_backend())
         super()._check_at_construction()
+        processes, nodes = self._processes_and_nodes()
+        self._sharded_settings.mesh_shape(processes * nodes, nodes)  # a hybrid mesh that cannot be built: now
         plugin = self.precision_plugin
         if not (isinstance(plugin, MGPUPrecision) and plugin.master):
             return
@@ -622,12 +632,12 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
             self._ledger.start(ddp, self.world_size)
             self._comm_hook_state = self._ddp_wrapping.register_hooks(ddp, self._ledger, manual=False)
             return
-        mesh = self._sharding.device_mesh(self.root_device.type, self.world_size)
+        mesh = self._sharding.device_mesh(self.root_device.type, self.world_size, self.num_nodes)
         sharded = self._sharding.shard_model(module, mesh, policy)
         if sharded is not None:
             self.model = sharded
         assert self.model is not None
-        self._ledger.start(self.model, self.world_size)
+        self._ledger.start(self.model, self.world_size, self._sharding.mesh_shape)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -771,7 +781,6 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         if self._ddp_wrapping is not None:  # stage 1: DDP's errors name the fix, and the group ends as mgpu_ddp's
             DDPWrapping.explain(exception, "strategy=MGPUShardedStrategy(stage=1, find_unused_parameters=True)")
             self._end_group_after(exception)
-
 
 
 class MGPUZeRO1Strategy(MGPUShardedStrategy):

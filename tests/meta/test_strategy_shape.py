@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from torch import nn
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
 from lightning_mgpu.strategies import MGPUFSDPStrategy, MGPUParallelStrategy, MGPUStrategyMixin, MGPUZeRO1Strategy

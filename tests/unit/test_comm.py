@@ -351,3 +351,26 @@ def test_clipping_with_a_share_on_another_device_is_staged_to_the_collective_dev
     with pytest.raises(_Reached):
         GlobalNormClipping(lambda optimizer: []).total_norm([torch.ones(3)])
     assert nccl_collectives == [torch.device("meta")]
+
+
+def test_the_ledger_splits_hybrid_sharding_traffic_by_group_each_against_its_lower_bound():
+    """2 replicas x 4 shards, 1000 gradient bytes, 3 steps: each step one reduce-scatter of the gradient within
+    the shard group, (s - 1) / s x 1000 = 750 B, plus norm clipping's 8-byte all-reduce there, 2 (s - 1) / s x 8 =
+    12 B; across replicas an all-reduce of the 250-byte shard, 2 (r - 1) / r x 250 = 250 B."""
+    stats = CommStats(gradient_bytes=1000, world_size=8, replicas=2)
+    for _ in range(3):
+        stats.record_round([600, 400])
+        stats.record(1, 8)
+        stats.optimizer_steps += 1
+    groups = stats.per_group()
+    assert stats.shard_size == 4
+    assert (groups["shard_bytes_per_step"], groups["shard_lower_bound_bytes"]) == (762.0, 750.0)
+    assert (groups["replica_bytes_per_step"], groups["replica_lower_bound_bytes"]) == (250.0, 250.0)
+    assert groups["replica_ratio_to_lower_bound"] == 1.0
+    assert "comm/replica_bytes_per_step" in stats.as_metrics()
+    assert "across replicas 250 B/step" in stats.summary()
+    # a sync on every micro-batch shows in both groups
+    stats.record_round([600, 400])
+    assert stats.per_group()["replica_ratio_to_lower_bound"] == pytest.approx(4 / 3)
+    flat = CommStats(gradient_bytes=1000, world_size=8)
+    assert "comm/replica_bytes_per_step" not in flat.as_metrics() and "replicas" not in flat.summary()

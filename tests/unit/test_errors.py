@@ -305,6 +305,36 @@ CASES = [
         id="sharded-wrap_modules-needs-fsdp-stages",
     ),
     pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, mesh="2d"),  # type: ignore[arg-type]
+        ValueError,
+        ["mesh='2d'", "mesh='flat'", "'hybrid'"],
+        id="sharded-unknown-mesh-lists-the-meshes",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=1, mesh="hybrid"),
+        ValueError,
+        ["mesh='hybrid'", "stage=1", "MGPUShardedStrategy(stage=3, mesh='hybrid')", "'mgpu_hsdp'"],
+        id="sharded-hybrid-mesh-needs-fsdp2-stages",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, shard_size=2),
+        ValueError,
+        ["shard_size=2", "mesh='flat'", "mesh='hybrid'"],
+        id="sharded-shard_size-needs-the-hybrid-mesh",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, mesh="hybrid", shard_size=0),
+        ValueError,
+        ["shard_size=0", ">= 1", "None"],
+        id="sharded-shard_size-must-be-a-positive-int",
+    ),
+    pytest.param(
+        lambda: trainer(MGPUShardedStrategy(stage=3, mesh="hybrid", shard_size=3, start_method="fork")),
+        ValueError,
+        ["shard_size=3", "does not divide the world size 2", "mesh='flat'"],
+        id="sharded-shard_size-not-dividing-the-world-size-is-refused-at-trainer-construction",
+    ),
+    pytest.param(
         lambda: MGPUShardedStrategy(stage=2, comm_hook="fp16"),
         ValueError,
         ["comm_hook='fp16'", "stage 2", "stage=1"],

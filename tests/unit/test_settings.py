@@ -84,3 +84,20 @@ def test_the_auto_strategy_settings_are_checked_in_one_place():
     # the strategy builds them from its keywords, so the same errors come from Trainer(strategy=MGPUAutoStrategy(...))
     with pytest.raises(ValueError, match=r"headroom=-0.1"):
         MGPUAutoStrategy(headroom=-0.1)
+
+
+def test_the_hybrid_mesh_shards_within_a_machine_by_default_and_replicates_across():
+    hybrid = ShardedSettings(stage=3, mesh="hybrid")
+    assert hybrid.mesh_shape(world_size=4, num_nodes=2) == (2, 2)
+    assert hybrid.mesh_shape(world_size=16, num_nodes=2) == (2, 8)
+    assert hybrid.mesh_shape(world_size=4, num_nodes=1) == (1, 4)  # one machine: one replica
+    assert ShardedSettings(stage=2, mesh="hybrid", shard_size=1).mesh_shape(4, 2) == (4, 1)
+    assert ShardedSettings(stage=3, mesh="hybrid", shard_size=4).mesh_shape(8, 2) == (2, 4)
+    assert ShardedSettings(stage=3).mesh_shape(world_size=4, num_nodes=2) == (1, 4)  # flat
+
+
+def test_a_hybrid_mesh_that_cannot_be_built_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match=r"5 ranks do not split evenly over num_nodes=2.*shard_size=N"):
+        ShardedSettings(stage=3, mesh="hybrid").mesh_shape(world_size=5, num_nodes=2)
+    with pytest.raises(ValueError, match=r"shard_size=3 does not divide the world size 4"):
+        ShardedSettings(stage=3, mesh="hybrid", shard_size=3).mesh_shape(world_size=4, num_nodes=2)

@@ -14,7 +14,18 @@ from torch import nn
 
 from lightning_mgpu import PRESETS, MGPUAutoStrategy, plan
 from lightning_mgpu.planning import PlanError
-from tests.helpers import WORLD, Regressor, fit, make_data, reference_weights
+from tests.helpers import (
+    NODES,
+    PER_NODE,
+    WORLD,
+    RankData,
+    Regressor,
+    fit,
+    full,
+    make_data,
+    reference_weights,
+    run_on_two_machines,
+)
 from tests.models import ManualRegressor
 
 B = 48  # rows per rank: the global batch is the whole dataset (96 rows), one step per epoch
@@ -167,3 +178,35 @@ def test_mgpu_auto_resumes_from_its_checkpoint_as_the_uninterrupted_run(tmp_path
     assert resumed[0]["global_step"] == whole[0]["global_step"] == EPOCHS * 2
     assert (len(resumed[0]["batch_spy"]), len(whole[0]["batch_spy"])) == (2, 4)  # it did start at epoch 1
     torch.testing.assert_close(resumed[0]["weights"], whole[0]["weights"])
+
+
+class _HybridChoice(Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        s = trainer.strategy
+        weights = torch.cat([full(p.detach()).flatten() for p in pl_module.parameters()])
+        record = {"decision": s.auto_decision.strategy, "mesh_shape": s._sharding.mesh_shape, "weights": weights}
+        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _auto_on_two_machines(out: Path) -> None:
+    strategy = MGPUAutoStrategy(device_memory="1TiB", strategies=["mgpu_hsdp", "mgpu_zero3"], start_method="fork")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=PER_NODE, num_nodes=NODES, strategy=strategy, max_epochs=EPOCHS,
+        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[_HybridChoice(out)],
+    )  # fmt: skip
+    trainer.fit(Regressor().double(), datamodule=RankData(make_data(), len(make_data()) // (NODES * PER_NODE)))
+
+
+@pytest.mark.timeout(600)
+def test_mgpu_auto_plans_hybrid_sharding_on_several_machines_and_trains_it():
+    """2 "machines" x 2 ranks: the plan has an mgpu_hsdp row (memory per rank of a 2-rank shard group), it
+    comes before mgpu_zero3 in the order, so with room for both mgpu_auto builds the hybrid mesh (2 x 2)."""
+    ranks = run_on_two_machines([_auto_on_two_machines])[0]
+    expected = reference_weights(Regressor().double(), make_data(), len(make_data()), EPOCHS)
+    for r in ranks:
+        assert (r["decision"], r["mesh_shape"]) == ("mgpu_hsdp", (2, 2))
+        torch.testing.assert_close(r["weights"], expected)

@@ -277,3 +277,66 @@ def test_a_cpu_fork_launch_starts_in_a_process_torch_marks_as_a_bad_fork(tmp_pat
 def test_lightnings_own_fork_launcher_refuses_there(tmp_path):
     """Negative control: the state the test above starts in is the one Lightning refuses."""
     assert "Cannot re-initialize CUDA in forked subprocess" in _run(DDPStrategy(start_method="fork"), tmp_path)
+
+
+HSDP_PROBE = '''
+import torch
+from pytorch_lightning.callbacks import Callback
+
+
+class Probe(Callback):
+    """Saves the mesh this rank trained on (from the ledger) and the full weights, after fit."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        stats = trainer.strategy.comm_stats
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pl_module.state_dict().items()}
+        torch.save(
+            {
+                "env": type(trainer.strategy.cluster_environment).__name__,
+                "node_rank": trainer.node_rank,
+                "mesh": (stats.replicas, stats.shard_size),
+                "syncs": (stats.sync_rounds, stats.optimizer_steps),
+                "weights": torch.cat([state[n].flatten() for n, _ in pl_module.named_parameters()]),
+            },
+            f"{self.out}/rank{trainer.global_rank}.pt",
+        )
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hsdp_under_torchrun_on_two_nodes_shards_within_each_node(tmp_path):
+    """configs/hsdp.yaml under ``torchrun --nnodes 2 --nproc-per-node 2`` on loopback: the shard group is the 2
+    processes of a node (from ``--trainer.num_nodes 2`` and TorchElasticEnvironment), 2 replicas, one gradient sync
+    per optimizer step under accumulation 2, and the 4 ranks end with the same weights."""
+    (tmp_path / "probe.py").write_text(HSDP_PROBE)
+    port = str(find_free_network_port())
+    args = [
+        "-m", "lightning_mgpu", "fit", "--config", str(ROOT / "configs" / "hsdp.yaml"),
+        "--trainer.devices", "2", "--trainer.num_nodes", "2", "--trainer.max_epochs", "1",
+        "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "1",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks+=probe.Probe",
+        f"--trainer.callbacks.out={tmp_path}",
+    ]  # fmt: skip
+    launch(
+        [
+            (
+                [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                    "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port, *args,
+                ],
+                {},
+            )
+            for node in (0, 1)
+        ],
+        tmp_path,
+    )  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    for r, seen in enumerate(ranks):
+        assert (seen["env"], seen["node_rank"]) == ("TorchElasticEnvironment", r // 2)
+        assert seen["mesh"] == (2, 2)  # 2 replicas (the nodes) of shard groups of 2 (the processes of a node)
+        assert seen["syncs"] == (2, 2)  # 4 batches, accumulate_grad_batches 2: one sync per optimizer step
+        torch.testing.assert_close(seen["weights"], ranks[0]["weights"], rtol=0, atol=0)

@@ -133,6 +133,21 @@ def test_sharding_divides_the_optimizer_state_and_master_weights_halve_the_param
     assert p.row("mgpu_ddp", "bf16-master").parameters_bytes == fp32 // 2 + fp32 + p.states.buffers
 
 
+def test_hybrid_sharding_is_planned_per_rank_as_the_shard_group_of_one_machine():
+    """4 ranks on 2 machines: mgpu_hsdp shards over the 2 ranks of a machine, so each rank holds what mgpu_zero3
+    holds on 2 ranks; on one machine it is no candidate (it would be mgpu_zero3)."""
+    batch = _digits_batch()
+    two = plan(DigitsTransformer, devices=4, num_nodes=2, device_memory="8GiB", batch=batch, precisions=("32-true",))
+    one = plan(DigitsTransformer, devices=2, device_memory="8GiB", batch=batch, precisions=("32-true",))
+    hsdp, zero3_on_2 = two.row("mgpu_hsdp"), one.row("mgpu_zero3")
+    for field in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "predicted_peak_bytes_per_rank"):
+        assert getattr(hsdp, field) == getattr(zero3_on_2, field), field
+    assert two.row("mgpu_zero3").optimizer_state_bytes == hsdp.optimizer_state_bytes // 2
+    order = [r.strategy for r in two.rows if not r.activation_checkpointing]
+    assert order.index("mgpu_sharded") < order.index("mgpu_hsdp") < order.index("mgpu_zero3")
+    assert "mgpu_hsdp" not in {r.strategy for r in one.rows}
+
+
 def test_the_recommendation_is_the_first_candidate_in_order_that_fits():
     roomy = _plan("TransformerLM")
     assert roomy.recommended == roomy.row("mgpu_ddp", "32-true", False)
@@ -184,6 +199,16 @@ def test_the_cli_prints_json_rows_for_a_config(capsys):
     assert sum(r["recommended"] for r in rows) == 1
 
 
+def test_the_cli_plans_hybrid_sharding_on_several_machines(capsys):
+    assert cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "4", "--num-nodes", "2", "--device-memory",
+                                    "1GiB", "--json", "--precisions", "32-true"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 10  # 5 strategies (mgpu_hsdp too) x with/without checkpointing
+    hsdp = next(r for r in rows if r["strategy"] == "mgpu_hsdp" and not r["activation_checkpointing"])
+    zero3 = next(r for r in rows if r["strategy"] == "mgpu_zero3" and not r["activation_checkpointing"])
+    assert hsdp["optimizer_state_bytes"] == 2 * zero3["optimizer_state_bytes"]  # sharded over 2 ranks, not 4
+
+
 # --- bad input: a clear error before anything runs ---------------------------------------------------------
 
 
@@ -227,6 +252,8 @@ def test_a_device_memory_that_fits_nothing_names_the_smallest_plan_and_the_short
         ("headroom", {"headroom": 1.5}, "fraction"),
         ("precisions", {"precisions": ("fp8",)}, "choose from"),
         ("strategies", {"strategies": ("deepspeed",)}, "choose from"),
+        ("num_nodes", {"devices": 3, "num_nodes": 2}, "divides devices=3"),
+        ("strategies", {"strategies": ("mgpu_hsdp",)}, "on num_nodes=1.*Add 'mgpu_zero3'"),
     ],
 )
 def test_the_request_names_the_bad_field_and_the_fix(field: str, kwargs: dict[str, Any], fix: str):
