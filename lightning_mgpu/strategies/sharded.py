@@ -165,7 +165,8 @@ class ShardedCheckpoints(MGPUStrategyMixin):
     ) -> None:
         self._refuse_main_process_save()
         self._settle_async_writes()  # the previous background write finished everywhere (or raise)
-        self._resume.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
+        # before the sharded layout puts the non-tensor part into meta.pt
+        self._resume.before_save(checkpoint, attached_trainer(self.lightning_module))
         filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
         local = local_path(filepath)
         if self._checkpoint_layout == "consolidated":
@@ -298,7 +299,8 @@ class ShardedCheckpoints(MGPUStrategyMixin):
         elif saved_optimizers is not None:
             checkpoint["optimizer_states"] = []
         self._loaded_sharded = True
-        self._resume.after_load(checkpoint)  # the file branch does it in super().load_checkpoint
+        # the file branch does it in super().load_checkpoint
+        self._resume.after_load(checkpoint, self.world_size, self.global_rank)
         return checkpoint
 
     @override
