@@ -123,6 +123,10 @@ class ResumableDistributedSampler(DistributedSampler):
         return list(range(self.dataset_size))
 
     def __iter__(self) -> Iterator[int]:
+        # A generator: the order is drawn, and the position used up, at the first index taken. torch's loader
+        # iterator with workers calls iter() twice when it is created (in __init__ and again in _reset) and
+        # draws only from the second, so an eager iter() would spend the position on the first (measured: a
+        # StatefulDataLoader with num_workers=1 restarted the epoch).
         order = self.global_order()
         rest = order[self._skip :]
         self._skip = 0  # a second pass over the same epoch (another fit) starts at its beginning
@@ -131,7 +135,7 @@ class ResumableDistributedSampler(DistributedSampler):
         elif (pad := -len(rest) % self.num_replicas) and order:
             # torch pads with the epoch's first samples (repeated when the dataset is smaller than the padding)
             rest += (order * math.ceil(pad / len(order)))[:pad]
-        return iter(rest[self.rank :: self.num_replicas])
+        yield from rest[self.rank :: self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:
         # Lightning calls set_epoch(e) at every epoch start, also for the resumed epoch: keep the position then

@@ -40,7 +40,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
-from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
+from lightning_mgpu import MGPUDDPStrategy, MGPULocalSGDStrategy, MGPUShardedStrategy
 from lightning_mgpu.parts.resume import (
     LOADER_STATES_KEY,
     POSITION_KEY,
@@ -558,6 +558,8 @@ class LoaderData(pl.LightningDataModule):
             dataset = StreamingDataset(str(self.data_dir), shuffle=True, seed=0, drop_last=True)
             return StreamingDataLoader(dataset, **kwargs)
         data = make_indexed_data()
+        if self.kind == "torch":  # a torch DataLoader (the resume tests above), here for its workers
+            return DataLoader(data, shuffle=True, **kwargs)
         if self.kind == "stateful":
             return StatefulDataLoader(data, shuffle=True, **kwargs)
         return StatefulDataLoader(data, sampler=DistributedSampler(data, shuffle=True, seed=0), **kwargs)
@@ -802,3 +804,44 @@ def test_loader_states_are_kept_per_rank_with_the_world_size(uninterrupted_loade
     assert own["loops"]["fit_loop"]["state_dict"]["combined_loader"] == record["ranks"][0]
     ours = torch.load(uninterrupted_loader_runs("mgpu_ddp", "stateful")["ckpt"] / "step=4.ckpt", weights_only=False)
     assert LOADER_STATES_KEY not in ours and ours[POSITION_KEY]["consumed"] == 2 * MICRO
+
+
+# local SGD (weights averaged every 2 steps) resumes its data the same way (the part lives in the strategies'
+# shared base); its weights at another world size restart from the last synced ones (local-SGD guide), so the
+# data are compared there, not the weights
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", LOADERS)
+def test_local_sgd_resumes_its_loader_mid_epoch_exactly(tmp_path, streaming_dir, kind):
+    make = lambda: MGPULocalSGDStrategy(sync_every=2, start_method="fork")  # noqa: E731
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    data_dir = streaming_dir if kind == "streaming" else None
+    straight = run_loader(tmp_path / "straight", make(), kind, data_dir=data_dir, callbacks=[ckpt])
+    for at_step in RESUME_STEPS:
+        resumed = run_loader(tmp_path / f"resumed-{at_step}", make(), kind, data_dir=data_dir,
+                             ckpt_path=tmp_path / f"ckpt/step={at_step}.ckpt")  # fmt: skip
+        check_exact(straight, resumed, at_step, same_world=True)
+    if kind == "stateful":
+        resumed = run_loader(tmp_path / "resumed-1", make(), kind, devices=1, batch_size=MICRO,
+                             ckpt_path=tmp_path / "ckpt/step=4.ckpt")  # fmt: skip
+        assert resumed["global"] == [m for m in straight["global"] if m[0] >= 4]
+        assert distinct_per_epoch(interrupted(straight, resumed, 4)) == [SAMPLES] * EPOCHS
+
+
+# dataloader workers: the resumable sampler runs in the main process (torchdata's batch sampler calls iter() on it
+# when torch's loader iterator is created, and again at its _reset: the position must survive the first), the
+# StatefulDataLoader's own state holds the workers' snapshots, litdata hands its workers their share; each resumes
+# exactly (with an eager iter() the stateful case restarted the epoch)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "kind", ["torch", "stateful", *(pytest.param(kind, marks=pytest.mark.slow) for kind in LOADERS[1:])]
+)
+def test_loader_with_workers_resumes_mid_epoch_exactly(tmp_path, streaming_dir, kind):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    data_dir = streaming_dir if kind == "streaming" else None
+    make = STRATEGIES["mgpu_ddp"]
+    straight = run_loader(tmp_path / "straight", make(), kind, data_dir=data_dir, callbacks=[ckpt], num_workers=1)
+    for at_step in RESUME_STEPS:
+        resumed = run_loader(tmp_path / f"resumed-{at_step}", make(), kind, data_dir=data_dir, num_workers=1,
+                             ckpt_path=tmp_path / f"ckpt/step={at_step}.ckpt")  # fmt: skip
+        check_exact(straight, resumed, at_step, same_world=True)
