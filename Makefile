@@ -4,6 +4,9 @@
 # `make test TORCH=torch==2.14.1` (or TORCH= to keep whatever torch the interpreter already has).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# litdata's StreamingDataLoader is tested (mid-epoch resume); it is installed without its dependencies, as
+# pyproject.toml's `test` extra explains (its torchvision would break `import lightning` next to the CPU torch)
+LITDATA ?= litdata==0.2.76
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -21,6 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
 	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps "$(LITDATA)"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -183,6 +183,13 @@ def update_dataloader(dataloader: Any, sampler: Any, mode: Any) -> Any:
     return _update_dataloader(dataloader, sampler, mode=mode)
 
 
+def wrapped_sampler(wrapper: Any) -> Any:
+    """The sampler inside Lightning's ``DistributedSamplerWrapper`` (its dataset's ``_sampler``: the sampler of the
+    user's loader that Lightning wrapped; lightning-fabric 2.6.6 checked). Missing: ``None``, and a
+    StatefulDataLoader with Lightning's automatic sampler resumes as in plain Lightning (a warning says so)."""
+    return getattr(getattr(wrapper, "dataset", None), "_sampler", None)
+
+
 def destroy_dist_connection() -> None:
     """``lightning_fabric.utilities.distributed._destroy_dist_connection`` (2.6.6 checked). Missing: torch's
     ``destroy_process_group`` when a group exists."""

@@ -27,6 +27,18 @@ What this module adds (``MGPUDDPStrategy`` and ``MGPUShardedStrategy`` use it fo
 * On any resume the sampler gets the resumed epoch before the iterator exists (right with workers too).
 * A checkpoint written inside an accumulation window holds no gradients: the samples still continue exactly,
   but the window's step lacks the gradients of the micro-batches before the save (a warning says so).
+
+Loaders with a state of their own (torchdata's ``StatefulDataLoader``, litdata's ``StreamingDataLoader``), which
+plain Lightning resumes wrongly (measured in the tests' negative control):
+
+* A ``StatefulDataLoader`` with Lightning's automatic sampler gets the resumable sampler in its batch sampler
+  (its own state is replaced by the position): exact at the same and at another world size.
+* Lightning saves only rank 0's loader states and loads them on every rank; :func:`gather_loader_states` saves
+  every rank's under :data:`LOADER_STATES_KEY` and :func:`restore_loader_states` gives each rank its own. At
+  another world size a mid-epoch state counted per rank (a ``StatefulDataLoader`` with the user's sampler) is
+  refused when the checkpoint is loaded; litdata's, counted across ranks, is re-split by litdata.
+* Every training sampler gets the resumed epoch before the iterator exists (see :func:`set_epoch_now`).
+* litdata's ``restore`` flag is cleared at the resumed epoch's last batch (:meth:`MidEpochResume.batch_started`).
 """
 
 from __future__ import annotations
@@ -37,16 +49,22 @@ from typing import Any, Optional
 
 import pytorch_lightning as pl
 import torch
+from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
-from lightning_mgpu._compat import update_dataloader
+from lightning_mgpu import comm
+from lightning_mgpu._compat import update_dataloader, wrapped_sampler
 
 POSITION_KEY = "mgpu_sampler_position"
 """Top-level checkpoint key of a mid-epoch position (absent in checkpoints written at an epoch's end)."""
+LOADER_STATES_KEY = "mgpu_loader_states"
+"""Top-level checkpoint key of every rank's states of the training loaders that keep their own position
+(``StatefulDataLoader``, litdata's ``StreamingDataLoader``), with the world size they were written at."""
 _FORMAT = "lightning_mgpu.sampler_position"
+_STATES_FORMAT = "lightning_mgpu.loader_states"
 # the entries of a position that decide the epoch's global order: resuming with another value would make the
 # "first s samples" other samples
 _ORDER_FIELDS = ("dataset_size", "shuffle", "seed")
@@ -105,6 +123,10 @@ class ResumableDistributedSampler(DistributedSampler):
         return list(range(self.dataset_size))
 
     def __iter__(self) -> Iterator[int]:
+        # A generator: the order is drawn, and the position used up, at the first index taken. torch's loader
+        # iterator with workers calls iter() twice when it is created (in __init__ and again in _reset) and
+        # draws only from the second, so an eager iter() would spend the position on the first (measured: a
+        # StatefulDataLoader with num_workers=1 restarted the epoch).
         order = self.global_order()
         rest = order[self._skip :]
         self._skip = 0  # a second pass over the same epoch (another fit) starts at its beginning
@@ -113,7 +135,7 @@ class ResumableDistributedSampler(DistributedSampler):
         elif (pad := -len(rest) % self.num_replicas) and order:
             # torch pads with the epoch's first samples (repeated when the dataset is smaller than the padding)
             rest += (order * math.ceil(pad / len(order)))[:pad]
-        return iter(rest[self.rank :: self.num_replicas])
+        yield from rest[self.rank :: self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:
         # Lightning calls set_epoch(e) at every epoch start, also for the resumed epoch: keep the position then
@@ -163,58 +185,110 @@ def mid_epoch(trainer: pl.Trainer) -> bool:
     return batches_done(trainer) > 0 and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
 
+def _is_torchdata(obj: object, name: str, package: str = "torchdata.") -> bool:
+    """Whether ``obj`` is the class ``name`` of ``package`` (torchdata's, or litdata's; both optional, so
+    recognised by name instead of imported)."""
+    cls = type(obj)
+    return cls.__name__ == name and cls.__module__.startswith(package)
+
+
+def order_sampler(dataloader: object) -> Optional[Any]:
+    """The sampler that orders a loader's samples when its batches are consecutive runs of ``batch_size`` of
+    them: torch's ``BatchSampler`` (a loader with ``batch_size``), or torchdata's (the same batches, with an
+    iterator that remembers its place: what ``StatefulDataLoader`` uses). ``None`` for a batch sampler of the
+    user's, or none."""
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    if type(batch_sampler) is BatchSampler or _is_torchdata(batch_sampler, "BatchSampler"):
+        return batch_sampler.sampler  # type: ignore[union-attr]
+    return None
+
+
+def _replacement(sampler: Any, dataloader: DataLoader) -> Optional[ResumableDistributedSampler]:
+    """Our sampler in place of the one Lightning injected, with the same arguments: for torch's
+    ``DistributedSampler`` (a loader with ``shuffle``, or torch's samplers) the same order; for the
+    ``DistributedSamplerWrapper`` Lightning puts around torchdata's ``RandomSampler`` (``StatefulDataLoader(...,
+    shuffle=True)``) torch's shuffled order for the wrapper's seed, the order a torch ``DataLoader(...,
+    shuffle=True)`` gets. ``None`` for any other sampler (kept)."""
+    if type(sampler) is DistributedSampler:
+        dataset, shuffle = sampler.dataset, sampler.shuffle
+    elif type(sampler) is DistributedSamplerWrapper and _is_torchdata(wrapped_sampler(sampler), "RandomSampler"):
+        inner = wrapped_sampler(sampler)
+        dataset, shuffle = dataloader.dataset, True
+        if inner.replacement or inner.num_samples != len(dataset):  # type: ignore[arg-type]  # a map-style dataset
+            return None  # sampling with replacement or a part of the data: an order of its own
+    else:
+        return None
+    return ResumableDistributedSampler(
+        dataset,
+        num_replicas=sampler.num_replicas,
+        rank=sampler.rank,
+        shuffle=shuffle,
+        seed=sampler.seed,
+        drop_last=sampler.drop_last,
+    )
+
+
+def set_epoch_now(dataloader: object, epoch: int) -> None:
+    """Give the loader's samplers the resumed epoch before the epoch's iterator exists. Lightning creates the
+    iterator in ``setup_data`` and calls ``set_epoch`` only afterwards: torch's workers, and a
+    ``StatefulDataLoader`` fast-forwarding to its saved position, draw the indices at once, from the
+    sampler's initial epoch 0."""
+    samplers = {id(s): s for s in (getattr(dataloader, "sampler", None), order_sampler(dataloader))}
+    for sampler in samplers.values():
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
 def resumable_train_loader(
     dataloader: object, trainer: pl.Trainer, *, injected: bool, position: Optional[dict[str, Any]]
 ) -> tuple[object, bool]:
     """The training loader with a resumable sampler, whose position Lightning saves and restores with its
     loop state (the loader gets ``state_dict``/``load_state_dict``).
 
-    The sampler is replaced only where Lightning put in its own automatic ``DistributedSampler``
-    (``injected``: Lightning asked the strategy for ``distributed_sampler_kwargs`` for this very loader) and
-    a :class:`ResumableDistributedSampler` the user built is adopted as it is. Any other sampler (one you set,
-    Lightning's ``DistributedSamplerWrapper`` around a custom sampler, ``use_distributed_sampler=False``) is
-    kept and resumes as in plain Lightning. (A ``DistributedSampler`` you build from
-    ``trainer.distributed_sampler_kwargs`` inside ``train_dataloader`` also sets that flag and is replaced,
-    by one with its own arguments: the same order.) ``position``: what :func:`take_position` found in the
-    checkpoint. Returns the loader and whether it took ``position`` (with several training loaders, the
-    position belongs to the one that can take it).
+    The sampler is replaced only where Lightning put in its own automatic sampler (``injected``: Lightning
+    asked the strategy for ``distributed_sampler_kwargs`` for this very loader): torch's ``DistributedSampler``,
+    or, in a torchdata ``StatefulDataLoader(..., shuffle=True)``, the ``DistributedSamplerWrapper`` around
+    torchdata's ``RandomSampler``. A :class:`ResumableDistributedSampler` the user built is adopted as it is.
+    Any other sampler (one you set, Lightning's wrapper around a custom sampler, ``use_distributed_sampler=False``)
+    is kept; a loader with a ``state_dict`` of its own resumes through it (``MidEpochResume`` keeps its state
+    per rank). (A ``DistributedSampler`` you build from ``trainer.distributed_sampler_kwargs`` inside
+    ``train_dataloader`` also sets that flag and is replaced, by one with its own arguments: the same order.)
+    ``position``: what :func:`take_position` found in the checkpoint. Returns the loader and whether it took
+    ``position`` (with several training loaders, the position belongs to the one that can take it).
     """
-    sampler = getattr(dataloader, "sampler", None)
-    if not isinstance(sampler, ResumableDistributedSampler):
-        # exactly torch's class: a subclass or Lightning's DistributedSamplerWrapper has an order of its own
-        if not (injected and type(sampler) is DistributedSampler and isinstance(dataloader, DataLoader)):
-            _warn_if_resuming_mid_epoch(position, f"its sampler ({type(sampler).__name__}) is yours")
-            return dataloader, False
-        ours = ResumableDistributedSampler(
-            sampler.dataset,
-            num_replicas=sampler.num_replicas,
-            rank=sampler.rank,
-            shuffle=sampler.shuffle,
-            seed=sampler.seed,
-            drop_last=sampler.drop_last,
-        )
-        try:
-            # Lightning's own re-instantiation, the one that put its DistributedSampler in (custom DataLoader
-            # subclasses included, from the arguments it recorded)
-            dataloader = update_dataloader(dataloader, ours, RunningStage.TRAINING)
-        except MisconfigurationException as err:
-            _warn_if_resuming_mid_epoch(position, f"it cannot be re-created with another sampler ({err})")
-            return dataloader, False
-        sampler = ours
-    assert isinstance(dataloader, DataLoader)
-    if dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
+    if trainer.fit_loop.is_resuming:  # a checkpoint was loaded (`restarting` is False after a finished epoch)
+        set_epoch_now(dataloader, resumed_epoch(trainer))
+    sampler = order_sampler(dataloader)
+    if sampler is None:
         # a batch sampler of the user's decides the batches: the position cannot be counted in samples
         _warn_if_resuming_mid_epoch(position, "it has a batch_sampler of its own")
         return dataloader, False
-    _attach_position(dataloader, sampler, trainer)
-    if trainer.fit_loop.is_resuming:  # a checkpoint was loaded (`restarting` is False after a finished epoch)
-        # Lightning creates the epoch's iterator in setup_data, before its set_epoch in on_advance_start, and
-        # does not create it again in a resumed epoch: with num_workers > 0 the workers draw their indices at
-        # once, so the resumed epoch would get the permutation of the sampler's initial epoch 0 (measured,
-        # also for end-of-epoch checkpoints). Set the epoch now.
-        sampler.set_epoch(resumed_epoch(trainer))
+    if not isinstance(sampler, ResumableDistributedSampler):
+        ours = _replacement(sampler, dataloader) if injected and isinstance(dataloader, DataLoader) else None
+        if ours is None or not isinstance(dataloader, DataLoader):
+            _warn_if_resuming_mid_epoch(position, f"its sampler ({type(sampler).__name__}) is yours")
+            return dataloader, False
+        if type(dataloader.batch_sampler) is BatchSampler:
+            try:
+                # Lightning's own re-instantiation, the one that put its DistributedSampler in (custom DataLoader
+                # subclasses included, from the arguments it recorded)
+                dataloader = update_dataloader(dataloader, ours, RunningStage.TRAINING)
+            except MisconfigurationException as err:
+                _warn_if_resuming_mid_epoch(position, f"it cannot be re-created with another sampler ({err})")
+                return dataloader, False
+        else:
+            # torchdata's BatchSampler, which Lightning built for this fit around its sampler: swap the sampler in
+            # it (the StatefulDataLoader itself keeps every other argument)
+            dataloader.batch_sampler.sampler = ours  # type: ignore[union-attr]  # a BatchSampler, see order_sampler
+        sampler = ours
+        if trainer.fit_loop.is_resuming:
+            sampler.set_epoch(resumed_epoch(trainer))  # see set_epoch_now
+    assert isinstance(dataloader, DataLoader) and dataloader.batch_sampler is not None
+    batch_size: int = dataloader.batch_sampler.batch_size  # type: ignore[attr-defined]
+    _attach_position(dataloader, sampler, trainer, batch_size)
     if position is not None:
-        apply_position(sampler, position, dataloader.batch_size, trainer.accumulate_grad_batches)
+        apply_position(sampler, position, batch_size, trainer.accumulate_grad_batches)
         return dataloader, True
     if trainer.fit_loop.is_resuming and mid_epoch(trainer):
         rank_zero_warn(
@@ -227,12 +301,15 @@ def resumable_train_loader(
     return dataloader, False
 
 
-def _attach_position(dataloader: DataLoader, sampler: ResumableDistributedSampler, trainer: pl.Trainer) -> None:
+def _attach_position(
+    dataloader: DataLoader, sampler: ResumableDistributedSampler, trainer: pl.Trainer, batch_size: int
+) -> None:
     # Instance attributes make the loader match Lightning's `_Stateful` protocol: FitLoop.on_save_checkpoint
     # stores state_dict() with the loop state, Lightning no longer warns that the loader is not resumable, and
     # load_state_dict() is called before the epoch's iterator is created. The loader is the copy Lightning
-    # (or `_update_dataloader` above) made for this fit, not an object of the user's.
-    micro_batch = dataloader.batch_size * sampler.num_replicas  # type: ignore[operator]
+    # (or `_update_dataloader` above) made for this fit, not an object of the user's. On a StatefulDataLoader
+    # they take the place of its own methods: the position is the sampler's, counted in the global order.
+    micro_batch = batch_size * sampler.num_replicas
 
     def state_dict() -> dict[str, Any]:
         done = batches_done(trainer)
@@ -243,7 +320,7 @@ def _attach_position(dataloader: DataLoader, sampler: ResumableDistributedSample
             "consumed": done * micro_batch,
             "complete": not mid_epoch(trainer),
             "micro_batch": micro_batch,
-            "batch_size": dataloader.batch_size,
+            "batch_size": batch_size,
             "world_size": sampler.num_replicas,
             "dataset_size": sampler.dataset_size,
             "shuffle": sampler.shuffle,
@@ -251,7 +328,7 @@ def _attach_position(dataloader: DataLoader, sampler: ResumableDistributedSample
         }
 
     def load_state_dict(state: dict[str, Any]) -> None:
-        apply_position(sampler, state, dataloader.batch_size, trainer.accumulate_grad_batches)  # type: ignore[arg-type]
+        apply_position(sampler, state, batch_size, trainer.accumulate_grad_batches)
 
     object.__setattr__(dataloader, "state_dict", state_dict)
     object.__setattr__(dataloader, "load_state_dict", load_state_dict)
@@ -329,6 +406,81 @@ def move_position(checkpoint: MutableMapping[str, Any]) -> None:
         checkpoint[POSITION_KEY] = states[0]
 
 
+def loader_kind(state: Any) -> tuple[str, bool]:
+    """What kind of loader wrote ``state`` (one entry of Lightning's ``combined_loader`` list), and whether its
+    position can be carried to another world size.
+
+    * lightning_mgpu's position: counted in the epoch's global order (:func:`apply_position` checks the rest).
+    * litdata's ``StreamingDataLoader`` over one ``StreamingDataset``: its state counts the samples of the
+      epoch across all ranks (``sample_in_epoch``), and litdata re-splits the rest over another number of ranks,
+      batch size or workers ("elastic" resume; the same ``drop_last`` needed).
+    * torchdata's ``StatefulDataLoader`` (with a sampler of the user's, or an iterable dataset): its state counts
+      the batches *this rank* drew (``_num_yielded``) and its workers' own states: at another world size they
+      would name other samples.
+    * anything else: per rank.
+    """
+    if not isinstance(state, dict):
+        return "a stateful training loader", False
+    if state.get("format") == _FORMAT:
+        return "lightning_mgpu's resumable sampler", True
+    dataset = state.get("dataset")
+    if isinstance(dataset, dict) and "sample_in_epoch" in dataset and isinstance(state.get("num_samples_yielded"), int):
+        return "litdata's StreamingDataLoader", True
+    if isinstance(dataset, dict) or "num_samples_yielded" in state:
+        return "litdata's StreamingDataLoader over a combined or parallel dataset", False
+    if "_num_yielded" in state:
+        return "torchdata's StatefulDataLoader", False
+    return "a stateful training loader", False
+
+
+def gather_loader_states(checkpoint: MutableMapping[str, Any], trainer: Optional[pl.Trainer]) -> None:
+    """Before a checkpoint is written, on every rank (a collective when several ranks train): store every
+    rank's state of the stateful training loaders under :data:`LOADER_STATES_KEY`, with the world size and
+    whether the checkpoint is mid-epoch. Lightning keeps only the writer's (rank 0's) in its loop state, and
+    restores that one on every rank: right only for a loader whose state is the same on every rank. Rank 0's
+    stays where Lightning put it, so plain Lightning still loads the checkpoint."""
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    states = fit_state.get("combined_loader")
+    if not states:
+        return
+    world = trainer.world_size if trainer is not None else 1
+    ranks = comm.all_gather_object(states) if world > 1 and comm.group_is_up() else [states]
+    checkpoint[LOADER_STATES_KEY] = {
+        "format": _STATES_FORMAT,
+        "version": 1,
+        "world_size": len(ranks),
+        "epoch": trainer.current_epoch if trainer is not None else None,
+        "mid_epoch": bool(trainer is not None and mid_epoch(trainer)),
+        "loaders": [loader_kind(state) for state in states],
+        "ranks": ranks,
+    }
+
+
+def restore_loader_states(checkpoint: MutableMapping[str, Any], world_size: int, rank: int) -> None:
+    """After a checkpoint is loaded: give this rank its own loader states (same world size); at another world
+    size keep rank 0's for loaders that carry a global position (litdata re-splits it), and refuse, before
+    training, a mid-epoch checkpoint of a loader whose position is per rank."""
+    record = checkpoint.pop(LOADER_STATES_KEY, None)
+    if not isinstance(record, dict) or record.get("format") != _STATES_FORMAT:
+        return
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    saved = record["world_size"]
+    if saved == world_size:
+        fit_state["combined_loader"] = record["ranks"][rank]
+        return
+    per_rank = [kind for kind, elastic in record["loaders"] if not elastic]
+    if record["mid_epoch"] and per_rank:
+        raise ValueError(
+            f"The checkpoint was written mid-epoch (epoch {record['epoch']}) at world size {saved} with a training "
+            f"loader that keeps its position per rank ({', '.join(per_rank)}): it counts the batches each rank drew, "
+            f"which at world size {world_size} would name other samples (some used twice, some never). Resume at "
+            f"world size {saved}, or from an end-of-epoch checkpoint. To resume mid-epoch at any world size, give the "
+            f"StatefulDataLoader no sampler of its own and leave use_distributed_sampler=True: lightning_mgpu then "
+            f"puts in its resumable sampler, whose position is counted across all ranks (or use litdata's "
+            f"StreamingDataLoader)."
+        )
+
+
 # ----------------------------------------------------------------------------------------------------
 # Mid-epoch resume as a part: the training sampler's position travels in the checkpoint (the sampler above).
 
@@ -341,12 +493,13 @@ class MidEpochResume:
         resume = MidEpochResume()
         resume.sampler_requested()                        # distributed_sampler_kwargs: Lightning builds one
         loader = resume.process_train_loader(loader, trainer)
-        resume.before_save(checkpoint); resume.after_load(checkpoint)
+        resume.before_save(checkpoint, trainer); resume.after_load(checkpoint, world_size, rank)
     """
 
     def __init__(self) -> None:
         self._injected = False  # Lightning has just put its automatic DistributedSampler into a loader
         self._position: Optional[dict[str, Any]] = None  # the mid-epoch position of the checkpoint resumed
+        self._resumed_streams: list[Any] = []  # litdata loaders of a resumed fit, until its first epoch's last batch
 
     def sampler_requested(self) -> None:
         # Lightning reads the strategy's distributed_sampler_kwargs only to build its automatic DistributedSampler,
@@ -362,10 +515,29 @@ class MidEpochResume:
         dataloader, took = resumable_train_loader(dataloader, trainer, injected=injected, position=self._position)
         if took:  # with several training loaders, the position is for the one that can take it, not the first
             self._position = None
+        if trainer.fit_loop.is_resuming and _is_torchdata(dataloader, "StreamingDataLoader", "litdata."):
+            self._resumed_streams.append(dataloader)
         return dataloader
 
-    def before_save(self, checkpoint: MutableMapping[str, Any]) -> None:
-        move_position(checkpoint)  # the sampler's mid-epoch position: out of Lightning's loop state
+    def batch_started(self, trainer: Any) -> None:
+        """The strategy's ``on_train_batch_start``. litdata's ``StreamingDataLoader`` resumes from a loaded state
+        while its ``restore`` flag is set, and clears it only when the resumed epoch's iterator runs out. Lightning
+        never draws past an epoch's last batch (its fetcher counts the batches done before the checkpoint), so the
+        flag stayed set and the next epoch replayed the resumed epoch's rest, then ended (measured: 2 of epoch
+        1's 6 micro-batches, training stopped 2 steps early). Once the resumed epoch's last batch is drawn, the
+        loader is told that the restored epoch is over: the next epoch starts afresh, as in the uninterrupted run."""
+        if not self._resumed_streams or trainer is None:
+            return
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            for loader in self._resumed_streams:
+                loader.restore = False
+            self._resumed_streams = []
 
-    def after_load(self, checkpoint: MutableMapping[str, Any]) -> None:
+    def before_save(self, checkpoint: MutableMapping[str, Any], trainer: Optional[pl.Trainer] = None) -> None:
+        """On every rank (a collective where other stateful loaders train)."""
+        move_position(checkpoint)  # the sampler's mid-epoch position: out of Lightning's loop state
+        gather_loader_states(checkpoint, trainer)  # the other loaders' states: every rank's
+
+    def after_load(self, checkpoint: MutableMapping[str, Any], world_size: int = 1, rank: int = 0) -> None:
         self._position = take_position(checkpoint)  # applied when the training loader is built
+        restore_loader_states(checkpoint, world_size, rank)  # this rank's own, or refused at another world size

@@ -419,7 +419,7 @@ class MGPUStrategyMixin(ParallelStrategy):
         write (or raise its error), and put the mid-epoch position into the checkpoint."""
         self._refuse_main_process_save()
         self._settle_async_writes()
-        self._resume.before_save(checkpoint)
+        self._resume.before_save(checkpoint, attached_trainer(self.lightning_module))
 
     def _write_file(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """One checkpoint file, written by rank 0 through the checkpoint IO (atomic by default), in the background
@@ -506,7 +506,7 @@ class MGPUStrategyMixin(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._resume.after_load(checkpoint)
+        self._resume.after_load(checkpoint, self.world_size, self.global_rank)
         return checkpoint
 
     @property
@@ -517,6 +517,11 @@ class MGPUStrategyMixin(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         return self._resume.process_dataloader(dataloader, attached_trainer(self.lightning_module))
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._resume.batch_started(attached_trainer(self.lightning_module))
 
     # --- end ----------------------------------------------------------------------------------------------
     def on_train_end(self) -> None:

@@ -299,7 +299,8 @@ class ShardedCheckpoints(MGPUStrategyMixin):
         elif saved_optimizers is not None:
             checkpoint["optimizer_states"] = []
         self._loaded_sharded = True
-        self._resume.after_load(checkpoint)  # the file branch does it in super().load_checkpoint
+        # the file branch does it in super().load_checkpoint
+        self._resume.after_load(checkpoint, self.world_size, self.global_rank)
         return checkpoint
 
     @override

@@ -40,8 +40,13 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
-from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
-from lightning_mgpu.parts.resume import POSITION_KEY, ResumableDistributedSampler, apply_position
+from lightning_mgpu import MGPUDDPStrategy, MGPULocalSGDStrategy, MGPUShardedStrategy
+from lightning_mgpu.parts.resume import (
+    LOADER_STATES_KEY,
+    POSITION_KEY,
+    ResumableDistributedSampler,
+    apply_position,
+)
 from tests.helpers import WORLD, Regressor, fit
 
 SAMPLES, B, K, EPOCHS = 48, 4, 2, 2
@@ -498,3 +503,345 @@ def test_a_sampler_the_user_set_is_kept(tmp_path, make_sampler, use_distributed_
         max_steps=1,
     )["sampler"]  # fmt: skip
     assert (got["type"], got["users"], got["stateful"]) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loaders with a state of their own: torchdata's StatefulDataLoader, litdata's StreamingDataLoader
+# ---------------------------------------------------------------------------------------------------------
+# The same scenario (48 samples, 2 ranks x 4 x accumulation 2, 2 epochs), with ModelCheckpoint every 2 steps:
+# step=2 is 4 of epoch 0's 6 micro-batches in (the resumed run must also get epoch 1 right), step=4 is 2 of
+# epoch 1's in. "Exact" here: per rank, the resumed run's micro-batches are the uninterrupted run's from the
+# checkpoint on, in the same order (at another world size: each global micro-batch holds the same samples),
+# every epoch uses each of the 48 samples once, and the final weights are the uninterrupted run's.
+#
+#   stateful      StatefulDataLoader(dataset, batch_size, shuffle=True): Lightning puts its automatic sampler in
+#   stateful-own  StatefulDataLoader(dataset, batch_size, sampler=DistributedSampler(...)) and
+#                 use_distributed_sampler=False: the loader's own state (the batches this rank drew)
+#   streaming     litdata StreamingDataLoader(StreamingDataset(local folder written by litdata.optimize,
+#                 shuffle=True, drop_last=True)): its own state, counted across all ranks
+
+os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")  # litdata asks PyPI for a newer release otherwise
+
+LOADERS = ("stateful", "stateful-own", "streaming")
+RESUME_STEPS = (2, 4)
+
+
+def _streaming_sample(i: int) -> dict[str, Any]:
+    x, y, index = make_indexed_data()[i]
+    return {"x": x, "y": y, "index": int(index)}
+
+
+@pytest.fixture(scope="module")
+def streaming_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 48 samples written by ``litdata.optimize`` into a local folder (no network), 6 chunks of 8."""
+    from litdata import optimize
+
+    out = tmp_path_factory.mktemp("streaming") / "data"
+    optimize(fn=_streaming_sample, inputs=list(range(SAMPLES)), output_dir=str(out), chunk_size=8, num_workers=1)
+    return out
+
+
+class LoaderData(pl.LightningDataModule):
+    """One of :data:`LOADERS` over the indexed data."""
+
+    def __init__(self, kind: str, batch_size: int, num_workers: int = 0, data_dir: Optional[Path] = None) -> None:
+        super().__init__()
+        self.kind, self.batch_size, self.num_workers, self.data_dir = kind, batch_size, num_workers, data_dir
+
+    def train_dataloader(self) -> Any:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        kwargs: dict[str, Any] = {"batch_size": self.batch_size, "num_workers": self.num_workers}
+        if self.kind == "streaming":
+            from litdata import StreamingDataLoader, StreamingDataset
+
+            dataset = StreamingDataset(str(self.data_dir), shuffle=True, seed=0, drop_last=True)
+            return StreamingDataLoader(dataset, **kwargs)
+        data = make_indexed_data()
+        if self.kind == "torch":  # a torch DataLoader (the resume tests above), here for its workers
+            return DataLoader(data, shuffle=True, **kwargs)
+        if self.kind == "stateful":
+            return StatefulDataLoader(data, shuffle=True, **kwargs)
+        return StatefulDataLoader(data, sampler=DistributedSampler(data, shuffle=True, seed=0), **kwargs)
+
+
+class LoaderRegressor(IndexedRegressor):
+    """:class:`IndexedRegressor` on tuples or litdata's dict batches."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch[:2]
+        return F.mse_loss(self(x), y)
+
+
+class MicroBatches(Callback):
+    """Writes ``out_dir/micro{rank}.pt``: per micro-batch ``(global_step, epoch, dataset indices in order)``."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.batches: list[tuple[int, int, list[int]]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        ids = batch["index"] if isinstance(batch, dict) else batch[2]
+        self.batches.append((trainer.global_step, trainer.current_epoch, ids.tolist()))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(self.batches, self.out_dir / f"micro{trainer.global_rank}.pt")
+
+
+def run_loader(
+    out: Path,
+    strategy: Any,
+    kind: str,
+    *,
+    devices: int = WORLD,
+    batch_size: int = B,
+    data_dir: Optional[Path] = None,
+    ckpt_path: Optional[Path] = None,
+    callbacks: Optional[list[Callback]] = None,
+    num_workers: int = 0,
+) -> dict[str, Any]:
+    """Fit with one of :data:`LOADERS` on ``devices`` fork-launched ranks. Returns rank 0's weights and
+    ``global_step``, per rank the micro-batches ``(step, epoch, indices)``, and per global micro-batch (the j-th
+    micro-batch of every rank) ``(step, epoch, sorted indices)``."""
+    os.environ.pop("PL_GLOBAL_SEED", None)
+    ranks = fit(
+        LoaderRegressor().double(),
+        strategy,
+        out,
+        datamodule=LoaderData(kind, batch_size, num_workers, data_dir),
+        devices=devices,
+        accumulate=K,
+        max_epochs=EPOCHS,
+        callbacks=[MicroBatches(out), *(callbacks or [])],
+        enable_checkpointing=bool(callbacks),
+        use_distributed_sampler=kind != "stateful-own",
+        ckpt_path=str(ckpt_path) if ckpt_path is not None else None,
+    )
+    per_rank = [torch.load(out / f"micro{r}.pt") for r in range(devices)]
+    assert len({len(b) for b in per_rank}) == 1, "the ranks drew different numbers of micro-batches"
+    merged = [(parts[0][0], parts[0][1], sorted(i for _, _, ids in parts for i in ids)) for parts in zip(*per_rank)]
+    return {"weights": ranks[0]["weights"], "global_step": ranks[0]["global_step"], "ranks": per_rank,
+            "global": merged}  # fmt: skip
+
+
+def distinct_per_epoch(micro: list[tuple[int, int, list[int]]]) -> list[int]:
+    """How many distinct samples each epoch's global micro-batches hold (48 when each is used once)."""
+    return [len({i for _, e, ids in micro for i in ids if e == epoch}) for epoch in range(EPOCHS)]
+
+
+def interrupted(straight: dict[str, Any], resumed: dict[str, Any], at_step: int) -> list[tuple[int, int, list[int]]]:
+    """The global micro-batches an interrupted run used: the uninterrupted run's before the checkpoint at
+    optimizer step ``at_step`` (an accumulation boundary), then the resumed run's."""
+    return [m for m in straight["global"] if m[0] < at_step] + resumed["global"]
+
+
+def loader_runs(tmp_path_factory: pytest.TempPathFactory, streaming: Callable[[], Path]) -> Callable[..., Any]:
+    runs: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def get(name: str, kind: str) -> dict[str, Any]:
+        if (name, kind) not in runs:
+            tmp = tmp_path_factory.mktemp(f"{name}-{kind}")
+            ckpt = ModelCheckpoint(dirpath=tmp / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+            data_dir = streaming() if kind == "streaming" else None
+            result = run_loader(tmp / "straight", STRATEGIES[name](), kind, data_dir=data_dir, callbacks=[ckpt])
+            runs[(name, kind)] = {**result, "ckpt": tmp / "ckpt", "data_dir": data_dir}
+        return runs[(name, kind)]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_loader_runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+    """Per (strategy, loader), once per module: the uninterrupted run, writing checkpoints at steps 2, 4, 6."""
+    return loader_runs(tmp_path_factory, lambda: request.getfixturevalue("streaming_dir"))
+
+
+def check_exact(straight: dict[str, Any], resumed: dict[str, Any], at_step: int, same_world: bool) -> None:
+    expected = [m for m in straight["global"] if m[0] >= at_step]
+    assert resumed["global"] == expected  # every global micro-batch holds the same samples
+    if same_world:  # and each rank draws them in the same order
+        for mine, theirs in zip(resumed["ranks"], straight["ranks"]):
+            assert mine == [m for m in theirs if m[0] >= at_step]
+    assert distinct_per_epoch(interrupted(straight, resumed, at_step)) == [SAMPLES] * EPOCHS
+    assert resumed["global_step"] == straight["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    torch.testing.assert_close(resumed["weights"], straight["weights"])
+
+
+def resume_loader(
+    tmp_path: Path, straight: dict[str, Any], name: str, kind: str, devices: int, at_step: int
+) -> dict[str, Any]:
+    ckpt = straight["ckpt"] / f"step={at_step}.ckpt"
+    return run_loader(
+        tmp_path / f"resumed-{devices}-{at_step}", STRATEGIES[name](), kind, devices=devices,
+        batch_size=MICRO // devices, data_dir=straight["data_dir"], ckpt_path=ckpt,
+    )  # fmt: skip
+
+
+# what plain Lightning's DDPStrategy gives (measured by the negative control below): distinct samples of the
+# interrupted epoch, resumed on 2 ranks x 4 and on 1 x 8 (of 48), and the optimizer steps reached (of 6)
+PLAIN_LIGHTNING = {
+    "stateful": {"at_step": 4, "distinct": (39, 38), "steps": (6, 6)},
+    "stateful-own": {"at_step": 4, "distinct": (36, 38), "steps": (6, 6)},
+    # litdata: the interrupted epoch 0 is right, but its `restore` flag outlives it: epoch 1 replays epoch 0's
+    # rest (16 samples) and training ends 2 steps early (its StopIteration comes first)
+    "streaming": {"at_step": 2, "distinct": (16, 16), "steps": (4, 4)},
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", LOADERS)
+def test_stateful_loaders_in_plain_lightning_do_not_resume_exactly(tmp_path, streaming_dir, kind):
+    """Negative control: plain Lightning's DDPStrategy. With a StatefulDataLoader it saves the loader's state
+    (rank 0's) and restores it before the resumed epoch's iterator, but the sampler still has epoch 0 then
+    (set_epoch comes after the iterator), and the state counts this rank's batches: the interrupted epoch
+    does not use each sample once, at the same world size or at another. With litdata the epoch after the
+    interrupted one replays its rest."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    plain = lambda: DDPStrategy(start_method="fork")  # noqa: E731
+    straight = run_loader(tmp_path / "straight", plain(), kind, data_dir=streaming_dir, callbacks=[ckpt])
+    assert distinct_per_epoch(straight["global"]) == [SAMPLES] * EPOCHS
+    at_step = PLAIN_LIGHTNING[kind]["at_step"]
+    distinct, steps = [], []
+    for devices in (2, 1):
+        resumed = run_loader(
+            tmp_path / f"resumed{devices}", plain(), kind, devices=devices, batch_size=MICRO // devices,
+            data_dir=streaming_dir, ckpt_path=tmp_path / f"ckpt/step={at_step}.ckpt",
+        )  # fmt: skip
+        distinct.append(distinct_per_epoch(interrupted(straight, resumed, at_step))[1])
+        steps.append(resumed["global_step"])
+    assert (tuple(distinct), tuple(steps)) == (PLAIN_LIGHTNING[kind]["distinct"], PLAIN_LIGHTNING[kind]["steps"])
+
+
+# the default suite: mgpu_ddp and a sharded preset (zero3 with the sharded checkpoint layout); `-m slow`: every
+# strategy of STRATEGIES (synchronous and asynchronous checkpoints)
+DEFAULT_LOADER_STRATEGIES = ("mgpu_ddp", "zero3-sharded_ckpt")
+LOADER_CASES = [
+    pytest.param(name, kind, marks=() if name in DEFAULT_LOADER_STRATEGIES else pytest.mark.slow, id=f"{name}-{kind}")
+    for name in STRATEGIES
+    for kind in LOADERS
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("name", "kind"), LOADER_CASES)
+def test_loader_resumes_mid_epoch_exactly_at_the_same_world_size(tmp_path, uninterrupted_loader_runs, name, kind):
+    """2 ranks -> 2 ranks, from step 2 (inside epoch 0) and step 4 (inside epoch 1): each rank draws the
+    uninterrupted run's micro-batches in the same order, every epoch uses each sample once, same weights."""
+    straight = uninterrupted_loader_runs(name, kind)
+    assert distinct_per_epoch(straight["global"]) == [SAMPLES] * EPOCHS
+    for at_step in RESUME_STEPS:
+        resumed = resume_loader(tmp_path, straight, name, kind, WORLD, at_step)
+        check_exact(straight, resumed, at_step, same_world=True)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("name", "kind"), [p for p in LOADER_CASES if p.values[1] != "stateful-own"])
+def test_loader_resumes_mid_epoch_exactly_at_another_world_size(tmp_path, uninterrupted_loader_runs, name, kind):
+    """2 x 4 -> 1 x 8 (the same global micro-batch). The StatefulDataLoader, through lightning_mgpu's resumable
+    sampler (a position in the epoch's global order, an order that does not depend on the world size), equals
+    the uninterrupted run to the end. litdata finishes the interrupted epoch exactly (its state counts the
+    epoch's samples across ranks and it re-splits the rest); its later epochs are litdata's order for the new
+    world size, i.e. exactly what an uninterrupted run on 1 rank draws in them, each sample once."""
+    straight = uninterrupted_loader_runs(name, kind)
+    one_rank = None
+    for at_step in RESUME_STEPS:
+        resumed = resume_loader(tmp_path, straight, name, kind, 1, at_step)
+        if kind != "streaming":
+            check_exact(straight, resumed, at_step, same_world=False)
+            continue
+        epoch = at_step // STEPS_PER_EPOCH
+        rest = [m for m in resumed["global"] if m[1] == epoch]
+        assert rest == [m for m in straight["global"] if m[0] >= at_step and m[1] == epoch]
+        assert distinct_per_epoch(interrupted(straight, resumed, at_step)) == [SAMPLES] * EPOCHS
+        assert resumed["global_step"] == EPOCHS * STEPS_PER_EPOCH
+        later = [m for m in resumed["global"] if m[1] > epoch]
+        if later:
+            if one_rank is None:
+                one_rank = run_loader(tmp_path / "one-rank", STRATEGIES[name](), kind, devices=1, batch_size=MICRO,
+                                      data_dir=straight["data_dir"])  # fmt: skip
+            assert later == [m for m in one_rank["global"] if m[1] > epoch]
+            assert later != [m for m in straight["global"] if m[1] > epoch]  # not 2 ranks' order
+        else:
+            torch.testing.assert_close(resumed["weights"], straight["weights"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("name", "kind"), [p for p in LOADER_CASES if p.values[1] == "stateful-own"])
+def test_a_per_rank_loader_position_at_another_world_size_is_refused_before_training(
+    tmp_path, uninterrupted_loader_runs, name, kind
+):
+    """A StatefulDataLoader with a sampler of the user's keeps its position per rank (the batches this rank
+    drew): resumed on 1 rank, the checkpoint is refused when it is loaded, before any batch, with the fixes."""
+    straight = uninterrupted_loader_runs(name, kind)
+    refused = r"(?s)mid-epoch \(epoch 1\) at world size 2.*StatefulDataLoader.*Resume at world size 2"
+    with pytest.raises(Exception, match=refused):
+        resume_loader(tmp_path, straight, name, kind, 1, 4)
+    assert not (tmp_path / "resumed-1-4" / "micro0.pt").exists()  # no batch was trained on
+
+
+def test_uninterrupted_stateful_dataloader_uses_torchs_order_and_equals_one_process(uninterrupted_loader_runs):
+    """With Lightning's automatic sampler a StatefulDataLoader(shuffle=True) gets the pack's resumable sampler:
+    the order of a torch DataLoader(shuffle=True) (torch's permutation for seed 0 + epoch), and the weights of
+    one process on it."""
+    straight = uninterrupted_loader_runs("mgpu_ddp", "stateful")
+    expected, steps = reference()
+    got: dict[int, list[int]] = {}
+    for step, _, ids in straight["global"]:
+        got[step] = sorted(got.get(step, []) + ids)
+    assert got == steps
+    torch.testing.assert_close(straight["weights"], expected)
+
+
+def test_loader_states_are_kept_per_rank_with_the_world_size(uninterrupted_loader_runs):
+    """The checkpoint holds every rank's state of a loader with its own state (Lightning keeps rank 0's in its
+    loop state, which stays for plain Lightning), the world size and whether it is mid-epoch; the pack's
+    sampler position is a top-level key instead."""
+    own = torch.load(uninterrupted_loader_runs("mgpu_ddp", "stateful-own")["ckpt"] / "step=4.ckpt", weights_only=False)
+    record = own[LOADER_STATES_KEY]
+    assert (record["world_size"], record["epoch"], record["mid_epoch"]) == (2, 1, True)
+    assert record["loaders"] == [("torchdata's StatefulDataLoader", False)]
+    assert own["loops"]["fit_loop"]["state_dict"]["combined_loader"] == record["ranks"][0]
+    ours = torch.load(uninterrupted_loader_runs("mgpu_ddp", "stateful")["ckpt"] / "step=4.ckpt", weights_only=False)
+    assert LOADER_STATES_KEY not in ours and ours[POSITION_KEY]["consumed"] == 2 * MICRO
+
+
+# local SGD (weights averaged every 2 steps) resumes its data the same way (the part lives in the strategies'
+# shared base); its weights at another world size restart from the last synced ones (local-SGD guide), so the
+# data are compared there, not the weights
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", LOADERS)
+def test_local_sgd_resumes_its_loader_mid_epoch_exactly(tmp_path, streaming_dir, kind):
+    make = lambda: MGPULocalSGDStrategy(sync_every=2, start_method="fork")  # noqa: E731
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    data_dir = streaming_dir if kind == "streaming" else None
+    straight = run_loader(tmp_path / "straight", make(), kind, data_dir=data_dir, callbacks=[ckpt])
+    for at_step in RESUME_STEPS:
+        resumed = run_loader(tmp_path / f"resumed-{at_step}", make(), kind, data_dir=data_dir,
+                             ckpt_path=tmp_path / f"ckpt/step={at_step}.ckpt")  # fmt: skip
+        check_exact(straight, resumed, at_step, same_world=True)
+    if kind == "stateful":
+        resumed = run_loader(tmp_path / "resumed-1", make(), kind, devices=1, batch_size=MICRO,
+                             ckpt_path=tmp_path / "ckpt/step=4.ckpt")  # fmt: skip
+        assert resumed["global"] == [m for m in straight["global"] if m[0] >= 4]
+        assert distinct_per_epoch(interrupted(straight, resumed, 4)) == [SAMPLES] * EPOCHS
+
+
+# dataloader workers: the resumable sampler runs in the main process (torchdata's batch sampler calls iter() on it
+# when torch's loader iterator is created, and again at its _reset: the position must survive the first), the
+# StatefulDataLoader's own state holds the workers' snapshots, litdata hands its workers their share; each resumes
+# exactly (with an eager iter() the stateful case restarted the epoch)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "kind", ["torch", "stateful", *(pytest.param(kind, marks=pytest.mark.slow) for kind in LOADERS[1:])]
+)
+def test_loader_with_workers_resumes_mid_epoch_exactly(tmp_path, streaming_dir, kind):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    data_dir = streaming_dir if kind == "streaming" else None
+    make = STRATEGIES["mgpu_ddp"]
+    straight = run_loader(tmp_path / "straight", make(), kind, data_dir=data_dir, callbacks=[ckpt], num_workers=1)
+    for at_step in RESUME_STEPS:
+        resumed = run_loader(tmp_path / f"resumed-{at_step}", make(), kind, data_dir=data_dir, num_workers=1,
+                             ckpt_path=tmp_path / f"ckpt/step={at_step}.ckpt")  # fmt: skip
+        check_exact(straight, resumed, at_step, same_world=True)
