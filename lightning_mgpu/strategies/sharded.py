@@ -66,6 +66,7 @@ from lightning_mgpu.settings import (
     CheckpointLayout,
     CommHookName,
     CommonSettings,
+    CompileSetting,
     LossNormalization,
     MicroBatchSetting,
     NonFinite,
@@ -400,6 +401,9 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
         micro_batch_size: stage 1 only: as for :class:`~lightning_mgpu.MGPUDDPStrategy`.
         async_checkpoint: stage checkpoints saved during fit off the live tensors and write them in the
             background (either layout; a sharded directory is marked complete once every rank's part is written).
+        compile: ``True`` or a dict of :func:`torch.compile` keyword arguments: stages 2/3 compile each FSDP unit's
+            block in place after sharding, stage 1 the LightningModule's ``forward`` after the DDP wrap (as
+            :class:`~lightning_mgpu.MGPUDDPStrategy`).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
 
@@ -445,6 +449,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         micro_batch_size: Optional[MicroBatchSetting] = None,
+        compile: CompileSetting = False,
         **ddp_kwargs: Any,
     ) -> None:
         sharded = ShardedSettings(
@@ -479,6 +484,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
             "loss_normalization": loss_normalization,
             "nonfinite": nonfinite,
             "async_checkpoint": async_checkpoint,
+            "compile": compile,
         }
         if micro_batch_size is not None:  # stage 1 (above): MGPUDDPStrategy takes it
             settings["micro_batch_size"] = micro_batch_size
@@ -707,6 +713,7 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
         sharded = self._sharding.shard_model(module, mesh, policy)
         if sharded is not None:
             self.model = sharded
+        self._compilation.compile_blocks(module, self._sharded_settings.wrap_modules)  # after sharding
         assert self.model is not None
         self._ledger.start(self.model, self.world_size)
 
