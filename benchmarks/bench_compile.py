@@ -153,8 +153,10 @@ def main() -> None:
             text = str(err).strip().splitlines()
             outcome = "fails: " + next((ln for ln in reversed(text) if "Error" in ln), text[-1] if text else "")[:150]
     device = torch.cuda.get_device_name() if gpu else f"CPU, {args.devices} processes (gloo)"
-    print(f"\ncompiled / eager step time, inductor, DigitsTransformer(d_model={args.d_model}, layers={args.layers}), "
-          f"batch {args.batch_size} per rank, {args.steps} timed steps after {args.warmup}; {device}")
+    print(
+        f"\ncompiled / eager step time, inductor, DigitsTransformer(d_model={args.d_model}, layers={args.layers}), "
+        f"batch {args.batch_size} per rank, {args.steps} timed steps after {args.warmup}; {device}"
+    )
     print(f"{'runner':<30} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} {'compile s':>10}")
     for r in rows:
         print(
@@ -167,7 +169,8 @@ def main() -> None:
         prefix = "gpu-" if gpu else ""
         name = f"{prefix}compile-{device.split(',')[0].replace(' ', '_')}-{time.strftime('%Y-%m-%d')}.json"
         config = {k: v for k, v in vars(args).items() if k != "out"}
-        (args.out / name).write_text(json.dumps({"device": device, "config": config, "rows": rows, "user_compiled_with_log": outcome}, indent=1))
+        result = {"device": device, "config": config, "rows": rows, "user_compiled_with_log": outcome}
+        (args.out / name).write_text(json.dumps(result, indent=1))
         print(f"saved {args.out / name}")
 
 

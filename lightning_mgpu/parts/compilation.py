@@ -145,7 +145,9 @@ class Compilation:
             return compiled_modules(module)
         return self.compile_blocks(module, None)
 
-    def compile_blocks(self, module: Optional[nn.Module], wrap_modules: Optional[tuple[type[nn.Module], ...]]) -> list[str]:
+    def compile_blocks(
+        self, module: Optional[nn.Module], wrap_modules: Optional[tuple[type[nn.Module], ...]]
+    ) -> list[str]:
         """Under the sharded stages: each block the FSDP unit rule chooses (``wrap_modules`` as the strategy's).
         Returns the names compiled."""
         if module is None or self.options is None:

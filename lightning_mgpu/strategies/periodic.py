@@ -70,9 +70,9 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
             averaged in (half the bytes; the weights themselves stay in their dtype).
 
     The other arguments (``process_group_backend``, ``timeout``, ``start_method``, ``log_comm_stats``, activation
-    checkpointing, ``compile``, ``checkpoint_io`` and DistributedDataParallel's keywords) are those of :class:`MGPUDDPStrategy`;
-    DDP's broadcast of rank 0's buffers before every forward is off: floating-point buffers (BatchNorm statistics)
-    are averaged at each sync instead.
+    checkpointing, ``compile``, ``checkpoint_io`` and DistributedDataParallel's keywords) are those of
+    :class:`MGPUDDPStrategy`; DDP's broadcast of rank 0's buffers before every forward is off: floating-point
+    buffers (BatchNorm statistics) are averaged at each sync instead.
 
     Example (``trainer.fit(model, datamodule)`` then starts the ranks; after it,
     ``strategy.comm_stats.ratio_to_lower_bound`` is about 1/8: the bytes per step against mgpu_ddp's):

@@ -47,3 +47,30 @@ def test_settings_are_frozen_and_keep_the_values_given():
 
 def test_a_none_timeout_leaves_torch_its_default():
     assert DDPSettings(timeout=None).timeout is None
+
+
+@pytest.mark.parametrize(
+    "name", ["MGPUDDPStrategy", "MGPUShardedStrategy", "MGPULocalSGDStrategy", "MGPUDiLoCoStrategy", "MGPUAutoStrategy"]
+)
+def test_compile_is_a_keyword_of_every_strategy_and_reaches_its_settings(name):
+    """``compile`` in each public strategy's signature (LightningCLI reads it there) and in its launch settings,
+    a dict of torch.compile options as given."""
+    import inspect
+
+    import lightning_mgpu
+
+    cls = getattr(lightning_mgpu, name)
+    assert inspect.signature(cls.__init__).parameters["compile"].default is False
+    strategy = cls(compile={"mode": "max-autotune"})
+    assert strategy.launch_settings.compile == {"mode": "max-autotune"}
+    assert cls().launch_settings.compile is False
+
+
+def test_lightning_cli_parses_compile_options():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(MGPUShardedStrategy, "strategy")
+    cfg = parser.parse_args(["--strategy.stage=3", '--strategy.compile={"backend": "aot_eager"}'])
+    assert cfg.strategy.compile == {"backend": "aot_eager"}
+    assert parser.parse_args(["--strategy.compile=true"]).strategy.compile is True

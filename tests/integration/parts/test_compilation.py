@@ -199,8 +199,9 @@ def test_sharded_stages_refuse_a_model_compiled_by_the_user_naming_the_strategy(
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=MGPUShardedStrategy(stage=3, start_method="fork"), logger=False
     )
-    with pytest.raises(RuntimeError, match="compiled model is incompatible with the current strategy: `MGPUFSDPStrategy`"):
+    with pytest.raises(RuntimeError, match="compiled model is incompatible with the current strategy") as err:
         trainer.fit(torch.compile(ValBlocks(), backend="eager"), datamodule=ValData(make_data(n=48), B))
+    assert f"`{type(trainer.strategy).__name__}`" in str(err.value)
 
 
 @pytest.mark.slow
