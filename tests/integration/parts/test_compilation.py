@@ -236,14 +236,14 @@ def test_every_family_compiled_matches_eager(k):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-master"])
 def test_compiled_lower_precisions_match_eager(precision):
-    """bf16 autocast and fp16 with the loss scaler (MGPUPrecision on CPU): compiled equals eager under mgpu_ddp and
-    mgpu_zero3 (float32 weights; aot_eager runs the same kernels)."""
+    """bf16 autocast, fp16 with the loss scaler and bf16 weights with FP32 masters (MGPUPrecision, on CPU too):
+    compiled equals eager under mgpu_ddp and mgpu_zero3 (aot_eager runs the same kernels)."""
     from lightning_mgpu import MGPUPrecision
 
     extra: dict[str, Any] = (
-        {"precision": "bf16-mixed"} if precision == "bf16-mixed" else {"plugins": [MGPUPrecision("16-mixed")]}
+        {"precision": "bf16-mixed"} if precision == "bf16-mixed" else {"plugins": [MGPUPrecision(precision)]}
     )
 
     def model() -> ValBlocks:
