@@ -94,7 +94,7 @@ test-install: $(STAMP)
 # that already has a CUDA torch and Lightning (GPU_PYTHON, default python3, as on GPU images without network access);
 # where that interpreter lacks them, .venv-cuda (torch's CUDA wheel, CUDA_TORCH) is built and used. Each test case runs in a
 # fresh interpreter (tests/gpu/worker.py), six at a time on the one GPU where pytest-xdist is installed; the tier
-# and the benchmarks together are estimated at about 9 minutes on an H100 (docs/gpu.md: each part's estimate).
+# and the benchmarks together are estimated at about 11 minutes on an H100 (docs/gpu.md: each part's estimate).
 GPU_PYTHON ?= python3
 GPU_PY = $$($(GPU_PYTHON) -c "import torch, pytorch_lightning, lightning" 2>/dev/null && echo $(GPU_PYTHON) || \
 	{ $(MAKE) -s .venv-cuda/.installed >&2 && echo .venv-cuda/bin/python; })
