@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_mgpu import MGPUDDPStrategy, MGPULocalSGDStrategy, MGPUShardedStrategy, _compat
 from lightning_mgpu.parts.compilation import compiled_modules
+from tests.helpers import AllReduceSpy
 from tests.models import Block, BlockRegressor, RankData, make_data
 from tests.numerics_harness import run_jobs
 
@@ -59,6 +60,7 @@ class Record(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.compiled = compiled_modules(pl_module)
+        self.spy = AllReduceSpy().__enter__()  # torch.distributed.all_reduce calls, independent of the ledger
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking and "warm" not in self.counts:
@@ -66,6 +68,8 @@ class Record(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.counts["end"] = _compat.compiled_graph_count() - self.base
+        self.spy.__exit__(None, None, None)
+        ledger = getattr(trainer.strategy, "comm_stats", None)
         state = {
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in pl_module.state_dict().items()
@@ -77,6 +81,8 @@ class Record(Callback):
             "graphs": dict(self.counts),
             "compiled": self.compiled,
             "global_step": trainer.global_step,
+            "all_reduce_calls": self.spy.calls,
+            "ledger_rounds": ledger.sync_rounds if ledger is not None else None,
         }
         torch.save(record, self.path)
 
@@ -169,6 +175,9 @@ def test_compiled_mgpu_ddp_and_zero3_match_eager_with_accumulation_clipping_and_
     assert ddp_eager["graphs"]["end"] == 0
     assert_same_state(ddp_compiled, ddp_eager)
     assert_same_state(z3_compiled, z3_eager)
+    for compiled, eager in ((ddp_compiled, ddp_eager), (z3_compiled, z3_eager)):  # accumulation: no extra syncs
+        assert compiled["all_reduce_calls"] == eager["all_reduce_calls"] > 0
+        assert compiled["ledger_rounds"] == eager["ledger_rounds"] == compiled["global_step"]
     with pytest.raises(AssertionError):
         assert_same_state(z3_perturbed, z3_eager)
     assert user_compiled["graphs"]["end"] > 0 and user_compiled["compiled"] == []  # the user's compilation ran
