@@ -266,3 +266,42 @@ def test_compiled_lower_precisions_match_eager(precision):
     )
     for eager, compiled in zip(records[::2], records[1::2]):
         assert_same_state(compiled, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mgpu_auto_hands_compile_to_the_strategy_it_chooses():
+    """``MGPUAutoStrategy(compile=...)``: the chosen strategy compiles (the same choice eager and compiled: the plan
+    does not depend on compilation), with the eager weights."""
+    from lightning_mgpu import MGPUAutoStrategy
+
+    eager, compiled = run_jobs(
+        [
+            job(lambda: MGPUAutoStrategy(device_memory="8GiB")),
+            job(lambda: MGPUAutoStrategy(device_memory="8GiB", compile=FAST)),
+        ]
+    )
+    assert compiled["compiled"] and not eager["compiled"]
+    assert compiled["graphs"]["end"] == compiled["graphs"]["warm"] > 0
+    assert_same_state(compiled, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_manual_optimization_under_compiled_mgpu_ddp_matches_eager():
+    """Manual optimization with ``ManualAccumulation`` (k=3) and clipping in ``on_before_optimizer_step``: the
+    compiled forward gives the eager weights (each optimizer's gradients still synced once per step)."""
+    from tests.numerics_harness import CLIP, ManualValRegressor
+
+    def model() -> Any:
+        return ManualValRegressor(CLIP["norm"]).double()
+
+    eager, compiled = run_jobs(
+        [
+            job(ddp(), make_model=model, gradient_clip_val=None),
+            job(ddp(compile=FAST), make_model=model, gradient_clip_val=None),
+        ]
+    )
+    assert compiled["compiled"] == [""]
+    assert compiled["all_reduce_calls"] == eager["all_reduce_calls"] > 0
+    assert_same_state(compiled, eager)
