@@ -29,7 +29,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+import functools
+from typing import Any, Optional, Union
 
 import torch
 from pytorch_lightning import LightningModule
@@ -43,14 +44,23 @@ __all__ = ["Compilation", "compile_forward", "compiled_modules", "user_compiled_
 
 class _CompiledForward:
     """Instance ``forward`` of a compiled module: the compiled callable and the ``forward`` it replaced (the
-    class's, or activation checkpointing's instance ``forward``), so that removal restores exactly that."""
+    class's, or activation checkpointing's instance ``forward``), so that removal restores exactly that. A copy
+    (``copy.deepcopy``, pickling) of the module compiles the copy's own ``forward`` with the same options."""
 
-    def __init__(self, compiled: Callable[..., Any], previous: Optional[Any]) -> None:
-        self.compiled = compiled
+    def __init__(self, module: nn.Module, previous: Optional[Any], options: dict[str, Any]) -> None:
+        self.module = module
         self.previous = previous
+        self.options = options
+        # activation checkpointing's instance forward when there is one: its checkpoint is traced into the graph
+        target = previous if previous is not None else functools.partial(type(module).forward, module)
+        self.compiled = torch.compile(target, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the compiled callable holds the original module: a copy compiles its own forward instead
+        return (_CompiledForward, (self.module, self.previous, self.options))
 
 
 def compile_forward(module: nn.Module, options: dict[str, Any]) -> bool:
@@ -69,9 +79,7 @@ def compile_forward(module: nn.Module, options: dict[str, Any]) -> bool:
     current = module.__dict__.get("forward")
     if isinstance(current, _CompiledForward):
         return False
-    # activation checkpointing's instance forward when there is one: its checkpoint is traced into the graph
-    target = current if current is not None else module.forward
-    module.__dict__["forward"] = _CompiledForward(torch.compile(target, **options), current)
+    module.__dict__["forward"] = _CompiledForward(module, current, dict(options))
     return True
 
 

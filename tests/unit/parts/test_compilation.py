@@ -123,3 +123,20 @@ def test_the_graph_counter_sees_a_recompilation():
     once = _compat.compiled_graph_count()
     net(torch.randn(5, 3))
     assert once - before == 1 and _compat.compiled_graph_count() - once == 1
+
+
+def test_a_copy_of_a_compiled_model_runs_its_own_weights_compiled():
+    """``copy.deepcopy`` (weight averaging callbacks) and pickling give a module whose forward is compiled on the
+    copy, not a call into the original's graph."""
+    import pickle
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 2)).double()
+    compile_forward(net[0], {"backend": "eager"})
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for clone in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
+        with torch.no_grad():
+            clone[0].weight.add_(1.0)
+        assert compiled_modules(clone) == ["0"]
+        torch.testing.assert_close(clone(x), x @ clone[0].weight.T + clone[0].bias)
+        assert not torch.allclose(clone(x), net(x))
