@@ -110,6 +110,8 @@ def run(
     )
     n = args.batch_size * args.devices * (args.warmup + args.steps)
     trainer.fit(model, train_dataloaders=DataLoader(data(n), batch_size=args.batch_size, drop_last=True))
+    if not path.exists():  # another rank's process of a popen launch (several GPUs): rank 0 reports
+        return {"step_s": float("nan"), "warmup_s": float("nan")}
     return json.loads(path.read_text())
 
 
