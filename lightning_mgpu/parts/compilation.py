@@ -108,6 +108,18 @@ def defines_forward(module: nn.Module) -> bool:
     return forward is not LightningModule.forward and forward is not nn.Module.forward
 
 
+def user_compiled_sharded_message(strategy: str, candidates: Any) -> str:
+    return (
+        f"The model passed to Trainer.fit was compiled with torch.compile, and {strategy} may choose a sharded "
+        f"stage ({', '.join(candidates)}), where Lightning compiles the user-compiled model's whole training_step "
+        f"around FSDP's hooks (Lightning refuses compiled models for its own FSDP too; here BatchNorm statistics "
+        f"were updated more than once per step). Pass the model itself, trainer.fit(model) instead of "
+        f"trainer.fit(torch.compile(model)), and {strategy}(compile=True) (or compile={{...}}): the chosen "
+        f"strategy compiles it after sharding. Or keep torch.compile(model) with strategies=['mgpu_ddp', "
+        f"'mgpu_zero1']."
+    )
+
+
 def user_compiled_message(strategy: str) -> str:
     return (
         f"The model passed to Trainer.fit was compiled with torch.compile, and {strategy} was built with compile=... "
@@ -138,10 +150,15 @@ class Compilation:
     def enabled(self) -> bool:
         return self.options is not None
 
-    def check(self, module: nn.Module, strategy: str) -> None:
-        """Before launch: refuse a model the user compiled when the strategy compiles too."""
-        if self.enabled and _compat.compiled_by_user(module):
+    def check(self, module: nn.Module, strategy: str, sharded_choices: tuple[str, ...] = ()) -> None:
+        """Before launch: refuse a model the user compiled when the strategy compiles too, or when it may become a
+        sharded stage (``sharded_choices``: ``mgpu_auto``'s sharded candidates)."""
+        if not _compat.compiled_by_user(module):
+            return
+        if self.enabled:
             raise ValueError(user_compiled_message(strategy))
+        if sharded_choices:
+            raise ValueError(user_compiled_sharded_message(strategy, sharded_choices))
 
     def compile_model(self, module: Optional[nn.Module]) -> list[str]:
         """Under DDP: the LightningModule's ``forward`` (the whole model); without a ``forward`` of its own, its

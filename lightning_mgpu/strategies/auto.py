@@ -148,6 +148,10 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         self._micro = None  # this object micro-batches nothing itself: the chosen strategy does
 
     @override
+    def _sharded_choices(self) -> tuple[str, ...]:
+        return tuple(s for s in self._auto["strategies"] if s in ("mgpu_sharded", "mgpu_zero3"))
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
             super().setup(trainer)  # validate/test/predict without a plan: mgpu_ddp

@@ -272,9 +272,13 @@ class MGPUStrategyMixin(ParallelStrategy):
         if model is None or trainer.state.fn != TrainerFn.FITTING:
             return
         check_manual_accumulation(trainer, model)
-        self._compilation.check(model, self.public_name)
+        self._compilation.check(model, self.public_name, self._sharded_choices())
         self._check_model_before_launch(trainer, model)
         self._checkpointing.check(model)  # a policy that matches nothing fails here
+
+    def _sharded_choices(self) -> tuple[str, ...]:
+        """The sharded stages 2/3 this strategy may still become (``mgpu_auto`` overrides it)."""
+        return ()
 
     def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
         """The strategy's own checks of the model, before launch (fitting only)."""

@@ -24,6 +24,7 @@ from lightning_mgpu import (
     DeviceMonitor,
     EveryNth,
     ManualAccumulation,
+    MGPUAutoStrategy,
     MGPUDDPStrategy,
     MGPUPrecision,
     MGPUShardedStrategy,
@@ -79,12 +80,16 @@ CASES = [
         id="compile-not-a-bool-or-dict",
     ),
     pytest.param(
-        lambda: fit(
-            torch.compile(Regressor(), backend="eager"), MGPUDDPStrategy(start_method="fork", compile=True)
-        ),
+        lambda: fit(torch.compile(Regressor(), backend="eager"), MGPUDDPStrategy(start_method="fork", compile=True)),
         ValueError,
         ["compiled with torch.compile", "trainer.fit(model)", "MGPUDDPStrategy(compile=", "compile=False"],
         id="compile-true-with-a-user-compiled-model",
+    ),
+    pytest.param(
+        lambda: fit(torch.compile(Regressor(), backend="eager"), MGPUAutoStrategy(start_method="fork")),
+        ValueError,
+        ["compiled with torch.compile", "may choose a sharded stage", "compile=True", "['mgpu_ddp', 'mgpu_zero1']"],
+        id="compile-mgpu-auto-may-shard-a-user-compiled-model",
     ),
     # --- MGPUDDPStrategy -------------------------------------------------------------------------------------
     pytest.param(
