@@ -39,7 +39,14 @@ from torch import nn
 from lightning_mgpu import _compat
 from lightning_mgpu.parts.sharding import fsdp_unit_roots
 
-__all__ = ["Compilation", "compile_forward", "compiled_modules", "user_compiled_message"]
+__all__ = [
+    "Compilation",
+    "compile_forward",
+    "compiled_modules",
+    "remove_compilation",
+    "user_compiled_message",
+    "user_compiled_sharded_message",
+]
 
 
 class _CompiledForward:
