@@ -92,12 +92,14 @@ test-install: $(STAMP)
 # The GPU tier, on a machine with an NVIDIA GPU (CI has none: there tests/gpu is skipped with "no CUDA device").
 # `make test-gpu`: tests/gpu (marker `gpu`), every CUDA path and every feature through Trainer.fit on NCCL;
 # `make bench-gpu`: memory per rank at world sizes 2/4/8 (torch's fake process group), tokens/s + MFU, the blocking
-# time of synchronous and asynchronous checkpoints, and the planner's prediction against the CUDA allocator, results
-# saved as JSON under benchmarks/results/; then hybrid against flat sharding (printed; needs 4 GPUs, else a message). Both use the package from this checkout (PYTHONPATH) with an interpreter
+# time of synchronous and asynchronous checkpoints, the planner's prediction against the CUDA allocator, and the
+# step time compiled against eager (benchmarks/bench_compile.py on the GPU), results saved as JSON under
+# benchmarks/results/; then hybrid against flat sharding (printed; needs 4 GPUs, else a message). Both use the
+# package from this checkout (PYTHONPATH) with an interpreter
 # that already has a CUDA torch and Lightning (GPU_PYTHON, default python3, as on GPU images without network access);
 # where that interpreter lacks them, .venv-cuda (torch's CUDA wheel, CUDA_TORCH) is built and used. Each test case runs in a
 # fresh interpreter (tests/gpu/worker.py), six at a time on the one GPU where pytest-xdist is installed; the tier
-# and the benchmarks together are estimated at about 9 minutes on an H100 (docs/gpu.md: each part's estimate).
+# and the benchmarks together are estimated at about 11 minutes on an H100 (docs/gpu.md: each part's estimate).
 GPU_PYTHON ?= python3
 GPU_PY = $$($(GPU_PYTHON) -c "import torch, pytorch_lightning, lightning" 2>/dev/null && echo $(GPU_PYTHON) || \
 	{ $(MAKE) -s .venv-cuda/.installed >&2 && echo .venv-cuda/bin/python; })
@@ -113,6 +115,7 @@ bench-gpu:
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_checkpoint_blocking.py --out benchmarks/results && \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_planner_vs_allocator.py --out benchmarks/results && \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/bench_hsdp.py --accelerator gpu
+	PYTHONPATH=$(CURDIR) $$py benchmarks/bench_compile.py --accelerator gpu --devices 1 --out benchmarks/results
 
 # Re-run every notebook and store its outputs (tests/meta/test_notebooks.py fails on outputs older than the cells).
 notebooks: $(STAMP)

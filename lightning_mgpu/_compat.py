@@ -550,3 +550,20 @@ def is_interactive() -> bool:
     from pytorch_lightning.trainer.connectors import accelerator_connector
 
     return bool(getattr(accelerator_connector, "_IS_INTERACTIVE", False))
+
+
+def compiled_by_user(module: Any) -> bool:
+    """Whether ``module`` is a LightningModule that ``Trainer.fit`` unwrapped from the user's
+    ``torch.compile(module)``: Lightning's ``from_compiled`` sets ``module._compiler_ctx`` and wraps the module's
+    ``forward`` and ``*_step`` methods in the user's compile context (pytorch-lightning 2.6.0 and 2.6.6 checked).
+    Missing: False (a user-compiled model then meets no check of ours; Lightning's own check still runs)."""
+    return getattr(module, "_compiler_ctx", None) is not None
+
+
+def compiled_graph_count() -> int:
+    """How many graphs torch.compile has compiled in this process so far (``torch._dynamo.utils.counters``,
+    ``["stats"]["unique_graphs"]``; torch 2.4-2.13 checked): a recompilation adds one. Missing: KeyError or
+    ImportError, raised where it is read (tests and benchmarks only)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

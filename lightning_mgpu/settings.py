@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
+import torch
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -39,6 +40,7 @@ MeshLayout = Literal["flat", "hybrid"]
 LossNormalization = Literal["tokens"]
 NonFinite = Literal["error"]
 MicroBatchSetting = Union[int, Literal["auto"]]
+CompileSetting = Union[bool, dict[str, Any]]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("torch", "fairscale")
@@ -109,6 +111,34 @@ def _check_micro_batch_size(value: Any) -> None:
         )
 
 
+# torch.compile's keyword arguments (all but the model): what a ``compile={...}`` dict may hold.
+COMPILE_KEYWORDS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
+
+
+def check_compile(value: Any) -> Union[bool, dict[str, Any]]:
+    """``compile=True``/``False``, or a dict of :func:`torch.compile` keyword arguments (``{"mode": ...}``);
+    returns the value with a mapping made a plain dict. An unknown key names the valid ones."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"compile={value!r} must be True, False or a dict of torch.compile keyword arguments, e.g. "
+            f"compile={{'mode': 'max-autotune'}} or compile={{'backend': 'aot_eager'}}."
+        )
+    options = dict(value)
+    bad = [k for k in options if not isinstance(k, str) or k not in COMPILE_KEYWORDS]
+    if bad:
+        hints = []
+        for name in bad:
+            close = difflib.get_close_matches(str(name), COMPILE_KEYWORDS, n=1)
+            hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+        raise TypeError(
+            f"compile={value!r}: {', '.join(hints)} is not a keyword argument of torch.compile. Valid keys: "
+            f"{', '.join(COMPILE_KEYWORDS)}."
+        )
+    return options
+
+
 def _check_start_method(start_method: Any) -> None:
     if start_method not in START_METHODS:
         raise ValueError(
@@ -153,9 +183,14 @@ class CommonSettings:
     async_checkpoint: bool = False
     """Checkpoints saved during fit are copied off the live tensors (to pinned CPU memory on GPU) and written in a
     background thread; training goes on as soon as the copy is made (``lightning_mgpu/plugins/async_checkpoint.py``)."""
+    compile: CompileSetting = False
+    """``True`` or a dict of :func:`torch.compile` keyword arguments: compile the model once it is wrapped or
+    sharded, in place (state-dict keys unchanged): the LightningModule's ``forward`` under DDP, each FSDP unit's
+    block under the sharded stages 2/3 (``lightning_mgpu/parts/compilation.py``). ``False``: eager."""
 
     def __post_init__(self) -> None:
         _check_start_method(self.start_method)
+        object.__setattr__(self, "compile", check_compile(self.compile))
         if self.nonfinite not in (None, "error"):
             raise ValueError(
                 f"nonfinite={self.nonfinite!r} is unknown. Use nonfinite='error' (every rank raises the same error "

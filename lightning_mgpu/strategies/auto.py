@@ -39,7 +39,14 @@ from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointin
 from lightning_mgpu.planning import PlanError, plan
 from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, planner_precision
 from lightning_mgpu.planning.source import default_policy, fake_copy_factory
-from lightning_mgpu.settings import AutoSettings, LossNormalization, MicroBatchSetting, NonFinite, StartMethod
+from lightning_mgpu.settings import (
+    AutoSettings,
+    CompileSetting,
+    LossNormalization,
+    MicroBatchSetting,
+    NonFinite,
+    StartMethod,
+)
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
@@ -60,8 +67,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             kept as plain attributes) is planned without activation checkpointing.
         micro_batch_size: passed to the chosen strategy (see :class:`~lightning_mgpu.MGPUDDPStrategy`).
         start_method: as for every mgpu strategy; so are ``process_group_backend``, ``timeout``,
-            ``log_comm_stats``, ``loss_normalization``, ``nonfinite`` and ``async_checkpoint``, all passed to the
-            chosen strategy.
+            ``log_comm_stats``, ``loss_normalization``, ``nonfinite``, ``async_checkpoint`` and ``compile``, all passed
+            to the chosen strategy.
 
     After set-up, in the training processes, ``trainer.strategy`` is the chosen strategy and its
     ``auto_decision`` (an ``AutoDecision``: ``strategy``, ``activation_checkpointing``, ``reason``, ``table``)
@@ -103,6 +110,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         loss_normalization: Optional[LossNormalization] = None,
         nonfinite: Optional[NonFinite] = None,
         async_checkpoint: bool = False,
+        compile: CompileSetting = False,
     ) -> None:
         common: dict[str, Any] = {
             "process_group_backend": process_group_backend,
@@ -112,6 +120,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             "loss_normalization": loss_normalization,
             "nonfinite": nonfinite,
             "async_checkpoint": async_checkpoint,
+            "compile": compile,
         }
         # validates the common arguments (and micro_batch_size) now, before any process starts
         super().__init__(
@@ -136,6 +145,10 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             "common": common,
         }
         self._micro = None  # this object micro-batches nothing itself: the chosen strategy does
+
+    @override
+    def _sharded_choices(self) -> tuple[str, ...]:
+        return tuple(s for s in self._auto["settings"].strategies if s in ("mgpu_sharded", "mgpu_hsdp", "mgpu_zero3"))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

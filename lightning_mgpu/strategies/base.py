@@ -32,6 +32,7 @@ from lightning_mgpu import _compat, comm
 from lightning_mgpu.comm import CommStats, Ledger, attached_trainer, group_is_up
 from lightning_mgpu.parts.accumulation import check_accumulate_grad_batches, check_manual_accumulation
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointing
+from lightning_mgpu.parts.compilation import Compilation
 from lightning_mgpu.parts.failures import FailureHandling
 from lightning_mgpu.parts.nonfinite import NonFiniteCheck
 from lightning_mgpu.parts.resume import MidEpochResume
@@ -70,6 +71,7 @@ class MGPUStrategyMixin(ParallelStrategy):
     _failures: FailureHandling
     _resume: MidEpochResume
     _checkpointing: ActivationCheckpointing
+    _compilation: Compilation
     _launch: CommonSettings
     _tokens: Optional[TokenNormalization]
     _nonfinite: Optional[NonFiniteCheck]
@@ -83,6 +85,7 @@ class MGPUStrategyMixin(ParallelStrategy):
         self._checkpointing = ActivationCheckpointing(
             settings.activation_checkpointing, settings.activation_checkpointing_reentrant
         )
+        self._compilation = Compilation(settings.compile)
         tokens = settings.loss_normalization == "tokens"
         self._tokens = TokenNormalization(self._ledger.stats) if tokens else None
         self._nonfinite = NonFiniteCheck(self._ledger.stats) if settings.nonfinite == "error" else None
@@ -269,8 +272,13 @@ class MGPUStrategyMixin(ParallelStrategy):
         if model is None or trainer.state.fn != TrainerFn.FITTING:
             return
         check_manual_accumulation(trainer, model)
+        self._compilation.check(model, self.public_name, self._sharded_choices())
         self._check_model_before_launch(trainer, model)
         self._checkpointing.check(model)  # a policy that matches nothing fails here
+
+    def _sharded_choices(self) -> tuple[str, ...]:
+        """The sharded stages 2/3 this strategy may still become (``mgpu_auto`` overrides it)."""
+        return ()
 
     def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
         """The strategy's own checks of the model, before launch (fitting only)."""
@@ -531,6 +539,7 @@ class MGPUStrategyMixin(ParallelStrategy):
 
     def teardown(self) -> None:
         self._end_async_writes()
+        self._compilation.remove(self.lightning_module)  # the eager forwards back, then the checkpointed ones
         self._checkpointing.remove(self.lightning_module)  # the user's module back
         super().teardown()
 

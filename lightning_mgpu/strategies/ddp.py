@@ -42,6 +42,7 @@ from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_d
 from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import (
     CommHookName,
+    CompileSetting,
     DDPSettings,
     LossNormalization,
     MicroBatchSetting,
@@ -118,6 +119,10 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             live tensors (pinned CPU memory on GPU) and written in a background thread, one write at a time; a
             failed write raises on every rank at the next save or at the end of fit, which waits for the last
             write. See the reliability guide.
+        compile: ``True`` or a dict of :func:`torch.compile` keyword arguments (``{"mode": "max-autotune"}``):
+            the LightningModule's ``forward`` is compiled in place after the DDP wrap (state-dict keys unchanged;
+            see the compilation guide). A model compiled with ``torch.compile`` before ``Trainer.fit`` is refused
+            with it; without it, such a model trains as under Lightning's DDP.
         checkpoint_io: how checkpoint files are written; default :class:`~lightning_mgpu.AtomicCheckpointIO`.
             A plugin you pass is used as it is (atomic saves are then up to it).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``);
@@ -164,6 +169,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         nonfinite: Optional[NonFinite] = None,
         micro_batch_size: Optional[MicroBatchSetting] = None,
         async_checkpoint: bool = False,
+        compile: CompileSetting = False,
         **ddp_kwargs: Any,
     ) -> None:
         ddp_kwargs = split_ddp_kwargs(type(self).__name__, ddp_kwargs, _OWN_KEYWORDS)
@@ -183,6 +189,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             nonfinite=nonfinite,
             micro_batch_size=micro_batch_size,
             async_checkpoint=async_checkpoint,
+            compile=compile,
             ddp_kwargs=ddp_kwargs,
         )
         if static_graph and not _compat.DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4
@@ -268,6 +275,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
     def configure_ddp(self) -> None:
         self._checkpointing.apply(self.lightning_module)
         super().configure_ddp()
+        self._compilation.compile_model(self.lightning_module)  # after the wrap: parts/compilation.py
 
     @property
     def _ddp(self) -> DistributedDataParallel:

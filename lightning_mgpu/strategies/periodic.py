@@ -35,6 +35,7 @@ from lightning_mgpu.parts.periodic_sync import PeriodicSync
 from lightning_mgpu.plugins.precision import MGPUPrecision
 from lightning_mgpu.settings import (
     CommDtype,
+    CompileSetting,
     DiLoCoSettings,
     LocalSGDSettings,
     StartMethod,
@@ -67,9 +68,9 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
             averaged in (half the bytes; the weights themselves stay in their dtype).
 
     The other arguments (``process_group_backend``, ``timeout``, ``start_method``, ``log_comm_stats``, activation
-    checkpointing, ``checkpoint_io`` and DistributedDataParallel's keywords) are those of :class:`MGPUDDPStrategy`;
-    DDP's broadcast of rank 0's buffers before every forward is off: floating-point buffers (BatchNorm statistics)
-    are averaged at each sync instead.
+    checkpointing, ``compile``, ``checkpoint_io`` and DistributedDataParallel's keywords) are those of
+    :class:`MGPUDDPStrategy`; DDP's broadcast of rank 0's buffers before every forward is off: floating-point
+    buffers (BatchNorm statistics) are averaged at each sync instead.
 
     Example (``trainer.fit(model, datamodule)`` then starts the ranks; after it,
     ``strategy.comm_stats.ratio_to_lower_bound`` is about 1/8: the bytes per step against mgpu_ddp's):
@@ -105,6 +106,7 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         log_comm_stats: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        compile: CompileSetting = False,
         **ddp_kwargs: Any,
     ) -> None:
         periodic = self._periodic_settings(sync_every=sync_every, warmup_steps=warmup_steps, comm_dtype=comm_dtype)
@@ -120,6 +122,7 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
             log_comm_stats=log_comm_stats,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_reentrant=activation_checkpointing_reentrant,
+            compile=compile,
             ddp_kwargs=ddp_kwargs,
         )
         self._periodic = PeriodicSync(periodic)
@@ -278,6 +281,7 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
         log_comm_stats: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        compile: CompileSetting = False,
         **ddp_kwargs: Any,
     ) -> None:
         self._outer: dict[str, Any] = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
@@ -296,6 +300,7 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
             log_comm_stats=log_comm_stats,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_reentrant=activation_checkpointing_reentrant,
+            compile=compile,
             **ddp_kwargs,
         )
 

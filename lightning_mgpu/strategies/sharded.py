@@ -68,6 +68,7 @@ from lightning_mgpu.settings import (
     CheckpointLayout,
     CommHookName,
     CommonSettings,
+    CompileSetting,
     DDPSettings,
     LossNormalization,
     MeshLayout,
@@ -376,6 +377,9 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         shard_size: ``mesh="hybrid"``: ranks per shard group (None: world size / ``num_nodes``).
         async_checkpoint: stage checkpoints saved during fit off the live tensors and write them in the
             background (either layout; a sharded directory is marked complete once every rank's part is written).
+        compile: ``True`` or a dict of :func:`torch.compile` keyword arguments: stages 2/3 compile each FSDP unit's
+            block in place after sharding, stage 1 the LightningModule's ``forward`` after the DDP wrap (as
+            :class:`~lightning_mgpu.MGPUDDPStrategy`).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
 
@@ -421,6 +425,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         micro_batch_size: Optional[MicroBatchSetting] = None,
         mesh: MeshLayout = "flat",
         shard_size: Optional[int] = None,
+        compile: CompileSetting = False,
         **ddp_kwargs: Any,
     ) -> None:
         sharded = ShardedSettings(
@@ -451,6 +456,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
             "nonfinite": nonfinite,
             "async_checkpoint": async_checkpoint,
             "micro_batch_size": micro_batch_size,
+            "compile": compile,
         }
         # stage 1 trains a DistributedDataParallel model: its settings are mgpu_ddp's
         settings: CommonSettings = (
@@ -623,7 +629,8 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
     def _wrap_model(self, policy: Any) -> None:
         """The model's set-up order, in one place (torchtitan's ``parallelize`` order): SyncBatchNorm conversion
         (in ``setup``) -> activation checkpointing -> DDP (stage 1) or sharding (stages 2/3), so that DDP's and
-        FSDP's hooks stay outside the recompute; the sharded optimizers come after (``setup_optimizers``)."""
+        FSDP's hooks stay outside the recompute -> compilation (``compile=``); the sharded optimizers come after
+        (``setup_optimizers``)."""
         module = self.lightning_module
         assert module is not None
         self._checkpointing.apply(module)
@@ -632,11 +639,13 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
             self.model = ddp
             self._ledger.start(ddp, self.world_size)
             self._comm_hook_state = self._ddp_wrapping.register_hooks(ddp, self._ledger, manual=False)
+            self._compilation.compile_model(module)  # after the wrap, as mgpu_ddp: parts/compilation.py
             return
         mesh = self._sharding.device_mesh(self.root_device.type, self.world_size, self.num_nodes)
         sharded = self._sharding.shard_model(module, mesh, policy)
         if sharded is not None:
             self.model = sharded
+        self._compilation.compile_blocks(module, self._sharded_settings.wrap_modules)  # after sharding
         assert self.model is not None
         self._ledger.start(self.model, self.world_size, self._sharding.mesh_shape)
 

@@ -24,6 +24,7 @@ from lightning_mgpu import (
     DeviceMonitor,
     EveryNth,
     ManualAccumulation,
+    MGPUAutoStrategy,
     MGPUDDPStrategy,
     MGPUPrecision,
     MGPUShardedStrategy,
@@ -65,6 +66,31 @@ class AutomaticWithMixin(ManualAccumulation, Regressor):
 
 CASES = [
     # (zero-arg call, exception type, fragments the message must contain: the bad value and the fix)
+    # --- compile (every strategy) ----------------------------------------------------------------------------
+    pytest.param(
+        lambda: MGPUDDPStrategy(compile={"mdoe": "max-autotune"}),
+        TypeError,
+        ["'mdoe'", "did you mean 'mode'?", "backend", "fullgraph"],
+        id="compile-unknown-option-names-the-valid-ones",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, compile="inductor"),
+        TypeError,
+        ["compile='inductor'", "{'backend': 'aot_eager'}", "True, False"],
+        id="compile-not-a-bool-or-dict",
+    ),
+    pytest.param(
+        lambda: fit(torch.compile(Regressor(), backend="eager"), MGPUDDPStrategy(start_method="fork", compile=True)),
+        ValueError,
+        ["compiled with torch.compile", "trainer.fit(model)", "MGPUDDPStrategy(compile=", "compile=False"],
+        id="compile-true-with-a-user-compiled-model",
+    ),
+    pytest.param(
+        lambda: fit(torch.compile(Regressor(), backend="eager"), MGPUAutoStrategy(start_method="fork")),
+        ValueError,
+        ["compiled with torch.compile", "may choose a sharded stage", "compile=True", "['mgpu_ddp', 'mgpu_zero1']"],
+        id="compile-mgpu-auto-may-shard-a-user-compiled-model",
+    ),
     # --- MGPUDDPStrategy -------------------------------------------------------------------------------------
     pytest.param(
         lambda: MGPUDDPStrategy(comm_hook="fp8"),

@@ -101,3 +101,28 @@ def test_a_hybrid_mesh_that_cannot_be_built_is_refused_naming_the_fix():
         ShardedSettings(stage=3, mesh="hybrid").mesh_shape(world_size=5, num_nodes=2)
     with pytest.raises(ValueError, match=r"shard_size=3 does not divide the world size 4"):
         ShardedSettings(stage=3, mesh="hybrid", shard_size=3).mesh_shape(world_size=4, num_nodes=2)
+@pytest.mark.parametrize(
+    "name", ["MGPUDDPStrategy", "MGPUShardedStrategy", "MGPULocalSGDStrategy", "MGPUDiLoCoStrategy", "MGPUAutoStrategy"]
+)
+def test_compile_is_a_keyword_of_every_strategy_and_reaches_its_settings(name):
+    """``compile`` in each public strategy's signature (LightningCLI reads it there) and in its launch settings,
+    a dict of torch.compile options as given."""
+    import inspect
+
+    import lightning_mgpu
+
+    cls = getattr(lightning_mgpu, name)
+    assert inspect.signature(cls.__init__).parameters["compile"].default is False
+    strategy = cls(compile={"mode": "max-autotune"})
+    assert strategy.launch_settings.compile == {"mode": "max-autotune"}
+    assert cls().launch_settings.compile is False
+
+
+def test_lightning_cli_parses_compile_options():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(MGPUShardedStrategy, "strategy")
+    cfg = parser.parse_args(["--strategy.stage=3", '--strategy.compile={"backend": "aot_eager"}'])
+    assert cfg.strategy.compile == {"backend": "aot_eager"}
+    assert parser.parse_args(["--strategy.compile=true"]).strategy.compile is True
