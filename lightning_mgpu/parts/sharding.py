@@ -116,6 +116,19 @@ class ShardingBackend:
         """The device mesh the model is sharded over, or None where the backend takes a process group."""
         return None
 
+    def gathers_in_forward(self, model: nn.Module) -> bool:
+        """Whether every forward of ``model`` is a collective (the parameters gathered): ranks must then run the
+        same number of forwards."""
+        return False
+
+    def gather_for_evaluation(self, model: nn.Module) -> None:
+        """Before an evaluation loop whose ranks may run different numbers of batches: gather the parameters
+        once and keep them, so that no forward of the loop is a collective (every rank then holds the whole
+        model until :meth:`release_after_evaluation`)."""
+
+    def release_after_evaluation(self, model: nn.Module) -> None:
+        """After that loop: back to the shards (and to gathering in every forward)."""
+
     def mixed_precision_policy(self, plugin: Any) -> Any:
         """FSDP2's ``MixedPrecisionPolicy`` from the precision plugin (master modes), or None."""
         return None
@@ -365,6 +378,20 @@ class FSDP2Backend(ShardingBackend):
         from torch.distributed.fsdp import FSDPModule
 
         return isinstance(model, FSDPModule)
+
+    def gathers_in_forward(self, model: nn.Module) -> bool:
+        # stage 2 too: FSDP2 frees the gathered parameters after each backward
+        return self.is_sharded(model)
+
+    def gather_for_evaluation(self, model: nn.Module) -> None:
+        for unit in _fsdp_units(model):  # the same order on every rank: each unshard is one all-gather
+            unit.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+            unit.unshard()  # type: ignore[operator]
+
+    def release_after_evaluation(self, model: nn.Module) -> None:
+        for unit in _fsdp_units(model):
+            unit.set_reshard_after_forward(self.stage == 3, recurse=False)  # type: ignore[operator]  # as sharded
+            unit.reshard()  # type: ignore[operator]
 
     def device_mesh(self, device_type: str, world_size: int) -> Any:
         from torch.distributed.device_mesh import init_device_mesh

@@ -69,7 +69,8 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
             averaged in (half the bytes; the weights themselves stay in their dtype).
 
     The other arguments (``process_group_backend``, ``timeout``, ``start_method``, ``log_comm_stats``, activation
-    checkpointing, ``checkpoint_io`` and DistributedDataParallel's keywords) are those of :class:`MGPUDDPStrategy`;
+    checkpointing, ``exact_evaluation``, ``check_uneven_inputs``, ``checkpoint_io`` and DistributedDataParallel's
+    keywords) are those of :class:`MGPUDDPStrategy`;
     DDP's broadcast of rank 0's buffers before every forward is off: floating-point buffers (BatchNorm statistics)
     are averaged at each sync instead.
 
@@ -107,6 +108,8 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         log_comm_stats: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        exact_evaluation: bool = True,
+        check_uneven_inputs: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         periodic = self._periodic_settings(sync_every=sync_every, warmup_steps=warmup_steps, comm_dtype=comm_dtype)
@@ -122,6 +125,8 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
             log_comm_stats=log_comm_stats,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_reentrant=activation_checkpointing_reentrant,
+            exact_evaluation=exact_evaluation,
+            check_uneven_inputs=check_uneven_inputs,
             ddp_kwargs=ddp_kwargs,
         )
         self._periodic = PeriodicSync(periodic)
@@ -304,6 +309,8 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
         log_comm_stats: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        exact_evaluation: bool = True,
+        check_uneven_inputs: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         self._outer: dict[str, Any] = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
@@ -322,6 +329,8 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
             log_comm_stats=log_comm_stats,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_reentrant=activation_checkpointing_reentrant,
+            exact_evaluation=exact_evaluation,
+            check_uneven_inputs=check_uneven_inputs,
             **ddp_kwargs,
         )
 

@@ -41,6 +41,7 @@ from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import unwrap_optimizer
 from lightning_mgpu.comm import attached_trainer, group_is_up
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, classes_present
+from lightning_mgpu.parts.evaluation import planned_counts_differ
 from lightning_mgpu.parts.sharding import (
     ShardingBackend,
     check_optimizer,
@@ -400,6 +401,11 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
         micro_batch_size: stage 1 only: as for :class:`~lightning_mgpu.MGPUDDPStrategy`.
         async_checkpoint: stage checkpoints saved during fit off the live tensors and write them in the
             background (either layout; a sharded directory is marked complete once every rank's part is written).
+        exact_evaluation: every evaluation sample once, as many batches on every rank (as for ``mgpu_ddp``); an
+            evaluation loop whose ranks could still run different numbers of batches (a sampler of your own, an
+            iterable dataset) gathers the parameters once for the loop instead of in every forward, so it cannot
+            hang (every rank then holds the whole model during that loop).
+        check_uneven_inputs: uneven training inputs raise on every rank instead of hanging (as for ``mgpu_ddp``).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
 
@@ -439,6 +445,8 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
         loss_normalization: Optional[LossNormalization] = None,
         nonfinite: Optional[NonFinite] = None,
         async_checkpoint: bool = False,
+        exact_evaluation: bool = True,
+        check_uneven_inputs: bool = True,
         comm_hook: Optional[CommHookName] = None,
         comm_state: Optional[dict[str, Any]] = None,
         static_graph: bool = False,
@@ -479,6 +487,8 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
             "loss_normalization": loss_normalization,
             "nonfinite": nonfinite,
             "async_checkpoint": async_checkpoint,
+            "exact_evaluation": exact_evaluation,
+            "check_uneven_inputs": check_uneven_inputs,
         }
         if micro_batch_size is not None:  # stage 1 (above): MGPUDDPStrategy takes it
             settings["micro_batch_size"] = micro_batch_size
@@ -666,6 +676,7 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
     """Stages 2 and 3 of :class:`~lightning_mgpu.MGPUShardedStrategy` (see there for the arguments)."""
 
     _sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
+    _gathered_for_evaluation = False  # an evaluation loop runs with the parameters gathered once (see below)
 
     # --- set-up -------------------------------------------------------------------------------------------
     @override
@@ -737,6 +748,63 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._redirect("predict_step", *args, **kwargs)
+
+    # --- evaluation whose ranks may run different numbers of batches (parts/evaluation.py) ---------------------
+    def _current_evaluation_loop(self, trainer: pl.Trainer) -> Any:
+        if trainer.predicting:
+            return trainer.predict_loop
+        if trainer.testing:
+            return trainer.test_loop
+        return trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == TrainerFn.FITTING else trainer.validate_loop
+
+    def _start_evaluation(self) -> None:
+        """Every forward of a sharded model gathers parameters: if the ranks could run different numbers of
+        batches in this loop (one all-gather of the planned counts says so), gather them once for the loop."""
+        trainer = attached_trainer(self.lightning_module)
+        model = self.model
+        if not self._launch.exact_evaluation or trainer is None or model is None or self.world_size < 2:
+            return
+        if not self._sharding.gathers_in_forward(model):
+            return
+        planned = float(sum(self._current_evaluation_loop(trainer).max_batches))
+        if planned_counts_differ(comm.all_gather_object(planned)):
+            self._sharding.gather_for_evaluation(model)
+            self._gathered_for_evaluation = True
+
+    def _end_evaluation(self) -> None:
+        if self._gathered_for_evaluation and self.model is not None:
+            self._gathered_for_evaluation = False
+            self._sharding.release_after_evaluation(self.model)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._start_evaluation()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._start_evaluation()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._start_evaluation()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_evaluation()
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_evaluation()
+        super().on_test_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_evaluation()
+        super().on_predict_end()
 
     @override
     @contextmanager
