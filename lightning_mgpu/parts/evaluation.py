@@ -17,7 +17,7 @@ ranks and divides, i.e. each batch is weighted by its size (the first dimension 
 
 Where equal counts are impossible without an empty batch (``batch_size=1`` and a set that does not divide by the
 world size, e.g.), the shards stay exact and their batch counts differ by one; a sharded strategy then gathers its
-parameters once for the loop (:meth:`lightning_mgpu.parts.sharding.ShardingBackend.evaluation_gathered`). A set
+parameters once for the loop (:meth:`lightning_mgpu.parts.sharding.ShardingBackend.start_uneven_evaluation`). A set
 smaller than the world size keeps Lightning's padded sampler (a warning says so): every rank needs a sample.
 """
 

@@ -758,23 +758,24 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
         return trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == TrainerFn.FITTING else trainer.validate_loop
 
     def _start_evaluation(self) -> None:
-        """Every forward of a sharded model gathers parameters: if the ranks could run different numbers of
-        batches in this loop (one all-gather of the planned counts says so), gather them once for the loop."""
+        """Every forward of a sharded model is a collective (FSDP2 gathers parameters, fairscale's
+        ShardedDataParallel broadcasts buffers): if the ranks could run different numbers of batches in this loop
+        (one all-gather of the planned counts says so), do that collective once for the loop instead."""
         trainer = attached_trainer(self.lightning_module)
         model = self.model
         if not self._launch.exact_evaluation or trainer is None or model is None or self.world_size < 2:
             return
-        if not self._sharding.gathers_in_forward(model):
+        if not self._sharding.forward_is_collective(model):
             return
         planned = float(sum(self._current_evaluation_loop(trainer).max_batches))
         if planned_counts_differ(comm.all_gather_object(planned)):
-            self._sharding.gather_for_evaluation(model)
+            self._sharding.start_uneven_evaluation(model)
             self._gathered_for_evaluation = True
 
     def _end_evaluation(self) -> None:
         if self._gathered_for_evaluation and self.model is not None:
             self._gathered_for_evaluation = False
-            self._sharding.release_after_evaluation(self.model)
+            self._sharding.end_uneven_evaluation(self.model)
 
     @override
     def on_validation_start(self) -> None:

@@ -16,7 +16,13 @@ from pytorch_lightning.callbacks import BasePredictionWriter
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mgpu import MGPUDDPStrategy, MGPUDiLoCoStrategy, MGPULocalSGDStrategy, MGPUShardedStrategy
+from lightning_mgpu import (
+    MGPUAutoStrategy,
+    MGPUDDPStrategy,
+    MGPUDiLoCoStrategy,
+    MGPULocalSGDStrategy,
+    MGPUShardedStrategy,
+)
 from tests.models import Regressor, make_data
 from tests.numerics_harness import run_jobs
 
@@ -34,11 +40,15 @@ class EvalRegressor(Regressor):
 
     def __init__(self) -> None:
         super().__init__(lr=0.0)  # training leaves the weights as they are: every rank evaluates the same model
+        self.register_buffer("offset", torch.full((3,), 0.25))  # fairscale's SDP broadcasts buffers every forward
         self.val_metric = torchmetrics.MeanSquaredError()
         self.test_metric = torchmetrics.MeanSquaredError()
         self.val_metric.set_dtype(torch.float64)
         self.test_metric.set_dtype(torch.float64)
         self.seen: dict[str, list[int]] = {"val": [], "test": [], "predict": []}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + self.offset
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
@@ -123,9 +133,11 @@ FAMILIES: dict[str, Callable[..., Any]] = {
     "ddp": lambda **kw: MGPUDDPStrategy(start_method="popen", **kw),
     "zero1": lambda **kw: MGPUShardedStrategy(stage=1, start_method="popen", **kw),
     "zero2": lambda **kw: MGPUShardedStrategy(stage=2, start_method="popen", **kw),
+    "zero2_fairscale": lambda **kw: MGPUShardedStrategy(stage=2, backend="fairscale", start_method="popen", **kw),
     "zero3": lambda **kw: MGPUShardedStrategy(stage=3, start_method="popen", **kw),
     "local_sgd": lambda **kw: MGPULocalSGDStrategy(start_method="popen", **kw),
     "diloco": lambda **kw: MGPUDiLoCoStrategy(start_method="popen", **kw),
+    "auto": lambda **kw: MGPUAutoStrategy(start_method="popen", **kw),
 }
 
 
@@ -218,7 +230,7 @@ def uneven_validation(make_strategy: Callable[[], Any]) -> Callable[[Path], None
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", ["zero2", "zero3", "ddp"])
+@pytest.mark.parametrize("family", ["zero2", "zero3", "zero2_fairscale", "ddp"])
 def test_uneven_validation_batch_counts_do_not_hang(family):
     runs = run_jobs([uneven_validation(lambda: FAMILIES[family]())], agree=False, timeout=60)
     x, y, _ = indexed(20).tensors
@@ -230,8 +242,12 @@ def test_uneven_validation_batch_counts_do_not_hang(family):
 
 
 @pytest.mark.timeout(600)
-def test_zero3_uneven_validation_hangs_without_it_negative_control():
-    """Lightning's behaviour: the rank with the third batch waits in the forward's all-gather (until the group's
-    timeout, 10 s here instead of 30 minutes, ends the other rank and with it the wait)."""
-    with pytest.raises(AssertionError, match="(?s)validation_step.*foreach_all_gather"):
-        run_jobs([uneven_validation(lambda: FAMILIES["zero3"](exact_evaluation=False))], agree=False, timeout=10)
+@pytest.mark.parametrize(
+    ("family", "waits_in"), [("zero3", "foreach_all_gather"), ("zero2_fairscale", "sync_buffers")]
+)
+def test_uneven_validation_hangs_without_it_negative_control(family, waits_in):
+    """Lightning's behaviour: the rank with the third batch waits in its forward's collective (FSDP2's parameter
+    all-gather, ShardedDataParallel's buffer broadcast) until the group's timeout (10 s here instead of 30 minutes)
+    ends the other rank and with it the wait."""
+    with pytest.raises(AssertionError, match=f"(?s)validation_step.*{waits_in}"):
+        run_jobs([uneven_validation(lambda: FAMILIES[family](exact_evaluation=False))], agree=False, timeout=10)
