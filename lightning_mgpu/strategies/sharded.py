@@ -403,8 +403,9 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUStrategyMixin, ParallelStrateg
             background (either layout; a sharded directory is marked complete once every rank's part is written).
         exact_evaluation: every evaluation sample once, as many batches on every rank (as for ``mgpu_ddp``); an
             evaluation loop whose ranks could still run different numbers of batches (a sampler of your own, an
-            iterable dataset) gathers the parameters once for the loop instead of in every forward, so it cannot
-            hang (every rank then holds the whole model during that loop).
+            iterable dataset) does the forward's collective once for the loop, so it cannot hang (stages 2 and 3:
+            the parameters gathered once, every rank then holds the whole model during that loop; fairscale: the
+            buffers broadcast once).
         check_uneven_inputs: uneven training inputs raise on every rank instead of hanging (as for ``mgpu_ddp``).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
@@ -676,7 +677,7 @@ class MGPUFSDPStrategy(MGPUShardedStrategy, MGPUParallelStrategy):
     """Stages 2 and 3 of :class:`~lightning_mgpu.MGPUShardedStrategy` (see there for the arguments)."""
 
     _sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
-    _gathered_for_evaluation = False  # an evaluation loop runs with the parameters gathered once (see below)
+    _gathered_for_evaluation = False  # an evaluation loop runs with its forward's collective done once (below)
 
     # --- set-up -------------------------------------------------------------------------------------------
     @override
