@@ -21,6 +21,7 @@ FAMILIES: dict[str, Callable[..., Any]] = {
     "ddp": lambda **kw: MGPUDDPStrategy(start_method="popen", **kw),
     "zero1": lambda **kw: MGPUShardedStrategy(stage=1, start_method="popen", **kw),
     "zero2": lambda **kw: MGPUShardedStrategy(stage=2, start_method="popen", **kw),
+    "zero2_fairscale": lambda **kw: MGPUShardedStrategy(stage=2, backend="fairscale", start_method="popen", **kw),
     "zero3": lambda **kw: MGPUShardedStrategy(stage=3, start_method="popen", **kw),
     "local_sgd": lambda **kw: MGPULocalSGDStrategy(start_method="popen", sync_every=1, **kw),
     "diloco": lambda **kw: MGPUDiLoCoStrategy(start_method="popen", sync_every=1, **kw),
