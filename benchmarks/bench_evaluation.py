@@ -30,8 +30,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -118,8 +119,14 @@ class Timer(Callback):
             torch.save(self.times, self.out)
 
 
-def run(make_strategy: Callable[[], Any], data: Callable[[], pl.LightningDataModule], stage: str, args: Any,
-        out: Path, sampler: bool = True) -> list[float]:
+def run(
+    make_strategy: Callable[[], Any],
+    data: Callable[[], pl.LightningDataModule],
+    stage: str,
+    args: Any,
+    out: Path,
+    sampler: bool = True,
+) -> list[float]:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=WORLD,
@@ -228,7 +235,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "evaluation, mgpu_zero3, uneven counts: on": (zero3(), lambda: Data(args, val="uneven"), "val", False),
         "training, iterable dataset: on": (ddp(), lambda: Data(args, train="iterable"), "train", True),
         "training, iterable dataset: off": (
-            ddp(check_uneven_inputs=False), lambda: Data(args, train="iterable"), "train", True),
+            ddp(check_uneven_inputs=False),
+            lambda: Data(args, train="iterable"),
+            "train",
+            True,
+        ),
         "training, sized loader: on": (ddp(), lambda: Data(args), "train", True),
         "training, sized loader: off": (ddp(check_uneven_inputs=False), lambda: Data(args), "train", True),
     }
@@ -254,8 +265,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     print("| guarantee | ms/batch on | ms/batch without | ratio | ratio within a round (median) |")
     print("|---|---|---|---|---|")
-    for pair in ("evaluation, mgpu_ddp", "evaluation, mgpu_zero3", "training, iterable dataset",
-                 "training, sized loader"):
+    for pair in (
+        "evaluation, mgpu_ddp",
+        "evaluation, mgpu_zero3",
+        "training, iterable dataset",
+        "training, sized loader",
+    ):
         on, off = median[f"{pair}: on"], median[f"{pair}: off"]
         ratio = round_ratio(f"{pair}: on", f"{pair}: off")
         print(f"| {pair} | {on * 1e3:.2f} | {off * 1e3:.2f} | {on / off:.3f} | {ratio:.3f} |")
@@ -266,7 +281,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"{even * 1e3:.2f} (even counts, gathered per forward) | {uneven / even:.3f} | "
         f"{round_ratio(uneven_name, even_name):.3f} |"
     )
-    print("\n| the checks' own collective (2 processes, gloo) | median µs per call | share of a training step (iterable, off) |")
+    print(
+        "\n| the checks' own collective (2 processes, gloo) | median µs per call "
+        "| share of a training step (iterable, off) |"
+    )
     print("|---|---|---|")
     step = median["training, iterable dataset: off"]
     for name, seconds in costs.items():

@@ -108,9 +108,10 @@ class EvenBatchSampler(Sampler[list[int]]):
     >>> from lightning_mgpu import EvenBatchSampler
     >>> from lightning_mgpu.parts.evaluation import UnpaddedShard, common_batch_count
     >>> count = common_batch_count(37, 2, 4)  # 37 samples, 2 ranks, batches of 4: 5 batches on each rank
-    >>> [[len(b) for b in EvenBatchSampler(UnpaddedShard(range(37), 2, rank), 4, count)] for rank in (0, 1)]
+    >>> ranks = [list(EvenBatchSampler(UnpaddedShard(range(37), 2, rank), 4, count)) for rank in (0, 1)]
+    >>> [[len(batch) for batch in batches] for batches in ranks]
     [[4, 4, 4, 4, 3], [4, 4, 4, 4, 2]]
-    >>> sorted(i for rank in (0, 1) for b in EvenBatchSampler(UnpaddedShard(range(37), 2, rank), 4, count) for i in b) == list(range(37))
+    >>> sorted(i for batches in ranks for batch in batches for i in batch) == list(range(37))  # each sample once
     True
     """
 

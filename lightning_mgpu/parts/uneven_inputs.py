@@ -67,7 +67,9 @@ def check_batch_counts(counts: list[float], epoch: int) -> None:
     """
     if any(math.isinf(c) for c in counts) or len(set(counts)) <= 1:
         return
-    shown = " and ".join(f"{int(c)} on rank {r}" if r else f"{int(c)} training batches on rank {r}" for r, c in enumerate(counts))
+    shown = " and ".join(
+        f"{int(c)} on rank {r}" if r else f"{int(c)} training batches on rank {r}" for r, c in enumerate(counts)
+    )
     raise UnevenInputsError(
         f"Epoch {epoch} has {shown}: every step is a collective, so the ranks with more batches would wait forever "
         f"for the others at step {int(min(counts))}. {FIX}"

@@ -526,7 +526,8 @@ class MGPUStrategyMixin(ParallelStrategy):
         self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Any:
         """Lightning's reduce (``self.log(..., sync_dist=True)``); with ``exact_evaluation`` the mean of an integer
-        tensor (the summed batch sizes of a logged mean) is not truncated (:func:`lightning_mgpu.comm.lightning_reduce`)."""
+        tensor (the summed batch sizes of a logged mean) is not truncated
+        (:func:`lightning_mgpu.comm.lightning_reduce`)."""
         if isinstance(tensor, Tensor):
             return comm.lightning_reduce(tensor, group, reduce_op, exact_mean=self._launch.exact_evaluation)
         return tensor

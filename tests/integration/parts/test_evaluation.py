@@ -22,6 +22,7 @@ from lightning_mgpu import (
     MGPUDiLoCoStrategy,
     MGPULocalSGDStrategy,
     MGPUShardedStrategy,
+    comm,
 )
 from tests.models import Regressor, make_data
 from tests.numerics_harness import run_jobs
@@ -242,12 +243,28 @@ def test_uneven_validation_batch_counts_do_not_hang(family):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    ("family", "waits_in"), [("zero3", "foreach_all_gather"), ("zero2_fairscale", "sync_buffers")]
-)
+@pytest.mark.parametrize(("family", "waits_in"), [("zero3", "foreach_all_gather"), ("zero2_fairscale", "sync_buffers")])
 def test_uneven_validation_hangs_without_it_negative_control(family, waits_in):
     """Lightning's behaviour: the rank with the third batch waits in its forward's collective (FSDP2's parameter
     all-gather, ShardedDataParallel's buffer broadcast) until the group's timeout (10 s here instead of 30 minutes)
     ends the other rank and with it the wait."""
-    with pytest.raises(AssertionError, match=f"(?s)validation_step.*{waits_in}"):
+    with pytest.raises(AssertionError, match=rf"(?s)validation_step.*{waits_in}"):
         run_jobs([uneven_validation(lambda: FAMILIES[family](exact_evaluation=False))], agree=False, timeout=10)
+
+
+# --- the mean of the summed batch sizes: Lightning's integer division truncates it ---------------------------------
+
+
+def summed_batch_sizes(path: Path) -> None:
+    rank = torch.distributed.get_rank()
+    sizes = torch.tensor(19 if rank == 0 else 18)  # what _ResultMetric accumulates for 37 samples on 2 ranks
+    exact = comm.lightning_reduce(sizes.clone(), reduce_op="mean", exact_mean=True)
+    lightning = comm.lightning_reduce(sizes.clone(), reduce_op="mean")
+    torch.save({"exact": exact, "lightning": lightning, "weights": torch.zeros(1)}, path)
+
+
+@pytest.mark.timeout(300)
+def test_the_mean_of_integer_batch_sizes_is_not_truncated():
+    for record in run_jobs([summed_batch_sizes], agree=False)[0]["ranks"]:
+        torch.testing.assert_close(record["exact"], torch.tensor(18.5, dtype=torch.float64))
+        assert int(record["lightning"]) == 18  # negative control: Lightning's in-place integer mean

@@ -4,8 +4,9 @@ before. Negative control: with the check off, the rank with more batches waits i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import pytorch_lightning as pl
@@ -111,5 +112,5 @@ def test_even_inputs_train_every_batch(index, runs):
 def test_without_the_check_the_longer_rank_waits_negative_control():
     """Lightning's behaviour: rank 0's third step waits in DDP's gradient all-reduce for rank 1, which has left
     the epoch (until the group's timeout, 10 s here, ends the wait)."""
-    with pytest.raises(AssertionError, match="(?s)job 0:.*loss.backward.*run_backward"):  # rank 0, in its step
+    with pytest.raises(AssertionError, match=r"(?s)job 0:.*loss.backward.*run_backward"):  # rank 0, in its step
         run_jobs([training(lambda: FAMILIES["ddp"](check_uneven_inputs=False), "iterable", (3, 2))], timeout=10)

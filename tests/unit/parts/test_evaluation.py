@@ -16,7 +16,9 @@ from lightning_mgpu.parts.evaluation import (
 )
 
 
-def rank_batches(total: int, world: int, batch_size: int, shuffle: bool = False, epoch: int = 0) -> list[list[list[int]]]:
+def rank_batches(
+    total: int, world: int, batch_size: int, shuffle: bool = False, epoch: int = 0
+) -> list[list[list[int]]]:
     count = common_batch_count(total, world, batch_size)
     out = []
     for rank in range(world):
