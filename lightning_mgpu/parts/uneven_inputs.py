@@ -15,7 +15,8 @@ Two checks, chosen by the training loader:
   did: the epoch ends on every rank together; some did: :class:`UnevenInputsError` on every rank, naming the ranks
   that ran out, before that step.
 
-Nothing is dropped or repeated silently: the run stops with the error, which names the fix (give every rank the
+Only the batches the epoch uses count (``limit_train_batches`` and ``max_steps`` applied). Nothing is dropped or
+repeated silently: the run stops with the error, which names the fix (give every rank the
 same number of batches, or bound the epoch with ``limit_train_batches``). ``check_uneven_inputs=False`` turns both
 checks off (Lightning's behaviour: uneven inputs hang).
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -109,15 +110,20 @@ def needs_agreement(dataloader: object) -> bool:
     return False
 
 
-def agreed(dataloader: DataLoader, device: Optional[torch.device] = None) -> DataLoader:
+def agreed(
+    dataloader: DataLoader, device: Optional[torch.device] = None, bound: Optional[Callable[[], float]] = None
+) -> DataLoader:
     """``dataloader`` whose iteration agrees across ranks at every batch (:func:`agree_on_batches`). The loader is
-    the copy Lightning made for this fit; it keeps its class (a subclass adds the agreement to ``__iter__``)."""
+    the copy Lightning made for this fit; it keeps its class (a subclass adds the agreement to ``__iter__``).
+    ``bound``: read when an epoch's iteration starts, the batches the epoch will use (``limit_train_batches``,
+    ``max_steps``); a batch past it is fetched without agreeing (Lightning fetches one ahead and never uses it)."""
     base = type(dataloader)
     if getattr(base, "_mgpu_agreed", False):
         return dataloader
 
     def __iter__(self: DataLoader) -> Iterator[Any]:
         iterator = base.__iter__(self)
+        limit = bound() if bound is not None else math.inf
         done = 0
         while True:
             try:
@@ -125,7 +131,10 @@ def agreed(dataloader: DataLoader, device: Optional[torch.device] = None) -> Dat
                 have = True
             except StopIteration:
                 batch, have = None, False
-            if not agree_on_batches(have, done, device):
+            if done >= limit:  # not used by this epoch: nothing to agree on
+                if not have:
+                    return
+            elif not agree_on_batches(have, done, device):
                 return
             done += 1
             yield batch
@@ -154,7 +163,7 @@ class UnevenInputs:
             return dataloader
         if needs_agreement(dataloader):
             assert isinstance(dataloader, DataLoader)
-            return agreed(dataloader, device)
+            return agreed(dataloader, device, bound=lambda: planned_batches(trainer))
         return dataloader
 
     def on_train_batch_start(self, trainer: Any) -> None:

@@ -49,9 +49,12 @@ def loader(kind: str, batches: tuple[int, int]) -> DataLoader:
     return DataLoader(Subset(make_data(n=4 * batches[rank]), range(4 * batches[rank])), batch_size=4)  # sized
 
 
-def training(make_strategy: Callable[[], Any], kind: str, batches: tuple[int, int]) -> Callable[[Path], None]:
+def training(
+    make_strategy: Callable[[], Any], kind: str, batches: tuple[int, int], **extra: Any
+) -> Callable[[Path], None]:
     def job(path: Path) -> None:
         trainer = pl.Trainer(
+            **extra,
             strategy=make_strategy(),
             accelerator="cpu",
             devices=2,
@@ -78,8 +81,12 @@ def runs() -> dict[str, list[dict[str, Any]]]:
     cases = {f"{family}-{kind}": (family, kind) for family in FAMILIES for kind in ("sized", "iterable")}
     jobs = [training(lambda f=family: FAMILIES[f](), kind, (3, 2)) for family, kind in cases.values()]
     jobs += [training(lambda: FAMILIES["ddp"](), kind, (3, 3)) for kind in ("sized", "iterable")]
+    # uneven, but the epoch uses only the batches every rank has (Lightning fetches one more, never used)
+    jobs += [training(lambda: FAMILIES["ddp"](), kind, (3, 2), limit_train_batches=2) for kind in ("sized", "iterable")]
+    jobs += [training(lambda: FAMILIES["ddp"](), kind, (3, 2), max_steps=2) for kind in ("sized", "iterable")]
     records = run_jobs(jobs, agree=False, timeout=60)
-    return {"uneven": records[: len(cases)], "even": records[len(cases) :]}
+    n = len(cases)
+    return {"uneven": records[:n], "even": records[n : n + 2], "bounded": records[n + 2 :]}
 
 
 CASES = [f"{family}-{kind}" for family in FAMILIES for kind in ("sized", "iterable")]
@@ -106,6 +113,20 @@ def test_even_inputs_train_every_batch(index, runs):
     r0, r1 = runs["even"][index]["ranks"]
     assert "error" not in r0 and "error" not in r1
     assert r0["global_step"] == r1["global_step"] == 6  # 2 epochs of 3 steps: the epochs end together
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("index", "steps"),
+    [(0, 4), (1, 4), (2, 2), (3, 2)],
+    ids=["limit-sized", "limit-iterable", "max_steps-sized", "max_steps-iterable"],
+)
+def test_uneven_inputs_past_what_the_epoch_uses_train(index, steps, runs):
+    """limit_train_batches=2 (2 epochs) or max_steps=2 with 3 and 2 batches: every step completes in plain Lightning
+    too, so nothing is raised."""
+    r0, r1 = runs["bounded"][index]["ranks"]
+    assert "error" not in r0 and "error" not in r1
+    assert r0["global_step"] == r1["global_step"] == steps
 
 
 @pytest.mark.timeout(600)
