@@ -33,7 +33,9 @@ from lightning_mgpu.parts.activation_checkpointing import (
     checkpointed_modules,
     remove_activation_checkpointing,
 )
+from lightning_mgpu.parts.evaluation import EvenBatchSampler
 from lightning_mgpu.parts.resume import ResumableDistributedSampler
+from lightning_mgpu.parts.uneven_inputs import UnevenInputsError
 from lightning_mgpu.planning import plan
 from lightning_mgpu.plugins.async_checkpoint import CheckpointWriteError
 from lightning_mgpu.plugins.checkpoint_io import AtomicCheckpointIO, IncompleteCheckpointError
@@ -66,6 +68,7 @@ __all__ = [
     "CheckpointWriteError",
     "CommStats",
     "DeviceMonitor",
+    "EvenBatchSampler",
     "EveryNth",
     "IncompleteCheckpointError",
     "MGPUAutoStrategy",
@@ -79,6 +82,7 @@ __all__ = [
     "ResumableDistributedSampler",
     "ScaleLR",
     "ShardMemory",
+    "UnevenInputsError",
     "__version__",
     "allreduce_gradients",
     "apply_activation_checkpointing",

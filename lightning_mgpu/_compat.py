@@ -190,6 +190,29 @@ def wrapped_sampler(wrapper: Any) -> Any:
     return getattr(getattr(wrapper, "dataset", None), "_sampler", None)
 
 
+def tracked_batch_sampler(batch_sampler: Any) -> Any:
+    """The batch sampler inside Lightning's ``pytorch_lightning.overrides.distributed._IndexBatchSamplerWrapper``
+    (what a prediction loader gets, so that Lightning records the indices of each batch; 2.6.6 checked: the
+    attribute ``_batch_sampler``), or ``None`` for any other object. Missing: ``None`` (prediction keeps
+    Lightning's sampler)."""
+    try:
+        from pytorch_lightning.overrides.distributed import _IndexBatchSamplerWrapper
+    except ImportError:  # pragma: no cover
+        return None
+    if not isinstance(batch_sampler, _IndexBatchSamplerWrapper):
+        return None
+    return getattr(batch_sampler, "_batch_sampler", None)
+
+
+def index_tracking_batch_sampler(batch_sampler: Any) -> Any:
+    """``batch_sampler`` in Lightning's ``_IndexBatchSamplerWrapper`` (2.6.6 checked), whose recorded indices
+    Lightning's prediction loop hands to ``BasePredictionWriter``. Missing: ImportError (only reached where
+    :func:`tracked_batch_sampler` found one)."""
+    from pytorch_lightning.overrides.distributed import _IndexBatchSamplerWrapper
+
+    return _IndexBatchSamplerWrapper(batch_sampler)
+
+
 def destroy_dist_connection() -> None:
     """``lightning_fabric.utilities.distributed._destroy_dist_connection`` (2.6.6 checked). Missing: torch's
     ``destroy_process_group`` when a group exists."""

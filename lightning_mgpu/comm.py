@@ -634,13 +634,30 @@ def barrier(group: Optional[Any] = None, device: Optional[torch.device] = None) 
         dist.barrier(group=group)
 
 
-def lightning_reduce(tensor: torch.Tensor, group: Optional[Any] = None, reduce_op: Any = "mean") -> torch.Tensor:
+def _is_mean(reduce_op: Any) -> bool:
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() in ("mean", "avg")
+    return reduce_op == dist.ReduceOp.AVG
+
+
+def lightning_reduce(
+    tensor: torch.Tensor, group: Optional[Any] = None, reduce_op: Any = "mean", *, exact_mean: bool = False
+) -> torch.Tensor:
     """A strategy's ``reduce``: Lightning's all-reduce with its ``"mean"`` / ``"sum"`` / ``ReduceOp`` semantics
     (``self.log(..., sync_dist=True)`` comes here), run on the collective device; the result is returned on
-    ``tensor``'s device. Without a process group: ``tensor``."""
+    ``tensor``'s device. Without a process group: ``tensor``.
+
+    ``exact_mean``: the mean of an integer tensor is returned in float64 (a new tensor; ``tensor`` is left as it
+    is). Lightning divides integers in place, which truncates: the epoch value of a logged mean divides by the
+    mean of the ranks' summed batch sizes, so 19 and 18 samples give 18 instead of 18.5 and the value is 37/36
+    of the right one."""
     if not group_is_up():
         return tensor
     device = collective_device(group, tensor)
+    if exact_mean and _is_mean(reduce_op) and not (tensor.is_floating_point() or tensor.is_complex()):
+        total = tensor.to(device=device, dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return (total / dist.get_world_size(group)).to(tensor.device)
     return sync_ddp_if_available(tensor.to(device), group, reduce_op).to(tensor.device)
 
 

@@ -188,6 +188,17 @@ class CommonSettings:
     sharded, in place (state-dict keys unchanged): the LightningModule's ``forward`` under DDP, each FSDP unit's
     block under the sharded stages 2/3 (``lightning_mgpu/parts/compilation.py``). ``False``: eager."""
 
+    exact_evaluation: bool = True
+    """Validate, test and predict see every sample once, with the same number of batches on every rank (no padded
+    repeats; the epoch value of ``self.log(..., sync_dist=True)`` is the one-process value, each batch weighted by
+    its size); sharded stages gather their parameters once for an evaluation loop whose ranks could run different
+    numbers of batches (``lightning_mgpu/parts/evaluation.py``). ``False``: Lightning's padded sampler."""
+    check_uneven_inputs: bool = True
+    """Different numbers of training batches on the ranks raise the same error on every rank before the first step
+    that cannot complete, instead of hanging: compared once per epoch for loaders with a length, agreed at every
+    step (one all-reduce of one number) for iterable datasets (``lightning_mgpu/parts/uneven_inputs.py``).
+    ``False``: Lightning's behaviour."""
+
     def __post_init__(self) -> None:
         _check_start_method(self.start_method)
         object.__setattr__(self, "compile", check_compile(self.compile))
@@ -222,6 +233,8 @@ class CommonSettings:
         validate_policy(self.activation_checkpointing)
         _check_bool("activation_checkpointing_reentrant", self.activation_checkpointing_reentrant)
         _check_bool("async_checkpoint", self.async_checkpoint)
+        _check_bool("exact_evaluation", self.exact_evaluation)
+        _check_bool("check_uneven_inputs", self.check_uneven_inputs)
 
     @classmethod
     def keywords(cls) -> tuple[str, ...]:

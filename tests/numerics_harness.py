@@ -9,6 +9,7 @@ them as processes started outside it (as under torchrun) and reuses the group th
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import tempfile
 import traceback
@@ -168,12 +169,15 @@ def fit_job(
     return job
 
 
-def _worker(rank: int, jobs: list[Callable[[Path], None]], port: int, out: str) -> None:
+def _worker(
+    rank: int, jobs: list[Callable[[Path], None]], port: int, out: str, timeout: Optional[float] = None
+) -> None:
     torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD)
     )
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout is not None else {}
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, **kwargs)
     try:
         for i, job in enumerate(jobs):
             try:
@@ -186,13 +190,16 @@ def _worker(rank: int, jobs: list[Callable[[Path], None]], port: int, out: str) 
         dist.destroy_process_group()
 
 
-def run_jobs(jobs: list[Callable[[Path], None]], agree: bool = True) -> list[dict[str, Any]]:
+def run_jobs(
+    jobs: list[Callable[[Path], None]], agree: bool = True, timeout: Optional[float] = None
+) -> list[dict[str, Any]]:
     """Run every job on 2 CPU ranks in one launch; returns rank 0's record per job (``"ranks"``: both), after
-    checking that the ranks' weights agree exactly (``agree``)."""
+    checking that the ranks' weights agree exactly (``agree``). ``timeout``: seconds a collective of the shared
+    group waits before it raises (a hang becomes an error; default: torch's)."""
     with tempfile.TemporaryDirectory() as out:
         try:
             port = find_free_network_port()
-            mp.start_processes(_worker, nprocs=WORLD, start_method="fork", args=(jobs, port, out))
+            mp.start_processes(_worker, nprocs=WORLD, start_method="fork", args=(jobs, port, out, timeout))
         except Exception as err:
             errors = sorted(Path(out).glob("*.err"))
             text = errors[0].read_text() if errors else ""

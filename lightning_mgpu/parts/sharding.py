@@ -125,6 +125,19 @@ class ShardingBackend:
         backend takes a process group."""
         return None
 
+    def forward_is_collective(self, model: nn.Module) -> bool:
+        """Whether every forward of ``model`` is a collective (parameters gathered, buffers broadcast): ranks
+        must then run the same number of forwards."""
+        return False
+
+    def start_uneven_evaluation(self, model: nn.Module) -> None:
+        """Before an evaluation loop whose ranks may run different numbers of batches: do the forward's
+        collective once for the loop (FSDP2: gather the parameters and keep them, so every rank holds the whole
+        model until :meth:`end_uneven_evaluation`), so that no forward of the loop is a collective."""
+
+    def end_uneven_evaluation(self, model: nn.Module) -> None:
+        """After that loop: back to the collective in every forward (FSDP2: the shards)."""
+
     def mixed_precision_policy(self, plugin: Any) -> Any:
         """FSDP2's ``MixedPrecisionPolicy`` from the precision plugin (master modes), or None."""
         return None
@@ -292,6 +305,17 @@ class FairscaleOSSBackend(TorchZeroBackend):
     def sync_layout(self, model: nn.Module) -> list[int]:
         return [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
 
+    # ShardedDataParallel broadcasts rank 0's buffers in every forward of a model that has buffers
+    def forward_is_collective(self, model: nn.Module) -> bool:
+        return bool(getattr(model, "_enable_broadcast_buffers", False)) and any(True for _ in model.buffers())
+
+    def start_uneven_evaluation(self, model: nn.Module) -> None:
+        model.sync_buffers(blocking=True)  # type: ignore[operator]  # once for the loop, as its first forward would
+        model._enable_broadcast_buffers = False  # type: ignore[assignment]  # fairscale's flag (0.4.13 checked)
+
+    def end_uneven_evaluation(self, model: nn.Module) -> None:
+        model._enable_broadcast_buffers = True  # type: ignore[assignment]
+
     def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
         # stage 2: ShardedDataParallel reduced each gradient to its owner only
         return GlobalNormClipping(self.owned_params, group, ledger) if self.stage == 2 else None
@@ -381,6 +405,20 @@ class FSDP2Backend(ShardingBackend):
         from torch.distributed.fsdp import FSDPModule
 
         return isinstance(model, FSDPModule)
+
+    def forward_is_collective(self, model: nn.Module) -> bool:
+        # stage 2 too: FSDP2 frees the gathered parameters after each backward
+        return self.is_sharded(model)
+
+    def start_uneven_evaluation(self, model: nn.Module) -> None:
+        for unit in _fsdp_units(model):  # the same order on every rank: each unshard is one all-gather
+            unit.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+            unit.unshard()  # type: ignore[operator]
+
+    def end_uneven_evaluation(self, model: nn.Module) -> None:
+        for unit in _fsdp_units(model):
+            unit.set_reshard_after_forward(self.stage == 3, recurse=False)  # type: ignore[operator]  # as sharded
+            unit.reshard()  # type: ignore[operator]
 
     def device_mesh(self, device_type: str, world_size: int, num_nodes: int = 1) -> Any:
         """1-D over all ranks (flat), or 2-D ``("replicate", "shard")`` (hybrid, HSDP): FSDP2 then

@@ -67,8 +67,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             kept as plain attributes) is planned without activation checkpointing.
         micro_batch_size: passed to the chosen strategy (see :class:`~lightning_mgpu.MGPUDDPStrategy`).
         start_method: as for every mgpu strategy; so are ``process_group_backend``, ``timeout``,
-            ``log_comm_stats``, ``loss_normalization``, ``nonfinite``, ``async_checkpoint`` and ``compile``, all passed
-            to the chosen strategy.
+            ``log_comm_stats``, ``loss_normalization``, ``nonfinite``, ``async_checkpoint``, ``compile``,
+            ``exact_evaluation`` and ``check_uneven_inputs``, all passed to the chosen strategy.
 
     After set-up, in the training processes, ``trainer.strategy`` is the chosen strategy and its
     ``auto_decision`` (an ``AutoDecision``: ``strategy``, ``activation_checkpointing``, ``reason``, ``table``)
@@ -111,6 +111,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         nonfinite: Optional[NonFinite] = None,
         async_checkpoint: bool = False,
         compile: CompileSetting = False,
+        exact_evaluation: bool = True,
+        check_uneven_inputs: bool = True,
     ) -> None:
         common: dict[str, Any] = {
             "process_group_backend": process_group_backend,
@@ -121,6 +123,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             "nonfinite": nonfinite,
             "async_checkpoint": async_checkpoint,
             "compile": compile,
+            "exact_evaluation": exact_evaluation,
+            "check_uneven_inputs": check_uneven_inputs,
         }
         # validates the common arguments (and micro_batch_size) now, before any process starts
         super().__init__(

@@ -33,10 +33,12 @@ from lightning_mgpu.comm import CommStats, Ledger, attached_trainer, group_is_up
 from lightning_mgpu.parts.accumulation import check_accumulate_grad_batches, check_manual_accumulation
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointing
 from lightning_mgpu.parts.compilation import Compilation
+from lightning_mgpu.parts.evaluation import ExactEvaluation
 from lightning_mgpu.parts.failures import FailureHandling
 from lightning_mgpu.parts.nonfinite import NonFiniteCheck
 from lightning_mgpu.parts.resume import MidEpochResume
 from lightning_mgpu.parts.token_loss import LOG_NAME, TokenNormalization
+from lightning_mgpu.parts.uneven_inputs import UnevenInputs
 from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError, failure_message
 from lightning_mgpu.plugins.checkpoint_io import choose_checkpoint_io
 from lightning_mgpu.plugins.precision import PrecisionAdoption
@@ -70,6 +72,8 @@ class MGPUStrategyMixin(ParallelStrategy):
     _ledger: Ledger
     _failures: FailureHandling
     _resume: MidEpochResume
+    _evaluation: ExactEvaluation
+    _uneven: UnevenInputs
     _checkpointing: ActivationCheckpointing
     _compilation: Compilation
     _launch: CommonSettings
@@ -82,6 +86,8 @@ class MGPUStrategyMixin(ParallelStrategy):
         self._ledger = Ledger(log=settings.log_comm_stats)
         self._failures = FailureHandling(settings.timeout)
         self._resume = MidEpochResume()
+        self._evaluation = ExactEvaluation(settings.exact_evaluation)
+        self._uneven = UnevenInputs(settings.check_uneven_inputs)
         self._checkpointing = ActivationCheckpointing(
             settings.activation_checkpointing, settings.activation_checkpointing_reentrant
         )
@@ -519,17 +525,37 @@ class MGPUStrategyMixin(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        self._resume.sampler_requested()
+        self._sampler_requested()
         return super().distributed_sampler_kwargs
+
+    def _sampler_requested(self) -> None:
+        """Lightning is building its automatic sampler for the loader it hands to :meth:`process_dataloader` next."""
+        self._resume.sampler_requested()
+        self._evaluation.sampler_requested()
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        return self._resume.process_dataloader(dataloader, attached_trainer(self.lightning_module))
+        trainer = attached_trainer(self.lightning_module)
+        dataloader = self._evaluation.process_dataloader(dataloader, trainer)  # validate/test/predict
+        dataloader = self._resume.process_dataloader(dataloader, trainer)  # training
+        return self._uneven.process_dataloader(dataloader, trainer)  # training
 
-    @override
+    def reduce(
+        self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Any:
+        """Lightning's reduce (``self.log(..., sync_dist=True)``); with ``exact_evaluation`` the mean of an integer
+        tensor (the summed batch sizes of a logged mean) is not truncated
+        (:func:`lightning_mgpu.comm.lightning_reduce`)."""
+        if isinstance(tensor, Tensor):
+            return comm.lightning_reduce(tensor, group, reduce_op, exact_mean=self._launch.exact_evaluation)
+        return tensor
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        trainer = attached_trainer(self.lightning_module)
+        self._uneven.on_train_batch_start(trainer)  # once per epoch: the counts
         super().on_train_batch_start(batch, batch_idx)
-        self._resume.batch_started(attached_trainer(self.lightning_module))
+        self._resume.batch_started(trainer)
+
 
     # --- end ----------------------------------------------------------------------------------------------
     def on_train_end(self) -> None:
@@ -610,7 +636,7 @@ class MGPUParallelStrategy(MGPUStrategyMixin):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        self._resume.sampler_requested()  # Lightning builds its DistributedSampler with these (see the mixin)
+        self._sampler_requested()  # Lightning builds its DistributedSampler with these (see the mixin)
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -668,5 +694,5 @@ class MGPUParallelStrategy(MGPUStrategyMixin):
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            return comm.lightning_reduce(tensor, group, reduce_op)
+            return comm.lightning_reduce(tensor, group, reduce_op, exact_mean=self._launch.exact_evaluation)
         return tensor

@@ -123,6 +123,12 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             the LightningModule's ``forward`` is compiled in place after the DDP wrap (state-dict keys unchanged;
             see the compilation guide). A model compiled with ``torch.compile`` before ``Trainer.fit`` is refused
             with it; without it, such a model trains as under Lightning's DDP.
+        exact_evaluation: validate, test and predict see every sample once, with as many batches on every rank
+            (the epoch value of ``self.log(..., sync_dist=True)`` is the one-process value); ``False``: Lightning's
+            padded sampler. See the evaluation guide.
+        check_uneven_inputs: different numbers of training batches on the ranks raise the same error on every
+            rank before the step that would hang (compared once per epoch; for iterable datasets, one all-reduce
+            of one number per step); ``False``: Lightning's behaviour.
         checkpoint_io: how checkpoint files are written; default :class:`~lightning_mgpu.AtomicCheckpointIO`.
             A plugin you pass is used as it is (atomic saves are then up to it).
         **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``);
@@ -170,6 +176,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         micro_batch_size: Optional[MicroBatchSetting] = None,
         async_checkpoint: bool = False,
         compile: CompileSetting = False,
+        exact_evaluation: bool = True,
+        check_uneven_inputs: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         ddp_kwargs = split_ddp_kwargs(type(self).__name__, ddp_kwargs, _OWN_KEYWORDS)
@@ -190,6 +198,8 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
             micro_batch_size=micro_batch_size,
             async_checkpoint=async_checkpoint,
             compile=compile,
+            exact_evaluation=exact_evaluation,
+            check_uneven_inputs=check_uneven_inputs,
             ddp_kwargs=ddp_kwargs,
         )
         if static_graph and not _compat.DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4

@@ -68,9 +68,9 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
             averaged in (half the bytes; the weights themselves stay in their dtype).
 
     The other arguments (``process_group_backend``, ``timeout``, ``start_method``, ``log_comm_stats``, activation
-    checkpointing, ``compile``, ``checkpoint_io`` and DistributedDataParallel's keywords) are those of
-    :class:`MGPUDDPStrategy`; DDP's broadcast of rank 0's buffers before every forward is off: floating-point
-    buffers (BatchNorm statistics) are averaged at each sync instead.
+    checkpointing, ``compile``, ``exact_evaluation``, ``check_uneven_inputs``, ``checkpoint_io`` and
+    DistributedDataParallel's keywords) are those of :class:`MGPUDDPStrategy`; DDP's broadcast of rank 0's buffers
+    before every forward is off: floating-point buffers (BatchNorm statistics) are averaged at each sync instead.
 
     Example (``trainer.fit(model, datamodule)`` then starts the ranks; after it,
     ``strategy.comm_stats.ratio_to_lower_bound`` is about 1/8: the bytes per step against mgpu_ddp's):
@@ -107,6 +107,8 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
         compile: CompileSetting = False,
+        exact_evaluation: bool = True,
+        check_uneven_inputs: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         periodic = self._periodic_settings(sync_every=sync_every, warmup_steps=warmup_steps, comm_dtype=comm_dtype)
@@ -123,6 +125,8 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_reentrant=activation_checkpointing_reentrant,
             compile=compile,
+            exact_evaluation=exact_evaluation,
+            check_uneven_inputs=check_uneven_inputs,
             ddp_kwargs=ddp_kwargs,
         )
         self._periodic = PeriodicSync(periodic)
@@ -282,6 +286,8 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
         compile: CompileSetting = False,
+        exact_evaluation: bool = True,
+        check_uneven_inputs: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         self._outer: dict[str, Any] = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
@@ -301,6 +307,8 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_reentrant=activation_checkpointing_reentrant,
             compile=compile,
+            exact_evaluation=exact_evaluation,
+            check_uneven_inputs=check_uneven_inputs,
             **ddp_kwargs,
         )
 

@@ -42,6 +42,7 @@ from lightning_mgpu._compat import unwrap_optimizer
 from lightning_mgpu.comm import attached_trainer, check_backend, group_is_up
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, classes_present
 from lightning_mgpu.parts.ddp import DDPWrapping
+from lightning_mgpu.parts.evaluation import planned_counts_differ
 from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.parts.sharding import (
     ShardingBackend,
@@ -380,6 +381,12 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         compile: ``True`` or a dict of :func:`torch.compile` keyword arguments: stages 2/3 compile each FSDP unit's
             block in place after sharding, stage 1 the LightningModule's ``forward`` after the DDP wrap (as
             :class:`~lightning_mgpu.MGPUDDPStrategy`).
+        exact_evaluation: every evaluation sample once, as many batches on every rank (as for ``mgpu_ddp``); an
+            evaluation loop whose ranks could still run different numbers of batches (a sampler of your own, an
+            iterable dataset) does the forward's collective once for the loop, so it cannot hang (stages 2 and 3:
+            the parameters gathered once, every rank then holds the whole model during that loop; fairscale: the
+            buffers broadcast once).
+        check_uneven_inputs: uneven training inputs raise on every rank instead of hanging (as for ``mgpu_ddp``).
         **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
             keyword arguments apply to stage 1 and fairscale stage 1 only.
 
@@ -417,6 +424,8 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         loss_normalization: Optional[LossNormalization] = None,
         nonfinite: Optional[NonFinite] = None,
         async_checkpoint: bool = False,
+        exact_evaluation: bool = True,
+        check_uneven_inputs: bool = True,
         comm_hook: Optional[CommHookName] = None,
         comm_state: Optional[dict[str, Any]] = None,
         static_graph: bool = False,
@@ -457,6 +466,8 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
             "async_checkpoint": async_checkpoint,
             "micro_batch_size": micro_batch_size,
             "compile": compile,
+            "exact_evaluation": exact_evaluation,
+            "check_uneven_inputs": check_uneven_inputs,
         }
         # stage 1 trains a DistributedDataParallel model: its settings are mgpu_ddp's
         settings: CommonSettings = (
@@ -484,6 +495,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.wrap_modules, sharded.mesh_shape)
         self._loaded_sharded = False
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
+        self._gathered_for_evaluation = False  # an evaluation loop runs with its forward's collective done once
         # stage 1: the DDP wrapping of mgpu_ddp, composed (parts/ddp.py); None at stages 2 and 3
         self._ddp_settings: Optional[DDPSettings] = settings if isinstance(settings, DDPSettings) else None
         self._ddp_wrapping = DDPWrapping(self._ddp_settings) if self._ddp_settings is not None else None
@@ -724,6 +736,64 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._redirect("predict_step", *args, **kwargs)
+
+    # --- evaluation whose ranks may run different numbers of batches (parts/evaluation.py) ---------------------
+    def _current_evaluation_loop(self, trainer: pl.Trainer) -> Any:
+        if trainer.predicting:
+            return trainer.predict_loop
+        if trainer.testing:
+            return trainer.test_loop
+        return trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == TrainerFn.FITTING else trainer.validate_loop
+
+    def _start_evaluation(self) -> None:
+        """Every forward of a sharded model is a collective (FSDP2 gathers parameters, fairscale's
+        ShardedDataParallel broadcasts buffers): if the ranks could run different numbers of batches in this loop
+        (one all-gather of the planned counts says so), do that collective once for the loop instead."""
+        trainer = attached_trainer(self.lightning_module)
+        model = self.model
+        if not self._launch.exact_evaluation or trainer is None or model is None or self.world_size < 2:
+            return
+        if not self._sharding.forward_is_collective(model):
+            return
+        planned = float(sum(self._current_evaluation_loop(trainer).max_batches))
+        if planned_counts_differ(comm.all_gather_object(planned)):
+            self._sharding.start_uneven_evaluation(model)
+            self._gathered_for_evaluation = True
+
+    def _end_evaluation(self) -> None:
+        if self._gathered_for_evaluation and self.model is not None:
+            self._gathered_for_evaluation = False
+            self._sharding.end_uneven_evaluation(self.model)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._start_evaluation()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._start_evaluation()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._start_evaluation()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_evaluation()
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_evaluation()
+        super().on_test_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_evaluation()
+        super().on_predict_end()
 
     @override
     @contextmanager

@@ -237,6 +237,18 @@ CASES = [
         id="ddp-log_comm_stats-must-be-a-bool",
     ),
     pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, exact_evaluation="yes"),  # type: ignore[arg-type]
+        TypeError,
+        ["exact_evaluation='yes'", "True or False"],
+        id="sharded-exact_evaluation-must-be-a-bool",
+    ),
+    pytest.param(
+        lambda: MGPUDDPStrategy(check_uneven_inputs=1),  # type: ignore[arg-type]
+        TypeError,
+        ["check_uneven_inputs=1", "True or False"],
+        id="ddp-check_uneven_inputs-must-be-a-bool",
+    ),
+    pytest.param(
         lambda: _load_sharded_directory_with(MGPUDDPStrategy()),
         IsADirectoryError,
         ["last.ckpt", "sharded checkpoint", "MGPUShardedStrategy(stage=3, checkpoint='sharded')", "'mgpu_zero3'"],
