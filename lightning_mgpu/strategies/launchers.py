@@ -5,6 +5,7 @@ launches). Subclasses, so Lightning's ``isinstance`` checks on launchers still h
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import time
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from typing_extensions import override
 
@@ -64,7 +66,10 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher
     the strategy's ``_end_group_after``, which returns the ranks that did not answer), then kills only those
     children (stuck or dead ones; a child that answered is handling the failure itself and may go on, e.g. a
     script that catches the exception and fits again) and reaps every child that has ended. Children still
-    running when this process exits are ended and reaped then."""
+    running when this process exits are ended and reaped then.
+
+    ``finish(trainer, results)``, when given, runs in every rank after the Trainer call and replaces what it
+    returns (the strategy gathers ``trainer.predict``'s predictions there)."""
 
     def __init__(
         self,
@@ -72,11 +77,13 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher
         *args: Any,
         on_failure: Optional[Callable[[BaseException], list[int]]] = None,
         grace_s: float = 5.0,
+        finish: Optional[Callable[[pl.Trainer, Any], Any]] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(check, *args, **kwargs)
         self._on_failure = on_failure
         self._grace_s = grace_s
+        self._finish = finish
         self._observer: Optional[_ChildObserver] = None
 
     @override
@@ -96,7 +103,10 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher
             observer.start()
         set_num_threads_if_needed(num_processes=self.num_processes)
         try:
-            return function(*args, **kwargs)
+            results = function(*args, **kwargs)
+            if self._finish is not None and trainer is not None:
+                results = self._finish(trainer, results)  # every rank: e.g. the predictions gathered
+            return results
         except BaseException as exception:
             # rank 0 is handling a failure: no SIGKILL from behind
             if observer is not None:
@@ -208,6 +218,12 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         results: ``(collect, restore)``: ``collect(trainer)`` runs in rank 0's worker after the call and returns
             a picklable object; ``restore(trainer, it)`` runs in the main process with it, beside Lightning's
             ``callback_metrics`` (the ledger, ``mgpu_auto``'s decision, ``DeviceMonitor``'s history).
+        returned: ``(prepare, finish)``: ``prepare(trainer, function, args, kwargs)`` runs in the main process
+            before the workers start and returns the call's ``(args, kwargs)``; ``finish(trainer, results)`` runs
+            in every worker after the call (a collective) and returns what the main process's call returns
+            (``trainer.predict``'s predictions, gathered). That value travels as bytes, as Lightning sends
+            ``callback_metrics``: a tensor put on torch's queue shares its memory with the worker, gone once the
+            worker has exited.
     """
 
     def __init__(
@@ -218,23 +234,29 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         on_failure: Optional[Callable[[BaseException], list[int]]] = None,
         weights: Optional[Callable[[], dict[str, Any]]] = None,
         results: Optional[tuple[Callable[[pl.Trainer], Any], Callable[[pl.Trainer, Any], None]]] = None,
+        returned: Optional[tuple[Callable[..., tuple[tuple, dict]], Callable[[pl.Trainer, Any], Any]]] = None,
     ) -> None:
         super().__init__(check, strategy, start_method=start_method)
         self._on_failure = on_failure
         self._weights = weights
         self._hand_back = results
+        self._returned = returned
         self._forks = start_method in ("fork", "forkserver")
         self._of_strategy = strategy
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        if self._returned is not None:
+            args, kwargs = self._returned[0](trainer, function, args, kwargs)
         if self._forks and self._of_strategy._device_type() == "cpu":
             # CPU workers never initialise CUDA, so a fork is safe even in a process that torch marks as a "bad
             # fork" (on the CUDA wheel without a GPU, asking for the device count marks every later fork child
             # so). Lightning refuses such forks on any device; on CUDA its refusal stands.
             with cpu_fork_despite_cuda_probe():
-                return super().launch(function, *args, trainer=trainer, **kwargs)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+                returned = super().launch(function, *args, trainer=trainer, **kwargs)
+        else:
+            returned = super().launch(function, *args, trainer=trainer, **kwargs)
+        return returned.load() if isinstance(returned, _AsBytes) else returned
 
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
@@ -251,6 +273,10 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        if self._returned is not None:
+            results = self._returned[1](trainer, results)  # a collective: every rank takes part
+            if trainer.local_rank == 0 and trainer.state.fn == TrainerFn.PREDICTING and results is not None:
+                results = _AsBytes(results)
         if self._weights is None:
             return super()._collect_rank_zero_results(trainer, results)
         # Lightning's own, with the strategy's weights: a collective, every rank takes part
@@ -282,6 +308,19 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
 
 
 _RESULTS = "lightning_mgpu_results"  # the key of the strategy's results among the worker's extra results
+
+
+class _AsBytes:
+    """A worker's return value as ``torch.save`` bytes, loaded again in the main process (see ``returned``)."""
+
+    def __init__(self, value: Any) -> None:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        self.data = buffer.getvalue()
+
+    def load(self) -> Any:
+        # written by this job's own worker a moment ago: any picklable prediction, not only tensors
+        return torch.load(io.BytesIO(self.data), weights_only=False)
 
 
 def release_process_group() -> None:
