@@ -40,6 +40,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.combined_loader import CombinedLoader
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from pytorch_lightning.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_mgpu import _compat, comm
 
@@ -100,7 +101,11 @@ class PredictionGathering:
         loaders = CombinedLoader(trainer.predict_dataloaders, "sequential").flattened
         several = len(loaders) > 1
         per_loader = list(results) if several else [results]
-        mine = [local_batches(loader, batches) for loader, batches in zip(loaders, per_loader)]
+        # predict_step(dataloader_iter) may draw any number of batches per call: outputs and batches pair up only
+        # when their counts are equal
+        module = trainer.lightning_module
+        own_iter = module is not None and is_param_in_hook_signature(module.predict_step, "dataloader_iter", True)
+        mine = [local_batches(loader, batches, exact=own_iter) for loader, batches in zip(loaders, per_loader)]
         gathered = comm.all_gather_object(mine) if to_all else comm.gather_object(mine, dst=0)
         if gathered is None:
             return None
@@ -111,13 +116,17 @@ class PredictionGathering:
         return ordered if several else ordered[0]
 
 
-def local_batches(loader: object, batches: Sequence[Any]) -> tuple[Optional[int], list[Batch]]:
+def local_batches(
+    loader: object, batches: Sequence[Any], exact: bool = False
+) -> tuple[Optional[int], list[Batch]]:
     """This rank's batches of one loader with the dataset indices Lightning recorded for each (``None`` where it
-    recorded none: not a ``DataLoader``, or an iterable dataset), and the loader's batch size."""
+    recorded none: not a ``DataLoader``, or an iterable dataset), and the loader's batch size. The loader may have
+    drawn more batches than were predicted (workers prefetch; ``limit_predict_batches``): the first ones pair with
+    the outputs. ``exact``: only when as many batches were drawn as there are outputs (``dataloader_iter``)."""
     sampler = getattr(loader, "batch_sampler", None)
     seen = getattr(sampler, "seen_batch_indices", None)
     size = getattr(sampler, "batch_size", None)
-    known = isinstance(seen, list) and len(seen) >= len(batches)
+    known = isinstance(seen, list) and (len(seen) == len(batches) if exact else len(seen) >= len(batches))
     out: list[Batch] = []
     for j, output in enumerate(batches):
         indices = list(seen[j]) if known else None  # type: ignore[index]  # known: a list

@@ -149,3 +149,45 @@ def test_negative_control_plain_lightning_popen_leaves_each_rank_its_own_share(t
     assert [sum(len(b) for b in got) for got in ranks] == [19, 18]
     with pytest.raises(AssertionError):
         torch.testing.assert_close(ranks[0], one_process())
+
+
+@pytest.mark.timeout(180)
+def test_fork_limit_predict_batches_returns_exactly_the_samples_predicted_in_index_order():
+    """Each rank predicts its first 2 batches (samples 0-15 here): one process predicting its first 4 batches."""
+    two = trainer("mgpu_ddp_notebook")
+    two.limit_predict_batches = 2
+    one = trainer("auto", devices=1)
+    one.limit_predict_batches = 4
+    torch.testing.assert_close(two.predict(Predictor().double(), loader()), one.predict(Predictor().double(), loader()))
+
+
+class IterPredictor(Predictor):
+    """``predict_step(dataloader_iter)``: one batch per call, so outputs and recorded batches pair up."""
+
+    def predict_step(self, dataloader_iter: Any) -> Any:  # type: ignore[override]
+        batch, _, _ = next(dataloader_iter)
+        return self(batch[0])
+
+
+@pytest.mark.timeout(180)
+def test_fork_predict_step_with_dataloader_iter_comes_back_whole():
+    got = trainer("mgpu_ddp_notebook").predict(IterPredictor().double(), loader())
+    torch.testing.assert_close(got, one_process())
+
+
+@pytest.mark.timeout(180)
+def test_fork_predict_after_fit_uses_the_trained_weights_and_comes_back_whole():
+    import copy
+
+    from tests.models import RankData
+
+    model = Predictor().double()
+    fitted = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="mgpu_ddp_notebook", max_epochs=1, use_distributed_sampler=False,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    fitted.fit(model, datamodule=RankData(make_data(N), BATCH))
+    trained = copy.deepcopy(model)  # the main process's module, with the workers' weights
+    assert not torch.equal(trained.net[0].weight, Predictor().double().net[0].weight)
+    got = fitted.predict(model, loader())
+    torch.testing.assert_close(got, trainer("auto", devices=1).predict(trained, loader()))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from lightning_mgpu.parts.predictions import FIX, PredictionGathering, assemble
+from lightning_mgpu.parts.predictions import FIX, PredictionGathering, assemble, local_batches
 
 N, WORLD, BATCH = 37, 2, 4
 X = torch.randn(N, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -146,3 +146,25 @@ def test_before_launch_leaves_other_calls_alone():
         {},
     )
     assert gathering.requested is None
+
+
+class _Loader:
+    """What Lightning's predict loader shows: a batch sampler with the indices it handed out and a batch size."""
+
+    def __init__(self, seen: list[list[int]]) -> None:
+        self.batch_sampler = type("Wrapper", (), {"seen_batch_indices": seen, "batch_size": 2})()
+
+
+def test_batches_drawn_ahead_of_the_predictions_are_not_paired():
+    size, batches = local_batches(_Loader([[0, 2], [4, 6], [8, 10]]), ["a", "b"])  # a worker drew one more
+    assert size == 2 and batches == [([0, 2], "a"), ([4, 6], "b")]
+
+
+def test_with_dataloader_iter_only_equal_counts_pair_up():
+    assert local_batches(_Loader([[0, 2], [4, 6]]), ["a", "b"], exact=True)[1] == [([0, 2], "a"), ([4, 6], "b")]
+    assert local_batches(_Loader([[0, 2], [4, 6]]), ["ab"], exact=True)[1] == [(None, "ab")]
+
+
+def test_a_loader_without_recorded_indices_gives_none():
+    assert local_batches(object(), ["a"]) == (None, [(None, "a")])
+    assert local_batches(_Loader([[None, None]]), ["a"])[1] == [(None, "a")]  # an IterableDataset's "indices"
