@@ -5,7 +5,6 @@ launches). Subclasses, so Lightning's ``isinstance`` checks on launchers still h
 from __future__ import annotations
 
 import atexit
-import io
 import os
 import signal
 import subprocess
@@ -221,9 +220,8 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         returned: ``(prepare, finish)``: ``prepare(trainer, function, args, kwargs)`` runs in the main process
             before the workers start and returns the call's ``(args, kwargs)``; ``finish(trainer, results)`` runs
             in every worker after the call (a collective) and returns what the main process's call returns
-            (``trainer.predict``'s predictions, gathered). That value travels as bytes, as Lightning sends
-            ``callback_metrics``: a tensor put on torch's queue shares its memory with the worker, gone once the
-            worker has exited.
+            (``trainer.predict``'s predictions, gathered). That value travels in a temporary file, as Lightning's
+            weights do (see ``_SavedResults``).
     """
 
     def __init__(
@@ -256,7 +254,7 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
                 returned = super().launch(function, *args, trainer=trainer, **kwargs)
         else:
             returned = super().launch(function, *args, trainer=trainer, **kwargs)
-        return returned.load() if isinstance(returned, _AsBytes) else returned
+        return returned.load() if isinstance(returned, _SavedResults) else returned
 
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
@@ -276,7 +274,7 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         if self._returned is not None:
             results = self._returned[1](trainer, results)  # a collective: every rank takes part
             if trainer.local_rank == 0 and trainer.state.fn == TrainerFn.PREDICTING and results is not None:
-                results = _AsBytes(results)
+                results = _SavedResults(results)
         if self._weights is None:
             return super()._collect_rank_zero_results(trainer, results)
         # Lightning's own, with the strategy's weights: a collective, every rank takes part
@@ -310,17 +308,23 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
 _RESULTS = "lightning_mgpu_results"  # the key of the strategy's results among the worker's extra results
 
 
-class _AsBytes:
-    """A worker's return value as ``torch.save`` bytes, loaded again in the main process (see ``returned``)."""
+class _SavedResults:
+    """A worker's return value in a temporary file (``torch.save``), loaded and removed by the main process (see
+    ``returned``). Not on Lightning's queue: the worker writes it to a pipe that the main process reads only once
+    every worker has ended, so a value larger than the pipe's buffer (64 KiB on Linux) blocks the worker forever;
+    and a tensor put there shares its memory with the worker, gone once it has exited."""
 
     def __init__(self, value: Any) -> None:
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        self.data = buffer.getvalue()
+        handle, self.path = tempfile.mkstemp(prefix="lightning_mgpu_results_", suffix=".pt")
+        os.close(handle)
+        torch.save(value, self.path)
 
     def load(self) -> Any:
         # written by this job's own worker a moment ago: any picklable prediction, not only tensors
-        return torch.load(io.BytesIO(self.data), weights_only=False)
+        try:
+            return torch.load(self.path, weights_only=False)
+        finally:
+            os.remove(self.path)
 
 
 def release_process_group() -> None:

@@ -191,3 +191,21 @@ def test_fork_predict_after_fit_uses_the_trained_weights_and_comes_back_whole():
     assert not torch.equal(trained.net[0].weight, Predictor().double().net[0].weight)
     got = fitted.predict(model, loader())
     torch.testing.assert_close(got, trainer("auto", devices=1).predict(trained, loader()))
+
+
+class WidePredictor(Predictor):
+    """Outputs of 384 float64 per sample: 1000 samples are about 3 MB of predictions."""
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        return self(batch[0]).repeat(1, 128)
+
+
+@pytest.mark.timeout(120)
+def test_fork_predictions_larger_than_a_pipe_buffer_reach_the_main_process():
+    """Lightning's queue is a pipe the main process reads only after every worker has ended: a worker output
+    larger than its buffer (64 KiB) would block rank 0 forever. The predictions travel in a file instead."""
+    big = DataLoader(make_data(1000), batch_size=BATCH)
+    got = trainer("mgpu_ddp_notebook").predict(WidePredictor().double(), big)
+    expected = trainer("auto", devices=1).predict(WidePredictor().double(), big)
+    assert sum(b.numel() * b.element_size() for b in expected) > 2**20
+    torch.testing.assert_close(got, expected)
