@@ -295,14 +295,16 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
     def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
         if self._hand_back is not None:
-            extra[_RESULTS] = self._hand_back[0](trainer)
+            # in a file: a DeviceMonitor history of more than about 70 rows is more than the queue's pipe holds
+            extra[_RESULTS] = _SavedResults(self._hand_back[0](trainer))
         return extra
 
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         if self._hand_back is not None and _RESULTS in extra:
-            self._hand_back[1](trainer, extra[_RESULTS])
+            results = extra[_RESULTS]
+            self._hand_back[1](trainer, results.load() if isinstance(results, _SavedResults) else results)
 
 
 _RESULTS = "lightning_mgpu_results"  # the key of the strategy's results among the worker's extra results
