@@ -220,8 +220,10 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         returned: ``(prepare, finish)``: ``prepare(trainer, function, args, kwargs)`` runs in the main process
             before the workers start and returns the call's ``(args, kwargs)``; ``finish(trainer, results)`` runs
             in every worker after the call (a collective) and returns what the main process's call returns
-            (``trainer.predict``'s predictions, gathered). That value travels in a temporary file, as Lightning's
-            weights do (see ``_SavedResults``).
+            (``trainer.predict``'s predictions, gathered).
+
+    What the call returns and the extra results (``callback_metrics``, the strategy's results) travel in temporary
+    files, as Lightning's weights do (see ``_SavedResults``).
     """
 
     def __init__(
@@ -273,8 +275,8 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         if self._returned is not None:
             results = self._returned[1](trainer, results)  # a collective: every rank takes part
-            if trainer.local_rank == 0 and trainer.state.fn == TrainerFn.PREDICTING and results is not None:
-                results = _SavedResults(results)
+        if trainer.local_rank == 0 and results is not None:
+            results = _SavedResults(results)  # what the call returns (predictions, test metrics): in a file
         if self._weights is None:
             return super()._collect_rank_zero_results(trainer, results)
         # Lightning's own, with the strategy's weights: a collective, every rank takes part
@@ -295,19 +297,22 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
     def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
         if self._hand_back is not None:
-            # in a file: a DeviceMonitor history of more than about 70 rows is more than the queue's pipe holds
-            extra[_RESULTS] = _SavedResults(self._hand_back[0](trainer))
-        return extra
+            extra[_RESULTS] = self._hand_back[0](trainer)
+        # in a file: many logged metrics, or a DeviceMonitor history of more than about 70 rows, are more than
+        # the queue's pipe holds (see _SavedResults)
+        return {_FILED: _SavedResults(extra)}
 
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        if isinstance(extra.get(_FILED), _SavedResults):
+            extra = extra[_FILED].load()
         super().update_main_process_results(trainer, extra)
         if self._hand_back is not None and _RESULTS in extra:
-            results = extra[_RESULTS]
-            self._hand_back[1](trainer, results.load() if isinstance(results, _SavedResults) else results)
+            self._hand_back[1](trainer, extra[_RESULTS])
 
 
 _RESULTS = "lightning_mgpu_results"  # the key of the strategy's results among the worker's extra results
+_FILED = "lightning_mgpu_filed"  # the key of the file that holds the worker's extra results
 
 
 class _SavedResults:
