@@ -590,3 +590,18 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def keep_predictions(loop: Any) -> None:
+    """Make Lightning's prediction loop keep and return each batch's predictions (its ``_return_predictions``;
+    pytorch-lightning 2.6.6 checked: ``_predict_step`` appends a batch's output when it is set, and
+    ``_on_predict_epoch_end`` returns them). Its public setter refuses ``True`` under a spawn/fork launcher; the
+    strategy sets it in each worker, at ``on_predict_start``, and gathers the predictions after the loop.
+    Missing: RuntimeError naming it at the first spawn/fork ``trainer.predict``."""
+    if not hasattr(loop, "_return_predictions"):  # pragma: no cover - guards a future Lightning
+        raise RuntimeError(
+            "lightning_mgpu cannot make Lightning's prediction loop keep its predictions in spawn/fork workers "
+            "(_PredictionLoop._return_predictions is gone in this Lightning). Pass "
+            "trainer.predict(..., return_predictions=False) and write predictions with a BasePredictionWriter."
+        )
+    loop._return_predictions = True

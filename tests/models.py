@@ -147,3 +147,20 @@ class BlockRegressor(Regressor):
         self.net = nn.Sequential(
             nn.Linear(6, width), *(Block(width, dropout) for _ in range(blocks)), nn.Linear(width, 3)
         )
+
+
+class Predictor(Regressor):
+    """:class:`Regressor` whose ``predict_step`` returns the outputs of a batch of ``(x, y)``: a tensor
+    (``output="tensor"``), or a dict with a nested tuple and a ``None`` (``output="dict"``), each with the batch
+    dimension first."""
+
+    def __init__(self, output: str = "tensor") -> None:
+        super().__init__()
+        self.output = output
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        x, y = batch
+        out = self(x)
+        if self.output == "tensor":
+            return out
+        return {"out": out, "pair": (x.sum(dim=1), y), "none": None}

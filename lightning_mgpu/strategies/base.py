@@ -36,6 +36,7 @@ from lightning_mgpu.parts.compilation import Compilation
 from lightning_mgpu.parts.evaluation import ExactEvaluation
 from lightning_mgpu.parts.failures import FailureHandling
 from lightning_mgpu.parts.nonfinite import NonFiniteCheck
+from lightning_mgpu.parts.predictions import PredictionGathering
 from lightning_mgpu.parts.resume import MidEpochResume
 from lightning_mgpu.parts.token_loss import LOG_NAME, TokenNormalization
 from lightning_mgpu.parts.uneven_inputs import UnevenInputs
@@ -80,6 +81,7 @@ class MGPUStrategyMixin(ParallelStrategy):
     _tokens: Optional[TokenNormalization]
     _nonfinite: Optional[NonFiniteCheck]
     _async: Optional[AsyncCheckpointWriter]
+    _prediction_gathering: PredictionGathering
 
     def _init_parts(self, settings: CommonSettings) -> None:
         self._launch = settings
@@ -98,6 +100,7 @@ class MGPUStrategyMixin(ParallelStrategy):
         self._async = AsyncCheckpointWriter() if settings.async_checkpoint else None
         self._async_unsettled = False  # every rank: an async save was submitted since the last agreement
         self._checkpoint_group: Any = None  # a gloo group for the background writes' collectives (sharded layout)
+        self._prediction_gathering = PredictionGathering()
 
     def _processes_and_nodes(self) -> tuple[int, int]:
         """Processes per node and nodes: DDPStrategy and MGPUParallelStrategy define them, ParallelStrategy
@@ -188,6 +191,7 @@ class MGPUStrategyMixin(ParallelStrategy):
                 *self._processes_and_nodes(),
                 on_failure=self._end_group_after,
                 grace_s=self._failures.roll_call_s() + 5.0,  # rank 0's roll call, then a margin to raise and print
+                finish=self._gather_predictions,
             )
         else:
             launcher = _CheckedMultiProcessingLauncher(
@@ -197,8 +201,29 @@ class MGPUStrategyMixin(ParallelStrategy):
                 on_failure=self._end_group_after,
                 weights=self._weights_for_main_process,
                 results=(self._results_for_main_process, self._restore_results_from_worker),
+                returned=(self._prepare_predict_launch, self._gather_predictions),
             )
         _compat.set_strategy_launcher(self, launcher)
+
+    # --- trainer.predict: every prediction once, in dataset order (parts/predictions.py) ---------------------
+    def _prepare_predict_launch(
+        self, trainer: Optional[pl.Trainer], function: Callable, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict]:
+        """Main process of a spawn/fork launch: whether ``trainer.predict`` returns predictions (see
+        :meth:`~lightning_mgpu.parts.predictions.PredictionGathering.before_launch`)."""
+        return self._prediction_gathering.before_launch(trainer, function, args, kwargs)
+
+    @override
+    def on_predict_start(self) -> None:
+        self._prediction_gathering.on_predict_start(attached_trainer(self.lightning_module))
+        super().on_predict_start()
+
+    def _gather_predictions(self, trainer: pl.Trainer, results: Any) -> Any:
+        """Every rank, after a Trainer call: ``trainer.predict``'s predictions of all ranks, each once, in dataset
+        order; on every rank under popen (each rank's call returns them), on rank 0 under spawn/fork (its worker
+        hands them to the main process; with several nodes, every rank)."""
+        to_all = self._launch.start_method == "popen" or self._processes_and_nodes()[1] > 1
+        return self._prediction_gathering.gather(trainer, results, to_all=to_all)
 
     def _results_for_main_process(self, trainer: pl.Trainer) -> dict[str, Any]:
         """After a spawn/fork fit, in rank 0's worker: what the main process's objects get (as Lightning hands

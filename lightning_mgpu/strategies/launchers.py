@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from typing_extensions import override
 
@@ -64,7 +65,10 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher
     the strategy's ``_end_group_after``, which returns the ranks that did not answer), then kills only those
     children (stuck or dead ones; a child that answered is handling the failure itself and may go on, e.g. a
     script that catches the exception and fits again) and reaps every child that has ended. Children still
-    running when this process exits are ended and reaped then."""
+    running when this process exits are ended and reaped then.
+
+    ``finish(trainer, results)``, when given, runs in every rank after the Trainer call and replaces what it
+    returns (the strategy gathers ``trainer.predict``'s predictions there)."""
 
     def __init__(
         self,
@@ -72,11 +76,13 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher
         *args: Any,
         on_failure: Optional[Callable[[BaseException], list[int]]] = None,
         grace_s: float = 5.0,
+        finish: Optional[Callable[[pl.Trainer, Any], Any]] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(check, *args, **kwargs)
         self._on_failure = on_failure
         self._grace_s = grace_s
+        self._finish = finish
         self._observer: Optional[_ChildObserver] = None
 
     @override
@@ -96,7 +102,10 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher
             observer.start()
         set_num_threads_if_needed(num_processes=self.num_processes)
         try:
-            return function(*args, **kwargs)
+            results = function(*args, **kwargs)
+            if self._finish is not None and trainer is not None:
+                results = self._finish(trainer, results)  # every rank: e.g. the predictions gathered
+            return results
         except BaseException as exception:
             # rank 0 is handling a failure: no SIGKILL from behind
             if observer is not None:
@@ -208,6 +217,13 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         results: ``(collect, restore)``: ``collect(trainer)`` runs in rank 0's worker after the call and returns
             a picklable object; ``restore(trainer, it)`` runs in the main process with it, beside Lightning's
             ``callback_metrics`` (the ledger, ``mgpu_auto``'s decision, ``DeviceMonitor``'s history).
+        returned: ``(prepare, finish)``: ``prepare(trainer, function, args, kwargs)`` runs in the main process
+            before the workers start and returns the call's ``(args, kwargs)``; ``finish(trainer, results)`` runs
+            in every worker after the call (a collective) and returns what the main process's call returns
+            (``trainer.predict``'s predictions, gathered).
+
+    What the call returns and the extra results (``callback_metrics``, the strategy's results) travel in temporary
+    files, as Lightning's weights do (see ``_SavedResults``).
     """
 
     def __init__(
@@ -218,23 +234,29 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         on_failure: Optional[Callable[[BaseException], list[int]]] = None,
         weights: Optional[Callable[[], dict[str, Any]]] = None,
         results: Optional[tuple[Callable[[pl.Trainer], Any], Callable[[pl.Trainer, Any], None]]] = None,
+        returned: Optional[tuple[Callable[..., tuple[tuple, dict]], Callable[[pl.Trainer, Any], Any]]] = None,
     ) -> None:
         super().__init__(check, strategy, start_method=start_method)
         self._on_failure = on_failure
         self._weights = weights
         self._hand_back = results
+        self._returned = returned
         self._forks = start_method in ("fork", "forkserver")
         self._of_strategy = strategy
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        if self._returned is not None:
+            args, kwargs = self._returned[0](trainer, function, args, kwargs)
         if self._forks and self._of_strategy._device_type() == "cpu":
             # CPU workers never initialise CUDA, so a fork is safe even in a process that torch marks as a "bad
             # fork" (on the CUDA wheel without a GPU, asking for the device count marks every later fork child
             # so). Lightning refuses such forks on any device; on CUDA its refusal stands.
             with cpu_fork_despite_cuda_probe():
-                return super().launch(function, *args, trainer=trainer, **kwargs)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+                returned = super().launch(function, *args, trainer=trainer, **kwargs)
+        else:
+            returned = super().launch(function, *args, trainer=trainer, **kwargs)
+        return returned.load() if isinstance(returned, _SavedResults) else returned
 
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
@@ -251,6 +273,10 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        if self._returned is not None:
+            results = self._returned[1](trainer, results)  # a collective: every rank takes part
+        if trainer.local_rank == 0 and results is not None:
+            results = _SavedResults(results)  # what the call returns (predictions, test metrics): in a file
         if self._weights is None:
             return super()._collect_rank_zero_results(trainer, results)
         # Lightning's own, with the strategy's weights: a collective, every rank takes part
@@ -272,16 +298,40 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         extra = super().get_extra_results(trainer)
         if self._hand_back is not None:
             extra[_RESULTS] = self._hand_back[0](trainer)
-        return extra
+        # in a file: many logged metrics, or a DeviceMonitor history of more than about 70 rows, are more than
+        # the queue's pipe holds (see _SavedResults)
+        return {_FILED: _SavedResults(extra)}
 
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        if isinstance(extra.get(_FILED), _SavedResults):
+            extra = extra[_FILED].load()
         super().update_main_process_results(trainer, extra)
         if self._hand_back is not None and _RESULTS in extra:
             self._hand_back[1](trainer, extra[_RESULTS])
 
 
 _RESULTS = "lightning_mgpu_results"  # the key of the strategy's results among the worker's extra results
+_FILED = "lightning_mgpu_filed"  # the key of the file that holds the worker's extra results
+
+
+class _SavedResults:
+    """A worker's return value in a temporary file (``torch.save``), loaded and removed by the main process (see
+    ``returned``). Not on Lightning's queue: the worker writes it to a pipe that the main process reads only once
+    every worker has ended, so a value larger than the pipe's buffer (64 KiB on Linux) blocks the worker forever;
+    and a tensor put there shares its memory with the worker, gone once it has exited."""
+
+    def __init__(self, value: Any) -> None:
+        handle, self.path = tempfile.mkstemp(prefix="lightning_mgpu_results_", suffix=".pt")
+        os.close(handle)
+        torch.save(value, self.path)
+
+    def load(self) -> Any:
+        # written by this job's own worker a moment ago: any picklable prediction, not only tensors
+        try:
+            return torch.load(self.path, weights_only=False)
+        finally:
+            os.remove(self.path)
 
 
 def release_process_group() -> None:

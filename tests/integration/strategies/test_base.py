@@ -67,6 +67,39 @@ def test_spawn_hands_rank_zeros_results_to_the_main_process(tmp_path):
     check(*fit_and_read("mgpu_auto_spawn", tmp_path))
 
 
+@pytest.mark.timeout(120)
+def test_fork_hands_back_a_history_larger_than_the_queues_pipe(tmp_path):
+    """100 DeviceMonitor rows (about 87 kB pickled): Lightning's queue to the main process is a pipe read only
+    once every worker has ended, and rank 0's worker blocked forever writing more than its 64 KiB buffer."""
+    monitor = DeviceMonitor(every_n_steps=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="mgpu_ddp_fork", max_epochs=1, use_distributed_sampler=False,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[monitor],
+    )  # fmt: skip
+    trainer.fit(Regressor().double(), datamodule=RankData(make_data(200), 1))
+    assert len(monitor.history) == 100 and monitor.history[-1]["step"] == 100.0
+
+
+class ManyMetrics(Regressor):
+    """Logs 400 metrics: about 100 kB of callback_metrics."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log_dict({f"metric_{i}": float(i) for i in range(400)})
+        return loss
+
+
+@pytest.mark.timeout(120)
+def test_fork_hands_back_more_logged_metrics_than_the_queues_pipe_holds():
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="mgpu_ddp_fork", max_steps=1, use_distributed_sampler=False,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(ManyMetrics().double(), datamodule=RankData(make_data(), 4))
+    assert len(trainer.callback_metrics) == 400 and float(trainer.callback_metrics["metric_399"]) == 399.0
+
+
 def test_without_the_hand_back_the_main_process_reads_zeros(tmp_path, monkeypatch):
     """Negative control: the launcher's hand-back removed, the main process keeps its own (empty) ledger."""
     from lightning_mgpu.strategies.launchers import _CheckedMultiProcessingLauncher
