@@ -208,6 +208,8 @@ class ExactEvaluation:
                 )
                 return dataloader
             shard = UnpaddedShard(sampler.dataset, world, sampler.rank, shuffle=sampler.shuffle, seed=sampler.seed)  # type: ignore[arg-type]
+        if world < 2:
+            return dataloader  # one rank: Lightning's sampler already yields every sample once, nothing is padded
         count = common_batch_count(total, world, batch_size)
         batches: Any = EvenBatchSampler(shard, batch_size, count)
         if trainer.predicting:

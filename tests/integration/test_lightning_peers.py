@@ -51,6 +51,34 @@ def test_a_one_device_popen_predict_leaves_no_observer_thread(tmp_path):
         torch.distributed.destroy_process_group()
 
 
+def test_one_device_predict_keeps_lightnings_sampler_and_sets_its_epoch(tmp_path):
+    """Lightning's loops/test_prediction_loop.py::test_prediction_loop_batch_sampler_set_epoch_called: on one rank
+    the exact-evaluation sampler has nothing to fix (nothing is padded), so the loader keeps Lightning's
+    DistributedSampler inside its index-tracking batch sampler, and the sampler gets the fit loop's epoch."""
+    from torch.utils.data import DistributedSampler, SequentialSampler
+
+    trainer = pl.Trainer(
+        strategy="mgpu_ddp",
+        accelerator="cpu",
+        devices=1,
+        limit_predict_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit_loop.epoch_progress.current.processed = 2
+    try:
+        trainer.predict(BoringModel())
+        assert isinstance(trainer.predict_dataloaders.sampler, SequentialSampler)
+        batch_sampler = trainer.predict_dataloaders.batch_sampler
+        assert isinstance(batch_sampler.sampler, DistributedSampler)
+        assert batch_sampler.sampler.epoch == 2
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 _TWO_CALLS = """
 import threading, pytorch_lightning as pl, lightning_mgpu
 from pytorch_lightning.demos.boring_classes import BoringModel
