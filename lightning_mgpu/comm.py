@@ -634,6 +634,22 @@ def barrier(group: Optional[Any] = None, device: Optional[torch.device] = None) 
         dist.barrier(group=group)
 
 
+def save_sharded(state: dict[str, Any], path: str, group: Optional[Any] = None) -> None:
+    """``torch.distributed.checkpoint.save`` of ``state`` into the directory ``path``: a collective over ``group``
+    (every rank writes its shards; the ranks agree on one save plan first)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=path, process_group=group)
+
+
+def load_sharded(template: dict[str, Any], path: str, group: Optional[Any] = None) -> None:
+    """``torch.distributed.checkpoint.load`` into ``template`` in place: a collective over ``group`` (every rank
+    reads the slices it owns now, whatever the world size at save time)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(template, checkpoint_id=path, process_group=group)
+
+
 def _is_mean(reduce_op: Any) -> bool:
     if isinstance(reduce_op, str):
         return reduce_op.lower() in ("mean", "avg")

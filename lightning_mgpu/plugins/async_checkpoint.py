@@ -275,11 +275,9 @@ def sharded_directory_write(
     swap). Give ``write_meta`` and ``commit`` on rank 0 only."""
 
     def write() -> None:
-        import torch.distributed.checkpoint as dcp
-
         failed = torch.zeros(1)
         try:
-            dcp.save(tensors, checkpoint_id=str(staging), process_group=group)
+            comm.save_sharded(tensors, str(staging), group)
             if write_meta is not None:
                 write_meta()
         except BaseException:

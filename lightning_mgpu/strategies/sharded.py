@@ -179,8 +179,6 @@ class ShardedCheckpoints(MGPUStrategyMixin):
                 )
             self._write_file(checkpoint, filepath, storage_options)  # checkpoint_io: atomic by default
             return
-        import torch.distributed.checkpoint as dcp
-
         if storage_options is not None:
             raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
         if local is None:
@@ -207,7 +205,7 @@ class ShardedCheckpoints(MGPUStrategyMixin):
         if self._saves_async():
             self._save_sharded_async(tensors, checkpoint, staging, path)
             return
-        dcp.save(tensors, checkpoint_id=str(staging), process_group=self._process_group())
+        comm.save_sharded(tensors, str(staging), self._process_group())
         if self.is_global_zero:
             write_file_atomic(staging / _METADATA, lambda f: torch.save(checkpoint, f))
         self.barrier("mgpu_sharded_save_written")  # every rank's shards are on disk
@@ -275,8 +273,6 @@ class ShardedCheckpoints(MGPUStrategyMixin):
                 f"{path} is a directory without {_METADATA}: not a sharded checkpoint of mgpu_sharded. Pass the "
                 f"checkpoint directory written by trainer.save_checkpoint."
             )
-        import torch.distributed.checkpoint as dcp
-
         module = self.lightning_module
         assert module is not None
         checkpoint: dict[str, Any] = torch.load(path / _METADATA, weights_only=False, map_location="cpu")
@@ -292,7 +288,7 @@ class ShardedCheckpoints(MGPUStrategyMixin):
             for i, opt in enumerate(self.optimizers):
                 template[f"optimizer_{i}"] = self._sharding.optimizer_load_template(module, opt)
         # every rank reads the slices it owns now, whatever the world size at save time
-        dcp.load(template, checkpoint_id=str(path), process_group=self._process_group())
+        comm.load_sharded(template, str(path), self._process_group())
         module.load_state_dict(template["state_dict"], strict=module.strict_loading)
         if load_optimizers:
             for i, opt in enumerate(self.optimizers):
