@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -857,31 +856,3 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         if self._ddp_wrapping is not None:  # stage 1: DDP's errors name the fix, and the group ends as mgpu_ddp's
             DDPWrapping.explain(exception, "strategy=MGPUShardedStrategy(stage=1, find_unused_parameters=True)")
             self._end_group_after(exception)
-
-
-class MGPUZeRO1Strategy(MGPUShardedStrategy):
-    """Deprecated name of ``MGPUShardedStrategy(stage=1)`` (``strategy="mgpu_zero1"``), kept so that code and
-    configs that name it keep working; building it warns. It is an ``MGPUShardedStrategy``, no longer an
-    ``MGPUDDPStrategy``: stage 1 composes mgpu_ddp's DDP wrapping instead of inheriting it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _deprecated("MGPUZeRO1Strategy", "MGPUShardedStrategy(stage=1)")
-        kwargs.setdefault("stage", 1)
-        super().__init__(*args, **kwargs)
-
-
-class MGPUFSDPStrategy(MGPUShardedStrategy):
-    """Deprecated name of ``MGPUShardedStrategy(stage=2|3)``, kept so that code and configs that name it keep
-    working; building it warns."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _deprecated("MGPUFSDPStrategy", "MGPUShardedStrategy(stage=2) or (stage=3)")
-        super().__init__(*args, **kwargs)
-
-
-def _deprecated(name: str, new: str) -> None:
-    warnings.warn(
-        f"lightning_mgpu.{name} is deprecated: write {new}, one class for every stage (the presets already build it).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
