@@ -33,10 +33,11 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(BIN)/python -m lightning_mgpu.examples.train
 
-# What CI runs: the whole suite (both Lightning namespaces) in two parts, the default suite (`pytest`: everything
-# but the `slow` marker) and the slow tests (launches of every kind, notebooks, the docs' examples, the numerics
-# matrix in the lower precisions), then the compatibility tiers, then the install check, then the docs site.
-test: test-suite test-slow test-compat test-install docs
+# What CI runs (.ci/run): the linters, then the whole suite (both Lightning namespaces) in two parts, the default
+# suite (`pytest`: everything but the `slow` marker) and the slow tests (launches of every kind, notebooks, the docs'
+# examples, the numerics matrix in the lower precisions), then the compatibility tiers, then the install check, then
+# the docs site.
+test: lint test-suite test-slow test-compat test-install docs
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest
@@ -137,7 +138,9 @@ docs: $(DOCS_STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_ddp.py
 
+# The linters, at the versions pinned in pyproject.toml's `test` extra: ruff's lint rules and its formatting (Python
+# files, notebooks' lint, and the code blocks of the Markdown pages), and mypy on the package.
 lint: $(STAMP)
-	$(BIN)/python -m pip install -q ruff mypy
-	$(BIN)/ruff check lightning_mgpu tests benchmarks docs
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy lightning_mgpu

@@ -14,7 +14,7 @@ Instances (strategies, precision plugins, callbacks) belong to one namespace, as
 
 import os as _os
 
-from lightning_mgpu import _moved, _namespace
+from lightning_mgpu import _namespace
 
 if __name__ == "lightning_mgpu":  # not in the `lightning` copy, which is this file loaded again
     # `pytorch_lightning` installed: lightning_mgpu serves it and lightning_mgpu.lightning is the `lightning` copy;
@@ -52,14 +52,6 @@ from lightning_mgpu.strategies import (
 )
 
 __version__ = "0.1.0.dev0"
-
-# old import paths (`lightning_mgpu.precision`, ...) still work, with a DeprecationWarning naming the new one
-_moved.install(__name__)
-
-
-def __getattr__(name: str) -> object:
-    return _moved.moved_attribute(__name__, name)
-
 
 __all__ = [
     "COMM_HOOKS",

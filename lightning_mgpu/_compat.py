@@ -394,6 +394,23 @@ def share_optimizer_strategy(source: Any, target: Any) -> None:
 
 
 # --- torch internals (torch 2.13.0 checked) ---------------------------------------------------------------
+def unflatten_mesh(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``DeviceMesh._unflatten``: a mesh in which the dimension ``dim`` of ``mesh`` is split into dimensions
+    ``names`` of ``sizes`` (their process groups created; ``mesh`` itself is unchanged). torch 2.13 checked; it has
+    no public way yet (its flattening counterpart, ``_flatten``, is how torchtitan and Accelerate name their
+    ``"dp"`` dimension, and slicing a flattened dimension from the root mesh warns of its deprecation on torch
+    2.13). Missing: AttributeError at set-up of a hybrid mesh, naming it."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+def set_module_device_mesh(module: Any, mesh: Any) -> None:
+    """``LightningModule._device_mesh``, what its public ``device_mesh`` property returns; Lightning's
+    ``ModelParallelStrategy.setup_environment`` sets it the same way (pytorch-lightning / lightning 2.6.0 and
+    2.6.6 checked). Missing: ``self.device_mesh`` reads None in ``configure_model`` (the integration test of the
+    mesh fails)."""
+    module._device_mesh = mesh
+
+
 def foreach_norm(tensors: Any, ord: float) -> Any:
     """``torch._foreach_norm`` (one kernel for many norms). Missing: one ``torch.linalg.vector_norm`` each."""
     import torch

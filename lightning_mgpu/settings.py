@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu.comm import check_comm_hook
+from lightning_mgpu.mesh import ParallelDims
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, validate_policy
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -515,22 +516,14 @@ class ShardedSettings:
             >>> ShardedSettings(stage=3, mesh="hybrid", shard_size=4).mesh_shape(world_size=16, num_nodes=2)
             (4, 4)
         """
+        dims = self.parallel_dims(world_size, num_nodes)
+        return (dims.data_replicate, dims.data_shard)
+
+    def parallel_dims(self, world_size: int, num_nodes: int = 1) -> ParallelDims:
+        """The device mesh's sizes (:mod:`lightning_mgpu.mesh`): flat, or HSDP's shape for ``mesh="hybrid"``."""
         if self.mesh == "flat":
-            return (1, world_size)
-        nodes = max(int(num_nodes), 1)
-        if self.shard_size is None and world_size % nodes:
-            raise ValueError(
-                f"mesh='hybrid' shards within each machine, but {world_size} ranks do not split evenly over "
-                f"num_nodes={nodes}. Launch the same number of processes on every machine, or pass shard_size=N."
-            )
-        size = self.shard_size if self.shard_size is not None else world_size // nodes
-        if world_size % size:
-            raise ValueError(
-                f"shard_size={size} does not divide the world size {world_size}: the hybrid mesh needs "
-                f"world size = replicas x shard size. Pass a shard_size that divides {world_size} (e.g. the "
-                f"processes of one machine, {world_size // nodes}), or mesh='flat'."
-            )
-        return (world_size // size, size)
+            return ParallelDims(world_size=world_size)
+        return ParallelDims.hybrid(world_size, num_nodes, self.shard_size)
 
     @property
     def uses_ddp(self) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_mgpu._compat import copy_lr_scheduler_step_tracking, init_optimizer_state, sync_param_groups
 from lightning_mgpu.comm import CommStats, local_shard
+from lightning_mgpu.mesh import DATA_SHARD, ParallelMesh
 from lightning_mgpu.parts.accumulation import (
     BackwardSyncControl,
     DDPSyncControl,
@@ -40,9 +41,6 @@ from lightning_mgpu.parts.accumulation import (
     ShardedDDPSyncControl,
 )
 from lightning_mgpu.parts.clipping import GlobalNormClipping
-
-#: ``(world_size, num_nodes) -> (replicas, shard group size)``
-MeshShape = Callable[[int, int], tuple[int, int]]
 
 # Optimizers whose state is not one elementwise tensor per parameter: no backend can split them.
 _UNSHARDABLE = {
@@ -115,13 +113,14 @@ class ShardingBackend:
         """Whether ``model`` is sharded in place already (FSDP2 cannot be undone: a later evaluation keeps it)."""
         return False
 
-    def device_mesh(self, device_type: str, world_size: int, num_nodes: int = 1) -> Any:
-        """The device mesh the model is sharded over, or None where the backend takes a process group."""
+    def shard_mesh(self, mesh: ParallelMesh) -> Any:
+        """The part of the strategy's device mesh the model is sharded over, or None where the backend takes a
+        process group."""
         return None
 
     @property
     def mesh_shape(self) -> Optional[tuple[int, int]]:
-        """``(replicas, shard group size)`` of the mesh built by :meth:`device_mesh`; None before, or where the
+        """``(replicas, shard group size)`` of the mesh from :meth:`shard_mesh`; None before, or where the
         backend takes a process group."""
         return None
 
@@ -390,12 +389,10 @@ class FSDP2Backend(ShardingBackend):
         self,
         stage: int,
         wrap_modules: Optional[tuple[type[nn.Module], ...]] = None,
-        shape_of: Optional[MeshShape] = None,
     ) -> None:
         super().__init__(stage)
         self.wrap_modules = wrap_modules
         self.sync_control = FSDP2SyncControl()
-        self.shape_of: MeshShape = shape_of if shape_of is not None else (lambda world, nodes: (1, world))
         self._mesh: Any = None
 
     def _unit_roots(self, module: nn.Module) -> list[nn.Module]:
@@ -420,17 +417,11 @@ class FSDP2Backend(ShardingBackend):
             unit.set_reshard_after_forward(self.stage == 3, recurse=False)  # type: ignore[operator]  # as sharded
             unit.reshard()  # type: ignore[operator]
 
-    def device_mesh(self, device_type: str, world_size: int, num_nodes: int = 1) -> Any:
-        """1-D over all ranks (flat), or 2-D ``("replicate", "shard")`` (hybrid, HSDP): FSDP2 then
+    def shard_mesh(self, mesh: ParallelMesh) -> Any:
+        """1-D ``data_parallel`` (flat), or 2-D ``(data_replicate, data_shard)`` (hybrid, HSDP): FSDP2 then
         reduce-scatters each unit's gradient within the shard group and all-reduces the shards across replicas.
         Rank ``r`` is in shard group ``r // shard`` (the processes of one machine are consecutive ranks)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        replicas, shard = self.shape_of(world_size, num_nodes)
-        if replicas == 1:
-            self._mesh = init_device_mesh(device_type, (world_size,))
-        else:
-            self._mesh = init_device_mesh(device_type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
+        self._mesh = mesh.data
         return self._mesh
 
     @property
@@ -444,7 +435,7 @@ class FSDP2Backend(ShardingBackend):
         """The process group whose ranks hold distinct shards: the mesh's shard dimension (hybrid), else
         ``group``."""
         mesh = self._mesh
-        return mesh.get_group("shard") if mesh is not None and mesh.ndim == 2 else group
+        return mesh.get_group(DATA_SHARD) if mesh is not None and mesh.ndim == 2 else group
 
     def mixed_precision_policy(self, plugin: Any) -> Any:
         from lightning_mgpu.plugins.precision import MGPUPrecision
@@ -535,15 +526,14 @@ def make_backend(
     stage: int,
     backend: str,
     wrap_modules: Optional[tuple[type[nn.Module], ...]] = None,
-    shape_of: Optional[MeshShape] = None,
 ) -> ShardingBackend:
-    """``shape_of(world_size, num_nodes) -> (replicas, shard size)``: the FSDP2 mesh (``ShardedSettings.mesh_shape``);
-    None: flat."""
+    """The backend of ``stage`` and ``backend``; FSDP2 shards over the mesh the strategy hands to
+    :meth:`ShardingBackend.shard_mesh`."""
     if backend == "fairscale":
         return FairscaleOSSBackend(stage)
     if stage == 1:
         return TorchZeroBackend(stage)
-    return FSDP2Backend(stage, wrap_modules, shape_of)
+    return FSDP2Backend(stage, wrap_modules)
 
 
 def local_bytes(tensor: Any) -> int:

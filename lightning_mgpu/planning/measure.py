@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_mgpu import comm
 from lightning_mgpu._compat import fake_store, mem_tracker
+from lightning_mgpu.mesh import ParallelDims
 from lightning_mgpu.parts.sharding import fsdp_unit_roots
 from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelFactory, _loss, _optimizers, _quiet
 
@@ -53,10 +54,9 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 def _shard(module: nn.Module, stage: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = ParallelDims(world_size=dist.get_world_size()).build("cpu").data  # flat, as mgpu_sharded's
     for unit in reversed(fsdp_unit_roots(module)):  # innermost first, as mgpu_sharded does
         fully_shard(unit, mesh=mesh, reshard_after_forward=stage == 3)
     fully_shard(module, mesh=mesh, reshard_after_forward=stage == 3)

@@ -6,7 +6,7 @@
 * ``ddp.py``: :class:`MGPUDDPStrategy` (the DDP family);
 * ``periodic.py``: :class:`MGPULocalSGDStrategy`, :class:`MGPUDiLoCoStrategy` (DDP's launch, weights synced every
   H steps instead of gradients every step);
-* ``sharded.py``: :class:`MGPUShardedStrategy` (ZeRO stages 1-3), its stage classes and its checkpoints (the
+* ``sharded.py``: :class:`MGPUShardedStrategy` (ZeRO stages 1-3, one class) and its checkpoints (the
   sharding backends they use are a part: ``lightning_mgpu/parts/sharding.py``);
 * ``auto.py``: :class:`MGPUAutoStrategy`; ``launchers.py``: the launchers' checks and fork on CPU.
 """
@@ -15,17 +15,15 @@ from lightning_mgpu.strategies.auto import MGPUAutoStrategy
 from lightning_mgpu.strategies.base import MGPUParallelStrategy, MGPUStrategyMixin
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.periodic import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
-from lightning_mgpu.strategies.sharded import MGPUFSDPStrategy, MGPUShardedStrategy, MGPUZeRO1Strategy, ShardMemory
+from lightning_mgpu.strategies.sharded import MGPUShardedStrategy, ShardMemory
 
 __all__ = [
     "MGPUAutoStrategy",
     "MGPUDDPStrategy",
     "MGPUDiLoCoStrategy",
-    "MGPUFSDPStrategy",
     "MGPULocalSGDStrategy",
     "MGPUParallelStrategy",
     "MGPUShardedStrategy",
     "MGPUStrategyMixin",
-    "MGPUZeRO1Strategy",
     "ShardMemory",
 ]

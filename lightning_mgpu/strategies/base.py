@@ -581,7 +581,6 @@ class MGPUStrategyMixin(ParallelStrategy):
         super().on_train_batch_start(batch, batch_idx)
         self._resume.batch_started(trainer)
 
-
     # --- end ----------------------------------------------------------------------------------------------
     def on_train_end(self) -> None:
         self._settle_async_writes()  # fit's end waits for the last write; its failure raises on every rank

@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing_extensions import override
 from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import unwrap_optimizer
 from lightning_mgpu.comm import attached_trainer, check_backend, group_is_up
+from lightning_mgpu.mesh import ParallelMesh, expose_to_module
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, classes_present
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import planned_counts_differ
@@ -488,7 +488,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         self._sharded_settings = sharded
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
-        self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.wrap_modules, sharded.mesh_shape)
+        self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.wrap_modules)
         self._loaded_sharded = False
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
         self._gathered_for_evaluation = False  # an evaluation loop runs with its forward's collective done once
@@ -497,6 +497,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         self._ddp_wrapping = DDPWrapping(self._ddp_settings) if self._ddp_settings is not None else None
         self._micro = MicroBatching(micro_batch_size) if micro_batch_size is not None else None
         self._comm_hook_state: Any = None
+        self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
 
     @property
     @override
@@ -606,6 +607,31 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
 
     # --- set-up ---------------------------------------------------------------------------------------
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._parallel_mesh = None  # a new process group: a new mesh, which configure_model reads
+        self._built_mesh()
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``DeviceMesh`` the LightningModule sees (``self.device_mesh``), built once per set-up
+        (:mod:`lightning_mgpu.mesh`): ``mesh["data_parallel"]`` and ``mesh["tensor_parallel"]``, as under
+        Lightning's ``ModelParallelStrategy``."""
+        return self._built_mesh().device_mesh
+
+    def _built_mesh(self) -> ParallelMesh:
+        if self._parallel_mesh is None:
+            if not group_is_up():
+                raise RuntimeError(
+                    "MGPUShardedStrategy.device_mesh is built at set-up, once the processes have started: read it "
+                    "in the LightningModule's configure_model (self.device_mesh) or any hook after it."
+                )
+            dims = self._sharded_settings.parallel_dims(self.world_size, self.num_nodes)
+            self._parallel_mesh = dims.build(self.root_device.type)
+            expose_to_module(self.lightning_module, self._parallel_mesh.device_mesh)  # self.device_mesh
+        return self._parallel_mesh
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -649,7 +675,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
             self._comm_hook_state = self._ddp_wrapping.register_hooks(ddp, self._ledger, manual=False)
             self._compilation.compile_model(module)  # after the wrap, as mgpu_ddp: parts/compilation.py
             return
-        mesh = self._sharding.device_mesh(self.root_device.type, self.world_size, self.num_nodes)
+        mesh = self._sharding.shard_mesh(self._built_mesh())
         sharded = self._sharding.shard_model(module, mesh, policy)
         if sharded is not None:
             self.model = sharded
@@ -857,31 +883,3 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         if self._ddp_wrapping is not None:  # stage 1: DDP's errors name the fix, and the group ends as mgpu_ddp's
             DDPWrapping.explain(exception, "strategy=MGPUShardedStrategy(stage=1, find_unused_parameters=True)")
             self._end_group_after(exception)
-
-
-class MGPUZeRO1Strategy(MGPUShardedStrategy):
-    """Deprecated name of ``MGPUShardedStrategy(stage=1)`` (``strategy="mgpu_zero1"``), kept so that code and
-    configs that name it keep working; building it warns. It is an ``MGPUShardedStrategy``, no longer an
-    ``MGPUDDPStrategy``: stage 1 composes mgpu_ddp's DDP wrapping instead of inheriting it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _deprecated("MGPUZeRO1Strategy", "MGPUShardedStrategy(stage=1)")
-        kwargs.setdefault("stage", 1)
-        super().__init__(*args, **kwargs)
-
-
-class MGPUFSDPStrategy(MGPUShardedStrategy):
-    """Deprecated name of ``MGPUShardedStrategy(stage=2|3)``, kept so that code and configs that name it keep
-    working; building it warns."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _deprecated("MGPUFSDPStrategy", "MGPUShardedStrategy(stage=2) or (stage=3)")
-        super().__init__(*args, **kwargs)
-
-
-def _deprecated(name: str, new: str) -> None:
-    warnings.warn(
-        f"lightning_mgpu.{name} is deprecated: write {new}, one class for every stage (the presets already build it).",
-        DeprecationWarning,
-        stacklevel=3,
-    )

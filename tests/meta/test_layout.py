@@ -5,14 +5,9 @@ moved still working with a warning that names the new one."""
 from __future__ import annotations
 
 import ast
-import importlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from lightning_mgpu._moved import MOVED
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_mgpu"
 LOWER = [
@@ -136,38 +131,3 @@ def test_no_module_only_forwards_to_another():
         if not body:
             forwarding.append(path.name)
     assert forwarding == []
-
-
-def test_every_moved_import_path_warns_and_gives_the_module_at_its_new_home():
-    # a fresh interpreter: no old path may be in sys.modules from an earlier import
-    code = (
-        "import warnings, importlib\n"
-        "import lightning_mgpu\n"
-        "from lightning_mgpu._moved import MOVED\n"
-        "for old, new in MOVED.items():\n"
-        "    with warnings.catch_warnings(record=True) as caught:\n"
-        "        warnings.simplefilter('always')\n"
-        "        module = importlib.import_module(f'lightning_mgpu.{old}')\n"
-        "    assert module is importlib.import_module(f'lightning_mgpu.{new}'), (old, module)\n"
-        "    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]\n"
-        "    assert any(f'lightning_mgpu.{new}' in m for m in messages), (old, messages)\n"
-        "print(len(MOVED))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True)
-    assert int(done.stdout.strip()) == len(MOVED) > 0
-
-
-def test_a_moved_top_level_module_is_an_attribute_of_the_package():
-    import lightning_mgpu
-
-    with pytest.warns(DeprecationWarning, match="lightning_mgpu.plugins.precision"):
-        precision = lightning_mgpu.precision
-    assert precision.MGPUPrecision is lightning_mgpu.MGPUPrecision
-    with pytest.raises(AttributeError, match="no_such_name"):
-        lightning_mgpu.no_such_name  # noqa: B018
-
-
-def test_a_moved_path_works_in_the_lightning_namespace_copy():
-    with pytest.warns(DeprecationWarning, match="lightning_mgpu.lightning.parts.activation_checkpointing"):
-        module = importlib.import_module("lightning_mgpu.lightning.checkpointing")
-    assert module.__name__ == "lightning_mgpu.lightning.parts.activation_checkpointing"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
-from lightning_mgpu.strategies import MGPUFSDPStrategy, MGPUParallelStrategy, MGPUStrategyMixin, MGPUZeRO1Strategy
+from lightning_mgpu.strategies import MGPUParallelStrategy, MGPUStrategyMixin
 
 STRATEGIES = Path(__file__).resolve().parents[2] / "lightning_mgpu" / "strategies"
 
@@ -36,13 +36,6 @@ def test_no_strategy_module_defines_a_metaclass_or_clears_abstract_methods():
                 assert not [k for k in node.keywords if k.arg == "metaclass"], f"{path.name}: {node.name}"
             if isinstance(node, ast.Attribute):
                 assert node.attr != "__abstractmethods__", f"{path.name}:{node.lineno}"
-
-
-@pytest.mark.parametrize(("cls", "stage"), [(MGPUZeRO1Strategy, 1), (MGPUFSDPStrategy, 2)])
-def test_the_old_stage_class_names_still_build_the_sharded_strategy_with_a_deprecation_warning(cls, stage):
-    with pytest.warns(DeprecationWarning, match=r"write MGPUShardedStrategy\(stage="):
-        strategy = cls()
-    assert isinstance(strategy, MGPUShardedStrategy) and strategy.stage == stage
 
 
 class _Mine(MGPUShardedStrategy):

@@ -101,6 +101,8 @@ def test_a_hybrid_mesh_that_cannot_be_built_is_refused_naming_the_fix():
         ShardedSettings(stage=3, mesh="hybrid").mesh_shape(world_size=5, num_nodes=2)
     with pytest.raises(ValueError, match=r"shard_size=3 does not divide the world size 4"):
         ShardedSettings(stage=3, mesh="hybrid", shard_size=3).mesh_shape(world_size=4, num_nodes=2)
+
+
 @pytest.mark.parametrize(
     "name", ["MGPUDDPStrategy", "MGPUShardedStrategy", "MGPULocalSGDStrategy", "MGPUDiLoCoStrategy", "MGPUAutoStrategy"]
 )

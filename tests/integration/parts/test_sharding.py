@@ -27,6 +27,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_mgpu import MGPUShardedStrategy
 from tests.helpers import NODES, PER_NODE, Job, full, run_on_two_machines
@@ -101,9 +102,27 @@ class Record(Callback):
                 "batches": self.collectives.batches,
                 "global_step": trainer.global_step,
                 "node_rank": trainer.node_rank,
+                "seen_mesh": pl_module.seen_mesh,  # type: ignore[attr-defined]
             },
             self.out / f"rank{trainer.global_rank}.pt",
         )
+
+
+class MeshRegressor(OptRegressor):
+    """Keeps what ``configure_model`` finds in ``self.device_mesh`` (Lightning's dimension names)."""
+
+    seen_mesh: dict[str, Any] | None = None
+
+    @override
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        assert mesh is not None, "configure_model saw no device mesh"
+        dp, tp = mesh["data_parallel"], mesh["tensor_parallel"]
+        self.seen_mesh = {
+            "names": mesh.mesh_dim_names,
+            "data_parallel": (dp.size(), dp.get_local_rank(), dp.mesh.tolist()),
+            "tensor_parallel": (tp.size(), tp.get_local_rank()),
+        }
 
 
 def fit_job(
@@ -129,7 +148,7 @@ def fit_job(
             enable_checkpointing=bool(save_to), enable_progress_bar=False, enable_model_summary=False,
             callbacks=callbacks, **trainer_kwargs,
         )  # fmt: skip
-        model = OptRegressor(optimizer).double()
+        model = MeshRegressor(optimizer).double()
         trainer.fit(model, datamodule=RankData(make_data(n=n), batch), ckpt_path=resume_from or None)
 
     return job
@@ -193,6 +212,19 @@ def hybrid_runs() -> list[list[dict[str, Any]]]:
             fit_job(hybrid(stage=2), accumulate=3, **clip),  # hybrid ZeRO-2
         ]
     )
+
+
+@pytest.mark.parametrize(("job", "shape"), [(0, (2, 2)), (2, (1, 4)), (4, (2, 2))], ids=["hybrid", "flat", "stage2"])
+def test_configure_model_sees_every_rank_of_the_mesh_as_data_parallel(hybrid_runs, job, shape):
+    """HSDP is one shape of the device mesh: the module sees Lightning's 2-D mesh, all ranks data-parallel
+    (replicas x shards), whatever the split FSDP2 shards over."""
+    for rank, record in enumerate(hybrid_runs[job]):
+        assert record["mesh_shape"] == shape
+        assert record["seen_mesh"] == {
+            "names": ("data_parallel", "tensor_parallel"),
+            "data_parallel": (WORLD, rank, list(range(WORLD))),
+            "tensor_parallel": (1, 0),
+        }
 
 
 @pytest.mark.timeout(600)

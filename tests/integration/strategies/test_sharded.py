@@ -18,11 +18,12 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from typing_extensions import override
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
 from lightning_mgpu.strategies import MGPUStrategyMixin
 from tests.helpers import WORLD, fit, flat_params
-from tests.models import OptRegressor, make_data, reference_run
+from tests.models import OptRegressor, Regressor, make_data, reference_run
 
 CONFIGS = [(1, "torch"), (2, "torch"), (3, "torch"), (1, "fairscale"), (2, "fairscale")]
 IDS = ["zero1-torch", "zero2-fsdp2", "zero3-fsdp2", "zero1-fairscale", "zero2-fairscale"]
@@ -112,6 +113,47 @@ def test_sharded_parity_check_can_fail(tmp_path):
     ranks = fit(model, sharded(2, "torch"), tmp_path, dataset=dataset, batch_size=B, accumulate=2)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(ranks[0]["weights"], wrong)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the device mesh, as a module written for Lightning's ModelParallelStrategy reads it
+# ---------------------------------------------------------------------------------------------------------
+
+
+class MeshReader(Regressor):
+    """``configure_model`` reads ``self.device_mesh`` by the names Lightning's ``ModelParallelStrategy`` gives its
+    dimensions, uses the data-parallel group (each rank's global rank gathered over it) and writes what it saw."""
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__()
+        self.out_dir = Path(out_dir)
+
+    @override
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        assert mesh is not None, "configure_model saw no device mesh"
+        dp, tp = mesh["data_parallel"], mesh["tensor_parallel"]
+        rank = self.trainer.global_rank
+        gathered: list[Any] = [None] * dp.size()
+        torch.distributed.all_gather_object(gathered, rank, group=dp.get_group())
+        seen = {
+            "names": mesh.mesh_dim_names,
+            "data_parallel": (dp.size(), dp.get_local_rank(), dp.mesh.tolist(), gathered),
+            "tensor_parallel": (tp.size(), tp.get_local_rank(), tp.mesh.tolist()),
+        }
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(seen, self.out_dir / f"mesh{rank}.pt")
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize(("stage", "backend"), CONFIGS, ids=IDS)
+def test_configure_model_reads_the_device_mesh_by_lightnings_dimension_names(tmp_path, stage, backend):
+    fit(MeshReader(tmp_path).double(), sharded(stage, backend), tmp_path, max_epochs=1, limit_train_batches=1)
+    for rank in range(WORLD):
+        seen = torch.load(tmp_path / f"mesh{rank}.pt", weights_only=False)
+        assert seen["names"] == ("data_parallel", "tensor_parallel")
+        assert seen["data_parallel"] == (WORLD, rank, list(range(WORLD)), list(range(WORLD)))
+        assert seen["tensor_parallel"] == (1, 0, [rank])
 
 
 # ---------------------------------------------------------------------------------------------------------
