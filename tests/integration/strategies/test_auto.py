@@ -210,3 +210,45 @@ def test_mgpu_auto_plans_hybrid_sharding_on_several_machines_and_trains_it():
     for r in ranks:
         assert (r["decision"], r["mesh_shape"]) == ("mgpu_hsdp", (2, 2))
         torch.testing.assert_close(r["weights"], expected)
+
+
+class ReadsTheLoss(Regressor):
+    """Reads a value in training_step (``loss.item()``): fake tensors have none, so no plan can trace it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if loss.item() > 1e6:
+            raise RuntimeError("diverged")
+        return loss
+
+
+class BrokenStep(Regressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise ValueError("the user's own bug in training_step")
+
+
+def test_a_module_the_planner_cannot_trace_trains_under_mgpu_auto_as_mgpu_ddp_and_says_why_in_one_line(tmp_path):
+    refusal = r"ReadsTheLoss could not be stepped on fake tensors \(DataDependentOutputException"
+    with pytest.raises(Exception, match=refusal):  # the planner alone refuses, naming why
+        plan(ReadsTheLoss().double(), devices=WORLD, device_memory="1GiB", batch=tuple(make_data().tensors))
+    model = ReadsTheLoss().double()
+    expected = reference_weights(ReadsTheLoss().double(), make_data(), global_batch=WORLD * B, epochs=1)
+    strategy = MGPUAutoStrategy(start_method="fork", device_memory="1GiB")
+    ranks = fit(model, strategy, tmp_path, batch_size=B, max_epochs=1, callbacks=[Chosen(tmp_path)])
+    for r, rank in enumerate(ranks):
+        record = torch.load(tmp_path / f"chosen{r}.pt", weights_only=False)
+        assert (record["class"], record["decision"]) == ("MGPUDDPStrategy", ("mgpu_ddp", False))
+        assert record["reason"].startswith("mgpu_auto chose mgpu_ddp without a memory plan: ReadsTheLoss could not")
+        assert "\n" not in record["reason"]
+        torch.testing.assert_close(rank["weights"], expected)
+    assert strategy.auto_decision.table == ""  # no plan to print: the one line is all
+
+
+def test_a_bug_in_training_step_surfaces_under_mgpu_auto_as_under_mgpu_ddp(tmp_path):
+    errors = []
+    for strategy in ("mgpu_ddp_fork", MGPUAutoStrategy(start_method="fork", device_memory="1GiB")):
+        with pytest.raises(Exception) as info:
+            fit(BrokenStep().double(), strategy, tmp_path, batch_size=B, max_epochs=1)
+        errors.append(info.value)
+    assert "the user's own bug in training_step" in str(errors[0])
+    assert (type(errors[1]), str(errors[1])) == (type(errors[0]), str(errors[0]))
