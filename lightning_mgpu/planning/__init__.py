@@ -132,13 +132,19 @@ def plan(
             raise
         except Exception as err:
             lines = str(err).strip().splitlines()
-            raise PlanError(
-                f"{source.name} could not be stepped on fake tensors ({type(err).__name__}: "
-                f"{lines[0] if lines else ''}). A step that reads a tensor's value (.item(), .tolist(), printing "
-                f"it, a shape that depends on the data) cannot be traced without data, nor can code that needs "
-                f"real storage. Choose the strategy yourself, or plan a module without that read "
-                f"(plan(model, batch=...)); mgpu_auto takes mgpu_ddp."
-            ) from err
+            why = f"{type(err).__name__}: {lines[0] if lines else ''}"
+            if "DataDependent" in type(err).__name__ or "_local_scalar_dense" in why:
+                hint = (
+                    "a step that reads a tensor's value (.item(), .tolist(), printing it, a shape that depends on "
+                    "the data) cannot be traced without data. Choose the strategy yourself (mgpu_auto takes "
+                    "mgpu_ddp), or plan a module without that read."
+                )
+            else:
+                hint = (
+                    "if the step fails so on real tensors too, the error is the model's own; else choose the strategy "
+                    "yourself (mgpu_auto takes mgpu_ddp)."
+                )
+            raise PlanError(f"{source.name} could not be stepped on fake tensors ({why}): {hint}") from err
     return estimate(
         source.name,
         request,

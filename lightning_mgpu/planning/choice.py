@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_mgpu.planning.candidates import Plan
-from lightning_mgpu.planning.request import PRECISIONS, format_bytes, parse_memory
+from lightning_mgpu.planning.request import PRECISIONS, PlanError, format_bytes, parse_memory
 
 __all__ = ["AutoDecision", "decide", "device_memory_bytes", "fallback", "planner_precision"]
 
@@ -86,11 +86,11 @@ def fallback(err: BaseException, model: str, usable: int) -> AutoDecision:
     the pack trains with, and the reason in one line. An error of the model's own (a bug in ``training_step``)
     then surfaces in training, as it would under ``mgpu_ddp``."""
     lines = str(err).strip().splitlines()
-    why = f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    first = lines[0] if lines else ""
+    why = first if isinstance(err, PlanError) else f"{model} could not be planned ({type(err).__name__}: {first})"
     reason = (
-        f"mgpu_auto chose mgpu_ddp without a memory plan: {model} could not be planned ({why}); mgpu_ddp trains "
-        f"every model the other candidates train. To see the plan: lightning_mgpu.plan(model, devices=..., "
-        f"device_memory=..., batch=...)."
+        f"mgpu_auto chose mgpu_ddp without a memory plan: {why.rstrip('.')}. mgpu_ddp trains every model the other "
+        f"candidates train; to see the plan: lightning_mgpu.plan(model, devices=..., device_memory=..., batch=...)."
     )
     return AutoDecision("mgpu_ddp", False, "32-true", 0, usable, reason)
 

@@ -141,3 +141,33 @@ def test_zero_sizes_in_the_table_say_why():
     zero_cells = [cell for row in rows for cell in row.split(" | ") if cell.startswith("0 B")]
     assert zero_cells and all(cell.startswith("0 B (") for cell in zero_cells)
     assert any("the peak is the optimizer step" in cell for cell in zero_cells)
+
+
+class _TutorialModule(pl.LightningModule):
+    """The module of a first hour: its datasets as attributes, its loader from them, no data module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        g = torch.Generator().manual_seed(0)
+        self.train_ds = torch.utils.data.TensorDataset(torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g))
+        self.val_ds = torch.utils.data.TensorDataset(torch.randn(8, 6), torch.randn(8, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.fc(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters())
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.train_ds, batch_size=8)
+
+
+def test_a_module_that_keeps_its_datasets_is_planned_from_its_own_loader_as_instance_and_class():
+    model = _TutorialModule()
+    from_instance = plan(model, devices=2, device_memory="1GiB", precisions=("32-true",))
+    from_class = plan(_TutorialModule, devices=2, device_memory="1GiB", precisions=("32-true",))
+    assert from_instance.rows == from_class.rows and from_instance.recommended.strategy == "mgpu_ddp"
+    assert from_instance.row("mgpu_ddp").activations_bytes > 0
+    assert from_instance.model == "_TutorialModule"
