@@ -3,19 +3,28 @@ library (a transformers GPT-2 from a tiny random config: no download) and plain-
 strategy might make: layers as plain attributes, a cast in ``__init__``, tied weights, frozen parameters,
 buffers, several optimizers (manual optimization), a ``training_step`` that returns a dict.
 
+``UNFRIENDLY``: modules that hold what a planner cannot copy or fake (their datasets and loaders, a tokenizer,
+tensors inside their own objects, locks, open files, generators, lambdas, loggers, a Hugging Face model with its
+data) or that make their layers late (``nn.LazyLinear``, layers made in ``configure_model``).
+
 Every model trains on a :class:`CorpusData` dataset of ``(inputs, targets)`` in float64 (token ids for the
 language models) and is deterministic from its constructor, so two processes can be compared with one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import itertools
+import logging
+import tempfile
+import threading
+from io import StringIO
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 D_IN, D_OUT, VOCAB, SEQ = 6, 3, 32, 8
 
@@ -240,7 +249,213 @@ MODELS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[], TensorDat
 }
 
 
+class HoldsDatasets(PlainAttributes):
+    """Its datasets as attributes (``self.train_ds``), as many tutorials write it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_ds = regression_data()
+        self.val_ds = regression_data(8)
+
+
+class HoldsLoaders(PlainAttributes):
+    """A data loader (with its dataset, sampler and a torch.Generator) kept as an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loader = DataLoader(regression_data(), batch_size=4, shuffle=True, generator=torch.Generator())
+
+
+class HoldsTokenizer(TiedWeights):
+    """A Hugging Face fast tokenizer built in memory (a word-level vocabulary: no download); the loss ignores
+    its padding id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {str(i): i for i in range(VOCAB - 1)} | {"[PAD]": VOCAB - 1}
+        raw = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+        raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        self.tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="[PAD]")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        logits = self(ids).flatten(0, 1)
+        return F.cross_entropy(logits, targets.flatten(), ignore_index=self.tokenizer.pad_token_id)
+
+
+class Normalizer:
+    """A plain object holding tensors (not a module: its tensors are neither parameters nor buffers)."""
+
+    def __init__(self) -> None:
+        self.stats = {"mean": torch.linspace(-0.5, 0.5, D_IN, dtype=torch.float64), "std": torch.full((D_IN,), 2.0)}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.stats["mean"]) / self.stats["std"].to(x.dtype)
+
+
+class TensorsInObjects(PlainAttributes):
+    """Tensors inside its own objects, used in ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.normalize = Normalizer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.normalize(x))
+
+
+class HoldsLocks(PlainAttributes):
+    """A lock and a re-entrant lock (neither can be copied or pickled), taken in ``training_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.rlock = threading.RLock()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        with self.lock, self.rlock:
+            return super().training_step(batch, batch_idx)
+
+
+class HoldsOpenFile(PlainAttributes):
+    """An open file (written at each epoch's end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.journal = tempfile.TemporaryFile("w+")
+
+    def on_train_epoch_end(self) -> None:
+        self.journal.write(f"epoch {self.current_epoch}\n")
+
+
+class HoldsGenerators(PlainAttributes):
+    """A Python generator (advanced in ``training_step``) and a torch.Generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = (i for i in itertools.count())
+        self.rng = torch.Generator().manual_seed(0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        next(self.counter)
+        return super().training_step(batch, batch_idx)
+
+
+class HoldsLambdas(PlainAttributes):
+    """Its activation and loss as lambdas."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.activation = lambda x: torch.tanh(x)
+        self.loss_fn = lambda out, y: F.mse_loss(out, y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.activation(self.fc2(self.activation(self.fc1(x)))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.loss_fn(self(x), y)
+
+
+class HoldsLogger(PlainAttributes):
+    """A ``logging.Logger`` with a handler on an in-memory stream, called in ``training_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.console = logging.getLogger(f"corpus.{id(self)}")
+        self.console.addHandler(logging.StreamHandler(StringIO()))
+        self.console.setLevel(logging.INFO)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.console.info("step %d", batch_idx)
+        return super().training_step(batch, batch_idx)
+
+
+class HFGPT2WithData(HFGPT2):
+    """The transformers GPT-2 holding its token dataset and a loader of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_ds = token_data()
+        self.loader = DataLoader(self.train_ds, batch_size=4)
+
+
+class LazyLayers(pl.LightningModule):
+    """``nn.LazyLinear`` layers, materialized in ``configure_model`` by a forward of one row (DDP needs them
+    materialized before it wraps the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.LazyLinear(16, dtype=torch.float64), nn.Tanh(), nn.LazyLinear(D_OUT, dtype=torch.float64)
+        )
+
+    def configure_model(self) -> None:
+        if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in self.net):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.net(torch.zeros(1, D_IN, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class LayersInConfigureModel(pl.LightningModule):
+    """No layer until ``configure_model`` (called by Lightning before the strategy sets up), made once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: Optional[nn.Module] = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.net = nn.Sequential(
+                    nn.Linear(D_IN, 16, dtype=torch.float64), nn.Tanh(), nn.Linear(16, D_OUT, dtype=torch.float64)
+                )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.net is not None
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+#: name -> (model factory, dataset factory): modules that hold what cannot be copied, or make their layers late
+UNFRIENDLY: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[], TensorDataset]]] = {
+    "datasets": (HoldsDatasets, regression_data),
+    "loaders": (HoldsLoaders, regression_data),
+    "tokenizer": (HoldsTokenizer, token_data),
+    "tensors_in_objects": (TensorsInObjects, regression_data),
+    "locks": (HoldsLocks, regression_data),
+    "open_file": (HoldsOpenFile, regression_data),
+    "generators": (HoldsGenerators, regression_data),
+    "lambdas": (HoldsLambdas, regression_data),
+    "logger": (HoldsLogger, regression_data),
+    "hf_gpt2_with_data": (HFGPT2WithData, token_data),
+    "lazy_layers": (LazyLayers, regression_data),
+    "layers_in_configure_model": (LayersInConfigureModel, regression_data),
+}
+
+
 def build(name: str) -> pl.LightningModule:
-    """The corpus model ``name`` in float64 (the models that cast in ``__init__`` already are)."""
-    model = MODELS[name][0]()
+    """The corpus model ``name`` (of :data:`MODELS` or :data:`UNFRIENDLY`) in float64 (the models that cast in
+    ``__init__`` or make their layers in float64 already are)."""
+    model = {**MODELS, **UNFRIENDLY}[name][0]()
     return model.double()

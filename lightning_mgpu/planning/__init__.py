@@ -6,8 +6,10 @@ and without activation checkpointing; each precision), the peak memory per rank 
 gradients, optimizer state, activations and communication buffers, says which fit the device with the
 headroom kept free, and recommends the fastest that fits. Nothing is allocated and no process is started:
 the model is built, stepped and traced under ``FakeTensorMode`` with torch's ``MemTracker``. A model whose
-constructor fails under fake tensors (``self.double()`` in ``__init__``) is built once on the meta device, or
-failing that for real on CPU, and traced as fake copies of that build.
+constructor fails under fake tensors (``self.double()`` in ``__init__``, lazy layers) is built once on the meta
+device, or failing that for real on CPU, and traced as fake stand-ins of that build. A model instance (and the
+module ``mgpu_auto`` is given) is never copied: the planner steps a stand-in of it, its module tree with fake
+tensors sharing every other object it holds (:mod:`~lightning_mgpu.planning.stand_in`).
 
 Example::
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import time
 from typing import Any, Optional, Union
+
+import torch
 
 from lightning_mgpu.planning.candidates import ORDER, NoPlanFits, Plan, PlanRow, estimate
 from lightning_mgpu.planning.request import (
@@ -71,7 +75,8 @@ def plan(
 
     Args:
         model_or_config: a ``lightning-mgpu fit`` YAML config path, a model class or its import path (built with
-            its defaults), a zero-argument factory, or an instance (its tensors are never copied).
+            its defaults), a zero-argument factory, or an instance (never copied nor modified: a stand-in of it
+            with fake tensors is stepped; ``configure_model()`` is called on it, lazy layers materialized in it).
         devices: ranks (data-parallel world size).
         device_memory: per device, e.g. ``"80GiB"``.
         batch: one micro-batch per device (real or meta tensors); default: the first batch of ``datamodule``'s
@@ -110,17 +115,36 @@ def plan(
         num_nodes=num_nodes,
     )
     start = time.perf_counter()
-    source = resolve_source(model_or_config, batch=batch, datamodule=datamodule)
-    policy = activation_checkpointing or source.policy or default_policy(source.factory)
-    states = count_model_states(source.factory)
-    # no policy: the model has no blocks to checkpoint (no transformer layers, no Sequential/ModuleList), so
-    # every candidate runs without activation checkpointing
-    traces = [
-        trace_step(source.factory, source.batch, precision, ac_policy, forward=source.forward)
-        for precision in request.precisions
-        for ac_policy in ((None, policy) if policy is not None else (None,))
-    ]
-    units = unit_fractions(source.factory)
+    with torch.random.fork_rng(devices=[]):  # the model's initialisation under fake tensors draws nothing real
+        source = resolve_source(model_or_config, batch=batch, datamodule=datamodule)
+        try:
+            policy = activation_checkpointing or source.policy or default_policy(source.factory)
+            states = count_model_states(source.factory)
+            # no policy: the model has no blocks to checkpoint (no transformer layers, no Sequential/ModuleList),
+            # so every candidate runs without activation checkpointing
+            traces = [
+                trace_step(source.factory, source.batch, precision, ac_policy, forward=source.forward)
+                for precision in request.precisions
+                for ac_policy in ((None, policy) if policy is not None else (None,))
+            ]
+            units = unit_fractions(source.factory)
+        except PlanError:
+            raise
+        except Exception as err:
+            lines = str(err).strip().splitlines()
+            why = f"{type(err).__name__}: {lines[0] if lines else ''}"
+            if "DataDependent" in type(err).__name__ or "_local_scalar_dense" in why:
+                hint = (
+                    "a step that reads a tensor's value (.item(), .tolist(), printing it, a shape that depends on "
+                    "the data) cannot be traced without data. Choose the strategy yourself (mgpu_auto takes "
+                    "mgpu_ddp), or plan a module without that read."
+                )
+            else:
+                hint = (
+                    "if the step fails so on real tensors too, the error is the model's own; else choose the strategy "
+                    "yourself (mgpu_auto takes mgpu_ddp)."
+                )
+            raise PlanError(f"{source.name} could not be stepped on fake tensors ({why}): {hint}") from err
     return estimate(
         source.name,
         request,

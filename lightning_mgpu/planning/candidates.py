@@ -175,6 +175,21 @@ class Plan:
         """The rows as a JSON list (``lightning-mgpu plan --json``)."""
         return json.dumps([asdict(r) for r in self.rows], indent=2)
 
+    def _cell(self, row: PlanRow, column: int, size: int) -> str:
+        """A size, and why when it is zero (a zero reads as a component the planner missed otherwise)."""
+        if size:
+            return format_bytes(size)
+        why = {
+            1: "no trainable parameter" if not self.states.trainable_count else "none yet at the peak",
+            2: f"{'+'.join(self.states.optimizer_names)} keeps no state",
+            4: "no gradient to sync",
+        }.get(column)
+        if column == 3:  # activations
+            why = "the traced step kept none"
+        if column in (3, 4) and row.phase == "optimizer step":
+            why = "the peak is the optimizer step: none is live then"
+        return f"0 B ({why})" if why else format_bytes(size)
+
     def table(self) -> str:
         """A markdown table of every candidate, then the recommendation."""
         head = "| strategy | AC | precision | params | grads | optimizer | activations | comm | peak/rank | fits |"
@@ -190,7 +205,7 @@ class Plan:
                 r.predicted_peak_bytes_per_rank,
             ]
             cells = [r.strategy, "yes" if r.activation_checkpointing else "no", r.precision]
-            cells += [format_bytes(s) for s in sizes] + [("yes" if r.fits else "no") + mark]
+            cells += [self._cell(r, i, s) for i, s in enumerate(sizes)] + [("yes" if r.fits else "no") + mark]
             lines.append("| " + " | ".join(cells) + " |")
         s, req = self.states, self.request
         lines.append("")

@@ -8,9 +8,9 @@ from typing import Any, Optional
 import torch
 
 from lightning_mgpu.planning.candidates import Plan
-from lightning_mgpu.planning.request import PRECISIONS, format_bytes, parse_memory
+from lightning_mgpu.planning.request import PRECISIONS, PlanError, format_bytes, parse_memory
 
-__all__ = ["AutoDecision", "decide", "device_memory_bytes", "planner_precision"]
+__all__ = ["AutoDecision", "decide", "device_memory_bytes", "fallback", "planner_precision"]
 
 #: the arguments that build each candidate from :class:`~lightning_mgpu.MGPUShardedStrategy` (None: mgpu_ddp)
 STAGES: dict[str, Optional[int]] = {
@@ -79,6 +79,20 @@ def decide(plan: Plan) -> AutoDecision:
         reason=reason,
         table=plan.table(),
     )
+
+
+def fallback(err: BaseException, model: str, usable: int) -> AutoDecision:
+    """mgpu_ddp without a plan, when none could be made (``err``): the strategy every model that trains under
+    the pack trains with, and the reason in one line. An error of the model's own (a bug in ``training_step``)
+    then surfaces in training, as it would under ``mgpu_ddp``."""
+    lines = str(err).strip().splitlines()
+    first = lines[0] if lines else ""
+    why = first if isinstance(err, PlanError) else f"{model} could not be planned ({type(err).__name__}: {first})"
+    reason = (
+        f"mgpu_auto chose mgpu_ddp without a memory plan: {why.rstrip('.')}. mgpu_ddp trains every model the other "
+        f"candidates train; to see the plan: lightning_mgpu.plan(model, devices=..., device_memory=..., batch=...)."
+    )
+    return AutoDecision("mgpu_ddp", False, "32-true", 0, usable, reason)
 
 
 def device_memory_bytes(given: Any, device: torch.device, processes: int) -> int:

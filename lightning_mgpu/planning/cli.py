@@ -3,6 +3,11 @@
 lightning-mgpu plan --config configs/transformer.yaml --devices 8 --device-memory 80GiB
 lightning-mgpu plan --config configs/transformer.yaml --devices 8 --device-memory 80GiB --json
 lightning-mgpu plan --config configs/transformer.yaml --devices 16 --num-nodes 2 --device-memory 80GiB
+lightning-mgpu plan --config configs/auto.yaml     # devices, nodes, precision and device memory from the config
+
+``--devices``, ``--num-nodes`` and ``--precisions`` default to the config's ``trainer.devices`` (times
+``trainer.num_nodes``: the world), ``trainer.num_nodes`` and ``trainer.precision``; ``--device-memory`` and
+``--headroom`` and ``--strategies`` to an ``mgpu_auto`` strategy's ``init_args``. A flag overrides the config.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import argparse
 import sys
 from typing import Optional
 
-from lightning_mgpu.planning.request import PRECISIONS, STRATEGIES, PlanError
+from lightning_mgpu.planning.request import DEFAULT_PRECISIONS, PRECISIONS, STRATEGIES, PlanError
 
 __all__ = ["main"]
 
@@ -22,27 +27,53 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="lightning-mgpu plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config", "-c", required=True, help="a `lightning-mgpu fit` YAML config (model and data)")
-    parser.add_argument("--devices", type=int, required=True, help="ranks (data-parallel world size)")
-    parser.add_argument("--device-memory", required=True, help="per device, e.g. 80GiB or 40GB")
-    parser.add_argument("--headroom", type=float, default=0.10, help="fraction kept free (default 0.10)")
-    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, help="default: 32-true bf16-mixed bf16-master")
+    parser.add_argument(
+        "--devices", type=int, help="ranks in all (data-parallel world size); default: the config's devices x num_nodes"
+    )
+    parser.add_argument("--device-memory", help="per device, e.g. 80GiB or 40GB; default: mgpu_auto's device_memory")
+    parser.add_argument("--headroom", type=float, help="fraction kept free (default: the config's, else 0.10)")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=PRECISIONS,
+        help="default: the config's precision, else 32-true bf16-mixed bf16-master",
+    )
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, help="default: all (mgpu_hsdp: --num-nodes > 1)")
     parser.add_argument(
-        "--num-nodes", type=int, default=1, help="machines the --devices ranks are spread over (default 1)"
+        "--num-nodes", type=int, help="machines the --devices ranks are spread over (default: the config's, else 1)"
     )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     try:
+        from lightning_mgpu.planning.source import config_trainer
+
+        config = config_trainer(args.config)
+        num_nodes = args.num_nodes if args.num_nodes is not None else config.get("num_nodes", 1)
+        devices = args.devices
+        if devices is None and "devices" in config:
+            devices = config["devices"] * num_nodes  # Lightning's devices are per machine
+        memory = args.device_memory if args.device_memory is not None else config.get("device_memory")
+        keys = {"--devices": "trainer.devices", "--device-memory": "device_memory in an mgpu_auto strategy's init_args"}
+        missing = [flag for flag, value in (("--devices", devices), ("--device-memory", memory)) if value is None]
+        if missing:
+            raise PlanError(
+                f"{' and '.join(missing)} not given, and --config {args.config!r} has no "
+                f"{' or '.join(keys[m] for m in missing)}: pass {' '.join(m + ' ...' for m in missing)}, e.g. "
+                f"--devices 8 --device-memory 80GiB."
+            )
+        assert devices is not None and memory is not None
+        precision = config.get("precision")
+        precisions = tuple(args.precisions) if args.precisions else (precision,) if precision else DEFAULT_PRECISIONS
         result = plan(
             args.config,
-            devices=args.devices,
-            device_memory=args.device_memory,
-            headroom=args.headroom,
-            precisions=tuple(args.precisions) if args.precisions else None,
-            strategies=tuple(args.strategies) if args.strategies else None,
+            devices=devices,
+            device_memory=memory,
+            headroom=args.headroom if args.headroom is not None else config.get("headroom", 0.10),
+            precisions=precisions,
+            strategies=tuple(args.strategies or config.get("strategies") or ()) or None,
             bucket_cap_mb=args.bucket_cap_mb,
-            num_nodes=args.num_nodes,
+            num_nodes=num_nodes,
         )
     except NoPlanFits as err:
         print(err.plan.to_json() if args.json else err.plan.table(), file=sys.stderr)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import importlib
 import os
 from dataclasses import dataclass
@@ -12,8 +11,9 @@ import torch
 from torch import nn
 
 from lightning_mgpu.planning.request import PlanError
+from lightning_mgpu.planning.stand_in import attached_trainer, lazy_parameters, stand_in_factory
 
-__all__ = ["PlanSource", "import_class", "resolve_source"]
+__all__ = ["PlanSource", "config_trainer", "import_class", "resolve_source"]
 
 _HOW = (
     "Name it by its full import path, e.g. 'lightning_mgpu.examples.DigitsCNN' (in YAML: model: {class_path: "
@@ -54,7 +54,7 @@ class PlanSource:
     how_built: str = "fake"
     """How the factory builds the model: ``"fake"`` (constructed under FakeTensorMode), ``"meta"`` or ``"cpu"``
     (constructed once on the meta device, or for real on CPU, when construction under fake tensors fails;
-    each build is then a copy with fake tensors of its shapes)."""
+    each build is then a stand-in of it with fake tensors: :mod:`~lightning_mgpu.planning.stand_in`)."""
 
 
 def _class_spec(spec: Any, what: str) -> tuple[type, dict[str, Any]]:
@@ -65,7 +65,7 @@ def _class_spec(spec: Any, what: str) -> tuple[type, dict[str, Any]]:
     raise PlanError(f"config key {what!r} is {spec!r}: write {what}: {{class_path: package.Class, init_args: {{}}}}.")
 
 
-def _from_config(path: str) -> tuple[type, dict[str, Any], Optional[Any], Any]:
+def _read_config(path: str) -> dict[str, Any]:
     import yaml
 
     try:
@@ -79,6 +79,71 @@ def _from_config(path: str) -> tuple[type, dict[str, Any], Optional[Any], Any]:
         config = config["fit"]  # a config written for one subcommand
     if not isinstance(config, dict) or "model" not in config:
         raise PlanError(f"--config {path!r} has no 'model' section: it must be a `lightning-mgpu fit` config.")
+    return config
+
+
+#: Lightning's precision inputs -> the planner's names (the ones the planner does not model are refused)
+_PRECISION_NAMES = {
+    "32": "32-true",
+    "32-true": "32-true",
+    "16": "16-mixed",
+    "16-mixed": "16-mixed",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16-master": "bf16-master",
+    "16-master": "16-master",
+}
+
+
+def config_trainer(path: str) -> dict[str, Any]:
+    """What a ``fit`` config says about the job to plan: ``devices``, ``num_nodes`` and ``precision`` of its
+    ``trainer`` section, and ``device_memory``, ``headroom`` and ``strategies`` of an ``mgpu_auto`` strategy's
+    ``init_args`` (``micro_batch_size`` keeps the strategies that micro-batch, as ``mgpu_auto`` does; with
+    ``mgpu_auto`` and no precision, Lightning's default ``32-true``, which ``mgpu_auto`` plans with); only
+    the keys the config sets. A :class:`PlanError` naming the key, its value and the flag to pass instead when a
+    value cannot be planned for (``devices: auto``, a precision the planner does not model)."""
+    trainer = _read_config(path).get("trainer") or {}
+    if not isinstance(trainer, dict):
+        return {}
+    found: dict[str, Any] = {}
+    devices = trainer.get("devices")
+    if devices is not None:
+        if isinstance(devices, str) and devices.strip().isdigit():
+            devices = int(devices)
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise PlanError(
+                f"--config {path!r}: trainer.devices is {devices!r}, not a number of devices to plan for. Pass "
+                f"--devices N (the devices of one machine times --num-nodes)."
+            )
+        found["devices"] = devices
+    nodes = trainer.get("num_nodes")
+    if nodes is not None:
+        found["num_nodes"] = int(nodes)
+    precision = trainer.get("precision")
+    if precision is not None:
+        name = _PRECISION_NAMES.get(str(precision))
+        if name is None:
+            raise PlanError(
+                f"--config {path!r}: trainer.precision is {precision!r}, which the planner does not model; pass "
+                f"--precisions with one of {sorted(set(_PRECISION_NAMES.values()))}."
+            )
+        found["precision"] = name
+    strategy = trainer.get("strategy")
+    auto = str(strategy.get("class_path", "") if isinstance(strategy, dict) else strategy or "")
+    if "precision" not in found and (auto.startswith("mgpu_auto") or auto.endswith("MGPUAutoStrategy")):
+        found["precision"] = "32-true"  # Lightning's default, the one precision mgpu_auto then plans
+    init_args = strategy.get("init_args") if isinstance(strategy, dict) else None
+    if isinstance(init_args, dict):
+        for key in ("device_memory", "headroom", "strategies"):
+            if init_args.get(key) is not None:
+                found[key] = init_args[key]
+        if "strategies" not in found and init_args.get("micro_batch_size") is not None:
+            found["strategies"] = ["mgpu_ddp", "mgpu_zero1"]  # as mgpu_auto: the strategies that micro-batch
+    return found
+
+
+def _from_config(path: str) -> tuple[type, dict[str, Any], Optional[Any], Any]:
+    config = _read_config(path)
     model_cls, init_args = _class_spec(config["model"], "model")
     data = _class_spec(config["data"], "data") if config.get("data") is not None else None
     strategy = (config.get("trainer") or {}).get("strategy")
@@ -97,56 +162,35 @@ def _batch_from_data(data: Any) -> Any:
         ) from None
 
 
-def plain_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Tensors a module keeps outside its parameters and buffers (torchmetrics states and defaults, caches):
-    attributes, and the items of attribute lists, tuples and dicts."""
-    found: list[torch.Tensor] = []
-    for m in module.modules():
-        for value in vars(m).values():
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-            items = [value] if isinstance(value, torch.Tensor) else items
-            found += [t for t in items if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
-    return found
-
-
-def fake_copy_factory(module: nn.Module, exclude: tuple[Any, ...] = ()) -> Callable[[], nn.Module]:
-    """A factory of copies of ``module`` whose tensors are fake (nothing copied, nothing allocated): ``deepcopy``
-    with each parameter, buffer and plain tensor attribute pre-mapped to an empty tensor of its shape, made inside
-    the caller's fake mode. The objects in ``exclude`` (an attached Trainer) are left out of the copy."""
-
-    def build() -> nn.Module:
-        memo: dict[int, Any] = {id(x): None for x in exclude}
-        for p in module.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-        for t in [*module.buffers(), *plain_tensors(module)]:
-            memo.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype))
-        return copy.deepcopy(module, memo)
-
-    return build
-
-
 def _why(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
-def buildable(factory: Callable[[], nn.Module], name: str) -> tuple[Callable[[], nn.Module], str]:
-    """``factory`` if the model builds under FakeTensorMode, else a factory of fake copies of one build on the
-    meta device, else of one real build on CPU; with how it builds (``"fake"``, ``"meta"``, ``"cpu"``).
+def buildable(
+    factory: Callable[[], nn.Module], name: str, batch: Any = None, forward: bool = False, configure: bool = True
+) -> tuple[Callable[[], nn.Module], str]:
+    """A factory of the model made ready as Lightning makes it before training (:func:`ready`): ``factory``'s
+    builds under FakeTensorMode when that works, else fake stand-ins of one build on the meta device, else of one
+    real build on CPU; with how it builds (``"fake"``, ``"meta"``, ``"cpu"``).
 
     Some constructors fail under fake tensors though they train fine: ``self.double()``, ``.float()`` or
-    ``.to(dtype)`` in ``__init__`` swap tensors in place, which fake tensors refuse. The meta device builds those
-    without allocating; a real CPU build (memory of one replica) is the last resort. A :class:`PlanError`
-    naming each failure when none of the three builds the model."""
+    ``.to(dtype)`` in ``__init__`` swap tensors in place, which fake tensors refuse, and lazy layers
+    (``nn.LazyLinear``) cannot be made or materialized there. The meta device builds those without allocating;
+    a real CPU build (memory of one replica) is the last resort. A :class:`PlanError` naming each failure when
+    none of the three builds the model. ``configure=False``: ``configure_model()`` ran already (a module attached
+    to a Trainer, whose ``fit`` calls it before the strategy sets up)."""
     from lightning_mgpu._compat import fake_tensor_mode
 
+    def fake_build() -> nn.Module:
+        return ready(factory(), batch, forward, "fake", configure)
+
+    fake_build.__qualname__ = getattr(factory, "__qualname__", "build")
     failures = []
     try:
         with fake_tensor_mode(), _quiet():
-            module = factory()
-        if not isinstance(module, nn.Module):
-            raise PlanError(f"{name} built {type(module).__name__}, not an nn.Module.")
-        return factory, "fake"
+            fake_build()
+        return fake_build, "fake"
     except PlanError:
         raise
     except Exception as err:
@@ -154,12 +198,10 @@ def buildable(factory: Callable[[], nn.Module], name: str) -> tuple[Callable[[],
     for device in ("meta", "cpu"):
         try:
             with torch.device(device), _quiet():
-                template = factory()
-            if not isinstance(template, nn.Module):
-                raise PlanError(f"{name} built {type(template).__name__}, not an nn.Module.")
+                template = ready(factory(), batch, forward, device, configure)
             with fake_tensor_mode(), _quiet():
-                fake_copy_factory(template)()
-            return fake_copy_factory(template), device
+                stand_in_factory(template)()
+            return stand_in_factory(template), device
         except PlanError:
             raise
         except Exception as err:
@@ -168,6 +210,28 @@ def buildable(factory: Callable[[], nn.Module], name: str) -> tuple[Callable[[],
         f"{name} cannot be built to plan it: {'; '.join(failures)}. Check that the model builds with its default "
         f"arguments (or give them in the config's init_args), or pass an instance: plan(model, batch=...)."
     )
+
+
+def ready(module: Any, batch: Any, forward: bool, device: str, configure: bool = True) -> nn.Module:
+    """``module`` as Lightning makes it before it trains: ``configure_model()`` called (layers made there), and
+    lazy layers (``nn.LazyLinear``) materialized by one forward of ``batch`` without gradients (what DDP asks of
+    them before it wraps the model), on the build's ``device`` (``"fake"``, ``"meta"``, ``"cpu"``)."""
+    from lightning_mgpu._compat import tree_map_tensors
+    from lightning_mgpu.planning.trace import _loss
+
+    if not isinstance(module, nn.Module):
+        raise PlanError(f"the model built {type(module).__name__}, not an nn.Module.")
+    if configure and hasattr(module, "configure_model") and not _is_lightning_default(type(module), "configure_model"):
+        module.configure_model()  # type: ignore[operator]
+    if lazy_parameters(module) and batch is not None:
+        make = torch.zeros if device == "cpu" else torch.empty  # zeros: valid token ids for a real forward
+        sample = tree_map_tensors(lambda t: make(tuple(t.shape), dtype=t.dtype), batch)
+        with torch.no_grad():
+            _loss(module, sample, forward)
+    still = lazy_parameters(module)
+    if still:
+        raise RuntimeError(f"lazy parameters {still[:3]} are not materialized (shapes unknown) on {device}")
+    return module
 
 
 def _quiet() -> Any:
@@ -237,11 +301,9 @@ def resolve_source(model_or_config: Any, batch: Any = None, datamodule: Any = No
         name = f"{cls.__module__}.{cls.__qualname__}"
     elif isinstance(model_or_config, nn.Module):
         instance = model_or_config
-        factory, name = fake_copy_factory(model_or_config), type(model_or_config).__qualname__
+        factory, name = stand_in_factory(model_or_config), type(model_or_config).__qualname__
     else:
         factory, name = model_or_config, getattr(model_or_config, "__qualname__", repr(model_or_config))
-    factory, how_built = buildable(factory, name)
-
     forward = False
     if batch is None:
         if datamodule is None and data_spec is not None:
@@ -260,6 +322,8 @@ def resolve_source(model_or_config: Any, batch: Any = None, datamodule: Any = No
                 f"example_input_array. Pass batch=... (tensors of one micro-batch per device; meta tensors work), "
                 f"datamodule=..., or a config with a 'data' section."
             )
+    configured = instance is not None and attached_trainer(instance) is not None  # Lightning called configure_model
+    factory, how_built = buildable(factory, name, batch, forward, configure=not configured)
     return PlanSource(factory=factory, batch=batch, name=name, policy=policy, forward=forward, how_built=how_built)
 
 

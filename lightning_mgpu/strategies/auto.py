@@ -36,9 +36,10 @@ from typing_extensions import override
 
 from lightning_mgpu import _compat
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
-from lightning_mgpu.planning import PlanError, plan
-from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, planner_precision
-from lightning_mgpu.planning.source import default_policy, fake_copy_factory
+from lightning_mgpu.planning import NoPlanFits, PlanError, plan
+from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, fallback, planner_precision
+from lightning_mgpu.planning.source import default_policy
+from lightning_mgpu.planning.stand_in import stand_in_factory
 from lightning_mgpu.settings import (
     AutoSettings,
     CompileSetting,
@@ -169,8 +170,11 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         if self.global_rank == 0:
             try:
                 message = self._plan(trainer)
-            except PlanError as err:
+            except NoPlanFits as err:  # a plan that says nothing fits is an answer, not a failure to plan
                 message = {"error": str(err)}
+            except Exception as err:  # planning never fails the fit: mgpu_ddp, and why in one line
+                memory = device_memory_bytes(self._auto["settings"].device_memory, self.root_device, self.num_processes)
+                message = {"decision": fallback(err, type(self.lightning_module).__qualname__, memory), "policy": None}
         message = self.broadcast(message, src=0)
         if "error" in message:
             raise PlanError(f"mgpu_auto: {message['error']}")
@@ -181,9 +185,6 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
     def _plan(self, trainer: pl.Trainer) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
-        # copies of the module with fake tensors of its shapes, without the Trainer it is attached to (the copy
-        # must not drag the Trainer, its loops and data along)
-        factory = fake_copy_factory(module, exclude=(trainer,))
         memory = device_memory_bytes(self._auto["settings"].device_memory, self.root_device, self.num_processes)
         if not module.automatic_optimization:  # the planner traces automatic optimization only
             reason = "mgpu_auto chose mgpu_ddp: the module uses manual optimization, which only mgpu_ddp supports."
@@ -194,9 +195,10 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             raise PlanError(
                 f"could not draw a sample batch from the training data to plan with ({type(err).__name__}: {err})."
             ) from None
-        policy = self._auto["policy"] or default_policy(factory)
+        # the module itself: the planner steps a stand-in of it (its module tree with fake tensors), never a copy
+        policy = self._auto["policy"] or default_policy(stand_in_factory(module))
         result = plan(
-            factory,
+            module,
             devices=self.world_size,
             num_nodes=self.num_nodes,
             device_memory=memory,

@@ -6,6 +6,11 @@ with finite weights that moved, without a reference.
 
 The whole matrix is ``slow``; the default suite runs each model once, under a different preset per model.
 A refusal by design is asserted as such (the error names the reason); every other case must train.
+
+The unfriendly modules (``UNFRIENDLY``: datasets, loaders, a tokenizer, locks, open files, generators, lambdas,
+loggers, tensors inside their own objects, a Hugging Face model with its data, lazy layers, layers made in
+``configure_model``) each train under ``mgpu_auto`` (a plan, not the fallback, to the one-process weights) and are
+planned by ``plan``; the two agree on the strategy and the predicted peak.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import Callback
 
-from lightning_mgpu import plan
-from tests.corpus import MODELS, build
+from lightning_mgpu import MGPUAutoStrategy, plan
+from tests.corpus import MODELS, UNFRIENDLY, build
 from tests.helpers import RankData, fit
 
 #: preset family -> the launch variant the corpus uses (fork: fast on CPU)
@@ -83,7 +89,7 @@ def one_process(name: str) -> torch.Tensor:
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        trainer.fit(model, datamodule=RankData(MODELS[name][1](), WORLD * BATCH))
+        trainer.fit(model, datamodule=RankData({**MODELS, **UNFRIENDLY}[name][1](), WORLD * BATCH))
         _REFERENCES[name] = flat(model)
     return _REFERENCES[name]
 
@@ -126,3 +132,46 @@ def test_the_planner_plans_every_corpus_model(name):
     result = plan(model, devices=WORLD, device_memory="1GiB", batch=batch)
     assert result.recommended is not None and result.recommended.strategy == "mgpu_ddp"
     assert flat(model).numel() == sum(p.numel() for p in model.parameters())  # the model was not touched
+
+
+class Decision(Callback):
+    """Per rank: the strategy mgpu_auto became and its decision."""
+
+    def __init__(self, out_dir: Any) -> None:
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        record = {"class": type(trainer.strategy).__name__, "decision": trainer.strategy.auto_decision}
+        torch.save(record, self.out_dir / f"decision{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("name", list(UNFRIENDLY))
+def test_an_unfriendly_module_trains_under_mgpu_auto_and_plan_agrees(name, tmp_path):
+    dataset = UNFRIENDLY[name][1]()
+    strategy = MGPUAutoStrategy(start_method="fork", device_memory="1GiB")
+    model = build(name)
+    ranks = fit(
+        model, strategy, tmp_path, dataset=dataset, batch_size=BATCH, max_epochs=1, callbacks=[Decision(tmp_path)]
+    )
+    records = [torch.load(tmp_path / f"decision{r}.pt", weights_only=False) for r in range(WORLD)]
+    decision = records[0]["decision"]
+    assert records[1]["decision"] == decision and records[0]["class"] == "MGPUDDPStrategy"
+    assert decision.strategy == "mgpu_ddp" and decision.predicted_peak_bytes_per_rank > 0, decision.reason
+    assert "without a memory plan" not in decision.reason
+    assert type(model).__qualname__ in decision.table  # the report names the user's class
+    reference = one_process(name)
+    for rank in ranks:
+        torch.testing.assert_close(rank["weights"], reference, rtol=1e-9, atol=1e-10)
+    # the planner, on a new instance and a micro-batch of the same shape, predicts what mgpu_auto planned
+    batch = next(iter(torch.utils.data.DataLoader(dataset, batch_size=BATCH)))
+    result = plan(build(name), devices=WORLD, device_memory="1GiB", batch=batch, precisions=("32-true",))
+    best = result.recommended
+    assert best is not None
+    assert (best.strategy, best.activation_checkpointing, best.predicted_peak_bytes_per_rank) == (
+        decision.strategy,
+        decision.activation_checkpointing,
+        decision.predicted_peak_bytes_per_rank,
+    )
+    assert [r for r in result.table().splitlines() if r.startswith("| mgpu_ddp | no")] == [
+        r for r in decision.table.splitlines() if r.startswith("| mgpu_ddp | no")
+    ]

@@ -210,3 +210,90 @@ def test_mgpu_auto_plans_hybrid_sharding_on_several_machines_and_trains_it():
     for r in ranks:
         assert (r["decision"], r["mesh_shape"]) == ("mgpu_hsdp", (2, 2))
         torch.testing.assert_close(r["weights"], expected)
+
+
+class ReadsTheLoss(Regressor):
+    """Reads a value in training_step (``loss.item()``): fake tensors have none, so no plan can trace it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if loss.item() > 1e6:
+            raise RuntimeError("diverged")
+        return loss
+
+
+class BrokenStep(Regressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise ValueError("the user's own bug in training_step")
+
+
+def test_a_module_the_planner_cannot_trace_trains_under_mgpu_auto_as_mgpu_ddp_and_says_why_in_one_line(tmp_path):
+    refusal = r"ReadsTheLoss could not be stepped on fake tensors \(DataDependentOutputException"
+    with pytest.raises(Exception, match=refusal):  # the planner alone refuses, naming why
+        plan(ReadsTheLoss().double(), devices=WORLD, device_memory="1GiB", batch=tuple(make_data().tensors))
+    model = ReadsTheLoss().double()
+    expected = reference_weights(ReadsTheLoss().double(), make_data(), global_batch=WORLD * B, epochs=1)
+    strategy = MGPUAutoStrategy(start_method="fork", device_memory="1GiB")
+    ranks = fit(model, strategy, tmp_path, batch_size=B, max_epochs=1, callbacks=[Chosen(tmp_path)])
+    for r, rank in enumerate(ranks):
+        record = torch.load(tmp_path / f"chosen{r}.pt", weights_only=False)
+        assert (record["class"], record["decision"]) == ("MGPUDDPStrategy", ("mgpu_ddp", False))
+        assert record["reason"].startswith("mgpu_auto chose mgpu_ddp without a memory plan: ReadsTheLoss could not")
+        assert "\n" not in record["reason"]
+        torch.testing.assert_close(rank["weights"], expected)
+    assert strategy.auto_decision.table == ""  # no plan to print: the one line is all
+
+
+def test_a_bug_in_training_step_surfaces_under_mgpu_auto_as_under_mgpu_ddp(tmp_path):
+    errors = []
+    for strategy in ("mgpu_ddp_fork", MGPUAutoStrategy(start_method="fork", device_memory="1GiB")):
+        with pytest.raises(Exception) as info:
+            fit(BrokenStep().double(), strategy, tmp_path, batch_size=B, max_epochs=1)
+        errors.append(info.value)
+    last = [str(e).strip().splitlines()[-1] for e in errors]  # the worker's traceback differs in its line numbers
+    assert "the user's own bug in training_step" in last[0]
+    assert (type(errors[1]), last[1]) == (type(errors[0]), last[0])
+
+
+def test_mgpu_auto_plans_a_lightning_module_that_keeps_its_datasets_and_plan_agrees(tmp_path):
+    """The first-hour module, written with ``import lightning as L``: its datasets and a lock as attributes, its
+    own train_dataloader(), self.log in training_step."""
+    import threading
+
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_mgpu.lightning as mgpu_lightning
+
+    class FirstHour(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+            self.lock = threading.Lock()
+            self.train_ds = TensorDataset(*make_data().tensors)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.train_ds, batch_size=B)
+
+    model = FirstHour()
+    strategy = mgpu_lightning.MGPUAutoStrategy(start_method="fork", device_memory="1GiB")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(model)
+    decision = trainer.strategy.auto_decision
+    assert decision.strategy == "mgpu_ddp" and "without a memory plan" not in decision.reason
+    assert "FirstHour" in decision.table
+    planned = mgpu_lightning.plan(model, devices=WORLD, device_memory="1GiB", precisions=("32-true",))
+    assert planned.recommended.predicted_peak_bytes_per_rank == decision.predicted_peak_bytes_per_rank > 0

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,31 @@ def test_mgpu_auto_trains_a_model_with_layers_as_plain_attributes(tmp_path: Path
             ("mgpu_ddp", False),
             False,
         )
+
+
+def test_lightning_mgpu_plan_takes_devices_nodes_precision_and_memory_from_the_config(tmp_path, capsys):
+    config = tmp_path / "cfg.yaml"
+    model = f"model:\n  class_path: {__name__}.DoubleWithOwnData\n"
+    config.write_text(
+        "trainer:\n  devices: 2\n  num_nodes: 2\n  precision: bf16-mixed\n  strategy:\n"
+        "    class_path: lightning_mgpu.MGPUAutoStrategy\n    init_args: {device_memory: 1GiB, micro_batch_size: 4}\n"
+        + model
+    )
+    assert cli_main(["plan", "--config", str(config), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["strategy"], r["precision"]) for r in rows} == {("mgpu_ddp", "bf16-mixed"), ("mgpu_zero1", "bf16-mixed")}
+    # 2 devices per machine x 2 machines: 4 ranks in all; a flag overrides the config
+    assert cli_main(["plan", "--config", str(config)]) == 0
+    assert "4 ranks x 1.00 GiB" in capsys.readouterr().out
+    assert cli_main(["plan", "--config", str(config), "--devices", "2", "--num-nodes", "1"]) == 0
+    assert "2 ranks x 1.00 GiB" in capsys.readouterr().out
+    config.write_text("trainer:\n  devices: auto\n" + model)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["plan", "--config", str(config), "--device-memory", "1GiB"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "trainer.devices is 'auto'" in err and "Pass --devices N" in err
+    config.write_text("trainer:\n  devices: 2\n" + model)
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--config", str(config)])
+    assert "--device-memory not given" in capsys.readouterr().err
