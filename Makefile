@@ -18,7 +18,7 @@ STAMP := $(VENV)/.installed
 OLDEST_LIGHTNING ?= 2.6.0
 CUDA_TORCH ?= torch==2.14.1
 
-.PHONY: setup train test test-suite test-slow test-compat test-install test-compat-oldest test-compat-cuda test-gpu bench-gpu bench lint notebooks docs test-lightning
+.PHONY: setup train test test-suite test-slow test-gpu-cpu test-compat test-install test-compat-oldest test-compat-cuda test-gpu bench-gpu bench lint notebooks docs test-lightning
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,14 +35,22 @@ train: $(STAMP)
 
 # What CI runs: the whole suite (both Lightning namespaces) in two parts, the default suite (`pytest`: everything
 # but the `slow` marker) and the slow tests (launches of every kind, notebooks, the docs' examples, the numerics
-# matrix in the lower precisions), then the compatibility tiers, then the install check, then the docs site.
-test: test-suite test-slow test-compat test-install docs
+# matrix in the lower precisions), then the GPU tier's CPU checks, then the compatibility tiers, then the install
+# check, then the docs site.
+test: test-suite test-slow test-gpu-cpu test-compat test-install docs
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+# The GPU tier's CPU checks: tests/gpu with MGPU_TIER_DEVICE=cpu, every test function once (its first parameters and
+# the ones its module lists in CPU_ALSO), each case in a fresh interpreter on CPU (gloo), so a fault of the tier's own
+# code shows without a GPU (tests/gpu/conftest.py): 21 cases, 3 skipped as needing CUDA hardware; docs/gpu.md gives
+# its time. MGPU_TIER_CPU_ALL=1 runs every parameter.
+test-gpu-cpu: $(STAMP)
+	MGPU_TIER_DEVICE=cpu $(BIN)/python -m pytest tests/gpu -p no:cacheprovider -o addopts="-ra --strict-markers"
 
 test-compat: test-compat-oldest test-compat-cuda
 
