@@ -18,7 +18,7 @@ STAMP := $(VENV)/.installed
 OLDEST_LIGHTNING ?= 2.6.0
 CUDA_TORCH ?= torch==2.14.1
 
-.PHONY: setup train test test-suite test-slow test-compat test-install test-compat-oldest test-compat-cuda test-gpu bench-gpu bench lint notebooks docs test-lightning
+.PHONY: setup train test test-suite test-slow test-gpu-cpu test-compat test-install test-compat-oldest test-compat-cuda test-gpu bench-gpu gpu-proof gpu-wheels bench lint notebooks docs test-lightning
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,15 +35,22 @@ train: $(STAMP)
 
 # What CI runs (.ci/run): the linters, then the whole suite (both Lightning namespaces) in two parts, the default
 # suite (`pytest`: everything but the `slow` marker) and the slow tests (launches of every kind, notebooks, the docs'
-# examples, the numerics matrix in the lower precisions), then the compatibility tiers, then the install check, then
-# the docs site.
-test: lint test-suite test-slow test-compat test-install docs
+# examples, the numerics matrix in the lower precisions), then the GPU tier's CPU checks, then the compatibility
+# tiers, then the install check, then the docs site.
+test: lint test-suite test-slow test-gpu-cpu test-compat test-install docs
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+# The GPU tier's CPU checks: tests/gpu with MGPU_TIER_DEVICE=cpu, every test function once (its first parameters and
+# the ones its module lists in CPU_ALSO), each case in a fresh interpreter on CPU (gloo), so a fault of the tier's own
+# code shows without a GPU (tests/gpu/conftest.py): 21 cases, 3 skipped as needing CUDA hardware; docs/gpu.md gives
+# its time. MGPU_TIER_CPU_ALL=1 runs every parameter.
+test-gpu-cpu: $(STAMP)
+	MGPU_TIER_DEVICE=cpu $(BIN)/python -m pytest tests/gpu -p no:cacheprovider -o addopts="-ra --strict-markers"
 
 test-compat: test-compat-oldest test-compat-cuda
 
@@ -117,6 +124,28 @@ bench-gpu:
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_planner_vs_allocator.py --out benchmarks/results && \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/bench_hsdp.py --accelerator gpu
 	PYTHONPATH=$(CURDIR) $$py benchmarks/bench_compile.py --accelerator gpu --devices 1 --out benchmarks/results
+
+# One command for a lent GPU machine as it is (its own python3 with a CUDA torch and Lightning, no network): the GPU
+# tier, then the benchmarks that matter most (tokens/s and MFU, compile against eager, the planner against the
+# allocator, checkpoint blocking, memory per rank), most valuable first, each under its own time budget, 8 minutes
+# in all on one H100 (benchmarks/gpu/proof.py says each part's budget); results and logs under benchmarks/results/.
+# Where `make gpu-wheels` left wheels in .whl/ (jsonargparse and its needs, fairscale: pure Python, missing there),
+# they are installed first into .whl/site, offline.
+gpu-proof:
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl/site .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR)$$(test -d .whl/site && echo :$(CURDIR)/.whl/site) $(GPU_PYTHON) benchmarks/gpu/proof.py --out benchmarks/results
+
+# Run where pip reaches PyPI, before taking the checkout to a GPU machine without network: the pure-Python packages
+# that machine lacks, as wheels for its Python (3.12, x86-64 Linux) in .whl/ (ignored by git): jsonargparse with its
+# `signatures` extra and what it needs, and fairscale (published as a source archive only: built into a wheel here).
+GPU_WHEEL_PYTHON ?= 3.12
+gpu-wheels:
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl "jsonargparse[signatures]>=4.27"
+	$(PYTHON) -m pip wheel -q --no-deps -w .whl fairscale==0.4.13
+	@ls .whl/*.whl
 
 # Re-run every notebook and store its outputs (tests/meta/test_notebooks.py fails on outputs older than the cells).
 notebooks: $(STAMP)

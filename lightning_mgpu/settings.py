@@ -355,9 +355,10 @@ class LocalSGDSettings:
         # DDP would broadcast rank 0's buffers (BatchNorm statistics) before every forward: the sync averages them
         # instead, in the same round as the weights
         # (torch 2.13 renamed DDP's flag forward_sync_buffers; both still sync the buffers once, when DDP is built)
-        # (LightningCLI passes DDP's arguments at their defaults: those count as not given)
+        # Only None means "not given" here: a True or False the user wrote is kept, also where it equals DDP's
+        # default (broadcast_buffers=True before torch 2.13, whose DDP takes None as "not given")
         flags = [k for k in ("broadcast_buffers", "forward_sync_buffers") if k in kwargs]
-        if all(is_default_ddp_kwarg(k, kwargs[k]) for k in flags):
+        if all(kwargs[k] is None for k in flags):
             for k in flags:
                 del kwargs[k]
             flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_KEYWORDS else "broadcast_buffers"

@@ -79,6 +79,9 @@ class AllReduceSpy:
         self._lock = None
 
 
+_BATCH_MARK = "mgpu_test_batch_"
+
+
 class Recorder(Callback):
     """Writes, per rank, into ``out_dir/rank{r}.pt``: final weights, the comm ledger, per-batch
     ``gloo:all_reduce`` counts from torch.profiler and per-batch ``(calls, bytes)`` from an
@@ -99,6 +102,8 @@ class Recorder(Callback):
         self._bytes_before = 0
         self.batch_grads: list[torch.Tensor] = []
         self._prof: Optional[torch.profiler.profile] = None
+        self._mark: Optional[Any] = None
+        self._marked = 0
         self._calls_before = 0
 
     def _ledger(self, trainer: pl.Trainer) -> Any:
@@ -106,38 +111,59 @@ class Recorder(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._spy.__enter__()
+        if self.profile:
+            # One profile over the whole fit, each batch a marked range; a collective belongs to the batch in which
+            # it started. A profile per batch, stopped at the batch's end, lost now and then (torch 2.11, 5 of 9
+            # runs) the event of an all-reduce whose work gloo's thread had completed but not yet closed.
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._prof.__enter__()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         ledger = self._ledger(trainer)
         self._calls_before = ledger.allreduce_calls if ledger is not None else 0
         self._bytes_before = ledger.allreduce_bytes if ledger is not None else 0
         self._spy_before = (self._spy.calls, self._spy.bytes)
-        if self.profile:
-            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            self._prof.__enter__()
+        if self._prof is not None:
+            self._mark = torch.autograd.profiler.record_function(f"{_BATCH_MARK}{self._marked}")
+            self._mark.__enter__()
+            self._marked += 1
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.grads:
             self.batch_grads.append(torch.cat([p.grad.detach().flatten().clone() for p in pl_module.parameters()]))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._prof is not None:
-            self._prof.__exit__(None, None, None)
-            self.batch_allreduces.append(sum(1 for e in self._prof.events() if e.name == "gloo:all_reduce"))
-            events: dict[str, int] = {}
-            for e in self._prof.events():
-                if e.name.startswith("gloo:"):
-                    events[e.name] = events.get(e.name, 0) + 1
-            self.batch_events.append(events)
-            self._prof = None
+        if self._mark is not None:
+            self._mark.__exit__(None, None, None)
+            self._mark = None
         ledger = self._ledger(trainer)
         if ledger is not None:
             self.batch_ledger_calls.append(ledger.allreduce_calls - self._calls_before)
             self.batch_ledger_bytes.append(ledger.allreduce_bytes - self._bytes_before)
         self.batch_spy.append((self._spy.calls - self._spy_before[0], self._spy.bytes - self._spy_before[1]))
 
+    def _count_batch_events(self) -> None:
+        """The gloo collectives of each marked batch, by the time each started (see ``on_train_start``)."""
+        assert self._prof is not None
+        self._prof.__exit__(None, None, None)
+        events = list(self._prof.events())
+        self._prof = None
+        marks = {e.name: e.time_range for e in events if e.name.startswith(_BATCH_MARK)}
+        windows = [marks[f"{_BATCH_MARK}{i}"] for i in range(self._marked)]
+        self.batch_events = [{} for _ in windows]
+        for e in events:
+            if not e.name.startswith("gloo:"):
+                continue
+            for i, w in enumerate(windows):
+                if w.start <= e.time_range.start <= w.end:
+                    self.batch_events[i][e.name] = self.batch_events[i].get(e.name, 0) + 1
+                    break
+        self.batch_allreduces = [b.get("gloo:all_reduce", 0) for b in self.batch_events]
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._spy.__exit__(None, None, None)
+        if self._prof is not None:
+            self._count_batch_events()
         ledger = self._ledger(trainer)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         # one gather per tensor under FSDP2: the weights are read from the state, not gathered again

@@ -5,7 +5,6 @@ errors it raises. Used by ``mgpu_ddp`` (and its periodic-sync family) and by ``M
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,12 +32,12 @@ class DDPWrapping:
         self.settings = settings
 
     def wrap(self, module: nn.Module, device: torch.device) -> DistributedDataParallel:
-        """``module`` in torch's DistributedDataParallel with the settings' keywords, built as Lightning's
-        ``DDPStrategy`` builds it (on CUDA in a side stream, as torch's CUDA notes advise)."""
+        """``module`` in torch's DistributedDataParallel with the settings' keywords, built on the stream the
+        forwards and backwards run on (the current one, normally the default stream), as Lightning's ``DDPStrategy``
+        builds it since Lightning's fix for the "AccumulateGrad stream mismatch": built in a side stream, DDP's
+        gradient accumulators belong to that stream and torch >= 2.10 warns on every backward."""
         device_ids = None if device.type == "cpu" else [device.index]
-        context = torch.cuda.stream(torch.cuda.Stream()) if device.type == "cuda" else nullcontext()
-        with context:
-            return DistributedDataParallel(module=module, device_ids=device_ids, **self.settings.all_ddp_kwargs)
+        return DistributedDataParallel(module=module, device_ids=device_ids, **self.settings.all_ddp_kwargs)
 
     def check_model(self, model: Any, device_type: str, sync_batchnorm: bool, micro: Optional[MicroBatching]) -> None:
         """What DDP (with these settings) cannot train, refused before any process starts."""

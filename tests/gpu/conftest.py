@@ -1,17 +1,46 @@
-"""The GPU tier: every test under ``tests/gpu`` is marked ``gpu`` and skipped with "no CUDA device" where torch sees
-no CUDA device (every CPU machine, CI included). ``make test-gpu`` runs only these, on one NVIDIA GPU."""
+"""The GPU tier: every test under ``tests/gpu`` is marked ``gpu``.
+
+* On one NVIDIA GPU (``make test-gpu``) every test runs.
+* With ``MGPU_TIER_DEVICE=cpu`` (``make test-gpu-cpu``, part of ``make test``) the cases run on CPU (gloo), so a
+  fault of the tier itself shows without a GPU: every test function runs once, with its first parameters and the
+  ones its module lists in ``CPU_ALSO`` (each case is a fresh interpreter: the whole matrix would cost CI minutes
+  that prove nothing more about the tier's own code); ``MGPU_TIER_CPU_ALL=1`` runs every parameter. The tests
+  only CUDA hardware can answer (the allocator's bytes, NVML, pinned memory, CUDA before a fork) are marked
+  ``needs_cuda`` and skipped there with the reason; the CUDA-only assertions of the others are guarded by
+  ``ON_CUDA``.
+* Anywhere else (no CUDA device, no CPU mode) the tier is skipped with "no CUDA device"."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
+from tests.gpu.worker import DEVICE
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = str(config.rootpath / "tests" / "gpu")
-    skip = pytest.mark.skip(reason="no CUDA device")
+    skip = pytest.mark.skip(reason="no CUDA device (MGPU_TIER_DEVICE=cpu runs the tier's CPU checks)")
+    cpu_subset = DEVICE == "cpu" and os.environ.get("MGPU_TIER_CPU_ALL") != "1"
+    first: set[tuple[str, str]] = set()
+    kept, dropped = [], []
     for item in items:
-        if str(item.path).startswith(here):
-            item.add_marker(pytest.mark.gpu)
-            if not torch.cuda.is_available():
-                item.add_marker(skip)
+        if not str(item.path).startswith(here):
+            kept.append(item)
+            continue
+        item.add_marker(pytest.mark.gpu)
+        if DEVICE == "cuda" and not torch.cuda.is_available():
+            item.add_marker(skip)
+        if cpu_subset and isinstance(item, pytest.Function) and hasattr(item, "callspec"):
+            key = (str(item.path), item.originalname)
+            also = getattr(item.module, "CPU_ALSO", ())
+            if key in first and item.name not in also:
+                dropped.append(item)
+                continue
+            first.add(key)
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

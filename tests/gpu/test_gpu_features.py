@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.gpu.test_gpu_tier import run
+from tests.gpu.test_gpu_tier import ON_CUDA, run
 
 #: the planner's prediction against the CUDA allocator: the tolerance the CPU suite holds it to
 #: (tests/unit/planning/test_planning.py)
@@ -48,8 +48,12 @@ def test_global_norm_clipping_on_fsdp2_equals_clipping_the_whole_gradient(stage:
 def test_auto_micro_batch_backs_off_on_a_real_cuda_out_of_memory_error() -> None:
     r = run("micro_batch_oom")
     print(json.dumps(r, indent=1))
-    assert not r["simulated"] and r["limit_bytes"] > 0, r
-    assert r["errors"] and all("CUDA out of memory" in e for e in r["errors"]), r
+    assert r["simulated"] == (not ON_CUDA), r
+    if ON_CUDA:  # the caching allocator's own error, under the cap the case sets
+        assert r["limit_bytes"] > 0, r
+        assert r["errors"] and all("CUDA out of memory" in e for e in r["errors"]), r
+    else:  # CPU mode: training_step raises the out-of-memory error on purpose above 4 rows
+        assert r["errors"] and all("raised on purpose" in e for e in r["errors"]), r
     assert r["backoffs"] and r["backoffs"][0][0] == 32, r
     assert all(b[1] == b[0] // 2 and b[2] == [0] for b in r["backoffs"]), r
     assert r["size"] == r["backoffs"][-1][1] < 32, r
@@ -79,7 +83,8 @@ def test_mgpu_auto_records_its_decision_and_fits_on_cuda() -> None:
     r = run("auto")
     device, tight = r["device"], r["tight"]
     assert device["class"] == "MGPUDDPStrategy" and device["decision"] == ["mgpu_ddp", False], r
-    assert device["usable_bytes"] == int(r["device_total_bytes"] * 0.9), r  # the device's own memory, 10% kept
+    if ON_CUDA:
+        assert device["usable_bytes"] == int(r["device_total_bytes"] * 0.9), r  # the device's own memory, 10% kept
     assert tight["decision"] == ["mgpu_ddp", True] and tight["checkpointing"], r
     assert "Faster candidates that do not fit: mgpu_ddp needs" in tight["reason"], r
     for fit in (device, tight):
@@ -96,7 +101,51 @@ def test_mgpu_auto_records_its_decision_and_fits_on_cuda() -> None:
     ],
 )
 def test_planner_prediction_against_the_cuda_allocator(strategy: str, precision: str, ac: bool) -> None:
-    r = run("planner_vs_allocator", strategy=strategy, precision=precision, ac=ac)
+    # CPU mode: the case itself (plan, fit, the figures it returns) on a small model; there is no allocator to read
+    small = {} if ON_CUDA else {"vocab": 64, "d_model": 32, "heads": 2, "layers": 2, "batch": 2, "seq": 16}
+    r = run("planner_vs_allocator", strategy=strategy, precision=precision, ac=ac, **small)
     print(json.dumps(r, indent=1))
-    assert r["steps"] == 3 and r["measured_peak_bytes"] > 0, r
-    assert abs(r["ratio"] - 1) <= PLANNER_TOLERANCE, r
+    assert r["steps"] == 3 and r["predicted_measurable_bytes"] > 0, r
+    if ON_CUDA:
+        assert r["measured_peak_bytes"] > 0, r
+        assert abs(r["ratio"] - 1) <= PLANNER_TOLERANCE, r
+    else:
+        assert r["measured_peak_bytes"] == -1 and r["ratio"] == -1.0, r
+
+
+@pytest.mark.parametrize("stage", [0, 3], ids=["mgpu_ddp", "mgpu_zero3"])
+def test_exact_evaluation_logs_the_one_process_values_on_the_device(stage: int) -> None:
+    r = run("exact_evaluation", stage=stage)
+    n = r["n"]
+    assert sorted(r["fit_seen"]) == sorted(r["seen"]["val"]) == sorted(r["seen"]["test"]) == list(range(n)), r
+    assert sorted(r["seen"]["predict"]) == list(range(n)), r  # every sample once
+    for key in ("fit_val_mse", "val_mse", "val_tm", "test_mse", "test_tm"):
+        assert r[key] == pytest.approx(r["expected_mse"], rel=1e-12), (key, r)
+    assert r["predictions_shape"] == [n, 3] and r["predictions_max_abs_diff"] < 1e-12, r
+
+
+#: compiled against eager weights after 8 steps: FP32 (inductor fuses and reorders sums; a few float32 ulps per
+#: step) and bf16-mixed (both runs round to bf16, not always the same way), relative to the largest weight
+COMPILE_TOLERANCE = {"32-true": 1e-4, "bf16-mixed": 2e-2}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("stage", [0, 3], ids=["mgpu_ddp", "mgpu_zero3"])
+def test_compile_with_inductor_trains_the_eager_weights_without_recompiling(stage: int, precision: str) -> None:
+    # CPU mode: AOTAutograd's graphs run eagerly (the graphs inductor would get, no C++ build on CI)
+    backend = "inductor" if ON_CUDA else "aot_eager"
+    r = run("compile_parity", stage=stage, precision=precision, backend=backend)
+    print(json.dumps(r, indent=1))
+    assert r["steps"] == [8, 8], r
+    assert r["compiled_modules"], r  # the strategy compiled something
+    assert r["eager_graphs"] == 0 < r["graphs_warm"], r
+    assert r["graphs_end"] == r["graphs_warm"], r  # no graph compiled after warm-up
+    bound = COMPILE_TOLERANCE[precision] * max(1.0, r["max_abs_weight"])
+    assert r["max_abs_diff"] <= bound < r["moved"], r
+
+
+@pytest.mark.parametrize("stage", [0, 1], ids=["mgpu_ddp", "mgpu_zero1"])
+def test_ddp_on_the_default_stream_raises_no_stream_warning(stage: int) -> None:
+    r = run("stream_warning", stage=stage)
+    assert r["global_step"] == 4, r
+    assert r["stream_warnings"] == [], r

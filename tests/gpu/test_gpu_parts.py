@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter
+from tests.gpu.test_gpu_tier import needs_cuda
 
 
+@needs_cuda
 def test_async_checkpoint_stages_gpu_tensors_to_pinned_cpu_memory_and_copies_them() -> None:
     live = torch.ones(3, device="cuda")
     staged = AsyncCheckpointWriter().stage({"w": live})

@@ -14,8 +14,6 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the exact comparisons
-
 import pytorch_lightning as pl
 import torch
 from torch import nn
@@ -38,19 +36,19 @@ def case(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
 
 
 def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
-    kwargs.setdefault("max_steps", 4)
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="gpu" if DEVICE == "cuda" else "cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        **kwargs,
-    )
+    """One device of the tier's kind, no logger, no checkpoints, no validation unless ``kwargs`` say otherwise."""
+    flags: dict[str, Any] = {
+        "max_steps": 4,
+        "accelerator": "gpu" if DEVICE == "cuda" else "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
+    return pl.Trainer(strategy=strategy, **{**flags, **kwargs})
 
 
 def _finite(module: nn.Module) -> bool:
@@ -61,19 +59,57 @@ def _flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([full(p.detach()).double().flatten().cpu() for p in module.parameters()])
 
 
+class Probe(pl.Callback):
+    """What the training process saw, read there and written to a file by global rank 0 at the end of fit: the
+    process group's backend, the model's device, ``global_step``, the parameters' dtypes as stored and the dtype
+    the first layer computes in. After a spawn or fork launch the parent process gets back only the weights and
+    the run state, not these; after an in-process or popen launch the file holds the same as the parent."""
+
+    def __init__(self) -> None:
+        self.path = os.path.join(tempfile.mkdtemp(), "probe.json")
+        self.compute: set[str] = set()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        first = next(m for m in pl_module.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
+        first.register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        self.compute.add(str(output.dtype))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        dist = torch.distributed
+        seen = {
+            "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
+            "device": str(next(pl_module.parameters()).device),
+            "global_step": trainer.global_step,
+            "stored_dtypes": sorted({str(p.dtype) for p in pl_module.parameters()}),
+            "compute_dtypes": sorted(self.compute),
+        }
+        with open(self.path, "w") as f:
+            json.dump(seen, f)
+
+    def result(self) -> dict[str, Any]:
+        """What rank 0 wrote (raises if training never reached its end)."""
+        with open(self.path) as f:
+            return json.load(f)
+
+
 @case
 def preset(name: str) -> dict[str, Any]:
-    """Every preset at world size 1 on NCCL: fit 4 steps of the digits CNN."""
+    """Every preset at world size 1 on NCCL: fit 4 steps of the digits CNN. The backend, device and step count are
+    read in the training process (:class:`Probe`), the weights in this one (every launch copies them back)."""
     pl.seed_everything(0)
-    model = DigitsCNN()
+    model, probe = DigitsCNN(), Probe()
     before = _flat(model)
-    trainer = _trainer(name)
+    trainer = _trainer(name, callbacks=[probe])
     trainer.fit(model, DigitsDataModule())
-    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    seen = probe.result()
     return {
-        "backend": backend,
-        "device": str(next(model.parameters()).device),
-        "steps": trainer.global_step,
+        "backend": seen["backend"],
+        "device": seen["device"],
+        "steps": seen["global_step"],
         "finite": _finite(model),
         "moved": float((_flat(model) - before).abs().max()),
         "strategy": type(trainer.strategy).__name__,
@@ -141,16 +177,24 @@ def fp16_overflow(strategy: str) -> dict[str, Any]:
 
 @case
 def precision_fit(strategy: str, precision: str) -> dict[str, Any]:
-    """bf16-mixed and the *-master modes (true half weights, FP32 masters in the optimizer) on CUDA."""
+    """bf16-mixed and the *-master modes on CUDA: the dtypes the parameters are stored in and the dtype the first
+    layer computes in, read in the training process. Under DDP the master modes store half weights (the optimizer
+    steps FP32 copies); under FSDP2 the stored parameters are FSDP's sharded FP32 masters, gathered as half for the
+    forward (``MixedPrecisionPolicy(param_dtype=half)``)."""
     pl.seed_everything(0)
-    model = DigitsCNN()
+    model, probe = DigitsCNN(), Probe()
     before = _flat(model)
     plugins = [lightning_mgpu.MGPUPrecision(precision)] if precision.endswith("-master") else []
     kwargs = {} if plugins else {"precision": precision}
-    trainer = _trainer(strategy, plugins=plugins, max_steps=6, **kwargs)
+    trainer = _trainer(strategy, plugins=plugins, max_steps=6, callbacks=[probe], **kwargs)
     trainer.fit(model, DigitsDataModule())
-    dtypes = sorted({str(p.dtype) for p in model.parameters()})
-    return {"finite": _finite(model), "moved": float((_flat(model) - before).abs().max()), "dtypes": dtypes}
+    seen = probe.result()
+    return {
+        "finite": _finite(model),
+        "moved": float((_flat(model) - before).abs().max()),
+        "dtypes": seen["stored_dtypes"],
+        "compute_dtypes": seen["compute_dtypes"],
+    }
 
 
 @case
@@ -269,6 +313,7 @@ def device_monitor() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the exact comparisons
     from tests.gpu.worker_features import CASES as FEATURES  # the feature cases (token loss, clipping, ...)
 
     CASES.update(FEATURES)

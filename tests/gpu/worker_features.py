@@ -3,7 +3,8 @@
 Each case trains through ``Trainer(strategy=...).fit`` on one CUDA device (NCCL, world size 1), in a fresh
 interpreter, and returns what ``tests/gpu/test_gpu_features.py`` checks: the token-normalised loss, the non-finite
 check, global-norm clipping on FSDP2, micro-batching against a real CUDA out-of-memory error, local SGD and
-DiLoCo, asynchronous checkpoints, ``mgpu_auto`` and the planner against the CUDA allocator. The agreement of the
+DiLoCo, asynchronous checkpoints, ``mgpu_auto``, the planner against the CUDA allocator, exact evaluation,
+``compile=True`` with inductor against eager, and DDP's stream. The agreement of the
 same features across ranks is proved on CPU (gloo, 2 processes) by the default suite.
 
 With ``MGPU_TIER_DEVICE=cpu`` every case runs on CPU (gloo), to check the cases themselves without a GPU; the
@@ -29,8 +30,10 @@ from lightning_mgpu import (
     MGPUDiLoCoStrategy,
     MGPULocalSGDStrategy,
     MGPUShardedStrategy,
+    _compat,
     plan,
 )
+from lightning_mgpu.parts.compilation import compiled_modules
 from lightning_mgpu.parts.token_loss import TokenNormalization
 from tests.gpu import worker
 from tests.gpu.worker import DEVICE, _finite, _flat
@@ -496,3 +499,134 @@ def planner_vs_allocator(
         "ratio": measured / predicted.measurable_bytes if measured > 0 else -1.0,
         "steps": trainer.global_step,
     }
+
+
+# --- exact_evaluation on the device's collectives -------------------------------------------------------------
+
+
+@case
+def exact_evaluation(stage: int = 0) -> dict[str, Any]:
+    """``exact_evaluation=True`` (the default) on NCCL: fit (with validation), validate, test and predict on 37
+    samples in batches of 4, 1 and 5 (uneven last batches). The logged epoch values, each batch weighted by its
+    size, equal one plain forward over the whole set on the same device (float64); every sample is evaluated once;
+    ``trainer.predict`` returns every prediction once, in dataset order."""
+    from tests.integration.parts.test_evaluation import (
+        PREDICT_BATCH,
+        TEST_BATCH,
+        VAL_BATCH,
+        EvalRegressor,
+        indexed,
+    )
+
+    pl.seed_everything(0)
+    model = EvalRegressor().double()
+    trainer = _trainer(_sharded(stage), max_steps=-1, max_epochs=1, limit_val_batches=1.0)
+    data = indexed()
+    trainer.fit(model, DataLoader(indexed(16), batch_size=4), DataLoader(data, batch_size=VAL_BATCH))
+    out: dict[str, Any] = {"fit_val_mse": float(trainer.callback_metrics["val_mse"]), "fit_seen": model.seen["val"]}
+    model.seen = {"val": [], "test": [], "predict": []}
+    trainer.validate(model, DataLoader(data, batch_size=VAL_BATCH), verbose=False)
+    out["val_mse"] = float(trainer.callback_metrics["val_mse"])
+    out["val_tm"] = float(trainer.callback_metrics["val_tm"])
+    trainer.test(model, DataLoader(data, batch_size=TEST_BATCH), verbose=False)
+    out["test_mse"] = float(trainer.callback_metrics["test_mse"])
+    out["test_tm"] = float(trainer.callback_metrics["test_tm"])
+    predictions = trainer.predict(model, DataLoader(data, batch_size=PREDICT_BATCH))
+    out["seen"] = model.seen
+    x, y, _ = data.tensors
+    reference = EvalRegressor().double().to(DEVICE)  # lr 0: the fit leaves the weights as they were
+    with torch.no_grad():
+        expected = reference(x.to(DEVICE))
+    got = torch.cat([p.to(DEVICE) for p in predictions])  # type: ignore[union-attr]
+    out["expected_mse"] = float(F.mse_loss(expected, y.to(DEVICE)))
+    out["predictions_shape"] = list(got.shape)
+    out["predictions_max_abs_diff"] = float((got - expected).abs().max()) if got.shape == expected.shape else -1.0
+    out["n"] = len(data)
+    return out
+
+
+# --- compile=True with inductor -------------------------------------------------------------------------------
+
+
+class _Graphs(pl.Callback):
+    """Graphs compiled in this process, counted from a fresh compiler state at set-up: after the first 2 optimizer
+    steps (warm-up: the graphs of a stepping and of an accumulating micro-batch) and at the end."""
+
+    def __init__(self) -> None:
+        self.warm = -1
+        self.end = -1
+        self.base = 0
+        self.compiled: list[str] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        torch.compiler.reset()
+        self.base = _compat.compiled_graph_count()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.compiled = compiled_modules(pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 2 and self.warm < 0:
+            self.warm = _compat.compiled_graph_count() - self.base
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.end = _compat.compiled_graph_count() - self.base
+
+
+@case
+def compile_parity(stage: int, precision: str = "32-true", backend: str = "inductor", steps: int = 8) -> dict[str, Any]:
+    """``compile=True`` (``backend`` inductor on CUDA) against eager: the residual BatchNorm blocks trained for
+    ``steps`` optimizer steps with 2 accumulated micro-batches each and norm clipping, in ``precision``, compiled
+    and eager, from the same weights and data. Returns both runs' weights (their largest difference and size, and
+    how far training moved them) and the graphs compiled after warm-up and at the end."""
+    from tests.models import BlockRegressor
+
+    runs: dict[str, Any] = {}
+    for name, options in (("eager", None), ("compiled", {"backend": backend})):
+        torch.manual_seed(0)
+        model = BlockRegressor(blocks=3, width=64, dropout=0.0)
+        graphs = _Graphs()
+        strategy = _sharded(stage, compile=options) if options else _sharded(stage)
+        trainer = _trainer(
+            strategy,
+            max_steps=steps,
+            precision=precision,
+            accumulate_grad_batches=2,
+            gradient_clip_val=1.0,
+            callbacks=[graphs],
+        )
+        trainer.fit(model, _in_order(batch_size=16, n=512, dtype=torch.float32))
+        runs[name] = (_flat(model), graphs, trainer.global_step)
+    eager, compiled = runs["eager"][0], runs["compiled"][0]
+    initial = _flat(BlockRegressor(blocks=3, width=64, dropout=0.0))
+    graphs = runs["compiled"][1]
+    return {
+        "steps": [runs["eager"][2], runs["compiled"][2]],
+        "max_abs_diff": float((compiled - eager).abs().max()),
+        "max_abs_weight": float(eager.abs().max()),
+        "moved": float((eager - initial).abs().max()),
+        "compiled_modules": graphs.compiled,
+        "graphs_warm": graphs.warm,
+        "graphs_end": graphs.end,
+        "eager_graphs": runs["eager"][1].end,
+    }
+
+
+# --- DDP on the default stream --------------------------------------------------------------------------------
+
+
+@case
+def stream_warning(stage: int = 0) -> dict[str, Any]:
+    """mgpu_ddp (or ZeRO-1, which builds DDP the same way) with accumulation: the warnings every backward raised.
+    DDP built in a side stream made torch >= 2.10 warn "The AccumulateGrad node's stream does not match the stream
+    of the node that produced the incoming gradient" on each one; built on the default stream, none."""
+    import warnings
+
+    pl.seed_everything(0)
+    model = Regressor().float()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _trainer(_sharded(stage), max_steps=4, accumulate_grad_batches=2)
+        trainer.fit(model, _in_order(dtype=torch.float32))
+    stream = [str(w.message)[:300] for w in caught if "stream" in str(w.message).lower()]
+    return {"global_step": trainer.global_step, "stream_warnings": stream, "warnings": len(caught)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from datetime import timedelta
 
 import pytest
@@ -62,6 +63,22 @@ def test_the_periodic_strategies_refuse_the_ddp_options_they_have_no_use_for_in_
     assert kept == {next(iter(kept)): False} and next(iter(kept)) in ("broadcast_buffers", "forward_sync_buffers")
     # a buffer flag the user set is kept as given
     assert LocalSGDSettings.ddp_kwargs("S", {"broadcast_buffers": True}) == {"broadcast_buffers": True}
+
+
+def test_a_buffer_flag_the_user_wrote_is_kept_where_it_equals_ddps_default(monkeypatch):
+    """Before torch 2.13 DDP's ``broadcast_buffers`` defaulted to True: an explicit True for local SGD / DiLoCo
+    was taken for "not given" and turned to False. Only None means "not given" now (DDP's signature of torch 2.11
+    simulated; the negative control shows the simulation makes True DDP's default)."""
+    from lightning_mgpu import settings
+    from lightning_mgpu.settings import LocalSGDSettings, is_default_ddp_kwarg
+
+    def ddp_of_torch_2_11(self, module, device_ids=None, dim=0, broadcast_buffers=True, bucket_cap_mb=None):
+        pass
+
+    monkeypatch.setattr(settings, "_DDP_PARAMETERS", inspect.signature(ddp_of_torch_2_11).parameters)
+    assert is_default_ddp_kwarg("broadcast_buffers", True)  # negative control: True is the default here
+    for value in (True, False):
+        assert LocalSGDSettings.ddp_kwargs("S", {"broadcast_buffers": value}) == {"broadcast_buffers": value}
 
 
 def test_the_auto_strategy_settings_are_checked_in_one_place():

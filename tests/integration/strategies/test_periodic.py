@@ -279,11 +279,12 @@ def test_other_gradient_settings_are_refused_naming_the_fix():
         MGPULocalSGDStrategy(comm_hook="fp16")
 
 
-def test_cli_default_ddp_arguments_do_not_bring_back_the_buffer_broadcast_of_every_step():
-    """LightningCLI passes DistributedDataParallel's arguments at their defaults (``broadcast_buffers=None`` on torch
-    2.13, ``True`` before)."""
-    default = inspect.signature(DistributedDataParallel.__init__).parameters["broadcast_buffers"].default
-    strategy = MGPULocalSGDStrategy(broadcast_buffers=default, comm_hook=None, static_graph=False, dim=0)
+def test_ddp_arguments_left_at_none_do_not_bring_back_the_buffer_broadcast_of_every_step():
+    """DistributedDataParallel's other arguments at their defaults and the buffer flags at None ("not given") leave
+    the broadcast off; a True the user wrote is kept, also where it equals DDP's default (torch < 2.13)."""
+    strategy = MGPULocalSGDStrategy(broadcast_buffers=None, comm_hook=None, static_graph=False, dim=0)
     flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_KEYWORDS else "broadcast_buffers"
     assert {k: v for k, v in strategy._ddp_kwargs.items() if "buffers" in k} == {flag: False}
-    assert MGPULocalSGDStrategy(**{flag: True})._ddp_kwargs[flag] is True  # the user's choice is kept
+    # the user's choice is kept (a value equal to DDP's own default is left to DDP: the same thing)
+    default = inspect.signature(DistributedDataParallel.__init__).parameters[flag].default
+    assert MGPULocalSGDStrategy(**{flag: True})._ddp_kwargs.get(flag, default) is True

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -41,3 +44,34 @@ def _static_graph() -> None:
 
 def test_static_graph_is_switched_on_at_the_first_synchronised_forward_only():
     in_one_rank_group(_static_graph)
+
+
+def test_ddp_is_built_on_the_current_stream_not_a_side_stream(monkeypatch):
+    """On CUDA, DDP built in a side stream owns gradient accumulators of that stream, and torch >= 2.10 warns
+    "AccumulateGrad node's stream does not match" on every backward (the GPU tier's ``stream_warning`` case checks the
+    warning itself). Here, without a GPU: ``wrap`` for a CUDA device creates no stream and enters none; the negative
+    control shows that the recorder sees a side stream when one is made."""
+    import lightning_mgpu.parts.ddp as ddp_part
+
+    made: list[str] = []
+    built: list[dict[str, Any]] = []
+
+    class _Stream:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append("Stream")
+
+    def _enter(stream: Any) -> nullcontext[None]:
+        made.append("stream")
+        return nullcontext()
+
+    def _ddp(**kwargs: Any) -> str:
+        built.append(kwargs)
+        return "ddp"
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", _enter)
+    monkeypatch.setattr(ddp_part, "DistributedDataParallel", _ddp)
+    assert DDPWrapping(DDPSettings()).wrap(nn.Linear(2, 2), torch.device("cuda", 3)) == "ddp"
+    assert built[0]["device_ids"] == [3] and made == []
+    torch.cuda.stream(torch.cuda.Stream())  # negative control: the recorder sees a side stream
+    assert made == ["Stream", "stream"]
