@@ -193,8 +193,9 @@ class ExactEvaluation:
 
     def _release(self) -> None:
         if self._held is not None:
-            if self._held in warnings.filters:  # an "ignore" entry leaves no trace in the warning registries
-                warnings.filters.remove(self._held)
+            filters: Any = warnings.filters  # a list (typed as a Sequence)
+            if self._held in filters:  # an "ignore" entry leaves no trace in the warning registries
+                filters.remove(self._held)
             self._held = None
 
     def process_dataloader(self, dataloader: object, trainer: Any) -> object:
