@@ -92,7 +92,9 @@ test-compat-cuda: .venv-cuda/.installed
 # virtual environment with torch and one Lightning distribution (`lightning-mgpu[pytorch-lightning]`, then
 # `lightning-mgpu[lightning]`), and from a folder holding a user's mymodel.py and cfg.yaml (tests/install/): the
 # main job, `lightning-mgpu --help`, `lightning-mgpu plan --config cfg.yaml` and `lightning-mgpu fit --config
-# cfg.yaml`. About 5 minutes for pytorch-lightning and 7 for lightning (checked twice) here, half of it pip.
+# cfg.yaml`; then a new user's first hour (tests/install/first_hour.py: a tutorial-style module of the distribution's
+# namespace as a script, through the command, in a notebook, planned, under mgpu_auto). About 5 minutes for
+# pytorch-lightning and 7 for lightning (checked twice) here before the first hour, half of it pip.
 test-install: $(STAMP)
 	PYTHON=$(PYTHON) BUILD_PYTHON=$(BIN)/python TORCH="$(TORCH)" .ci/test-install pytorch-lightning
 	PYTHON=$(PYTHON) BUILD_PYTHON=$(BIN)/python TORCH="$(TORCH)" .ci/test-install lightning

@@ -31,7 +31,7 @@ from typing_extensions import override
 from lightning_mgpu import _namespace
 from lightning_mgpu.migration import REMOVED_TRAINER_ARGUMENTS
 
-__all__ = ["MGPUCLI", "MGPUArgumentParser", "main", "strategy_hint"]
+__all__ = ["MGPUCLI", "MGPUArgumentParser", "in_namespace", "main", "strategy_hint"]
 
 # "lightning_mgpu" here, "lightning_mgpu.lightning" in the `lightning` namespace's copy of this module
 _PACKAGE = __name__.rpartition(".")[0]
@@ -131,9 +131,69 @@ def _inline_class_problem(value: str) -> str:
     return f"{class_path} could not be built from init_args {init_args!r}: check each value's type."
 
 
+# Lightning's and the pack's class paths, in each namespace: the prefix of a class in `pytorch_lightning` and the
+# prefix of the same class in `lightning` (with both distributions installed; see `_namespace.py`)
+_SAME_CLASS = (
+    ("pytorch_lightning.", "lightning.pytorch."),
+    ("lightning_fabric.", "lightning.fabric."),
+    ("lightning_mgpu.", "lightning_mgpu.lightning."),
+)
+_CLASS_PATH = re.compile(r"^(?:lightning_mgpu|pytorch_lightning|lightning_fabric|lightning)\.[\w.]+$")
+
+
+def in_namespace(class_path: str, namespace: str = _RUNNING) -> str:
+    """``class_path`` of one of Lightning's or the pack's classes, written for the Lightning ``namespace``
+    (``"lightning"`` or ``"pytorch_lightning"``): ``lightning_mgpu.DeviceMonitor`` becomes
+    ``lightning_mgpu.lightning.DeviceMonitor`` and ``pytorch_lightning.callbacks.ModelCheckpoint`` becomes
+    ``lightning.pytorch.callbacks.ModelCheckpoint`` for a ``lightning`` run, and back for a ``pytorch_lightning``
+    one. Any other path (the user's own classes) is returned unchanged. So one config serves a model written
+    with ``import lightning as L`` and one written with ``import pytorch_lightning as pl``."""
+    for pl_prefix, lightning_prefix in _SAME_CLASS:
+        if namespace == "lightning":
+            if pl_prefix == "lightning_mgpu." and not _namespace.two_namespaces():
+                continue  # `lightning` only: lightning_mgpu itself serves it
+            if class_path.startswith(pl_prefix) and not class_path.startswith(lightning_prefix):
+                return lightning_prefix + class_path[len(pl_prefix) :]
+        elif class_path.startswith(lightning_prefix):
+            return pl_prefix + class_path[len(lightning_prefix) :]
+    return class_path
+
+
+def _to_namespace(value: Any) -> Any:
+    """Every ``class_path`` in a loaded config value (and a bare class path given as a value), in this run's
+    namespace (:func:`in_namespace`)."""
+    if isinstance(value, dict):
+        return {
+            k: (in_namespace(v) if k == "class_path" and isinstance(v, str) else _to_namespace(v))
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_to_namespace(v) for v in value]
+    if isinstance(value, str) and _CLASS_PATH.match(value):
+        return in_namespace(value)
+    return value
+
+
+_PARSER_MODE = f"yaml+{_RUNNING}"  # jsonargparse's YAML loader, then the class paths in this run's namespace
+
+
+def _load(text: str) -> Any:
+    from jsonargparse import get_loader
+
+    return _to_namespace(get_loader("yaml")(text))
+
+
+def _register_loader() -> None:
+    import yaml
+    from jsonargparse import set_loader
+
+    set_loader(_PARSER_MODE, _load, exceptions=(yaml.YAMLError,))
+
+
 class MGPUArgumentParser(LightningArgumentParser):
     """``LightningArgumentParser`` whose errors end with a hint: the closest valid option for a misspelled one,
-    and the presets when the strategy is involved. jsonargparse's own message comes first, unchanged."""
+    and the presets when the strategy is involved. jsonargparse's own message comes first, unchanged, except for a
+    class of the other Lightning namespace that cannot be resolved: that is said on the first line."""
 
     def _known_keys(self) -> list[str]:
         keys: list[str] = []
@@ -174,6 +234,9 @@ class MGPUArgumentParser(LightningArgumentParser):
     @override
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         hint = self.hint(message)
+        mixed = _namespace_hint(message)
+        if mixed and getattr(self, "exit_on_error", True):  # the top-level parser, which prints and exits
+            print(f"lightning-mgpu: error: {mixed}", file=sys.stderr, flush=True)  # first, before the usage
         super().error(f"{message}\n{hint}" if hint else message, ex)
 
 
@@ -197,6 +260,9 @@ class MGPUCLI(LightningCLI):
         # LightningCLI's own init_parser with MGPUArgumentParser (its `parser_class` argument exists only since
         # Lightning 2.6; this hook is in every 2.x release)
         kwargs.setdefault("dump_header", [f"lightning-mgpu=={_version()}"])
+        if kwargs.get("parser_mode", "yaml") == "yaml":  # class paths in the model's namespace (in_namespace)
+            _register_loader()
+            kwargs["parser_mode"] = _PARSER_MODE
         parser = MGPUArgumentParser(**kwargs)
         parser.add_argument(
             "-c", "--config", action=ActionConfigFile, help="Path to a configuration file in json or yaml format."
@@ -331,12 +397,17 @@ def _model_namespace(args: list[str]) -> str:
 
 
 _NOT_A_SUBCLASS = re.compile(r"Import path ([\w.]+) does not correspond to a subclass of")
+# jsonargparse 4.53 names the path elsewhere in a Union's errors: "Given value: mydata.MyData", "class_path 'X'"
+_GIVEN_PATH = re.compile(r"Given value: ([\w.]+)\s*$|class_path '([\w.]+)'", re.MULTILINE)
 
 
 def _namespace_hint(message: str) -> Optional[str]:
     """A class of the other Lightning namespace than this CLI's: say so, and name the class to write instead."""
     running = _RUNNING
-    for path in dict.fromkeys(_NOT_A_SUBCLASS.findall(message)):
+    paths = _NOT_A_SUBCLASS.findall(message)
+    if "does not correspond to a subclass of" in message:
+        paths += [a or b for a, b in _GIVEN_PATH.findall(message)]
+    for path in dict.fromkeys(paths):
         namespace = _class_namespace(path)
         if namespace is None or namespace == running:
             continue
@@ -345,9 +416,10 @@ def _namespace_hint(message: str) -> Optional[str]:
         elif running == "pytorch_lightning" and path.startswith("lightning_mgpu.lightning."):
             instead = f"lightning_mgpu.{path[len('lightning_mgpu.lightning.') :]}"
         else:
-            instead = "the same class written against " + (
-                "`lightning`" if running == "lightning" else "`pytorch_lightning`"
-            )
+            mine, theirs = ("lightning as L", "pytorch_lightning as pl")
+            if running != "lightning":
+                mine, theirs = theirs, mine
+            instead = f"{path} with `import {mine}` (as the model is), or the model with `import {theirs}`"
         return (
             f"{path} is built on `{namespace}`, but this run uses `{running}` (chosen by the model class): every "
             f"class of one run must come from one Lightning namespace. Write {instead}."

@@ -663,17 +663,21 @@ def lightning_reduce(
     (``self.log(..., sync_dist=True)`` comes here), run on the collective device; the result is returned on
     ``tensor``'s device. Without a process group: ``tensor``.
 
-    ``exact_mean``: the mean of an integer tensor is returned in float64 (a new tensor; ``tensor`` is left as it
-    is). Lightning divides integers in place, which truncates: the epoch value of a logged mean divides by the
-    mean of the ranks' summed batch sizes, so 19 and 18 samples give 18 instead of 18.5 and the value is 37/36
-    of the right one."""
+    ``exact_mean``: the mean of an integer tensor is not truncated (a new tensor; ``tensor`` is left as it is).
+    Lightning divides integers in place, which truncates: the epoch value of a logged mean divides by the mean of
+    the ranks' summed batch sizes, so 19 and 18 samples give 18 instead of 18.5 and the value is 37/36 of the right
+    one. The mean is taken in float64 and returned in torch's default float dtype (float32) when that holds it
+    exactly, as it does for batch sizes on a power-of-two number of ranks, so that a float32 value divided by it
+    stays float32, as under plain Lightning; else in float64."""
     if not group_is_up():
         return tensor
     device = collective_device(group, tensor)
     if exact_mean and _is_mean(reduce_op) and not (tensor.is_floating_point() or tensor.is_complex()):
         total = tensor.to(device=device, dtype=torch.float64)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return (total / dist.get_world_size(group)).to(tensor.device)
+        mean = total / dist.get_world_size(group)
+        plain = mean.to(torch.get_default_dtype())
+        return (plain if torch.equal(plain.to(torch.float64), mean) else mean).to(tensor.device)
     return sync_ddp_if_available(tensor.to(device), group, reduce_op).to(tensor.device)
 
 

@@ -88,7 +88,11 @@ def plot_time_breakdown(log_dir: Union[str, Path], ax: Any = None, prefix: str =
     ax.scatter(labels, busy, marker="_", s=900, color="black", label="busy (own work)", zorder=3)
     ax.set_ylabel("ms per optimizer step (mean)")
     ax.set_title("Where each rank's step goes")
-    ax.legend(fontsize="small")
+    # the legend in a band above the tallest bar, so that it covers no rank's bar
+    top = max([*bottoms, *(b for b in busy if not math.isnan(b))], default=0.0)
+    if top > 0:
+        ax.set_ylim(0, top * 1.45)
+    ax.legend(fontsize="small", loc="upper center", ncol=3)
     return ax
 
 
@@ -103,8 +107,12 @@ def plot_rank_metric(log_dir: Union[str, Path], metric: str = "busy_ms", ax: Any
         ax.plot(steps, values, marker="o", label=f"rank {rank}")
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
+    ax.set_title(_TITLES.get(metric, f"{metric} per rank"))
     ax.legend(fontsize="small")
     return ax
+
+
+_TITLES = {"busy_ms": "Each rank's own work per step (busy_ms)", "step_ms": "Step time per rank (step_ms)"}
 
 
 def plot_memory(log_dir: Union[str, Path], ax: Any = None, prefix: str = "device") -> Any:
@@ -133,6 +141,7 @@ def plot_straggler(log_dir: Union[str, Path], ax: Any = None, prefix: str = "dev
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("slowest / fastest busy time")
+    ax.set_title("Straggler ratio (label: the slowest rank)")
     return ax
 
 

@@ -19,16 +19,23 @@ Where equal counts are impossible without an empty batch (``batch_size=1`` and a
 world size, e.g.), the shards stay exact and their batch counts differ by one; a sharded strategy then gathers its
 parameters once for the loop (:meth:`lightning_mgpu.parts.sharding.ShardingBackend.start_uneven_evaluation`). A set
 smaller than the world size keeps Lightning's padded sampler (a warning says so): every rank needs a sample.
+
+Lightning warns, for ``trainer.validate`` and ``trainer.test`` on several devices, that its ``DistributedSampler``
+"replicates some samples". Where this part replaces that sampler nothing is replicated, so the warning is held back
+from the moment Lightning builds its sampler until the part has seen the loader; a loader that keeps Lightning's
+sampler (a sampler of your own, ``drop_last=True``) and is padded gets a warning of the part's own instead.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sized
 from typing import Any, Optional
 
 import torch
 from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
@@ -172,33 +179,56 @@ class ExactEvaluation:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._injected = False
+        self._held: Optional[tuple[Any, ...]] = None  # the filter holding back Lightning's padding warning
+        self._injected_was = False
 
     def sampler_requested(self) -> None:
         # Lightning reads distributed_sampler_kwargs only to build its automatic sampler, and hands that loader to
-        # process_dataloader next.
+        # process_dataloader next. Between the two it warns that its DistributedSampler pads (validate, test):
+        # held back until the part knows whether the loader keeps that sampler.
         self._injected = True
+        if self.enabled and self._held is None:
+            warnings.filterwarnings("ignore", message=_PADDING_WARNING)
+            self._held = warnings.filters[0]
+
+    def _release(self) -> None:
+        if self._held is not None:
+            filters: Any = warnings.filters  # a list (typed as a Sequence)
+            if self._held in filters:  # an "ignore" entry leaves no trace in the warning registries
+                filters.remove(self._held)
+            self._held = None
 
     def process_dataloader(self, dataloader: object, trainer: Any) -> object:
+        self._release()
+        replaced = self._replace(dataloader, trainer)
+        if replaced is None:
+            _warn_if_padded(dataloader, trainer, held_back=self.enabled and self._injected_was)
+            return dataloader
+        return replaced
+
+    def _replace(self, dataloader: object, trainer: Any) -> Optional[object]:
+        """The loader with :class:`EvenBatchSampler`, or ``None`` where it keeps its sampler."""
         injected, self._injected = self._injected, False
+        self._injected_was = injected
         if not self.enabled or not injected or trainer is None or trainer.training:
-            return dataloader
+            return None
         if not isinstance(dataloader, DataLoader):
-            return dataloader
+            return None
         batch_sampler = dataloader.batch_sampler
         shard: Any
         if trainer.predicting:
             found = _predict_shard(batch_sampler)
             if found is None:
-                return dataloader
+                return None
             shard, batch_size = found
             total, world = shard.total_size, shard.num_replicas
         else:
             sampler = dataloader.sampler
             if type(sampler) is not DistributedSampler or type(batch_sampler) is not BatchSampler:
-                return dataloader
+                return None
             batch_size = batch_sampler.batch_size
             if batch_sampler.drop_last:
-                return dataloader
+                return None
             total, world = len(sampler.dataset), sampler.num_replicas  # type: ignore[arg-type]
             if total < world:
                 rank_zero_warn(
@@ -206,10 +236,10 @@ class ExactEvaluation:
                     f"padded DistributedSampler is kept and the repeated samples are counted in the logged epoch "
                     f"values. Evaluate on fewer devices (Trainer(devices=1)) for exact values."
                 )
-                return dataloader
+                return None
             shard = UnpaddedShard(sampler.dataset, world, sampler.rank, shuffle=sampler.shuffle, seed=sampler.seed)  # type: ignore[arg-type]
         if world < 2:
-            return dataloader  # one rank: Lightning's sampler already yields every sample once, nothing is padded
+            return None  # one rank: Lightning's sampler already yields every sample once, nothing is padded
         count = common_batch_count(total, world, batch_size)
         batches: Any = EvenBatchSampler(shard, batch_size, count)
         if trainer.predicting:
@@ -219,6 +249,29 @@ class ExactEvaluation:
         object.__setattr__(dataloader, "batch_sampler", batches)
         object.__setattr__(dataloader, "sampler", shard)
         return dataloader
+
+
+_PADDING_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\.\w+\(\)`"
+
+
+def _warn_if_padded(dataloader: object, trainer: Any, held_back: bool) -> None:
+    """Lightning's padding warning, held back while the part looked at the loader, in the part's words: only for
+    validate and test (where Lightning warns), and only when the kept sampler does repeat samples."""
+    if not held_back or trainer is None or trainer.state.fn not in (TrainerFn.VALIDATING, TrainerFn.TESTING):
+        return
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.num_replicas < 2 or sampler.drop_last:
+        return
+    total = len(sampler.dataset)  # type: ignore[arg-type]  # DistributedSampler takes sized datasets only
+    if total % sampler.num_replicas == 0 or total < sampler.num_replicas:  # even, or said by _replace already
+        return
+    rank_zero_warn(
+        f"`trainer.{trainer.state.fn.value}()` on {sampler.num_replicas} ranks keeps Lightning's `DistributedSampler` "
+        f"for this loader (a sampler or batch sampler of your own, or drop_last=True), which repeats "
+        f"{sampler.num_replicas - total % sampler.num_replicas} sample(s) so that every rank gets as many: the logged "
+        f"epoch values count them. With the default sampler and drop_last=False the pack's exact evaluation "
+        f"evaluates each sample once."
+    )
 
 
 def planned_counts_differ(counts: list[float]) -> bool:

@@ -10,6 +10,7 @@ import atexit
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -30,6 +31,7 @@ from typing_extensions import override
 
 from lightning_mgpu import _compat, comm
 from lightning_mgpu.comm import CommStats, Ledger, attached_trainer, group_is_up
+from lightning_mgpu.parts import rendezvous
 from lightning_mgpu.parts.accumulation import check_accumulate_grad_batches, check_manual_accumulation
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointing
 from lightning_mgpu.parts.compilation import Compilation
@@ -332,6 +334,25 @@ class MGPUStrategyMixin(ParallelStrategy):
             )
             if backend == "nccl":  # what Lightning's own connection set-up does for NCCL
                 atexit.register(_compat.destroy_dist_connection)
+        elif not group_is_up() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # a bounded join that names the ranks still missing (parts/rendezvous.py) instead of torch's silent
+            # wait; under torchrun's agent store the agents have gathered every node before the workers start
+            host = self
+            host.set_world_ranks()
+            if self.world_size > 1 and self.cluster_environment is not None:
+                backend = self._group_backend()
+                rendezvous.join_process_group(
+                    address=self.cluster_environment.main_address,
+                    port=self.cluster_environment.main_port,
+                    rank=self.global_rank,
+                    world_size=self.world_size,
+                    num_nodes=self._processes_and_nodes()[1],
+                    backend=backend,
+                    timeout=self._launch.timeout,
+                    device_id=self.root_device if self.root_device.type != "cpu" else None,  # as Lightning does
+                )
+                if backend == "nccl":
+                    atexit.register(_compat.destroy_dist_connection)
 
     # --- failures -----------------------------------------------------------------------------------------
     def _end_group_after(self, exception: BaseException) -> list[int]:

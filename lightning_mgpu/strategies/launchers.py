@@ -29,6 +29,7 @@ from lightning_mgpu._compat import (
     worker_output,
 )
 from lightning_mgpu.comm import group_is_up
+from lightning_mgpu.parts.rendezvous import announce_nodes
 
 PreLaunchCheck = Callable[["pl.Trainer"], None]
 
@@ -43,6 +44,9 @@ class _PreLaunchCheck:
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
         if trainer is not None:
             self._check(trainer)
+        strategy: Any = getattr(self, "_strategy", None)  # Lightning's multiprocessing launcher keeps it there
+        if strategy is not None and strategy.cluster_environment is not None:
+            announce_nodes(strategy.cluster_environment, strategy.num_nodes, strategy.num_processes)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]  # the launcher after it
 
 
@@ -92,6 +96,7 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher
         # Lightning's _SubprocessScriptLauncher.launch, with _ChildObserver in place of its process observer
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally and not self.procs:
+            announce_nodes(self.cluster_environment, self.num_nodes, self.num_processes)  # before anyone waits
             call_children_scripts(self)
             atexit.register(_end_and_reap, self.procs, self._grace_s)
         # One observer per Trainer call, while child ranks run (none with one device per node): it ends with the

@@ -223,14 +223,113 @@ def test_a_lightning_config_round_trips_through_print_config(tmp_path):
     assert "class_path: lightning_mgpu.lightning.DeviceMonitor" in first.stdout
 
 
-def test_a_config_mixing_the_namespaces_names_the_class_to_write(tmp_path):
-    config = _lightning_config(tmp_path, "mgpu_ddp_fork")
-    mixed = config.read_text().replace("lightning_mgpu.lightning.DeviceMonitor", "lightning_mgpu.DeviceMonitor")
-    config.write_text(mixed)
-    proc = _cli("fit", "--config", str(config), "--print_config", cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "lightning_mgpu.DeviceMonitor is built on `pytorch_lightning`, but this run uses `lightning`" in proc.stderr
-    assert "Write lightning_mgpu.lightning.DeviceMonitor" in proc.stderr
+def test_the_packs_class_paths_follow_the_models_namespace(tmp_path):
+    """configs/ddp.yaml as shipped (``lightning_mgpu.DeviceMonitor``, ``lightning_mgpu.examples.DigitsDataModule``)
+    with a model written against ``import lightning as L``: the pack's classes resolve to its `lightning` copy."""
+    proc = _cli(
+        "fit", "--config", str(ROOT / "configs" / "ddp.yaml"),
+        "--model", "tests.lightning_user_model.TinyLightningModel", "--print_config", cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "class_path: lightning_mgpu.lightning.DeviceMonitor" in proc.stdout
+    assert "class_path: lightning_mgpu.lightning.ScaleLR" in proc.stdout
+    assert "class_path: lightning_mgpu.lightning.examples.DigitsDataModule" in proc.stdout
+    assert "class_path: tests.lightning_user_model.TinyLightningModel" in proc.stdout
+
+
+def test_in_namespace_maps_lightnings_and_the_packs_classes_only():
+    from lightning_mgpu.cli import in_namespace
+
+    monitor = "DeviceMonitor"
+    assert in_namespace(f"lightning_mgpu.{monitor}", "lightning") == f"lightning_mgpu.lightning.{monitor}"
+    assert in_namespace(f"lightning_mgpu.lightning.{monitor}", "lightning") == f"lightning_mgpu.lightning.{monitor}"
+    assert in_namespace(f"lightning_mgpu.lightning.{monitor}", "pytorch_lightning") == f"lightning_mgpu.{monitor}"
+    ckpt = "callbacks.ModelCheckpoint"
+    assert in_namespace(f"pytorch_lightning.{ckpt}", "lightning") == f"lightning.pytorch.{ckpt}"
+    assert in_namespace(f"lightning.pytorch.{ckpt}", "pytorch_lightning") == f"pytorch_lightning.{ckpt}"
+    io = "plugins.TorchCheckpointIO"
+    assert in_namespace(f"lightning_fabric.{io}", "lightning") == f"lightning.fabric.{io}"
+    assert in_namespace("mymodel.MyModel", "lightning") == "mymodel.MyModel"  # the user's own: never touched
+    assert in_namespace("mymodel.MyModel", "pytorch_lightning") == "mymodel.MyModel"
+
+
+_SAME_YAML = """
+trainer:
+  accelerator: cpu
+  devices: 2
+  strategy:
+    class_path: lightning_mgpu.MGPUDDPStrategy
+    init_args: {start_method: fork}
+  max_steps: 2
+  logger: false
+  enable_progress_bar: false
+  callbacks:
+    - class_path: lightning_mgpu.DeviceMonitor
+    - class_path: pytorch_lightning.callbacks.ModelCheckpoint
+      init_args: {dirpath: ckpts, save_last: true}
+"""
+
+_USER_MODULE = """
+import {import_line}
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class UserModel({base}.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4)
+
+
+class UserData({base}.LightningDataModule):
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4)
+"""
+
+
+def _user_folder(tmp_path: Path) -> Path:
+    (tmp_path / "cfg.yaml").write_text(_SAME_YAML)
+    (tmp_path / "with_lightning.py").write_text(_USER_MODULE.format(import_line="lightning as L", base="L"))
+    (tmp_path / "with_pl.py").write_text(_USER_MODULE.format(import_line="pytorch_lightning as pl", base="pl"))
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["with_lightning", "with_pl"])
+def test_one_config_trains_a_module_of_either_namespace(module, tmp_path):
+    folder = _user_folder(tmp_path)
+    proc = _cli("fit", "--config", "cfg.yaml", "--model", f"{module}.UserModel", cwd=folder)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lightning-mgpu fit: MGPUDDPStrategy on 2 process(es)" in proc.stdout
+    assert "2 optimizer step(s)" in proc.stdout
+    assert (folder / "ckpts" / "last.ckpt").is_file()  # the ModelCheckpoint of the model's own namespace ran
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_class_of_the_other_namespace_that_cannot_be_resolved_is_named_on_the_first_line(tmp_path):
+    """The user's own data module written with `pytorch_lightning` beside a `lightning` model: the pack cannot map a
+    user's class, so it says so first, before jsonargparse's usage text."""
+    folder = _user_folder(tmp_path)
+    proc = _cli(
+        "fit", "--config", "cfg.yaml", "--model", "with_lightning.UserModel", "--data", "with_pl.UserData",
+        "--print_config", cwd=folder,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("lightning-mgpu: error: with_pl.UserData is built on `pytorch_lightning`, but this run "
+                            "uses `lightning`"), proc.stderr[:2000]  # fmt: skip
+    assert "with `import lightning as L` (as the model is)" in first
 
 
 # --- the compatibility subset again, from the `lightning` copy of the tests ----------------------------------------

@@ -266,5 +266,77 @@ def summed_batch_sizes(path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_the_mean_of_integer_batch_sizes_is_not_truncated():
     for record in run_jobs([summed_batch_sizes], agree=False)[0]["ranks"]:
-        torch.testing.assert_close(record["exact"], torch.tensor(18.5, dtype=torch.float64))
+        torch.testing.assert_close(record["exact"], torch.tensor(18.5))  # float32: exact, and Lightning's dtype
         assert int(record["lightning"]) == 18  # negative control: Lightning's in-place integer mean
+
+
+class InOrder(torch.utils.data.Sampler[int]):
+    """A sampler of the user's own (Lightning wraps it in its padding ``DistributedSamplerWrapper``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _warnings_of_evaluation(exact: bool, own_sampler: bool) -> Callable[[Path], None]:
+    """validate and test on 2 ranks; records the warnings rank 0 raised (Lightning warns on rank 0 only)."""
+
+    def job(path: Path) -> None:
+        import warnings
+
+        model = EvalRegressor().double()
+        trainer = pl.Trainer(strategy=FAMILIES["ddp"](exact_evaluation=exact), **trainer_kwargs())
+        data = indexed()
+        sampler = InOrder(len(data)) if own_sampler else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.validate(model, DataLoader(data, batch_size=VAL_BATCH, sampler=sampler), verbose=False)
+            trainer.test(model, DataLoader(data, batch_size=TEST_BATCH, sampler=sampler), verbose=False)
+        torch.save({"warnings": [str(w.message) for w in caught], "weights": torch.zeros(1)}, path)
+
+    return job
+
+
+def test_no_padding_warning_where_nothing_is_padded():
+    """Lightning warns that its DistributedSampler "replicates some samples" for validate and test on several
+    devices; exact evaluation replaces that sampler, so the warning would be wrong. It stays for Lightning's own
+    sampler (negative control), and a loader that keeps a padded sampler gets the pack's own warning."""
+    exact, lightnings, own = run_jobs(
+        [
+            _warnings_of_evaluation(exact=True, own_sampler=False),
+            _warnings_of_evaluation(exact=False, own_sampler=False),
+            _warnings_of_evaluation(exact=True, own_sampler=True),
+        ],
+        agree=False,
+    )
+    assert not [w for w in exact["warnings"] if "DistributedSampler" in w], exact["warnings"]
+    assert sum("replicates some samples" in w for w in lightnings["warnings"]) == 2, lightnings["warnings"]
+    ours = [w for w in own["warnings"] if "keeps Lightning's `DistributedSampler`" in w]
+    assert len(ours) == 2 and "repeats 1 sample(s)" in ours[0], own["warnings"]
+    assert not [w for w in own["warnings"] if "replicates some samples" in w]
+
+
+def _logged_dtypes(path: Path) -> None:
+    model = EvalRegressor()  # float32, as most users' modules
+    trainer = pl.Trainer(strategy=FAMILIES["ddp"](), **trainer_kwargs())
+    x, y, idx = indexed().tensors
+    data = TensorDataset(x.float(), y.float(), idx)
+    trainer.validate(model, DataLoader(data, batch_size=VAL_BATCH), verbose=False)
+    dtypes = {k: v.dtype for k, v in trainer.callback_metrics.items()}
+    torch.save({"dtypes": dtypes, "value": trainer.callback_metrics["val_mse"], "weights": torch.zeros(1)}, path)
+
+
+def test_values_logged_with_sync_dist_keep_lightnings_dtype():
+    """``self.log(..., sync_dist=True)`` of a float32 value: float32 under plain Lightning and here (the exact mean
+    of the batch sizes no longer promotes it to float64), with the one-process value."""
+    record = run_jobs([_logged_dtypes], agree=False)[0]
+    assert record["dtypes"]["val_mse"] == torch.float32, record["dtypes"]
+    x, y, _ = indexed().tensors
+    with torch.no_grad():
+        expected = F.mse_loss(EvalRegressor()(x.float()), y.float())
+    torch.testing.assert_close(record["value"], expected)
