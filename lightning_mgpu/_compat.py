@@ -481,6 +481,17 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
     _optimizers_to_device(optimizers, device)
 
 
+def torch_layout_decoder() -> Any:
+    """``torch.serialization._get_layout`` (torch 2.13.0 and 2.14.1 checked): how a pickle names a ``torch.layout``
+    (``torch.strided`` is written as ``_get_layout("torch.strided")``); the metadata file of a
+    ``torch.distributed.checkpoint`` directory holds one per tensor. It looks the name up among torch's layouts and
+    runs nothing else. Missing: ``None``, and a sharded checkpoint is then refused under ``weights_only=True``
+    with the message that names this global (load it with ``weights_only=False`` once you trust it)."""
+    import torch.serialization
+
+    return getattr(torch.serialization, "_get_layout", None)
+
+
 # --- the memory planner's torch internals (lightning_mgpu/planning), checked on torch 2.13.0 and 2.14.1 ---------
 # torch has no public fake-tensor, memory-tracker or fake-process-group API yet; torchtitan's memory estimation
 # (scripts/estimate/estimation.py) uses the same three. Imported when the planner runs, never at package import:

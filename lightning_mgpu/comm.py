@@ -642,12 +642,15 @@ def save_sharded(state: dict[str, Any], path: str, group: Optional[Any] = None) 
     dcp.save(state, checkpoint_id=path, process_group=group)
 
 
-def load_sharded(template: dict[str, Any], path: str, group: Optional[Any] = None) -> None:
+def load_sharded(
+    template: dict[str, Any], path: str, group: Optional[Any] = None, planner: Optional[Any] = None
+) -> None:
     """``torch.distributed.checkpoint.load`` into ``template`` in place: a collective over ``group`` (every rank
-    reads the slices it owns now, whatever the world size at save time)."""
+    reads the slices it owns now, whatever the world size at save time); ``planner``: a ``LoadPlanner`` (default:
+    torch's)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(template, checkpoint_id=path, process_group=group)
+    dcp.load(template, checkpoint_id=path, process_group=group, planner=planner)
 
 
 def _is_mean(reduce_op: Any) -> bool:

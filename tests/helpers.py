@@ -389,3 +389,27 @@ def run_on_two_machines(jobs: list[Job]) -> list[list[dict[str, Any]]]:
             [torch.load(Path(out) / str(i) / f"rank{r}.pt", weights_only=False) for r in range(NODES * PER_NODE)]
             for i in range(len(jobs))
         ]
+
+
+# --- poisoned checkpoints: an entry whose unpickling runs code -----------------------------------------------
+
+
+def leave_marker(path: str, value: Any = None) -> Any:
+    """What a poisoned entry runs when unpickled: creates the file ``path`` (the test's proof that code ran), and
+    returns ``value`` (so a load that ran it goes on as if nothing happened)."""
+    Path(path).touch()
+    return value
+
+
+class Poison:
+    """An object whose unpickling calls :func:`leave_marker` (as ``os.system`` would be called by a malicious one)."""
+
+    def __init__(self, marker: Path, value: Any = None) -> None:
+        self.marker = str(marker)
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (leave_marker, (self.marker, self.value))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Poison:
+        return self  # copied as it is (an async save's staging deep-copies the checkpoint), never run by a copy

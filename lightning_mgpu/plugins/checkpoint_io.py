@@ -9,6 +9,11 @@ previous checkpoint under its name, complete and loadable.
   and swaps it in place of the old directory (:func:`commit_dir`). A directory without the marker is refused
   on load (:class:`IncompleteCheckpointError`).
 
+Every read takes the checkpoint for data, wherever it came from (a download, a colleague's directory, object
+storage): files are read with the user's ``weights_only`` (``Trainer.fit(..., weights_only=...)``; not given, torch's
+default ``True``), so an entry whose unpickling would run code is refused, naming the file and the call that loads it
+once you trust it (:func:`load_file`, :meth:`AtomicCheckpointIO.load_checkpoint`, :func:`load_sharded_dir`).
+
 Leftovers of a killed save start with a dot and do not end in ``.ckpt``: ``ModelCheckpoint`` and
 ``ckpt_path="last"`` never take them for checkpoints; the next save of the same name removes them.
 
@@ -23,10 +28,16 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import glob
+import io
 import json
 import logging
 import os
+import pathlib
+import pickle
+import re
 import shutil
 from collections.abc import Iterable
 from contextlib import suppress
@@ -40,7 +51,8 @@ from lightning_fabric.plugins import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_mgpu._compat import is_wrapping_checkpoint_io
+from lightning_mgpu import comm
+from lightning_mgpu._compat import is_wrapping_checkpoint_io, torch_layout_decoder
 
 # a local path, or a URL fsspec understands (what Lightning calls _PATH)
 PathLike = Union[str, "os.PathLike[str]"]
@@ -184,6 +196,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         write_file_atomic(local, lambda f: torch.save(checkpoint, f))
 
     @override
+    def load_checkpoint(
+        self,
+        path: PathLike,
+        map_location: Optional[Callable] = lambda storage, loc: storage,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Lightning's load, with the user's ``weights_only`` (``None``: ``True``, torch's default, for remote URLs
+        too, which Lightning reads with ``False``); a file that is not plain data is refused naming it and the
+        call that loads it once you trust it (:func:`refusal_message`)."""
+        trust = True if weights_only is None else weights_only
+        try:
+            return super().load_checkpoint(os.fspath(path), map_location=map_location, weights_only=trust)
+        except pickle.UnpicklingError as err:
+            if not trust:
+                raise  # a damaged file, read as the user asked
+            raise pickle.UnpicklingError(refusal_message(path, path, err)) from err
+
+    @override
     def remove_checkpoint(self, path: PathLike) -> None:
         local = local_path(path)
         if local is not None and os.path.isdir(local) and not os.path.islink(local):
@@ -319,6 +349,175 @@ def sharded_directory_message(path: PathLike, owner: str) -> str:
         f"{owner} cannot load; it reads one-file checkpoints. Resume with the strategy that wrote it: "
         f"strategy=MGPUShardedStrategy({args}, checkpoint='sharded') (the preset {preset!r} with checkpoint='sharded')."
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading: a checkpoint is data. Every file of a checkpoint (one file; a sharded directory's meta.pt, the
+# metadata file of torch.distributed.checkpoint and the non-tensor entries of its .distcp files) is read with
+# the user's weights_only; None is torch's default, True. What the pack writes there is plain data (tensors,
+# containers, numbers, strings: tests/integration/plugins/test_checkpoint_io.py loads each layout with
+# weights_only=True). The one file written by torch, not by the pack, with other objects is the metadata file
+# of torch.distributed.checkpoint (a pickle of its dataclasses): _dcp_metadata_global, the one list of the globals
+# allowed there, each with its reason.
+
+_REASON = re.compile(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)")
+
+
+def refusal_message(file: PathLike, ckpt_path: PathLike, cause: BaseException) -> str:
+    """Why ``file`` (of the checkpoint ``ckpt_path``) was not loaded under ``weights_only=True``, and the call
+    that loads it once the user trusts it.
+
+    Example:
+
+        >>> import pickle
+        >>> message = refusal_message("ckpt/meta.pt", "ckpt", pickle.UnpicklingError("Unsupported global: os.system"))
+        >>> "trainer.fit(model, ckpt_path='ckpt', weights_only=False)" in message
+        True
+    """
+    return (
+        f"{file} was not loaded: it holds something other than tensors, containers, numbers and strings, and "
+        f"unpickling it could run code from the file ({_reason(cause)}). Checkpoints are read with weights_only=True "
+        f"(torch's default) unless you pass weights_only=False. If you trust where this checkpoint comes from, load "
+        f"it with trainer.fit(model, ckpt_path={os.fspath(ckpt_path)!r}, weights_only=False) (the same argument for "
+        f"trainer.validate, test and predict); otherwise do not load it."
+    )
+
+
+def _reason(cause: BaseException) -> str:
+    """torch's reason for a refusal (the global it does not allow), without its long advice."""
+    found = _REASON.search(str(cause))
+    reason = found.group(1) if found else (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    return reason.strip().rstrip(".")
+
+
+def load_file(
+    path: PathLike,
+    weights_only: Optional[bool] = None,
+    map_location: Any = None,
+    ckpt_path: Optional[PathLike] = None,
+) -> Any:
+    """``torch.load(path, weights_only=weights_only)`` of a local checkpoint file (``ckpt_path``, what the user
+    passed, defaults to ``path``); refused with :func:`refusal_message` (a ``pickle.UnpicklingError``) unless
+    ``weights_only=False``.
+
+    Example:
+
+        >>> import os, tempfile, torch
+        >>> path = os.path.join(tempfile.mkdtemp(), "meta.pt")
+        >>> torch.save({"epoch": 3, "loops": {"step": torch.tensor(7)}}, path)
+        >>> load_file(path)["epoch"]
+        3
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if weights_only is False:
+            raise
+        raise pickle.UnpicklingError(refusal_message(path, ckpt_path or path, err)) from err
+
+
+def _dcp_metadata_global(module: str, found: Any) -> bool:
+    """The globals a ``torch.distributed.checkpoint`` metadata file may name; each constructs data, runs nothing:
+
+    * its own dataclasses and enums (``Metadata``, ``TensorStorageMetadata``, ``ChunkStorageMetadata``,
+      ``BytesStorageMetadata``, ``TensorProperties``, ``MetadataIndex``, ``StorageMeta``, the file reader's
+      storage entries, the memory-format enum): the description of every saved entry;
+    * ``torch.Size`` and the ``torch`` dtypes: each tensor's shape and dtype;
+    * ``torch.serialization._get_layout`` (``_compat.torch_layout_decoder``): each tensor's layout, by name;
+    * the ``pathlib`` path classes: ``StorageMeta.checkpoint_id``, the directory it was saved to.
+    """
+    if isinstance(found, type):
+        if module.startswith("torch.distributed.checkpoint."):
+            return dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)
+        if module == "pathlib":
+            return issubclass(found, pathlib.PurePath)
+        return found is torch.Size
+    if isinstance(found, torch.dtype):
+        return True
+    decoder = torch_layout_decoder()
+    return decoder is not None and found is decoder
+
+
+_DCP_METADATA_MODULES = ("torch", "torch.serialization", "pathlib")
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Unpickles a ``torch.distributed.checkpoint`` metadata file (torch writes it with ``pickle.dump`` and reads it
+    with ``pickle.load``, whatever ``weights_only``) allowing only :func:`_dcp_metadata_global`; a module outside
+    those is not even imported."""
+
+    @override
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_METADATA_MODULES or module.startswith("torch.distributed.checkpoint."):
+            found = super().find_class(module, name)
+            if _dcp_metadata_global(module, found):
+                return found
+        raise pickle.UnpicklingError(f"Unsupported global: {module}.{name} is not data of a sharded checkpoint")
+
+
+def check_sharded_metadata(path: PathLike, weights_only: Optional[bool] = None) -> None:
+    """Unless ``weights_only=False``: refuse the directory ``path`` if a ``torch.distributed.checkpoint`` metadata
+    file in it (``.metadata``, or a rank's ``__<rank>.metadata``) names anything but :func:`_dcp_metadata_global`.
+    Every rank checks before loading, so all refuse alike (no rank waits in a collective)."""
+    if weights_only is False:
+        return
+    final = Path(path)
+    for file in sorted(p for p in final.iterdir() if p.name.endswith(".metadata") and p.is_file()):
+        try:
+            with open(file, "rb") as f:
+                _DCPMetadataUnpickler(f).load()
+        except pickle.UnpicklingError as err:
+            raise pickle.UnpicklingError(refusal_message(file, final, err)) from err
+
+
+def _data_only_load_planner() -> Any:
+    """``torch.distributed.checkpoint``'s default load planner, reading the non-tensor entries of the ``.distcp``
+    files (optimizer hyper-parameters, ``step`` counts saved as numbers) as data: torch's reads them with
+    ``torch.load(weights_only=False)``. Each entry is checked with ``weights_only=True`` first."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class DataOnlyLoadPlanner(DefaultLoadPlanner):
+        @override
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as err:
+                fqn = getattr(read_item.dest_index, "fqn", "?")
+                raise pickle.UnpicklingError(f"{_reason(err)}, in the entry {fqn!r} of a .distcp file") from err
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return DataOnlyLoadPlanner()
+
+
+def _unpickling_cause(error: BaseException) -> Optional[BaseException]:
+    """The ``pickle.UnpicklingError`` behind a ``torch.distributed.checkpoint`` failure (its ``failures``: every
+    rank's exception), if any."""
+    if isinstance(error, pickle.UnpicklingError):
+        return error
+    per_rank = getattr(error, "failures", None)
+    if isinstance(per_rank, dict):
+        for wrapped in per_rank.values():
+            inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+            if isinstance(inner, BaseException) and (found := _unpickling_cause(inner)) is not None:
+                return found
+    return None
+
+
+def load_sharded_dir(template: dict[str, Any], path: PathLike, group: Any, weights_only: Optional[bool] = None) -> None:
+    """Read the tensors of the sharded checkpoint directory ``path`` into ``template`` in place (every rank the
+    slices it owns: a collective over ``group``), its metadata and non-tensor entries as data unless
+    ``weights_only=False`` (:func:`check_sharded_metadata`); refused with :func:`refusal_message`."""
+    final = Path(path)
+    check_sharded_metadata(final, weights_only)
+    planner = None if weights_only is False else _data_only_load_planner()
+    try:
+        comm.load_sharded(template, str(final), group, planner=planner)
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        cause = _unpickling_cause(err)
+        if weights_only is False or cause is None:
+            raise
+        raise pickle.UnpicklingError(refusal_message(final, final, cause)) from err
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ launches). Subclasses, so Lightning's ``isinstance`` checks on launchers still h
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import signal
 import subprocess
@@ -35,11 +36,16 @@ PreLaunchCheck = Callable[["pl.Trainer"], None]
 
 
 class _PreLaunchCheck:
-    """Put first in the bases of a Lightning launcher; takes the check as its first argument."""
+    """Put first in the bases of a Lightning launcher; takes the check as its first argument.
+
+    It also keeps the ``weights_only`` of the Trainer call it launches (:attr:`weights_only`): Lightning 2.6.6
+    passes it to ``Strategy.load_checkpoint`` only for strategies that restore before their set-up, and drops it
+    (``None``) for those that restore after it (``restore_checkpoint_after_setup``, the sharded strategies)."""
 
     def __init__(self, check: PreLaunchCheck, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._check = check
+        self.weights_only: Optional[bool] = None
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
         if trainer is not None:
@@ -47,7 +53,31 @@ class _PreLaunchCheck:
         strategy: Any = getattr(self, "_strategy", None)  # Lightning's multiprocessing launcher keeps it there
         if strategy is not None and strategy.cluster_environment is not None:
             announce_nodes(strategy.cluster_environment, strategy.num_nodes, strategy.num_processes)
+        self.weights_only = requested_weights_only(function, args, kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]  # the launcher after it
+
+
+def requested_weights_only(function: Callable, args: tuple, kwargs: dict[str, Any]) -> Optional[bool]:
+    """The ``weights_only`` given to the Trainer call whose implementation ``function(*args, **kwargs)`` is being
+    launched (``Trainer._fit_impl``, ``_validate_impl``, ... take it by that name), ``None`` if not given.
+
+    Example:
+
+        >>> def _fit_impl(model, ckpt_path=None, weights_only=None): ...
+        >>> requested_weights_only(_fit_impl, ("model", "last.ckpt", False), {})
+        False
+    """
+    try:
+        value = inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("weights_only")
+    except (TypeError, ValueError):  # not a Trainer call's implementation
+        return None
+    return value if isinstance(value, bool) else None
+
+
+def launched_weights_only(launcher: Any) -> Optional[bool]:
+    """The ``weights_only`` of the Trainer call ``launcher`` launched last (``None``: not given, or no launch)."""
+    value = getattr(launcher, "weights_only", None)
+    return value if isinstance(value, bool) else None
 
 
 def _exit_status(code: int) -> str:
@@ -324,19 +354,25 @@ class _SavedResults:
     """A worker's return value in a temporary file (``torch.save``), loaded and removed by the main process (see
     ``returned``). Not on Lightning's queue: the worker writes it to a pipe that the main process reads only once
     every worker has ended, so a value larger than the pipe's buffer (64 KiB on Linux) blocks the worker forever;
-    and a tensor put there shares its memory with the worker, gone once it has exited."""
+    and a tensor put there shares its memory with the worker, gone once it has exited.
+
+    The file is private to the user: created with mode 0600 in a directory of its own made with mode 0700
+    (``tempfile.mkdtemp``), so no other user can write it or put another file in its place; the main process reads
+    it once (it may hold any picklable prediction, so with ``weights_only=False``) and removes both."""
 
     def __init__(self, value: Any) -> None:
-        handle, self.path = tempfile.mkstemp(prefix="lightning_mgpu_results_", suffix=".pt")
-        os.close(handle)
-        torch.save(value, self.path)
+        folder = tempfile.mkdtemp(prefix="lightning_mgpu_results_")  # mode 0700
+        self.path = os.path.join(folder, "results.pt")
+        with os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            torch.save(value, f)
 
     def load(self) -> Any:
-        # written by this job's own worker a moment ago: any picklable prediction, not only tensors
+        # written by this job's own worker a moment ago, in its private directory: not a file received from elsewhere
         try:
             return torch.load(self.path, weights_only=False)
         finally:
             os.remove(self.path)
+            os.rmdir(os.path.dirname(self.path))
 
 
 def release_process_group() -> None:

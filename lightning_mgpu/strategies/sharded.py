@@ -58,6 +58,8 @@ from lightning_mgpu.plugins.checkpoint_io import (
     begin_dir,
     check_complete,
     commit_dir,
+    load_file,
+    load_sharded_dir,
     local_path,
     recover_dir,
     remove_dir,
@@ -81,6 +83,7 @@ from lightning_mgpu.settings import (
     split_ddp_kwargs,
 )
 from lightning_mgpu.strategies.base import MGPUParallelStrategy, MGPUStrategyMixin
+from lightning_mgpu.strategies.launchers import launched_weights_only
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +262,8 @@ class ShardedCheckpoints(MGPUStrategyMixin):
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if weights_only is None:  # Lightning drops the user's for strategies that restore after set-up
+            weights_only = launched_weights_only(self.launcher)
         if self.is_global_zero and (local := local_path(checkpoint_path)) is not None:
             recover_dir(local)  # a save killed in the instant of its swap; the broadcast below waits for it
         checkpoint_path = self.broadcast(str(checkpoint_path))
@@ -275,7 +280,7 @@ class ShardedCheckpoints(MGPUStrategyMixin):
             )
         module = self.lightning_module
         assert module is not None
-        checkpoint: dict[str, Any] = torch.load(path / _METADATA, weights_only=False, map_location="cpu")
+        checkpoint: dict[str, Any] = load_file(path / _METADATA, weights_only, map_location="cpu", ckpt_path=path)
         saved_optimizers = checkpoint.pop(_OPTIMIZER_COUNT, None)
         template: dict[str, Any] = {"state_dict": module.state_dict()}
         load_optimizers = bool(self.lightning_restore_optimizer and self.optimizers and saved_optimizers is not None)
@@ -288,7 +293,7 @@ class ShardedCheckpoints(MGPUStrategyMixin):
             for i, opt in enumerate(self.optimizers):
                 template[f"optimizer_{i}"] = self._sharding.optimizer_load_template(module, opt)
         # every rank reads the slices it owns now, whatever the world size at save time
-        comm.load_sharded(template, str(path), self._process_group())
+        load_sharded_dir(template, path, self._process_group(), weights_only)
         module.load_state_dict(template["state_dict"], strict=module.strict_loading)
         if load_optimizers:
             for i, opt in enumerate(self.optimizers):

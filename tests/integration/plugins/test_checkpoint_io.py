@@ -17,6 +17,7 @@ import functools
 import json
 import multiprocessing
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -35,8 +36,15 @@ from pytorch_lightning.plugins.io import AsyncCheckpointIO
 from typing_extensions import override
 
 import lightning_mgpu.strategies.sharded as sharded_module
-from lightning_mgpu import AtomicCheckpointIO, IncompleteCheckpointError, MGPUDDPStrategy, MGPUShardedStrategy
+from lightning_mgpu import (
+    AtomicCheckpointIO,
+    IncompleteCheckpointError,
+    MGPUDDPStrategy,
+    MGPULocalSGDStrategy,
+    MGPUShardedStrategy,
+)
 from lightning_mgpu.plugins.checkpoint_io import COMPLETE_MARKER, check_complete, recover_dir
+from tests.helpers import Poison
 from tests.models import RankData, Regressor, make_data
 
 STEPS_PER_EPOCH = 2  # 16 samples, 2 ranks x batch 4
@@ -165,7 +173,14 @@ class _FirstEpoch(Callback):
             self.out.write_text(str(trainer.current_epoch))
 
 
-def _fit(strategy: Any, ckpt_dir: Path, max_epochs: int, ckpt_path: Optional[Path] = None) -> int:
+def _fit(
+    strategy: Any,
+    ckpt_dir: Path,
+    max_epochs: int,
+    ckpt_path: Optional[Path] = None,
+    weights_only: Optional[bool] = None,
+    callbacks: Optional[list[Callback]] = None,
+) -> int:
     """Fit on 2 fork-launched ranks, saving last.ckpt at the end of every epoch; returns the first epoch."""
     first_epoch = ckpt_dir.parent / "first_epoch.txt"
     trainer = pl.Trainer(
@@ -177,13 +192,16 @@ def _fit(strategy: Any, ckpt_dir: Path, max_epochs: int, ckpt_path: Optional[Pat
         callbacks=[
             ModelCheckpoint(dirpath=ckpt_dir, filename="last", enable_version_counter=False),
             _FirstEpoch(first_epoch),
+            *(callbacks or []),
         ],
         use_distributed_sampler=False,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Regressor().double(), datamodule=RankData(make_data(n=16), 4), ckpt_path=ckpt_path)
+    trainer.fit(
+        Regressor().double(), datamodule=RankData(make_data(n=16), 4), ckpt_path=ckpt_path, weights_only=weights_only
+    )
     return int(first_epoch.read_text())
 
 
@@ -451,3 +469,194 @@ def test_removing_a_sharded_checkpoint_leaves_nothing(tmp_path):
     path = _complete(tmp_path / "epoch=0.ckpt", step=2)
     _sharded().remove_checkpoint(path)
     assert _entries(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a checkpoint is data: a poisoned one is refused under the default and weights_only=True, in every layout
+# ---------------------------------------------------------------------------------------------------------
+# Each test saves a checkpoint with 2 fork-launched ranks, adds an entry whose unpickling creates a marker file
+# (as os.system would run a command), and resumes with Trainer.fit(ckpt_path=...): refused, naming the file and
+# the call that loads it, without the marker; the negative control resumes with weights_only=False, and the
+# marker shows the poison ran.
+
+
+def _poison_file(file: Path, marker: Path) -> None:
+    """An extra top-level entry in a file written by torch.save (a one-file checkpoint, a directory's meta.pt)."""
+    checkpoint = torch.load(file, weights_only=True)  # what the pack wrote is data
+    checkpoint["extra"] = Poison(marker)
+    torch.save(checkpoint, file)
+
+
+def _poison_metadata(directory: Path, marker: Path) -> None:
+    """torch.distributed.checkpoint's metadata file, which torch reads with pickle.load."""
+    metadata = pickle.loads((directory / ".metadata").read_bytes())
+    metadata.planner_data = Poison(marker, metadata.planner_data)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+class _PoisonTheLearningRate(Callback):
+    """At the save: the optimizer's learning rate becomes an object that unpickles to it after running the poison.
+    In the sharded layout it is a non-tensor entry of a .distcp file, which torch reads with weights_only=False."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        group = checkpoint["optimizer_states"][0]["param_groups"][0]
+        group["lr"] = Poison(self.marker, group["lr"])
+
+
+def _sharded_dir(async_checkpoint: bool = False, stage: int = 3) -> MGPUShardedStrategy:
+    return MGPUShardedStrategy(
+        stage=stage, start_method="fork", checkpoint="sharded", async_checkpoint=async_checkpoint
+    )  # type: ignore[arg-type]
+
+
+_LAYOUTS: dict[str, tuple[Callable[[], Any], Callable[[Path, Path], Path]]] = {
+    # name: (the strategy, poison(the saved checkpoint, marker) -> the file the refusal names)
+    "ddp-file": (lambda: MGPUDDPStrategy(start_method="fork"), lambda p, m: (_poison_file(p, m), p)[1]),
+    "async-ddp-file": (
+        lambda: MGPUDDPStrategy(start_method="fork", async_checkpoint=True),
+        lambda p, m: (_poison_file(p, m), p)[1],
+    ),
+    "local-sgd-file": (
+        lambda: MGPULocalSGDStrategy(sync_every=2, start_method="fork"),
+        lambda p, m: (_poison_file(p, m), p)[1],
+    ),
+    "zero2-consolidated-file": (
+        lambda: MGPUShardedStrategy(stage=2, start_method="fork"),  # type: ignore[arg-type]
+        lambda p, m: (_poison_file(p, m), p)[1],
+    ),
+    "zero3-sharded-meta": (_sharded_dir, lambda p, m: (_poison_file(p / "meta.pt", m), p / "meta.pt")[1]),
+    "zero3-sharded-metadata": (_sharded_dir, lambda p, m: (_poison_metadata(p, m), p / ".metadata")[1]),
+    "zero1-sharded-meta": (
+        lambda: _sharded_dir(stage=1),
+        lambda p, m: (_poison_file(p / "meta.pt", m), p / "meta.pt")[1],
+    ),
+    "async-zero3-sharded-meta": (
+        lambda: _sharded_dir(async_checkpoint=True),
+        lambda p, m: (_poison_file(p / "meta.pt", m), p / "meta.pt")[1],
+    ),
+    "async-zero3-sharded-metadata": (
+        lambda: _sharded_dir(async_checkpoint=True),
+        lambda p, m: (_poison_metadata(p, m), p / ".metadata")[1],
+    ),
+}
+_DEFAULT_SUITE = ("ddp-file", "zero3-sharded-meta", "zero3-sharded-metadata", "async-zero3-sharded-meta")
+
+
+def _assert_refused(
+    strategy: Callable[[], Any], ckpt: Path, file: Path, marker: Path, tmp: Path, weights_only: Optional[bool]
+) -> None:
+    # raised on the ranks; the fork launch raises it in the main process with the rank's traceback
+    with pytest.raises(Exception, match="UnpicklingError") as err:
+        _fit(strategy(), tmp / f"resume-{weights_only}", max_epochs=2, ckpt_path=ckpt, weights_only=weights_only)
+    _assert_names(str(err.value), file, ckpt)
+    assert not marker.exists()
+
+
+def _assert_names(message: str, file: Path, ckpt: Path) -> None:
+    assert f"UnpicklingError: {file} was not loaded" in message, message
+    assert f"trainer.fit(model, ckpt_path='{ckpt}', weights_only=False)" in message
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(n, marks=() if n in _DEFAULT_SUITE else pytest.mark.slow) for n in _LAYOUTS]
+)
+def test_a_poisoned_checkpoint_is_refused_and_runs_only_with_weights_only_false(tmp_path, layout):
+    strategy, poison = _LAYOUTS[layout]
+    marker, ckpt_dir = tmp_path / "poison-ran", tmp_path / "ckpt"
+    _fit(strategy(), ckpt_dir, max_epochs=1)
+    ckpt = ckpt_dir / "last.ckpt"
+    file = poison(ckpt, marker)
+    for weights_only in (None, True):  # torch's default, and asked for
+        _assert_refused(strategy, ckpt, file, marker, tmp_path, weights_only)
+    # negative control: the user trusts the file; the poison runs and training goes on from the checkpoint
+    assert _fit(strategy(), tmp_path / "resume-False", max_epochs=2, ckpt_path=ckpt, weights_only=False) == 1
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("async_checkpoint", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"])
+def test_a_poisoned_entry_of_a_sharded_directorys_shards_is_refused(tmp_path, async_checkpoint):
+    """The non-tensor entries of the .distcp files (the optimizer's hyper-parameters)."""
+    marker, ckpt_dir = tmp_path / "poison-ran", tmp_path / "ckpt"
+    _fit(_sharded_dir(async_checkpoint), ckpt_dir, max_epochs=1, callbacks=[_PoisonTheLearningRate(marker)])
+    ckpt = ckpt_dir / "last.ckpt"
+    assert not marker.exists()
+    for weights_only in (None, True):
+        with pytest.raises(Exception, match="UnpicklingError") as err:
+            _fit(
+                _sharded_dir(async_checkpoint),
+                tmp_path / "resume",
+                max_epochs=2,
+                ckpt_path=ckpt,
+                weights_only=weights_only,
+            )
+        _assert_names(str(err.value), ckpt, ckpt)
+        assert "in the entry 'optimizer_0." in str(err.value)
+        assert not marker.exists()
+    assert (
+        _fit(
+            _sharded_dir(async_checkpoint), tmp_path / "resume-False", max_epochs=2, ckpt_path=ckpt, weights_only=False
+        )
+        == 1
+    )
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("layout", ["consolidated", "sharded"])
+def test_what_the_pack_writes_resumes_with_weights_only_true(tmp_path, layout):
+    """Every file of both layouts is plain data: torch.load(weights_only=True) reads it, and a resume with
+    weights_only=True goes on from it (async writes included)."""
+    strategy = lambda: MGPUShardedStrategy(  # noqa: E731
+        stage=3, start_method="fork", checkpoint=layout, async_checkpoint=True
+    )  # type: ignore[arg-type]
+    ckpt_dir = tmp_path / "ckpt"
+    _fit(strategy(), ckpt_dir, max_epochs=1)
+    ckpt = ckpt_dir / "last.ckpt"
+    for file in [ckpt] if layout == "consolidated" else [ckpt / "meta.pt"]:
+        assert isinstance(torch.load(file, weights_only=True), dict)
+    assert _fit(strategy(), tmp_path / "resume", max_epochs=2, ckpt_path=ckpt, weights_only=True) == 1
+
+
+@pytest.mark.parametrize("layout", ["ddp-file", "zero3-sharded-meta"])
+def test_a_poisoned_checkpoint_is_refused_in_the_lightning_namespace(tmp_path, layout):
+    """The same refusal through ``import lightning as L`` (lightning_mgpu.lightning's strategies)."""
+    import lightning as L
+
+    import lightning_mgpu.lightning as mgpu
+    from lightning_mgpu.lightning.examples import DigitsCNN, DigitsDataModule
+
+    def fit(ckpt_dir: Path, ckpt_path: Optional[Path] = None, weights_only: Optional[bool] = None) -> int:
+        strategy = (
+            mgpu.MGPUDDPStrategy(start_method="fork")
+            if layout == "ddp-file"
+            else mgpu.MGPUShardedStrategy(stage=3, start_method="fork", checkpoint="sharded")
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_epochs=1 if ckpt_path is None else 2,
+            limit_train_batches=2,
+            limit_val_batches=0,
+            callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="last")],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=8), ckpt_path=ckpt_path, weights_only=weights_only)
+        return trainer.global_step
+
+    marker, ckpt = tmp_path / "poison-ran", tmp_path / "ckpt" / "last.ckpt"
+    fit(tmp_path / "ckpt")
+    file = ckpt if layout == "ddp-file" else ckpt / "meta.pt"
+    _poison_file(file, marker)
+    for weights_only in (None, True):
+        with pytest.raises(Exception, match="UnpicklingError") as err:
+            fit(tmp_path / f"resume-{weights_only}", ckpt_path=ckpt, weights_only=weights_only)
+        _assert_names(str(err.value), file, ckpt)
+        assert not marker.exists()
+    fit(tmp_path / "resume-False", ckpt_path=ckpt, weights_only=False)  # negative control
+    assert marker.exists()
