@@ -116,9 +116,7 @@ class PredictionGathering:
         return ordered if several else ordered[0]
 
 
-def local_batches(
-    loader: object, batches: Sequence[Any], exact: bool = False
-) -> tuple[Optional[int], list[Batch]]:
+def local_batches(loader: object, batches: Sequence[Any], exact: bool = False) -> tuple[Optional[int], list[Batch]]:
     """This rank's batches of one loader with the dataset indices Lightning recorded for each (``None`` where it
     recorded none: not a ``DataLoader``, or an iterable dataset), and the loader's batch size. The loader may have
     drawn more batches than were predicted (workers prefetch; ``limit_predict_batches``): the first ones pair with

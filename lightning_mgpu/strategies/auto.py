@@ -148,11 +148,10 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             "policy": activation_checkpointing,
             "common": common,
         }
-        self._micro = None  # this object micro-batches nothing itself: the chosen strategy does
-
-    @override
-    def _sharded_choices(self) -> tuple[str, ...]:
-        return tuple(s for s in self._auto["settings"].strategies if s in ("mgpu_sharded", "mgpu_hsdp", "mgpu_zero3"))
+        self._ddp_part.micro = None  # this object micro-batches nothing itself: the chosen strategy does
+        # the compilation check before launch: the sharded stages 2/3 this strategy may still become
+        sharded = ("mgpu_sharded", "mgpu_hsdp", "mgpu_zero3")
+        self._runtime.sharded_choices = tuple(s for s in auto.strategies or () if s in sharded)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -222,7 +221,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         launcher, layer_sync = self.launcher, _compat.strategy_layer_sync(self)
         # ``fit(ckpt_path=...)``: Lightning restored the module (and what mid-epoch resume needs) before set-up,
         # as for mgpu_ddp; a sharded choice restores again after its own set-up (restore_checkpoint_after_setup)
-        resume = self._resume
+        resume = self._runtime.resume
         num_nodes, module = self.num_nodes, self.lightning_module
         auto = self._auto
         kwargs: dict[str, Any] = {**kept, **auto["common"]}
@@ -244,7 +243,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         _compat.set_strategy_launcher(self, launcher)
         _compat.set_strategy_layer_sync(self, layer_sync)
         self.num_nodes = num_nodes
-        self._resume = resume
+        self._runtime.resume = resume
         self.set_world_ranks()
         assert module is not None
         self.connect(module)
