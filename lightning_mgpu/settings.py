@@ -15,13 +15,14 @@ Example::
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.util
 import inspect
 import multiprocessing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -29,7 +30,108 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu.comm import check_comm_hook
-from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, validate_policy
+
+# --- activation checkpointing: which blocks (applied by lightning_mgpu/parts/activation_checkpointing.py) -------------
+
+
+@dataclass(frozen=True)
+class EveryNth:
+    """Checkpoint every ``n``-th block (positions 0, n, 2n, ...) of a ``nn.Sequential`` / ``nn.ModuleList``.
+
+    Example:
+
+        >>> from torch import nn
+        >>> from lightning_mgpu import EveryNth, apply_activation_checkpointing
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.stem = nn.Linear(4, 4)
+        ...         self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(5))
+        >>> apply_activation_checkpointing(Net(), EveryNth(2, container="blocks"))
+        ['blocks.0', 'blocks.2', 'blocks.4']
+
+    In a LightningCLI YAML::
+
+        strategy:
+          class_path: lightning_mgpu.MGPUDDPStrategy
+          init_args:
+            activation_checkpointing: {class_path: lightning_mgpu.EveryNth, init_args: {n: 2, container: blocks}}
+    """
+
+    n: int
+    """1 checkpoints every block; 2 every other block (half the activations freed, half the recompute)."""
+    container: Optional[str] = None
+    """Dotted name of the container (``"encoder.layers"``); default: the outermost Sequential/ModuleList
+    containers of the model (not ones nested inside another)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"EveryNth(n={self.n!r}): n must be a positive int, e.g. EveryNth(2).")
+        if self.container is not None and not isinstance(self.container, str):
+            raise TypeError(f"EveryNth(container={self.container!r}) must be a dotted module name such as 'blocks'.")
+
+
+ActivationCheckpointingPolicy = Union[
+    type[nn.Module],
+    str,
+    Iterable[Union[type[nn.Module], str]],
+    EveryNth,
+    Callable[[nn.Module], bool],
+]
+"""Which modules to checkpoint: module classes, class names (``"TransformerEncoderLayer"`` or a dotted path
+``"torch.nn.TransformerEncoderLayer"``, for YAML), a set/list of those, :class:`EveryNth`, or a callable
+``(module) -> bool``. Only the outermost match is checkpointed (a match inside a checkpointed block is
+recomputed with it anyway)."""
+
+
+def import_policy_class(path: str) -> type[nn.Module]:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"activation_checkpointing: cannot import {path!r} ({err}). Give an importable class path such as "
+            f"'torch.nn.TransformerEncoderLayer', or the bare class name ('TransformerEncoderLayer')."
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"activation_checkpointing: {path!r} is {cls!r}, not an nn.Module class.")
+    return cls
+
+
+def validate_policy(policy: Any) -> None:
+    """Check a policy's form without a model (at strategy construction): types, ``n``, importable paths."""
+    if policy is None or isinstance(policy, EveryNth) or (isinstance(policy, type) and issubclass(policy, nn.Module)):
+        return
+    if isinstance(policy, str):
+        if "." in policy:
+            import_policy_class(policy)
+        elif not policy:
+            raise ValueError("activation_checkpointing: an empty class name was given.")
+        return
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        if not policy:
+            raise ValueError(
+                f"activation_checkpointing={policy!r} is an empty collection: it would checkpoint nothing. Pass None "
+                f"to turn checkpointing off, or name module classes, e.g. ['TransformerEncoderLayer']."
+            )
+        for item in policy:
+            if isinstance(item, (list, tuple, set, frozenset, EveryNth)) or not (
+                isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))
+            ):
+                raise TypeError(
+                    f"activation_checkpointing: {item!r} in {policy!r} is not a module class or class name. A "
+                    f"collection holds nn.Module classes or their names, e.g. "
+                    f"[nn.TransformerEncoderLayer, 'ConvBlock']."
+                )
+            validate_policy(item)
+        return
+    if callable(policy):
+        return
+    raise TypeError(
+        f"activation_checkpointing={policy!r} is not a policy. Pass module classes or class names "
+        f"({{nn.TransformerEncoderLayer, 'ConvBlock'}}), EveryNth(n), or a callable (module) -> bool."
+    )
+
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 CommHookName = Literal["fp16", "bf16", "powersgd", "batched_powersgd"]
@@ -43,6 +145,9 @@ MicroBatchSetting = Union[int, Literal["auto"]]
 CompileSetting = Union[bool, dict[str, Any]]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+#: the strategies the planner (and mgpu_auto) can choose, fastest first
+#: (see :data:`lightning_mgpu.planning.candidates.ORDER`)
+STRATEGIES: tuple[str, ...] = ("mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_hsdp", "mgpu_zero3")
 BACKENDS = ("torch", "fairscale")
 LAYOUTS = ("consolidated", "sharded")
 MESHES = ("flat", "hybrid")
@@ -569,10 +674,7 @@ class AutoSettings:
     """Given: only the strategies that micro-batch (mgpu_ddp, mgpu_zero1) are candidates."""
 
     def __post_init__(self) -> None:
-        from lightning_mgpu.planning.request import STRATEGIES, parse_memory
-
-        if self.device_memory is not None:
-            parse_memory(self.device_memory)  # a bad size is refused here, naming it
+        # device_memory is parsed by the planner's memory-size parser, in the strategy (settings import no planner)
         h = self.headroom
         if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
             raise ValueError(f"headroom={h!r} must be a fraction in [0, 1), e.g. headroom=0.1 for 10%.")

@@ -38,6 +38,7 @@ from lightning_mgpu import _compat
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.planning import PlanError, plan
 from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, planner_precision
+from lightning_mgpu.planning.request import parse_memory
 from lightning_mgpu.planning.source import default_policy, fake_copy_factory
 from lightning_mgpu.settings import (
     AutoSettings,
@@ -137,6 +138,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             activation_checkpointing=activation_checkpointing,
             **common,
         )
+        if device_memory is not None:
+            parse_memory(device_memory)  # a bad size is refused now, naming it (the planner's parser)
         auto = AutoSettings(
             device_memory=device_memory,
             headroom=headroom,
@@ -221,7 +224,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         launcher, layer_sync = self.launcher, _compat.strategy_layer_sync(self)
         # ``fit(ckpt_path=...)``: Lightning restored the module (and what mid-epoch resume needs) before set-up,
         # as for mgpu_ddp; a sharded choice restores again after its own set-up (restore_checkpoint_after_setup)
-        resume = self._runtime.resume
+        runtime = self._runtime
         num_nodes, module = self.num_nodes, self.lightning_module
         auto = self._auto
         kwargs: dict[str, Any] = {**kept, **auto["common"]}
@@ -243,7 +246,12 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         _compat.set_strategy_launcher(self, launcher)
         _compat.set_strategy_layer_sync(self, layer_sync)
         self.num_nodes = num_nodes
-        self._runtime.resume = resume
+        # the launcher (made before set-up) hands its checks and results to the runtime it was made with: that object
+        # becomes the chosen strategy's runtime, keeping the mid-epoch position Lightning restored into it
+        resume = runtime.resume
+        vars(runtime).update(vars(self._runtime))
+        self._runtime = runtime
+        runtime.resume = resume
         self.set_world_ranks()
         assert module is not None
         self.connect(module)

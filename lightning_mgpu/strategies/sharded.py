@@ -761,7 +761,8 @@ class MGPUShardedStrategy(ParallelStrategy):
             self.model = layer_sync.apply(self.model)  # SyncBatchNorm, as Lightning's DDPStrategy converts it
         # before convert_module: in master modes FSDP2's sharded FP32 parameters are the master copy, so the
         # plugin must not cast the module's parameters to half itself
-        policy = self._sharding.mixed_precision_policy(self.precision_plugin) if fitting else None
+        masters = PrecisionAdoption.fsdp_mixed_precision(self.precision_plugin) if fitting else None
+        policy = self._sharding.mixed_precision_policy(masters)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if fitting:
