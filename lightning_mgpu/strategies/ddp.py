@@ -40,6 +40,7 @@ from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_directory_message
 from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import (
+    LIGHTNING_KEYWORDS,
     CommHookName,
     CompileSetting,
     DDPSettings,
@@ -47,20 +48,21 @@ from lightning_mgpu.settings import (
     MicroBatchSetting,
     NonFinite,
     StartMethod,
+    document_options,
+    from_arguments,
+    lightning_arguments,
     split_ddp_kwargs,
 )
 from lightning_mgpu.strategies.runtime import Runtime
 
-_OWN_KEYWORDS = (
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    *DDPSettings.keywords(),
+_OWN_KEYWORDS = (*LIGHTNING_KEYWORDS, *DDPSettings.keywords())
+
+
+@document_options(
+    DDPSettings,
+    var_keyword="passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``); an unknown "
+    "keyword raises, naming the closest valid one.",
 )
-
-
 class MGPUDDPStrategy(DDPStrategy):
     """Distributed data parallel training, correct by default on CPU (gloo) and CUDA (NCCL).
 
@@ -81,57 +83,6 @@ class MGPUDDPStrategy(DDPStrategy):
     * :attr:`comm_stats`: a ledger of all-reduce calls and bytes handed to the collective, sync rounds and
       optimizer steps, with the ring all-reduce lower bound beside it; logged as ``comm/*`` every
       ``log_every_n_steps`` optimizer steps through the Trainer's loggers.
-
-    Args:
-        comm_hook: ``None`` (plain averaging all-reduce), ``"fp16"``, ``"bf16"`` (NCCL only), ``"powersgd"``
-            or ``"batched_powersgd"``.
-        comm_state: keyword arguments for the hook's state, e.g. ``{"matrix_approximation_rank": 2}`` for
-            PowerSGD (defaults: rank 1, compression from the 2nd synchronisation).
-        static_graph: tell DDP the graph is the same every iteration (faster; see torch's DDP docs).
-        find_unused_parameters: DDP's flag; costs a graph traversal per step, leave off unless needed.
-        process_group_backend: ``"gloo"``, ``"nccl"``; ``None``: gloo on CPU, nccl on CUDA.
-        timeout: how long a collective waits for the other ranks, a :class:`datetime.timedelta`.
-        start_method: ``"popen"`` (re-run the script per rank; scripts, torchrun, SLURM), ``"spawn"``,
-            ``"fork"`` (notebooks; CPU or before CUDA is initialised) or ``"forkserver"``.
-        log_comm_stats: log ``comm/*`` metrics through the Trainer's loggers.
-        gradient_as_bucket_view: DDP's flag, on by default here (off in torch): gradients are views into the
-            all-reduce buckets, which saves one gradient-sized buffer and one copy per step, and lets the
-            ledger count plain all-reduce from the buckets without a Python comm hook. Set it to False if
-            your code replaces ``param.grad`` tensors or calls ``detach_()`` on them (the ledger then counts
-            through a Python hook, one extra pass over the gradients per step).
-        activation_checkpointing: which blocks to checkpoint (free activations in forward, recompute them in
-            backward), BatchNorm-safe: module classes, class names (for YAML), :class:`~lightning_mgpu.EveryNth`
-            or a callable ``(module) -> bool``; see :func:`lightning_mgpu.apply_activation_checkpointing`.
-            Checked against the model before any process starts.
-        activation_checkpointing_reentrant: use torch's reentrant checkpointing instead of the non-reentrant
-            default.
-        loss_normalization: ``"tokens"``: ``training_step`` returns ``{"loss": <sum of per-token losses>,
-            "num_tokens": <count>}`` and the gradient is that of the mean over every token of the optimizer step
-            (all micro-batches, all ranks; one scalar all-reduce per step); ``None``: Lightning's.
-        nonfinite: ``"error"``: a NaN/Inf gradient on any rank makes every rank raise the same
-            ``FloatingPointError`` naming the rank and parameter (under the fp16 scaler: every rank skips the step).
-        micro_batch_size: split each loader batch into micro-batches of this many rows and accumulate them (the
-            gradient stays the whole batch's); ``"auto"``: the largest that fits. An out-of-memory error on any
-            rank makes every rank redo the step at half the size (see :doc:`/guides/planning`). Automatic
-            optimization only; the gradients are then averaged once after the last micro-batch.
-        async_checkpoint: save checkpoints during fit without stopping training: the state is copied off the
-            live tensors (pinned CPU memory on GPU) and written in a background thread, one write at a time; a
-            failed write raises on every rank at the next save or at the end of fit, which waits for the last
-            write. See the reliability guide.
-        compile: ``True`` or a dict of :func:`torch.compile` keyword arguments (``{"mode": "max-autotune"}``):
-            the LightningModule's ``forward`` is compiled in place after the DDP wrap (state-dict keys unchanged;
-            see the compilation guide). A model compiled with ``torch.compile`` before ``Trainer.fit`` is refused
-            with it; without it, such a model trains as under Lightning's DDP.
-        exact_evaluation: validate, test and predict see every sample once, with as many batches on every rank
-            (the epoch value of ``self.log(..., sync_dist=True)`` is the one-process value); ``False``: Lightning's
-            padded sampler. See the evaluation guide.
-        check_uneven_inputs: different numbers of training batches on the ranks raise the same error on every
-            rank before the step that would hang (compared once per epoch; for iterable datasets, one all-reduce
-            of one number per step); ``False``: Lightning's behaviour.
-        checkpoint_io: how checkpoint files are written; default :class:`~lightning_mgpu.AtomicCheckpointIO`.
-            A plugin you pass is used as it is (atomic saves are then up to it).
-        **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``);
-            an unknown keyword raises, naming the closest valid one.
 
     Example (``Trainer(strategy="mgpu_ddp_fp16_compress")`` is the same; ``trainer.fit`` then starts the ranks):
 
@@ -180,38 +131,14 @@ class MGPUDDPStrategy(DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         ddp_kwargs = split_ddp_kwargs(type(self).__name__, ddp_kwargs, _OWN_KEYWORDS)
-        settings = DDPSettings(
-            start_method=start_method,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            log_comm_stats=log_comm_stats,
-            comm_hook=comm_hook,
-            comm_state=dict(comm_state) if isinstance(comm_state, Mapping) and comm_state else comm_state or None,
-            static_graph=static_graph,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_reentrant=activation_checkpointing_reentrant,
-            loss_normalization=loss_normalization,
-            nonfinite=nonfinite,
-            micro_batch_size=micro_batch_size,
-            async_checkpoint=async_checkpoint,
-            compile=compile,
-            exact_evaluation=exact_evaluation,
-            check_uneven_inputs=check_uneven_inputs,
-            ddp_kwargs=ddp_kwargs,
-        )
+        settings = from_arguments(DDPSettings, locals())
         if static_graph and not _compat.DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4
             raise RuntimeError("static_graph=True needs DistributedDataParallel._set_static_graph (torch>=2.4).")
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
+            **lightning_arguments(locals()),
+            process_group_backend=settings.process_group_backend,
+            timeout=settings.timeout,
+            start_method=settings.start_method,
             **settings.all_ddp_kwargs,
         )
         self._settings = settings

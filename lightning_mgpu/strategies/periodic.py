@@ -26,16 +26,28 @@ from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointin
 from lightning_mgpu.parts.periodic_sync import CHECKPOINT_KEY, PeriodicSync
 from lightning_mgpu.settings import (
     CommDtype,
+    CommonSettings,
     CompileSetting,
     DiLoCoSettings,
     LocalSGDSettings,
     StartMethod,
+    arguments_of,
+    document_options,
+    from_arguments,
+    lightning_arguments,
 )
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 
 __all__ = ["CHECKPOINT_KEY", "MGPUDiLoCoStrategy", "MGPULocalSGDStrategy"]
 
+_DDP_KEYWORDS = (
+    ":class:`~lightning_mgpu.MGPUDDPStrategy` arguments (``loss_normalization``, ``nonfinite``, ...) and "
+    "DistributedDataParallel's keywords; DDP's gradient options (``comm_hook``, ``static_graph``, "
+    "``micro_batch_size``) are refused, naming why."
+)
 
+
+@document_options(LocalSGDSettings, CommonSettings, var_keyword=_DDP_KEYWORDS)
 class MGPULocalSGDStrategy(MGPUDDPStrategy):
     """Local SGD: every rank steps its own optimizer on its own batches; every ``sync_every`` optimizer steps the
     ranks average their weights (one all-reduce of the weights instead of one of the gradients per step: about
@@ -49,12 +61,6 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
       the same number of ranks continues exactly; on another number, from the last synced weights (with a
       warning). ``checkpoint["state_dict"]`` is rank 0's own weights, as in mgpu_ddp.
     * Manual optimization is refused (what a period counts is one optimizer's steps); use mgpu_ddp.
-
-    Args:
-        sync_every: optimizer steps between two weight averages (H).
-        warmup_steps: optimizer steps with mgpu_ddp's gradient all-reduce before the periodic averaging starts.
-        comm_dtype: ``None``, ``"fp16"`` or ``"bf16"``: the dtype the weight changes since the last sync are
-            averaged in (half the bytes; the weights themselves stay in their dtype).
 
     The other arguments (``process_group_backend``, ``timeout``, ``start_method``, ``log_comm_stats``, activation
     checkpointing, ``compile``, ``exact_evaluation``, ``check_uneven_inputs``, ``checkpoint_io`` and
@@ -100,22 +106,11 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         check_uneven_inputs: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
-        settings = LocalSGDSettings(sync_every=sync_every, warmup_steps=warmup_steps, comm_dtype=comm_dtype)
+        arguments = dict(locals())
+        settings = from_arguments(LocalSGDSettings, arguments)
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            log_comm_stats=log_comm_stats,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_reentrant=activation_checkpointing_reentrant,
-            compile=compile,
-            exact_evaluation=exact_evaluation,
-            check_uneven_inputs=check_uneven_inputs,
+            **lightning_arguments(arguments),
+            **arguments_of(CommonSettings, arguments),
             **LocalSGDSettings.ddp_kwargs(type(self).__name__, ddp_kwargs),
         )
         self._periodic = self._runtime.sync_periodically(settings)
@@ -137,6 +132,7 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         return f"{type(self).__name__}(sync_every={s.sync_every}, start_method={self.launch_settings.start_method!r})"
 
 
+@document_options(DiLoCoSettings, CommonSettings, var_keyword=_DDP_KEYWORDS)
 class MGPUDiLoCoStrategy(MGPUDDPStrategy):
     """DiLoCo (the DiLoCo paper; torchft's ``DiLoCo``): ``sync_every`` inner optimizer steps on each rank (the
     LightningModule's own optimizer, AdamW in the paper), then an outer SGD step with Nesterov momentum on the last
@@ -146,13 +142,6 @@ class MGPUDiLoCoStrategy(MGPUDDPStrategy):
     (measured by :attr:`comm_stats`). With ``outer_lr=1, outer_momentum=0, nesterov=False`` it is local SGD;
     at ``sync_every=1`` with an SGD inner optimizer that equals mgpu_ddp to rounding. Checkpoints hold the outer
     optimizer's state too; everything else is as :class:`MGPULocalSGDStrategy`.
-
-    Args:
-        sync_every: inner optimizer steps between outer steps (H; the DiLoCo paper uses hundreds).
-        outer_lr: learning rate of the outer SGD (0.7 in the DiLoCo paper).
-        outer_momentum: its momentum, in ``[0, 1)`` (0.9).
-        nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
-        warmup_steps: as :class:`MGPULocalSGDStrategy`; the other arguments too.
 
     Example (on 8 GPUs: ``Trainer(accelerator="gpu", devices=8, strategy=strategy)``):
 
@@ -195,29 +184,11 @@ class MGPUDiLoCoStrategy(MGPUDDPStrategy):
         check_uneven_inputs: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
-        settings = DiLoCoSettings(
-            sync_every=sync_every,
-            warmup_steps=warmup_steps,
-            comm_dtype=comm_dtype,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            nesterov=nesterov,
-        )
+        arguments = dict(locals())
+        settings = from_arguments(DiLoCoSettings, arguments)
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            log_comm_stats=log_comm_stats,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_reentrant=activation_checkpointing_reentrant,
-            compile=compile,
-            exact_evaluation=exact_evaluation,
-            check_uneven_inputs=check_uneven_inputs,
+            **lightning_arguments(arguments),
+            **arguments_of(CommonSettings, arguments),
             **LocalSGDSettings.ddp_kwargs(type(self).__name__, ddp_kwargs),
         )
         self._periodic = self._runtime.sync_periodically(settings)

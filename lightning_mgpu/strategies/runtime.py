@@ -291,11 +291,11 @@ class Runtime:
             return
         check_manual_accumulation(trainer, model)
         self.compilation.check(model, type(self.strategy).__name__, self.sharded_choices)
+        if self.periodic is not None:
+            self._check_periodic(model)
         if self.ddp is not None:
             sync_batchnorm = _compat.strategy_layer_sync(self.strategy) is not None
             self.ddp.check_model(model, self.device_type(), sync_batchnorm, self.ddp.micro)
-        if self.periodic is not None:
-            self._check_periodic(model)
         if self._check_model is not None:
             self._check_model(trainer, model)
         self.checkpointing.check(model)  # a policy that matches nothing fails here

@@ -83,6 +83,9 @@ from lightning_mgpu.settings import (
     ShardedSettings,
     Stage,
     StartMethod,
+    document_options,
+    from_arguments,
+    lightning_arguments,
     split_ddp_kwargs,
 )
 from lightning_mgpu.strategies.runtime import Runtime
@@ -125,6 +128,12 @@ _METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint (Lightning'
 _OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
 
 
+@document_options(
+    ShardedSettings,
+    DDPSettings,
+    var_keyword=":class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP keyword "
+    "arguments apply to stage 1 and fairscale stage 1 only.",
+)
 class MGPUShardedStrategy(ParallelStrategy):
     """Sharded data-parallel training (ZeRO), torch-native by default, on CPU (gloo) and CUDA (NCCL).
 
@@ -151,35 +160,6 @@ class MGPUShardedStrategy(ParallelStrategy):
     sharded directory is written under a hidden name and swapped in only after every rank has written and rank
     0 has added its completion marker; loading a directory without the marker raises
     :class:`~lightning_mgpu.IncompleteCheckpointError`.
-
-    Args:
-        stage: 1, 2 or 3 (see above).
-        backend: ``"torch"`` or ``"fairscale"`` (optional extra: ``pip install 'lightning-mgpu[fairscale]'``;
-            stages 1 and 2).
-        checkpoint: ``"consolidated"`` or ``"sharded"``: the layout written.
-        wrap_modules: stages 2/3 torch: module classes that each become an FSDP unit (gathered one at a
-            time). Default: transformer layers if the model has any, else each direct child with parameters.
-        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (as for ``mgpu_ddp``).
-        loss_normalization: ``"tokens"``: the gradient of the mean over every token of the step (as for
-            ``mgpu_ddp``).
-        nonfinite: ``"error"``: every rank raises the same error on a NaN/Inf gradient (as for ``mgpu_ddp``).
-        micro_batch_size: stage 1 only: as for :class:`~lightning_mgpu.MGPUDDPStrategy`.
-        mesh: stages 2/3 torch: ``"flat"`` (shard over all ranks) or ``"hybrid"`` (HSDP: shard within each
-            group of ``shard_size`` ranks, by default the processes of one machine, and replicate across groups).
-        shard_size: ``mesh="hybrid"``: ranks per shard group (None: world size / ``num_nodes``).
-        async_checkpoint: stage checkpoints saved during fit off the live tensors and write them in the
-            background (either layout; a sharded directory is marked complete once every rank's part is written).
-        compile: ``True`` or a dict of :func:`torch.compile` keyword arguments: stages 2/3 compile each FSDP unit's
-            block in place after sharding, stage 1 the LightningModule's ``forward`` after the DDP wrap (as
-            :class:`~lightning_mgpu.MGPUDDPStrategy`).
-        exact_evaluation: every evaluation sample once, as many batches on every rank (as for ``mgpu_ddp``); an
-            evaluation loop whose ranks could still run different numbers of batches (a sampler of your own, an
-            iterable dataset) does the forward's collective once for the loop, so it cannot hang (stages 2 and 3:
-            the parameters gathered once, every rank then holds the whole model during that loop; fairscale: the
-            buffers broadcast once).
-        check_uneven_inputs: uneven training inputs raise on every rank instead of hanging (as for ``mgpu_ddp``).
-        **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
-            keyword arguments apply to stage 1 and fairscale stage 1 only.
 
     Example (``Trainer(strategy="mgpu_zero3")`` is the same with the consolidated layout):
 
@@ -228,63 +208,29 @@ class MGPUShardedStrategy(ParallelStrategy):
         compile: CompileSetting = False,
         **ddp_kwargs: Any,
     ) -> None:
-        sharded = ShardedSettings(
-            stage=stage,
-            backend=backend,
-            checkpoint=checkpoint,
-            wrap_modules=wrap_modules,  # type: ignore[arg-type]  # a sequence or one class: the settings normalise it
-            micro_batch_size=micro_batch_size,
-            mesh=mesh,
-            shard_size=shard_size,
-        )
+        arguments = dict(locals())
+        sharded = from_arguments(ShardedSettings, arguments)
         own = [name for name in inspect.signature(MGPUShardedStrategy.__init__).parameters if name != "self"]
         ddp_kwargs = split_ddp_kwargs("MGPUShardedStrategy", ddp_kwargs, own[:-1])  # all but **ddp_kwargs
-        ddp_only: dict[str, Any] = {
+        ddp_only = {
             "comm_hook": comm_hook,
             "static_graph": static_graph,
             "find_unused_parameters": find_unused_parameters,
         }
         sharded.check_ddp_settings({**ddp_only, **ddp_kwargs})
-        common: dict[str, Any] = {
-            "process_group_backend": process_group_backend,
-            "timeout": timeout,
-            "start_method": start_method,
-            "log_comm_stats": log_comm_stats,
-            "activation_checkpointing": activation_checkpointing,
-            "activation_checkpointing_reentrant": activation_checkpointing_reentrant,
-            "loss_normalization": loss_normalization,
-            "nonfinite": nonfinite,
-            "async_checkpoint": async_checkpoint,
-            "micro_batch_size": micro_batch_size,
-            "compile": compile,
-            "exact_evaluation": exact_evaluation,
-            "check_uneven_inputs": check_uneven_inputs,
-        }
         # stage 1 trains a DistributedDataParallel model: its settings are mgpu_ddp's
         settings: CommonSettings = (
-            DDPSettings(
-                **common,
-                **ddp_only,
-                comm_state=dict(comm_state) if isinstance(comm_state, Mapping) and comm_state else comm_state or None,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                ddp_kwargs=ddp_kwargs,
-            )
+            from_arguments(DDPSettings, arguments, ddp_kwargs=ddp_kwargs)
             if sharded.uses_ddp
-            else CommonSettings(**common)
+            else from_arguments(CommonSettings, arguments)
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(**lightning_arguments(arguments))
         self._node_count = 1
         self._common = settings
         self._sharded_settings = sharded
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
-        self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.wrap_modules, sharded.mesh_shape)
+        self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.unit_classes, sharded.mesh_shape)
         self._loaded_sharded = False
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
         self._gathered_for_evaluation = False  # an evaluation loop runs with its forward's collective done once
@@ -720,7 +666,7 @@ class MGPUShardedStrategy(ParallelStrategy):
     def _check_model(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
         """The sharded strategy's checks of the model before launch (fitting only; stage 1's DDP part checks its
         own before, in the runtime)."""
-        wrap = self._sharded_settings.wrap_modules
+        wrap = self._sharded_settings.unit_classes
         if wrap is not None and not any(isinstance(m, wrap) for m in model.modules()):
             # FSDP2 would silently make the whole model one unit (all parameters gathered at once)
             names = [c.__name__ for c in wrap]
@@ -791,7 +737,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         sharded = self._sharding.shard_model(module, mesh, policy)
         if sharded is not None:
             self.model = sharded
-        self._runtime.compilation.compile_blocks(module, self._sharded_settings.wrap_modules)  # after sharding
+        self._runtime.compilation.compile_blocks(module, self._sharded_settings.unit_classes)  # after sharding
         assert self.model is not None
         self._runtime.ledger.start(self.model, self.world_size, self._sharding.mesh_shape)
 

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from pytorch_lightning.strategies import DDPStrategy, ParallelStrategy
 
 from lightning_mgpu import (
