@@ -14,9 +14,9 @@ from pytorch_lightning.accelerators import AcceleratorRegistry
 from pytorch_lightning.strategies import StrategyRegistry
 
 from lightning_mgpu.strategies.auto import MGPUAutoStrategy
-from lightning_mgpu.strategies.base import set_notebook_advice
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.periodic import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
+from lightning_mgpu.strategies.runtime import set_notebook_advice
 from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
 _LAUNCH = {

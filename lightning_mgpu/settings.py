@@ -14,14 +14,19 @@ Example::
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
+import importlib
 import importlib.util
 import inspect
 import multiprocessing
-from collections.abc import Iterable, Mapping
+import textwrap
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, TypeVar, Union, cast
 
 import torch
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -30,7 +35,108 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu.comm import check_comm_hook
 from lightning_mgpu.mesh import ParallelDims
-from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, validate_policy
+
+# --- activation checkpointing: which blocks (applied by lightning_mgpu/parts/activation_checkpointing.py) -------------
+
+
+@dataclass(frozen=True)
+class EveryNth:
+    """Checkpoint every ``n``-th block (positions 0, n, 2n, ...) of a ``nn.Sequential`` / ``nn.ModuleList``.
+
+    Example:
+
+        >>> from torch import nn
+        >>> from lightning_mgpu import EveryNth, apply_activation_checkpointing
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.stem = nn.Linear(4, 4)
+        ...         self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(5))
+        >>> apply_activation_checkpointing(Net(), EveryNth(2, container="blocks"))
+        ['blocks.0', 'blocks.2', 'blocks.4']
+
+    In a LightningCLI YAML::
+
+        strategy:
+          class_path: lightning_mgpu.MGPUDDPStrategy
+          init_args:
+            activation_checkpointing: {class_path: lightning_mgpu.EveryNth, init_args: {n: 2, container: blocks}}
+    """
+
+    n: int
+    """1 checkpoints every block; 2 every other block (half the activations freed, half the recompute)."""
+    container: Optional[str] = None
+    """Dotted name of the container (``"encoder.layers"``); default: the outermost Sequential/ModuleList
+    containers of the model (not ones nested inside another)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"EveryNth(n={self.n!r}): n must be a positive int, e.g. EveryNth(2).")
+        if self.container is not None and not isinstance(self.container, str):
+            raise TypeError(f"EveryNth(container={self.container!r}) must be a dotted module name such as 'blocks'.")
+
+
+ActivationCheckpointingPolicy = Union[
+    type[nn.Module],
+    str,
+    Iterable[Union[type[nn.Module], str]],
+    EveryNth,
+    Callable[[nn.Module], bool],
+]
+"""Which modules to checkpoint: module classes, class names (``"TransformerEncoderLayer"`` or a dotted path
+``"torch.nn.TransformerEncoderLayer"``, for YAML), a set/list of those, :class:`EveryNth`, or a callable
+``(module) -> bool``. Only the outermost match is checkpointed (a match inside a checkpointed block is
+recomputed with it anyway)."""
+
+
+def import_policy_class(path: str) -> type[nn.Module]:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"activation_checkpointing: cannot import {path!r} ({err}). Give an importable class path such as "
+            f"'torch.nn.TransformerEncoderLayer', or the bare class name ('TransformerEncoderLayer')."
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"activation_checkpointing: {path!r} is {cls!r}, not an nn.Module class.")
+    return cls
+
+
+def validate_policy(policy: Any) -> None:
+    """Check a policy's form without a model (at strategy construction): types, ``n``, importable paths."""
+    if policy is None or isinstance(policy, EveryNth) or (isinstance(policy, type) and issubclass(policy, nn.Module)):
+        return
+    if isinstance(policy, str):
+        if "." in policy:
+            import_policy_class(policy)
+        elif not policy:
+            raise ValueError("activation_checkpointing: an empty class name was given.")
+        return
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        if not policy:
+            raise ValueError(
+                f"activation_checkpointing={policy!r} is an empty collection: it would checkpoint nothing. Pass None "
+                f"to turn checkpointing off, or name module classes, e.g. ['TransformerEncoderLayer']."
+            )
+        for item in policy:
+            if isinstance(item, (list, tuple, set, frozenset, EveryNth)) or not (
+                isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))
+            ):
+                raise TypeError(
+                    f"activation_checkpointing: {item!r} in {policy!r} is not a module class or class name. A "
+                    f"collection holds nn.Module classes or their names, e.g. "
+                    f"[nn.TransformerEncoderLayer, 'ConvBlock']."
+                )
+            validate_policy(item)
+        return
+    if callable(policy):
+        return
+    raise TypeError(
+        f"activation_checkpointing={policy!r} is not a policy. Pass module classes or class names "
+        f"({{nn.TransformerEncoderLayer, 'ConvBlock'}}), EveryNth(n), or a callable (module) -> bool."
+    )
+
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 CommHookName = Literal["fp16", "bf16", "powersgd", "batched_powersgd"]
@@ -44,6 +150,9 @@ MicroBatchSetting = Union[int, Literal["auto"]]
 CompileSetting = Union[bool, dict[str, Any]]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+#: the strategies the planner (and mgpu_auto) can choose, fastest first
+#: (see :data:`lightning_mgpu.planning.candidates.ORDER`)
+STRATEGIES: tuple[str, ...] = ("mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_hsdp", "mgpu_zero3")
 BACKENDS = ("torch", "fairscale")
 LAYOUTS = ("consolidated", "sharded")
 MESHES = ("flat", "hybrid")
@@ -159,15 +268,19 @@ class CommonSettings:
     checkpointing."""
 
     start_method: StartMethod = "popen"
-    """``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``."""
+    """``"popen"`` (re-run the script per rank; scripts, torchrun, SLURM), ``"spawn"``, ``"fork"`` (notebooks; CPU
+    or before CUDA is initialised) or ``"forkserver"``."""
     process_group_backend: Optional[str] = None
-    """``"gloo"``, ``"nccl"``, ...; ``None``: gloo on CPU, nccl on CUDA."""
+    """``"gloo"``, ``"nccl"``; ``None``: gloo on CPU, nccl on CUDA."""
     timeout: Optional[timedelta] = default_pg_timeout
-    """How long a collective waits for the other ranks (a :class:`datetime.timedelta`)."""
+    """How long a collective waits for the other ranks, a :class:`datetime.timedelta`."""
     log_comm_stats: bool = True
-    """Log the ledger's ``comm/*`` metrics through the Trainer's loggers."""
+    """Log the ledger's ``comm/*`` metrics through the Trainer's loggers (every ``log_every_n_steps`` optimizer
+    steps)."""
     activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None
-    """Which blocks to checkpoint (see :func:`lightning_mgpu.apply_activation_checkpointing`)."""
+    """Which blocks to checkpoint (free activations in forward, recompute them in backward), BatchNorm-safe: module
+    classes, class names (for YAML), :class:`~lightning_mgpu.EveryNth` or a callable ``(module) -> bool``; see
+    :func:`lightning_mgpu.apply_activation_checkpointing`. Checked against the model before any process starts."""
     activation_checkpointing_reentrant: bool = False
     """Use torch's reentrant checkpointing instead of the non-reentrant default."""
     loss_normalization: Optional[LossNormalization] = None
@@ -179,15 +292,21 @@ class CommonSettings:
     the rank and parameter (one small all-reduce per step); under the fp16 scaler every rank skips the step
     instead. ``None``: no check."""
     micro_batch_size: Optional[MicroBatchSetting] = None
-    """Split each loader batch into micro-batches of this many rows and accumulate them, backing off on
-    out-of-memory errors (``lightning_mgpu/parts/micro_batching.py``); ``"auto"``: the largest that fits."""
+    """Split each loader batch into micro-batches of this many rows and accumulate them (the gradient stays the
+    whole batch's); ``"auto"``: the largest that fits. An out-of-memory error on any rank makes every rank redo the
+    step at half the size (see :doc:`/guides/planning`). Automatic optimization only; the gradients are then
+    averaged once after the last micro-batch (``lightning_mgpu/parts/micro_batching.py``)."""
     async_checkpoint: bool = False
-    """Checkpoints saved during fit are copied off the live tensors (to pinned CPU memory on GPU) and written in a
-    background thread; training goes on as soon as the copy is made (``lightning_mgpu/plugins/async_checkpoint.py``)."""
+    """Save checkpoints during fit without stopping training: the state is copied off the live tensors (pinned CPU
+    memory on GPU) and written in a background thread, one write at a time; a failed write raises on every rank at
+    the next save or at the end of fit, which waits for the last write (the sharded layout marks a directory
+    complete once every rank's part is written). See the reliability guide."""
     compile: CompileSetting = False
-    """``True`` or a dict of :func:`torch.compile` keyword arguments: compile the model once it is wrapped or
-    sharded, in place (state-dict keys unchanged): the LightningModule's ``forward`` under DDP, each FSDP unit's
-    block under the sharded stages 2/3 (``lightning_mgpu/parts/compilation.py``). ``False``: eager."""
+    """``True`` or a dict of :func:`torch.compile` keyword arguments (``{"mode": "max-autotune"}``): compile the
+    model in place once it is wrapped or sharded (state-dict keys unchanged): the LightningModule's ``forward``
+    after the DDP wrap, each FSDP unit's block under the sharded stages 2/3 (see the compilation guide). A model
+    compiled with ``torch.compile`` before ``Trainer.fit`` is refused with it; without it, such a model trains as
+    under Lightning's DDP. ``False``: eager."""
 
     exact_evaluation: bool = True
     """Validate, test and predict see every sample once, with the same number of batches on every rank (no padded
@@ -248,19 +367,28 @@ class DDPSettings(CommonSettings):
     """Settings of :class:`~lightning_mgpu.MGPUDDPStrategy` (and of stage 1 of the sharded strategy)."""
 
     comm_hook: Optional[CommHookName] = None
-    """``None`` (plain averaging all-reduce), ``"fp16"``, ``"bf16"``, ``"powersgd"`` or ``"batched_powersgd"``."""
+    """``None`` (plain averaging all-reduce), ``"fp16"``, ``"bf16"`` (NCCL only), ``"powersgd"`` or
+    ``"batched_powersgd"``; registered on every device type, and a hook the backend cannot run is refused at
+    ``Trainer(...)`` construction (the sharded strategy: stage 1 only)."""
     comm_state: Optional[dict[str, Any]] = None
-    """Keyword arguments of the hook's state, e.g. ``{"matrix_approximation_rank": 2}`` for PowerSGD."""
+    """Keyword arguments for the hook's state, e.g. ``{"matrix_approximation_rank": 2}`` for PowerSGD (defaults:
+    rank 1, compression from the 2nd synchronisation)."""
     static_graph: bool = False
-    """Tell DDP the graph is the same every iteration."""
+    """Tell DDP the graph is the same every iteration (faster; see torch's DDP docs); works with
+    ``accumulate_grad_batches``."""
     find_unused_parameters: bool = False
-    """DDP's flag; costs a graph traversal per step."""
+    """DDP's flag; costs a graph traversal per step, leave off unless needed."""
     gradient_as_bucket_view: bool = True
-    """Gradients are views into DDP's all-reduce buckets."""
+    """DDP's flag, on by default here (off in torch): gradients are views into the all-reduce buckets, which saves
+    one gradient-sized buffer and one copy per step, and lets the ledger count plain all-reduce from the buckets
+    without a Python comm hook. Set it to False if your code replaces ``param.grad`` tensors or calls ``detach_()``
+    on them (the ledger then counts through a Python hook, one extra pass over the gradients per step)."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments of :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``...)."""
 
     def __post_init__(self) -> None:
+        state = self.comm_state  # a mapping (LightningCLI gives a dict) as a plain dict; an empty one: none
+        object.__setattr__(self, "comm_state", dict(state) if isinstance(state, Mapping) and state else state or None)
         replaced = sorted(set(self.ddp_kwargs) & set(REPLACED_KWARGS))
         if replaced:
             hints = "; ".join(f"{k} -> {REPLACED_KWARGS[k]}" for k in replaced)
@@ -372,6 +500,7 @@ class DiLoCoSettings(LocalSGDSettings):
     steps the last synced weights along the averaged difference every ``sync_every`` inner steps."""
 
     sync_every: int = 32
+    """H: inner optimizer steps between outer steps (the DiLoCo paper uses hundreds)."""
     outer_lr: float = 0.7
     """Learning rate of the outer SGD (the DiLoCo paper's 0.7)."""
     outer_momentum: float = 0.9
@@ -393,6 +522,108 @@ class DiLoCoSettings(LocalSGDSettings):
                 "nesterov=True needs outer_momentum > 0 (Nesterov momentum without momentum is undefined in torch's "
                 "SGD). Pass nesterov=False with outer_momentum=0, or an outer_momentum such as 0.9."
             )
+
+
+# --- the strategies' keywords: each option declared once, as a field above ------------------------------------------
+
+LIGHTNING_KEYWORDS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
+"""The keywords of every mgpu strategy that are Lightning's: what the Trainer hands the strategy."""
+
+_LIGHTNING_DOCS = {
+    "accelerator": "Lightning's accelerator (the Trainer sets it).",
+    "parallel_devices": "the devices, one per process (the Trainer sets them).",
+    "cluster_environment": "Lightning's cluster environment (the Trainer chooses it).",
+    "checkpoint_io": "how checkpoint files are written; default :class:`~lightning_mgpu.AtomicCheckpointIO`. A "
+    "plugin you pass is used as it is (atomic saves are then up to it).",
+    "precision_plugin": "Lightning's precision plugin (``Trainer(precision=...)`` sets it).",
+}
+
+S = TypeVar("S")
+
+
+def from_arguments(settings: type[S], arguments: Mapping[str, Any], **given: Any) -> S:
+    """``settings`` built from a strategy constructor's arguments (its ``locals()``): each field from the argument
+    of the same name, ``given`` overriding. The constructor restates no option."""
+    names = {f.name for f in fields(cast(Any, settings)) if f.init}
+    return settings(**{**{k: v for k, v in arguments.items() if k in names}, **given})
+
+
+def arguments_of(settings: type, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments (of ``arguments``, a constructor's ``locals()``) that are fields of ``settings``, as keywords
+    to hand on to another constructor."""
+    names = {f.name for f in fields(settings) if f.init}
+    return {k: v for k, v in arguments.items() if k in names}
+
+
+def lightning_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """Lightning's keywords (:data:`LIGHTNING_KEYWORDS`) of a strategy constructor's ``locals()``."""
+    return {k: arguments[k] for k in LIGHTNING_KEYWORDS if k in arguments}
+
+
+@functools.cache
+def _field_docs() -> dict[str, dict[str, str]]:
+    """Class name -> field -> the docstring under the field, read from this module's source."""
+    docs: dict[str, dict[str, str]] = {}
+    for node in ast.parse(Path(__file__).read_text()).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        mine = docs.setdefault(node.name, {})
+        for field_node, doc in zip(node.body, node.body[1:]):
+            if (
+                isinstance(field_node, ast.AnnAssign)
+                and isinstance(field_node.target, ast.Name)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)
+            ):
+                mine[field_node.target.id] = inspect.cleandoc(doc.value.value)
+    return docs
+
+
+def option_doc(name: str, settings: Iterable[type]) -> Optional[str]:
+    """The docstring of option ``name``: that of its field in the first of ``settings`` (or their bases) that
+    documents it."""
+    for cls in settings:
+        for klass in cls.__mro__:
+            doc = _field_docs().get(klass.__name__, {}).get(name)
+            if doc is not None:
+                return doc
+    return None
+
+
+def document_options(*settings: type, var_keyword: str) -> Callable[[type[S]], type[S]]:
+    """Class decorator of a strategy: its docstring's ``Args:`` section, one entry per keyword of its ``__init__``
+    (what LightningCLI's ``--help`` prints), each the docstring of the settings field that keyword sets (from the
+    first of ``settings`` that documents it), Lightning's plugins, and ``var_keyword`` for ``**kwargs``. A keyword
+    without a documented field fails here, at import."""
+
+    def decorate(cls: type[S]) -> type[S]:
+        entries = []
+        for name, parameter in inspect.signature(cast(Any, cls).__init__).parameters.items():
+            if name == "self":
+                continue
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                name, doc = f"**{name}", var_keyword
+            else:
+                found = _LIGHTNING_DOCS.get(name) or option_doc(name, settings)
+                if found is None:
+                    raise TypeError(f"{cls.__name__}.__init__({name}=...): no settings field documents it.")
+                doc = found
+            text = " ".join(doc.split())
+            entries.append(
+                textwrap.fill(
+                    text,
+                    116,
+                    initial_indent=f"        {name}: ",
+                    subsequent_indent=" " * 12,
+                    break_on_hyphens=False,
+                    break_long_words=False,
+                )
+            )
+        cls.__doc__ = f"{cls.__doc__ or ''}\n\n    Args:\n" + "\n".join(entries) + "\n"
+        return cls
+
+    return decorate
 
 
 def split_ddp_kwargs(owner: str, kwargs: Mapping[str, Any], own: Iterable[str]) -> dict[str, Any]:
@@ -423,11 +654,14 @@ class ShardedSettings:
     stage: Stage = 2
     """1: optimizer state sharded; 2: + gradients; 3: + parameters."""
     backend: Backend = "torch"
-    """``"torch"`` (ZeroRedundancyOptimizer / FSDP2) or ``"fairscale"`` (OSS / ShardedDataParallel)."""
+    """``"torch"`` (ZeroRedundancyOptimizer / FSDP2) or ``"fairscale"`` (OSS / ShardedDataParallel; optional
+    extra: ``pip install 'lightning-mgpu[fairscale]'``; stages 1 and 2)."""
     checkpoint: CheckpointLayout = "consolidated"
     """``"consolidated"`` (one file, gathered on rank 0) or ``"sharded"`` (a DCP directory)."""
-    wrap_modules: Optional[tuple[type[nn.Module], ...]] = None
-    """Stages 2/3 torch: module classes that each become an FSDP unit; a single class is taken as ``[cls]``."""
+    wrap_modules: Optional[Sequence[type[nn.Module]]] = None
+    """Stages 2/3 torch: module classes that each become an FSDP unit (gathered one at a time); a single class is
+    taken as ``[cls]``. Default: transformer layers if the model has any, else each direct child with
+    parameters."""
     micro_batch_size: Optional[MicroBatchSetting] = None
     """Stage 1 only (as for :class:`~lightning_mgpu.MGPUDDPStrategy`); checked with the launch settings."""
     mesh: MeshLayout = "flat"
@@ -527,6 +761,11 @@ class ShardedSettings:
         return ParallelDims.hybrid(world_size, num_nodes, self.shard_size)
 
     @property
+    def unit_classes(self) -> Optional[tuple[type[nn.Module], ...]]:
+        """``wrap_modules`` as the tuple it is normalised to (for ``isinstance``)."""
+        return tuple(self.wrap_modules) if self.wrap_modules is not None else None
+
+    @property
     def uses_ddp(self) -> bool:
         """Stage 1 (either backend): the model is wrapped in torch's DistributedDataParallel."""
         return self.stage == 1
@@ -553,20 +792,19 @@ class AutoSettings:
     """What :class:`~lightning_mgpu.MGPUAutoStrategy` plans with (its common options are the strategies' own)."""
 
     device_memory: Optional[Union[str, int]] = None
-    """The memory of one device (bytes or ``"80GiB"``); ``None``: the device's own (on CPU: the machine's available
-    memory shared by the processes on it)."""
+    """The memory of one device, bytes or e.g. ``"8GiB"``; ``None``: on CUDA the device's total memory, on CPU
+    the machine's available memory divided by the processes on it."""
     headroom: float = 0.10
     """The fraction of ``device_memory`` kept free."""
-    strategies: Optional[tuple[str, ...]] = None
-    """The candidates, in the planner's order; ``None``: every strategy the planner knows."""
+    strategies: Optional[Sequence[str]] = None
+    """The candidates, in the planner's order; ``None``: every strategy the planner knows. Manual optimization
+    keeps mgpu_ddp."""
     micro_batch_size: Optional[MicroBatchSetting] = None
-    """Given: only the strategies that micro-batch (mgpu_ddp, mgpu_zero1) are candidates."""
+    """Passed to the chosen strategy (see :class:`~lightning_mgpu.MGPUDDPStrategy`); given, only the strategies
+    that micro-batch (mgpu_ddp, mgpu_zero1) are candidates."""
 
     def __post_init__(self) -> None:
-        from lightning_mgpu.planning.request import STRATEGIES, parse_memory
-
-        if self.device_memory is not None:
-            parse_memory(self.device_memory)  # a bad size is refused here, naming it
+        # device_memory is parsed by the planner's memory-size parser, in the strategy (settings import no planner)
         h = self.headroom
         if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
             raise ValueError(f"headroom={h!r} must be a fraction in [0, 1), e.g. headroom=0.1 for 10%.")

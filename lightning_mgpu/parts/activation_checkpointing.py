@@ -28,10 +28,8 @@ Example::
 from __future__ import annotations
 
 import functools
-import importlib
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -42,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_mgpu import comm
 from lightning_mgpu._compat import check_norm_input_dim, tensor_version
 from lightning_mgpu.comm import group_is_up
+from lightning_mgpu.settings import ActivationCheckpointingPolicy, EveryNth, import_policy_class, validate_policy
 
 # torch's public normalisation layers with running statistics (their common bases _BatchNorm/_InstanceNorm are
 # private; a lazy layer becomes its plain class once initialised)
@@ -65,105 +64,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class EveryNth:
-    """Checkpoint every ``n``-th block (positions 0, n, 2n, ...) of a ``nn.Sequential`` / ``nn.ModuleList``.
-
-    Example:
-
-        >>> from torch import nn
-        >>> from lightning_mgpu import EveryNth, apply_activation_checkpointing
-        >>> class Net(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.stem = nn.Linear(4, 4)
-        ...         self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(5))
-        >>> apply_activation_checkpointing(Net(), EveryNth(2, container="blocks"))
-        ['blocks.0', 'blocks.2', 'blocks.4']
-
-    In a LightningCLI YAML::
-
-        strategy:
-          class_path: lightning_mgpu.MGPUDDPStrategy
-          init_args:
-            activation_checkpointing: {class_path: lightning_mgpu.EveryNth, init_args: {n: 2, container: blocks}}
-    """
-
-    n: int
-    """1 checkpoints every block; 2 every other block (half the activations freed, half the recompute)."""
-    container: Optional[str] = None
-    """Dotted name of the container (``"encoder.layers"``); default: the outermost Sequential/ModuleList
-    containers of the model (not ones nested inside another)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"EveryNth(n={self.n!r}): n must be a positive int, e.g. EveryNth(2).")
-        if self.container is not None and not isinstance(self.container, str):
-            raise TypeError(f"EveryNth(container={self.container!r}) must be a dotted module name such as 'blocks'.")
-
-
-ActivationCheckpointingPolicy = Union[
-    type[nn.Module],
-    str,
-    Iterable[Union[type[nn.Module], str]],
-    EveryNth,
-    Callable[[nn.Module], bool],
-]
-"""Which modules to checkpoint: module classes, class names (``"TransformerEncoderLayer"`` or a dotted path
-``"torch.nn.TransformerEncoderLayer"``, for YAML), a set/list of those, :class:`EveryNth`, or a callable
-``(module) -> bool``. Only the outermost match is checkpointed (a match inside a checkpointed block is
-recomputed with it anyway)."""
-
-
-def _import_class(path: str) -> type[nn.Module]:
-    module_name, _, attr = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(
-            f"activation_checkpointing: cannot import {path!r} ({err}). Give an importable class path such as "
-            f"'torch.nn.TransformerEncoderLayer', or the bare class name ('TransformerEncoderLayer')."
-        ) from None
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"activation_checkpointing: {path!r} is {cls!r}, not an nn.Module class.")
-    return cls
-
-
-def validate_policy(policy: Any) -> None:
-    """Check a policy's form without a model (at strategy construction): types, ``n``, importable paths."""
-    if policy is None or isinstance(policy, EveryNth) or (isinstance(policy, type) and issubclass(policy, nn.Module)):
-        return
-    if isinstance(policy, str):
-        if "." in policy:
-            _import_class(policy)
-        elif not policy:
-            raise ValueError("activation_checkpointing: an empty class name was given.")
-        return
-    if isinstance(policy, (list, tuple, set, frozenset)):
-        if not policy:
-            raise ValueError(
-                f"activation_checkpointing={policy!r} is an empty collection: it would checkpoint nothing. Pass None "
-                f"to turn checkpointing off, or name module classes, e.g. ['TransformerEncoderLayer']."
-            )
-        for item in policy:
-            if isinstance(item, (list, tuple, set, frozenset, EveryNth)) or not (
-                isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))
-            ):
-                raise TypeError(
-                    f"activation_checkpointing: {item!r} in {policy!r} is not a module class or class name. A "
-                    f"collection holds nn.Module classes or their names, e.g. "
-                    f"[nn.TransformerEncoderLayer, 'ConvBlock']."
-                )
-            validate_policy(item)
-        return
-    if callable(policy):
-        return
-    raise TypeError(
-        f"activation_checkpointing={policy!r} is not a policy. Pass module classes or class names "
-        f"({{nn.TransformerEncoderLayer, 'ConvBlock'}}), EveryNth(n), or a callable (module) -> bool."
-    )
-
-
 def classes_present(model: nn.Module) -> list[str]:
     """The class names of ``model``'s modules, sorted (what an error about a module class lists as choices)."""
     return sorted({type(m).__name__ for m in model.modules()})
@@ -175,7 +75,7 @@ def _class_matcher(items: Iterable[Union[type[nn.Module], str]], model: nn.Modul
     present = {c.__name__ for m in model.modules() for c in type(m).__mro__}  # classes and their bases
     for item in items:
         if isinstance(item, str) and "." in item:
-            classes.append(_import_class(item))
+            classes.append(import_policy_class(item))
         elif isinstance(item, str):
             if item not in present:
                 raise ValueError(

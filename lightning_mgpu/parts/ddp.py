@@ -5,6 +5,8 @@ errors it raises. Used by ``mgpu_ddp`` (and its periodic-sync family) and by ``M
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Optional
 
 import torch
@@ -15,12 +17,15 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import enable_static_graph
 from lightning_mgpu.comm import CommStats, Ledger, allreduce_gradients, register_comm_hook
+from lightning_mgpu.parts.accumulation import DDPSyncControl, ManualGradientSync
 from lightning_mgpu.parts.micro_batching import MicroBatching, agree_across_ranks
 from lightning_mgpu.settings import DDPSettings
 
 
 class DDPWrapping:
-    """What the DDP family does to torch's ``DistributedDataParallel`` after Lightning built it.
+    """Everything the pack does with torch's ``DistributedDataParallel``, and its state: the wrap, the comm hook
+    (and its state), the micro-batching state, the manual-optimization gradient sync and the ``no_sync`` control.
+    ``mgpu_ddp`` (and its periodic-sync family) and ``MGPUShardedStrategy(stage=1)`` hold one each.
 
     Example::
 
@@ -30,6 +35,18 @@ class DDPWrapping:
 
     def __init__(self, settings: DDPSettings) -> None:
         self.settings = settings
+        self.micro: Optional[MicroBatching] = (
+            MicroBatching(settings.micro_batch_size) if settings.micro_batch_size is not None else None
+        )
+        """The micro-batching state (``micro_batch_size`` given): ``.size`` in use and ``.backoffs``; else None."""
+        self.manual = ManualGradientSync(settings.comm_hook, bucket_cap_mb=self.bucket_cap_mb)
+        self.hook_state: Any = None
+        """The registered comm hook's state (e.g. torch's ``PowerSGDState``), once registered."""
+        self._sync_control = DDPSyncControl()
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        return float(self.settings.ddp_kwargs.get("bucket_cap_mb") or 25.0)
 
     def wrap(self, module: nn.Module, device: torch.device) -> DistributedDataParallel:
         """``module`` in torch's DistributedDataParallel with the settings' keywords, built on the stream the
@@ -61,6 +78,49 @@ class DDPWrapping:
                 f"redo. Leave micro_batch_size=None and split the batch in training_step (with "
                 f"lightning_mgpu.ManualAccumulation), or use automatic optimization."
             )
+
+    def training_step(
+        self,
+        ddp: DistributedDataParallel,
+        step: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        manual: bool,
+        backward: Callable[[Any], Any],
+        accumulate_grad_batches: int,
+        stats: CommStats,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ) -> Any:
+        """One ``training_step`` of the DDP model: ``step(*args, **kwargs)`` runs the LightningModule's.
+
+        Manual optimization: DDP's reducer would sync every backward (and, without ``find_unused_parameters``,
+        wait forever for the toggled-off optimizer's gradients); it stays out of the whole step, and the step's
+        optimizer syncs what it needs (:attr:`manual`). ``micro_batch_size``: see :meth:`micro_batched_step`.
+        Otherwise static graph is switched on before the first synchronised forward."""
+        if manual:
+            self.broadcast_buffers(ddp, world_size)
+            with ddp.no_sync():
+                return step(*args, **kwargs)
+        if self.micro is None:
+            self.before_training_step(ddp)
+            return step(*args, **kwargs)
+        batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
+        return self.micro_batched_step(
+            self.micro,
+            ddp,
+            step=lambda micro: step(micro, *rest, **kwargs),
+            backward=backward,
+            batch=batch,
+            batch_idx=rest[0] if rest else None,
+            accumulate_grad_batches=accumulate_grad_batches,
+            stats=stats,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+        )
 
     def micro_batched_step(
         self,
@@ -138,8 +198,22 @@ class DDPWrapping:
         Plain all-reduce with bucket views is counted from the buckets, and manual optimization syncs outside
         DDP's reducer: neither needs a hook."""
         if self.settings.count_from_buckets or manual:
-            return None
-        return register_comm_hook(ddp, self.settings.comm_hook, self.settings.comm_state, ledger.stats)
+            self.hook_state = None
+        else:
+            self.hook_state = register_comm_hook(ddp, self.settings.comm_hook, self.settings.comm_state, ledger.stats)
+        return self.hook_state
+
+    def after_backward(self, ddp: DistributedDataParallel, ledger: Ledger, synced: bool) -> None:
+        """After a backward that all-reduced (``synced``): plain all-reduce with bucket views is counted from the
+        buckets (a micro-batched step counts its own all-reduce)."""
+        if self.settings.count_from_buckets and synced and self.micro is None:
+            ledger.record_buckets(ddp)
+
+    @contextmanager
+    def no_backward_sync(self, model: nn.Module) -> Generator[None, None, None]:
+        """Lightning's ``block_backward_sync``: the backwards of the micro-batches before the step do not sync."""
+        with self._sync_control.no_backward_sync(model, enabled=True):
+            yield
 
     def before_training_step(self, ddp: DistributedDataParallel) -> None:
         """Static graph: switched on just before the first synchronised forward (see ``_compat``)."""

@@ -37,6 +37,10 @@ from lightning_mgpu import comm
 from lightning_mgpu.comm import CommStats
 from lightning_mgpu.settings import DiLoCoSettings, LocalSGDSettings
 
+CHECKPOINT_KEY = "lightning_mgpu_periodic_sync"
+"""Where a checkpoint keeps the periodic-sync state: the last synced weights, the outer optimizer, the step within
+the period and every rank's own weights and inner optimizer states."""
+
 _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 BUCKET_BYTES = 25 * 1024 * 1024
 """Largest flat buffer one all-reduce of a sync carries (DDP's default bucket size)."""

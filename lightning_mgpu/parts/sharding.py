@@ -137,8 +137,9 @@ class ShardingBackend:
     def end_uneven_evaluation(self, model: nn.Module) -> None:
         """After that loop: back to the collective in every forward (FSDP2: the shards)."""
 
-    def mixed_precision_policy(self, plugin: Any) -> Any:
-        """FSDP2's ``MixedPrecisionPolicy`` from the precision plugin (master modes), or None."""
+    def mixed_precision_policy(self, policy: Any) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` (``policy``: the precision plugin's, in master modes), or None: only
+        FSDP2 takes one."""
         return None
 
     def shard_model(self, module: nn.Module, mesh: Any, mp_policy: Any = None) -> Optional[nn.Module]:
@@ -437,11 +438,9 @@ class FSDP2Backend(ShardingBackend):
         mesh = self._mesh
         return mesh.get_group(DATA_SHARD) if mesh is not None and mesh.ndim == 2 else group
 
-    def mixed_precision_policy(self, plugin: Any) -> Any:
-        from lightning_mgpu.plugins.precision import MGPUPrecision
-
+    def mixed_precision_policy(self, policy: Any) -> Any:
         # master modes: FSDP2's sharded FP32 parameters are the master copy, gathered in half for compute
-        return plugin.keep_masters_in_fsdp() if isinstance(plugin, MGPUPrecision) else None
+        return policy
 
     def shard_model(self, module: nn.Module, mesh: Any, mp_policy: Any = None) -> Optional[nn.Module]:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard

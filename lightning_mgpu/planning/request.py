@@ -6,10 +6,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from lightning_mgpu.settings import STRATEGIES
+
 __all__ = ["DEFAULT_PRECISIONS", "PRECISIONS", "STRATEGIES", "PlanError", "PlanRequest", "format_bytes", "parse_memory"]
 
-#: candidate strategies, fastest first (see :data:`lightning_mgpu.planning.candidates.ORDER`)
-STRATEGIES: tuple[str, ...] = ("mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_hsdp", "mgpu_zero3")
 #: every precision the planner models; "16-mixed"/"16-master" take the same bytes as their bf16 twins
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-master", "16-master")
 DEFAULT_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-master")

@@ -673,6 +673,12 @@ class PrecisionAdoption:
             plugin.use_gradient_sync(sync)
 
     @staticmethod
+    def fsdp_mixed_precision(plugin: Precision) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` in master modes (its sharded FP32 parameters are the master copy,
+        gathered in half for compute), else None."""
+        return plugin.keep_masters_in_fsdp() if isinstance(plugin, MGPUPrecision) else None
+
+    @staticmethod
     def connect_norm_clipping(plugin: Precision, clipping: Optional[GlobalNormClipping]) -> None:
         """Sharded gradients: norm clipping by the norm over all ranks (``None``: the local norm is global)."""
         if isinstance(plugin, MGPUPrecision):

@@ -1,8 +1,9 @@
 """Strategy plugins, one family per module.
 
-* ``base.py``: what every mgpu strategy shares (:class:`MGPUStrategyMixin`: the parts it owns and the Lightning
-  hooks it hands to them) and :class:`MGPUParallelStrategy` (process group and launch of the strategies that are
-  not DDP);
+Each public strategy is a direct subclass of Lightning's ``DDPStrategy`` or ``ParallelStrategy`` whose overridden
+hooks hand their work to one :class:`~lightning_mgpu.strategies.runtime.Runtime` (``runtime.py``: the parts the
+strategy owns and their coordination).
+
 * ``ddp.py``: :class:`MGPUDDPStrategy` (the DDP family);
 * ``periodic.py``: :class:`MGPULocalSGDStrategy`, :class:`MGPUDiLoCoStrategy` (DDP's launch, weights synced every
   H steps instead of gradients every step);
@@ -12,7 +13,6 @@
 """
 
 from lightning_mgpu.strategies.auto import MGPUAutoStrategy
-from lightning_mgpu.strategies.base import MGPUParallelStrategy, MGPUStrategyMixin
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.periodic import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
 from lightning_mgpu.strategies.sharded import MGPUShardedStrategy, ShardMemory
@@ -22,8 +22,6 @@ __all__ = [
     "MGPUDDPStrategy",
     "MGPUDiLoCoStrategy",
     "MGPULocalSGDStrategy",
-    "MGPUParallelStrategy",
     "MGPUShardedStrategy",
-    "MGPUStrategyMixin",
     "ShardMemory",
 ]

@@ -40,36 +40,36 @@ from lightning_mgpu.planning import NoPlanFits, PlanError, plan
 from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, fallback, planner_precision
 from lightning_mgpu.planning.source import default_policy
 from lightning_mgpu.planning.stand_in import stand_in_factory
+from lightning_mgpu.planning.request import parse_memory
 from lightning_mgpu.settings import (
     AutoSettings,
+    CommonSettings,
     CompileSetting,
     LossNormalization,
     MicroBatchSetting,
     NonFinite,
     StartMethod,
+    arguments_of,
+    document_options,
+    from_arguments,
+    lightning_arguments,
 )
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
 
+@document_options(AutoSettings, CommonSettings, var_keyword="")
 class MGPUAutoStrategy(MGPUDDPStrategy):
     """Chooses mgpu_ddp, mgpu_zero1, mgpu_sharded, mgpu_hsdp (on several machines: ``num_nodes > 1``) or mgpu_zero3
     (with or without activation checkpointing) at set-up: the fastest that the memory plan says fits (see the
     module docstring).
 
-    Args:
-        device_memory: memory of one device, e.g. ``"8GiB"``. Default: on CUDA the device's total memory; on CPU
-            the machine's available memory divided by the processes on it.
-        headroom: fraction of ``device_memory`` kept free.
-        strategies: the candidates, default all; ``micro_batch_size`` keeps mgpu_ddp and mgpu_zero1 (the
-            strategies that micro-batch), manual optimization keeps mgpu_ddp.
-        activation_checkpointing: the blocks the "with activation checkpointing" candidates checkpoint; default
-            the transformer layers, else every block of the outermost containers; a model with neither (layers
-            kept as plain attributes) is planned without activation checkpointing.
-        micro_batch_size: passed to the chosen strategy (see :class:`~lightning_mgpu.MGPUDDPStrategy`).
-        start_method: as for every mgpu strategy; so are ``process_group_backend``, ``timeout``,
-            ``log_comm_stats``, ``loss_normalization``, ``nonfinite``, ``async_checkpoint``, ``compile``,
-            ``exact_evaluation`` and ``check_uneven_inputs``, all passed to the chosen strategy.
+    ``activation_checkpointing`` names the blocks the "with activation checkpointing" candidates checkpoint;
+    default the transformer layers, else every block of the outermost containers; a model with neither (layers
+    kept as plain attributes) is planned without activation checkpointing. ``micro_batch_size`` and the options
+    every mgpu strategy has (``start_method``, ``process_group_backend``, ``timeout``, ``log_comm_stats``,
+    ``loss_normalization``, ``nonfinite``, ``async_checkpoint``, ``compile``, ``exact_evaluation``,
+    ``check_uneven_inputs``) are passed to the chosen strategy.
 
     After set-up, in the training processes, ``trainer.strategy`` is the chosen strategy and its
     ``auto_decision`` (an ``AutoDecision``: ``strategy``, ``activation_checkpointing``, ``reason``, ``table``)
@@ -115,45 +115,17 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         exact_evaluation: bool = True,
         check_uneven_inputs: bool = True,
     ) -> None:
-        common: dict[str, Any] = {
-            "process_group_backend": process_group_backend,
-            "timeout": timeout,
-            "start_method": start_method,
-            "log_comm_stats": log_comm_stats,
-            "loss_normalization": loss_normalization,
-            "nonfinite": nonfinite,
-            "async_checkpoint": async_checkpoint,
-            "compile": compile,
-            "exact_evaluation": exact_evaluation,
-            "check_uneven_inputs": check_uneven_inputs,
-        }
+        arguments = dict(locals())
         # validates the common arguments (and micro_batch_size) now, before any process starts
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            micro_batch_size=micro_batch_size,
-            activation_checkpointing=activation_checkpointing,
-            **common,
-        )
-        auto = AutoSettings(
-            device_memory=device_memory,
-            headroom=headroom,
-            strategies=tuple(strategies) if strategies is not None else None,
-            micro_batch_size=micro_batch_size,
-        )
-        self._auto: dict[str, Any] = {
-            "settings": auto,
-            "policy": activation_checkpointing,
-            "common": common,
-        }
-        self._micro = None  # this object micro-batches nothing itself: the chosen strategy does
-
-    @override
-    def _sharded_choices(self) -> tuple[str, ...]:
-        return tuple(s for s in self._auto["settings"].strategies if s in ("mgpu_sharded", "mgpu_hsdp", "mgpu_zero3"))
+        super().__init__(**lightning_arguments(arguments), **arguments_of(CommonSettings, arguments))
+        if device_memory is not None:
+            parse_memory(device_memory)  # a bad size is refused now, naming it (the planner's parser)
+        auto = from_arguments(AutoSettings, arguments, strategies=tuple(strategies) if strategies is not None else None)
+        self._auto: dict[str, Any] = {"settings": auto, "policy": activation_checkpointing}
+        self._ddp_part.micro = None  # this object micro-batches nothing itself: the chosen strategy does
+        # the compilation check before launch: the sharded stages 2/3 this strategy may still become
+        sharded = ("mgpu_sharded", "mgpu_hsdp", "mgpu_zero3")
+        self._runtime.sharded_choices = tuple(s for s in auto.strategies or () if s in sharded)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -224,10 +196,13 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         launcher, layer_sync = self.launcher, _compat.strategy_layer_sync(self)
         # ``fit(ckpt_path=...)``: Lightning restored the module (and what mid-epoch resume needs) before set-up,
         # as for mgpu_ddp; a sharded choice restores again after its own set-up (restore_checkpoint_after_setup)
-        resume = self._resume
+        runtime = self._runtime
         num_nodes, module = self.num_nodes, self.lightning_module
         auto = self._auto
-        kwargs: dict[str, Any] = {**kept, **auto["common"]}
+        # what every mgpu strategy has is handed on as given; the plan decides activation checkpointing
+        handed_on = set(CommonSettings.keywords()) - {"activation_checkpointing", "activation_checkpointing_reentrant"}
+        kwargs: dict[str, Any] = {**kept, **{name: getattr(self.launch_settings, name) for name in handed_on}}
+        kwargs.pop("micro_batch_size")
         if auto["settings"].micro_batch_size is not None:
             kwargs["micro_batch_size"] = auto["settings"].micro_batch_size
         if decision.activation_checkpointing:
@@ -246,7 +221,12 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         _compat.set_strategy_launcher(self, launcher)
         _compat.set_strategy_layer_sync(self, layer_sync)
         self.num_nodes = num_nodes
-        self._resume = resume
+        # the launcher (made before set-up) hands its checks and results to the runtime it was made with: that object
+        # becomes the chosen strategy's runtime, keeping the mid-epoch position Lightning restored into it
+        resume = runtime.resume
+        vars(runtime).update(vars(self._runtime))
+        self._runtime = runtime
+        runtime.resume = resume
         self.set_world_ranks()
         assert module is not None
         self.connect(module)

@@ -25,22 +25,22 @@ from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
+from torch.distributed import ReduceOp
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import _compat
-from lightning_mgpu.comm import check_backend
-from lightning_mgpu.parts.accumulation import DDPSyncControl, ManualGradientSync
+from lightning_mgpu.comm import CommStats
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_directory_message
 from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import (
+    LIGHTNING_KEYWORDS,
     CommHookName,
     CompileSetting,
     DDPSettings,
@@ -48,21 +48,22 @@ from lightning_mgpu.settings import (
     MicroBatchSetting,
     NonFinite,
     StartMethod,
+    document_options,
+    from_arguments,
+    lightning_arguments,
     split_ddp_kwargs,
 )
-from lightning_mgpu.strategies.base import MGPUStrategyMixin
+from lightning_mgpu.strategies.runtime import Runtime
 
-_OWN_KEYWORDS = (
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    *DDPSettings.keywords(),
+_OWN_KEYWORDS = (*LIGHTNING_KEYWORDS, *DDPSettings.keywords())
+
+
+@document_options(
+    DDPSettings,
+    var_keyword="passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``); an unknown "
+    "keyword raises, naming the closest valid one.",
 )
-
-
-class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
+class MGPUDDPStrategy(DDPStrategy):
     """Distributed data parallel training, correct by default on CPU (gloo) and CUDA (NCCL).
 
     What it adds to Lightning's :class:`~pytorch_lightning.strategies.DDPStrategy`:
@@ -82,57 +83,6 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
     * :attr:`comm_stats`: a ledger of all-reduce calls and bytes handed to the collective, sync rounds and
       optimizer steps, with the ring all-reduce lower bound beside it; logged as ``comm/*`` every
       ``log_every_n_steps`` optimizer steps through the Trainer's loggers.
-
-    Args:
-        comm_hook: ``None`` (plain averaging all-reduce), ``"fp16"``, ``"bf16"`` (NCCL only), ``"powersgd"``
-            or ``"batched_powersgd"``.
-        comm_state: keyword arguments for the hook's state, e.g. ``{"matrix_approximation_rank": 2}`` for
-            PowerSGD (defaults: rank 1, compression from the 2nd synchronisation).
-        static_graph: tell DDP the graph is the same every iteration (faster; see torch's DDP docs).
-        find_unused_parameters: DDP's flag; costs a graph traversal per step, leave off unless needed.
-        process_group_backend: ``"gloo"``, ``"nccl"``; ``None``: gloo on CPU, nccl on CUDA.
-        timeout: how long a collective waits for the other ranks, a :class:`datetime.timedelta`.
-        start_method: ``"popen"`` (re-run the script per rank; scripts, torchrun, SLURM), ``"spawn"``,
-            ``"fork"`` (notebooks; CPU or before CUDA is initialised) or ``"forkserver"``.
-        log_comm_stats: log ``comm/*`` metrics through the Trainer's loggers.
-        gradient_as_bucket_view: DDP's flag, on by default here (off in torch): gradients are views into the
-            all-reduce buckets, which saves one gradient-sized buffer and one copy per step, and lets the
-            ledger count plain all-reduce from the buckets without a Python comm hook. Set it to False if
-            your code replaces ``param.grad`` tensors or calls ``detach_()`` on them (the ledger then counts
-            through a Python hook, one extra pass over the gradients per step).
-        activation_checkpointing: which blocks to checkpoint (free activations in forward, recompute them in
-            backward), BatchNorm-safe: module classes, class names (for YAML), :class:`~lightning_mgpu.EveryNth`
-            or a callable ``(module) -> bool``; see :func:`lightning_mgpu.apply_activation_checkpointing`.
-            Checked against the model before any process starts.
-        activation_checkpointing_reentrant: use torch's reentrant checkpointing instead of the non-reentrant
-            default.
-        loss_normalization: ``"tokens"``: ``training_step`` returns ``{"loss": <sum of per-token losses>,
-            "num_tokens": <count>}`` and the gradient is that of the mean over every token of the optimizer step
-            (all micro-batches, all ranks; one scalar all-reduce per step); ``None``: Lightning's.
-        nonfinite: ``"error"``: a NaN/Inf gradient on any rank makes every rank raise the same
-            ``FloatingPointError`` naming the rank and parameter (under the fp16 scaler: every rank skips the step).
-        micro_batch_size: split each loader batch into micro-batches of this many rows and accumulate them (the
-            gradient stays the whole batch's); ``"auto"``: the largest that fits. An out-of-memory error on any
-            rank makes every rank redo the step at half the size (see :doc:`/guides/planning`). Automatic
-            optimization only; the gradients are then averaged once after the last micro-batch.
-        async_checkpoint: save checkpoints during fit without stopping training: the state is copied off the
-            live tensors (pinned CPU memory on GPU) and written in a background thread, one write at a time; a
-            failed write raises on every rank at the next save or at the end of fit, which waits for the last
-            write. See the reliability guide.
-        compile: ``True`` or a dict of :func:`torch.compile` keyword arguments (``{"mode": "max-autotune"}``):
-            the LightningModule's ``forward`` is compiled in place after the DDP wrap (state-dict keys unchanged;
-            see the compilation guide). A model compiled with ``torch.compile`` before ``Trainer.fit`` is refused
-            with it; without it, such a model trains as under Lightning's DDP.
-        exact_evaluation: validate, test and predict see every sample once, with as many batches on every rank
-            (the epoch value of ``self.log(..., sync_dist=True)`` is the one-process value); ``False``: Lightning's
-            padded sampler. See the evaluation guide.
-        check_uneven_inputs: different numbers of training batches on the ranks raise the same error on every
-            rank before the step that would hang (compared once per epoch; for iterable datasets, one all-reduce
-            of one number per step); ``False``: Lightning's behaviour.
-        checkpoint_io: how checkpoint files are written; default :class:`~lightning_mgpu.AtomicCheckpointIO`.
-            A plugin you pass is used as it is (atomic saves are then up to it).
-        **ddp_kwargs: passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``);
-            an unknown keyword raises, naming the closest valid one.
 
     Example (``Trainer(strategy="mgpu_ddp_fp16_compress")`` is the same; ``trainer.fit`` then starts the ranks):
 
@@ -181,54 +131,33 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         ddp_kwargs = split_ddp_kwargs(type(self).__name__, ddp_kwargs, _OWN_KEYWORDS)
-        settings = DDPSettings(
-            start_method=start_method,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            log_comm_stats=log_comm_stats,
-            comm_hook=comm_hook,
-            comm_state=dict(comm_state) if isinstance(comm_state, Mapping) and comm_state else comm_state or None,
-            static_graph=static_graph,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_reentrant=activation_checkpointing_reentrant,
-            loss_normalization=loss_normalization,
-            nonfinite=nonfinite,
-            micro_batch_size=micro_batch_size,
-            async_checkpoint=async_checkpoint,
-            compile=compile,
-            exact_evaluation=exact_evaluation,
-            check_uneven_inputs=check_uneven_inputs,
-            ddp_kwargs=ddp_kwargs,
-        )
+        settings = from_arguments(DDPSettings, locals())
         if static_graph and not _compat.DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4
             raise RuntimeError("static_graph=True needs DistributedDataParallel._set_static_graph (torch>=2.4).")
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            **ddp_kwargs,
+            **lightning_arguments(locals()),
+            process_group_backend=settings.process_group_backend,
+            timeout=settings.timeout,
+            start_method=settings.start_method,
+            **settings.all_ddp_kwargs,
         )
         self._settings = settings
-        self._init_parts(settings)
-        self._wrapping = DDPWrapping(settings)
-        self._sync_control = DDPSyncControl()
-        self._manual = ManualGradientSync(settings.comm_hook, bucket_cap_mb=ddp_kwargs.get("bucket_cap_mb") or 25.0)
-        self._comm_hook_state: Any = None
-        self._micro = MicroBatching(micro_batch_size) if micro_batch_size is not None else None
+        self._runtime = Runtime(self, self, settings)
 
     # --- what users read ----------------------------------------------------------------------------------
     @property
+    def public_name(self) -> str:
+        """The strategy's class as users write it (what summaries and errors print)."""
+        return type(self).__name__
+
+    @property
     def settings(self) -> DDPSettings:
         """The validated settings this strategy was built with."""
+        return self._settings
+
+    @property
+    def launch_settings(self) -> DDPSettings:
+        """The settings every mgpu strategy has (launch, process group, ledger, activation checkpointing)."""
         return self._settings
 
     @property
@@ -237,126 +166,157 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         return self._settings
 
     @property
+    def comm_stats(self) -> CommStats:
+        """The communication ledger of this rank (see :class:`~lightning_mgpu.comm.CommStats`)."""
+        return self._runtime.comm_stats
+
+    @property
     def comm_hook(self) -> Optional[str]:
         return self._settings.comm_hook
 
     @property
     def comm_hook_state(self) -> Any:
         """The registered hook's state (e.g. torch's ``PowerSGDState``), available after setup."""
-        return self._comm_hook_state
+        return self._ddp_part.hook_state
 
     @property
     def static_graph(self) -> bool:
         return self._settings.static_graph
 
+    @property
+    def micro_batching(self) -> Optional[MicroBatching]:
+        """The micro-batching state (``micro_batch_size`` given): ``.size`` in use and ``.backoffs``; else None."""
+        return self._ddp_part.micro
+
+    @property
+    def activation_checkpointing(self) -> Any:
+        """The activation-checkpointing policy (``None``: off)."""
+        return self._runtime.checkpointing.policy
+
+    @property
+    def async_checkpoint(self) -> bool:
+        """Whether checkpoints saved during fit are staged and written in the background."""
+        return self._settings.async_checkpoint
+
+    @property
+    def checkpoint_write_in_flight(self) -> bool:
+        """Whether a background checkpoint write of this rank is running now (``async_checkpoint=True``)."""
+        return self._runtime.checkpoint_write_in_flight
+
+    def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
+        """Manual optimization with ``loss_normalization="tokens"``: count this micro-batch's tokens (and their
+        summed loss, for the logged ``loss_per_token``) before its ``opt.step()``.
+
+        Example::
+
+            self.manual_backward(token_losses.sum())
+            self.trainer.strategy.add_tokens(mask.sum(), token_losses.sum())
+            opt.step()
+        """
+        self._runtime.add_tokens(num_tokens, loss_sum)
+
+    @property
+    def _ddp_part(self) -> DDPWrapping:
+        ddp = self._runtime.ddp
+        assert ddp is not None  # built from DDPSettings
+        return ddp
+
+    @property
+    def _ddp(self) -> DistributedDataParallel:
+        """The model while fitting: ``configure_ddp`` wrapped it."""
+        return cast(DistributedDataParallel, self.model)
+
+    # --- plugins ------------------------------------------------------------------------------------------
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """:class:`~lightning_mgpu.AtomicCheckpointIO` unless a plugin was given (then that one, as it is)."""
+        return self._runtime.checkpoint_io()
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        _compat.set_strategy_checkpoint_io(self, io)
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        plugin = _compat.strategy_precision_plugin(self)
+        return plugin if plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        _compat.set_strategy_precision_plugin(self, PrecisionAdoption.adopt(plugin))
+
     # --- launch -------------------------------------------------------------------------------------------
     @override
-    def _check_at_construction(self) -> None:
-        check_backend(self._settings.comm_hook, self._group_backend())
-        super()._check_at_construction()
+    def _configure_launcher(self) -> None:
+        self._runtime.configure_launcher(self._check_at_construction)
 
-    @override
-    def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
-        sync_batchnorm = _compat.strategy_layer_sync(self) is not None
-        self._wrapping.check_model(model, self._device_type(), sync_batchnorm, self._micro)
+    def _check_at_construction(self) -> None:
+        """Runs in the main process at Trainer construction, once accelerator and devices are known."""
+        self._runtime.check_at_construction()
 
     # --- set-up -------------------------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
-        self._join_elastic_store()  # when torchrun restarted this job (_compat.torchelastic_shares_its_store)
+        self._runtime.join_elastic_store()  # when torchrun restarted this job
         super().setup_distributed()
-
-    @property
-    def _manual_sync(self) -> bool:
-        module = self.lightning_module
-        return module is not None and not module.automatic_optimization
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        plugin = self.precision_plugin
-        if not self._manual_sync or trainer.state.fn != TrainerFn.FITTING:
-            PrecisionAdoption.connect_gradient_sync(plugin, None)
-            return
-        self._manual.setup(self.optimizers, self.world_size, PrecisionAdoption.model_parameter(plugin))
-        PrecisionAdoption.connect_gradient_sync(plugin, self._sync_manual_gradients)
+        self._runtime.setup_ddp_sync(trainer, self._ddp)
 
     @override
     def configure_ddp(self) -> None:
-        self._checkpointing.apply(self.lightning_module)
-        super().configure_ddp()
-        self._compilation.compile_model(self.lightning_module)  # after the wrap: parts/compilation.py
-
-    @property
-    def _ddp(self) -> DistributedDataParallel:
-        """The model while fitting: Lightning's ``configure_ddp`` wrapped it (this family always trains a DDP
-        module; the sharded stages 2/3, which do not, are another class)."""
-        return cast(DistributedDataParallel, self.model)
+        assert isinstance(self.model, pl.LightningModule)
+        self.model = self._runtime.wrap_ddp(self.model)
 
     @override
-    def _register_ddp_hooks(self) -> None:
-        self._ledger.start(self._ddp, self.world_size)
-        # Lightning registers hooks only when the device is CUDA; ours run on every device
-        self._comm_hook_state = self._wrapping.register_hooks(self._ddp, self._ledger, self._manual_sync)
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        self._runtime.setup_optimizers(trainer)
+
+    # --- data ---------------------------------------------------------------------------------------------
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        self._runtime.sampler_requested()
+        return super().distributed_sampler_kwargs
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self._runtime.process_dataloader(super().process_dataloader(dataloader))
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        lightning_hook = super().on_train_batch_start
+        self._runtime.train_batch_start(lambda: lightning_hook(batch, batch_idx))
+
+    @override
+    def reduce(
+        self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Any:
+        return self._runtime.reduce(tensor, group, reduce_op)
 
     # --- steps --------------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        model = self._ddp
-        if self._manual_sync:
-            # Manual optimization: DDP's reducer would sync every backward (and, without
-            # find_unused_parameters, wait forever for the toggled-off optimizer's gradients). Keep it out of
-            # the whole step; optimizer_step syncs what the stepping optimizer needs.
-            self._wrapping.broadcast_buffers(model, self.world_size)
-            with model.no_sync():
-                return super().training_step(*args, **kwargs)
-        if self._micro is not None:
-            return self._micro_batched_step(model, *args, **kwargs)
-        self._wrapping.before_training_step(model)
-        return super().training_step(*args, **kwargs)
-
-    def _micro_batched_step(self, model: DistributedDataParallel, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        assert self._micro is not None
-        module = self.lightning_module
-        assert module is not None
-        accumulate = module.trainer.accumulate_grad_batches
-        optimizer = self.optimizers[0] if self.optimizers else None
-        step = super().training_step
-        return self._wrapping.micro_batched_step(
-            self._micro,
-            model,
-            step=lambda micro: step(micro, *args, **kwargs),
-            backward=lambda loss: self.backward(loss / accumulate, optimizer),
-            batch=batch,
-            batch_idx=args[0] if args else None,
-            accumulate_grad_batches=accumulate,
-            stats=self._ledger.stats,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            device=self.root_device,
-        )
-
-    @property
-    def micro_batching(self) -> Optional[MicroBatching]:
-        """The micro-batching state (``micro_batch_size`` given): ``.size`` in use and ``.backoffs``; else None."""
-        return self._micro
+        return self._runtime.training_step(super().training_step, self._ddp, *args, **kwargs)
 
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         assert self.model is not None
-        with self._sync_control.no_backward_sync(self.model, enabled=True):
+        with self._ddp_part.no_backward_sync(self.model):
             yield
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        if self._settings.count_from_buckets and self._backward_synced() and self._micro is None:
-            self._ledger.record_buckets(self._ddp)
-
-    def _backward_synced(self) -> bool:
-        """Whether the backward that just ran all-reduced the gradients (the periodic-sync family overrides it)."""
-        return self._ddp.require_backward_grad_sync
+        self._runtime.after_backward(self._ddp)
 
     @override
     def optimizer_step(
@@ -366,38 +326,59 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         model: Optional[Union[pl.LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        if self._manual_sync:
-            # after the user's closure (its backward), before unscaling and on_before_optimizer_step: where DDP
-            # would have finished its all-reduce in automatic optimization
-            closure = self._manual.wrap_closure(optimizer, closure, self._ddp.process_group, self._ledger.stats)
-        with self._manual.stepping():
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._after_optimizer_step()
-        self._ledger.optimizer_stepped(self.lightning_module, self.is_global_zero)
-        return output
+        step = super().optimizer_step
+        group = self._ddp.process_group if self._runtime.manual_sync() else None
+        return self._runtime.optimizer_step(optimizer, closure, lambda c: step(optimizer, c, model, **kwargs), group)
 
-    def _after_optimizer_step(self) -> None:
-        """After each optimizer step, before the ledger counts it (the periodic-sync family syncs weights here)."""
-
-    def _sync_manual_gradients(self, optimizer: Optimizer) -> None:
-        """Manual optimization: average ``optimizer``'s gradients across ranks, once per step; handed to the
-        precision plugin, which calls it before it moves or clips the gradients."""
-        if self._manual_sync:
-            self._manual.sync(optimizer, self._ddp.process_group, self._ledger.stats)
+    @override
+    def on_predict_start(self) -> None:
+        self._runtime.predict_start()
+        super().on_predict_start()
 
     # --- checkpoints --------------------------------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self._runtime.add_periodic_state(checkpoint, self._ddp)  # local SGD / DiLoCo: every rank's own state
+        self._runtime.before_save(checkpoint)
+        self._runtime.write_file(checkpoint, filepath, storage_options, super().save_checkpoint)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        remove = super().remove_checkpoint
+        self._runtime.remove_when_written(lambda: remove(filepath))
+
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         local = local_path(checkpoint_path)
         if local is not None and os.path.isdir(local):
             raise IsADirectoryError(sharded_directory_message(local, type(self).__name__))
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return self._runtime.after_load(super().load_checkpoint(os.fspath(checkpoint_path), weights_only=weights_only))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._runtime.module_state(super().lightning_module_state_dict())
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        self._runtime.load_masters(checkpoint)
+        self._runtime.hold_periodic_state(checkpoint)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        load = super().load_optimizer_state_dict
+        load(checkpoint)
+        self._runtime.restore_periodic_state(load)
 
     # --- end ----------------------------------------------------------------------------------------------
     @override
+    def on_train_end(self) -> None:
+        self._runtime.train_end()
+        super().on_train_end()
+
+    @override
     def teardown(self) -> None:
-        self._manual.teardown()
-        PrecisionAdoption.connect_gradient_sync(self.precision_plugin, None)
+        self._runtime.teardown()
         super().teardown()
 
     def _find_unused_parameters_fix(self) -> str:
@@ -407,7 +388,7 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         DDPWrapping.explain(exception, self._find_unused_parameters_fix())
-        self._end_group_after(exception)
+        self._runtime.end_group_after(exception)
 
     def __repr__(self) -> str:
         s = self._settings

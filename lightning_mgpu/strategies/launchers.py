@@ -256,6 +256,7 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
             before the workers start and returns the call's ``(args, kwargs)``; ``finish(trainer, results)`` runs
             in every worker after the call (a collective) and returns what the main process's call returns
             (``trainer.predict``'s predictions, gathered).
+        device_type: the type of the Trainer's devices (a fork of CPU workers is safe where torch would refuse it).
 
     What the call returns and the extra results (``callback_metrics``, the strategy's results) travel in temporary
     files, as Lightning's weights do (see ``_SavedResults``).
@@ -270,6 +271,7 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         weights: Optional[Callable[[], dict[str, Any]]] = None,
         results: Optional[tuple[Callable[[pl.Trainer], Any], Callable[[pl.Trainer, Any], None]]] = None,
         returned: Optional[tuple[Callable[..., tuple[tuple, dict]], Callable[[pl.Trainer, Any], Any]]] = None,
+        device_type: Callable[[], str] = lambda: "cpu",
     ) -> None:
         super().__init__(check, strategy, start_method=start_method)
         self._on_failure = on_failure
@@ -277,13 +279,13 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         self._hand_back = results
         self._returned = returned
         self._forks = start_method in ("fork", "forkserver")
-        self._of_strategy = strategy
+        self._device_type_of = device_type
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
         if self._returned is not None:
             args, kwargs = self._returned[0](trainer, function, args, kwargs)
-        if self._forks and self._of_strategy._device_type() == "cpu":
+        if self._forks and self._device_type_of() == "cpu":
             # CPU workers never initialise CUDA, so a fork is safe even in a process that torch marks as a "bad
             # fork" (on the CUDA wheel without a GPU, asking for the device count marks every later fork child
             # so). Lightning refuses such forks on any device; on CUDA its refusal stands.

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -21,32 +20,34 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.utilities.apply_func import move_data_to_device
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
-from pytorch_lightning.utilities.types import STEP_OUTPUT
-from typing_extensions import override
 
-from lightning_mgpu import comm
-from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
-from lightning_mgpu.parts.periodic_sync import PeriodicSync
-from lightning_mgpu.plugins.precision import MGPUPrecision
+from lightning_mgpu.parts.periodic_sync import CHECKPOINT_KEY, PeriodicSync
 from lightning_mgpu.settings import (
     CommDtype,
+    CommonSettings,
     CompileSetting,
     DiLoCoSettings,
     LocalSGDSettings,
     StartMethod,
+    arguments_of,
+    document_options,
+    from_arguments,
+    lightning_arguments,
 )
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 
-CHECKPOINT_KEY = "lightning_mgpu_periodic_sync"
-"""Where a checkpoint keeps the periodic-sync state: the last synced weights, the outer optimizer, the step within
-the period and every rank's own weights and inner optimizer states."""
+__all__ = ["CHECKPOINT_KEY", "MGPUDiLoCoStrategy", "MGPULocalSGDStrategy"]
+
+_DDP_KEYWORDS = (
+    ":class:`~lightning_mgpu.MGPUDDPStrategy` arguments (``loss_normalization``, ``nonfinite``, ...) and "
+    "DistributedDataParallel's keywords; DDP's gradient options (``comm_hook``, ``static_graph``, "
+    "``micro_batch_size``) are refused, naming why."
+)
 
 
+@document_options(LocalSGDSettings, CommonSettings, var_keyword=_DDP_KEYWORDS)
 class MGPULocalSGDStrategy(MGPUDDPStrategy):
     """Local SGD: every rank steps its own optimizer on its own batches; every ``sync_every`` optimizer steps the
     ranks average their weights (one all-reduce of the weights instead of one of the gradients per step: about
@@ -60,12 +61,6 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
       the same number of ranks continues exactly; on another number, from the last synced weights (with a
       warning). ``checkpoint["state_dict"]`` is rank 0's own weights, as in mgpu_ddp.
     * Manual optimization is refused (what a period counts is one optimizer's steps); use mgpu_ddp.
-
-    Args:
-        sync_every: optimizer steps between two weight averages (H).
-        warmup_steps: optimizer steps with mgpu_ddp's gradient all-reduce before the periodic averaging starts.
-        comm_dtype: ``None``, ``"fp16"`` or ``"bf16"``: the dtype the weight changes since the last sync are
-            averaged in (half the bytes; the weights themselves stay in their dtype).
 
     The other arguments (``process_group_backend``, ``timeout``, ``start_method``, ``log_comm_stats``, activation
     checkpointing, ``compile``, ``exact_evaluation``, ``check_uneven_inputs``, ``checkpoint_io`` and
@@ -111,32 +106,14 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         check_uneven_inputs: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
-        periodic = self._periodic_settings(sync_every=sync_every, warmup_steps=warmup_steps, comm_dtype=comm_dtype)
-        self._init_ddp(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            log_comm_stats=log_comm_stats,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_reentrant=activation_checkpointing_reentrant,
-            compile=compile,
-            exact_evaluation=exact_evaluation,
-            check_uneven_inputs=check_uneven_inputs,
-            ddp_kwargs=ddp_kwargs,
+        arguments = dict(locals())
+        settings = from_arguments(LocalSGDSettings, arguments)
+        super().__init__(
+            **lightning_arguments(arguments),
+            **arguments_of(CommonSettings, arguments),
+            **LocalSGDSettings.ddp_kwargs(type(self).__name__, ddp_kwargs),
         )
-        self._periodic = PeriodicSync(periodic)
-        self._pending_restore: Optional[Mapping[str, Any]] = None
-
-    def _periodic_settings(self, **kwargs: Any) -> LocalSGDSettings:
-        return LocalSGDSettings(**kwargs)
-
-    def _init_ddp(self, ddp_kwargs: dict[str, Any], **kwargs: Any) -> None:
-        super().__init__(**kwargs, **LocalSGDSettings.ddp_kwargs(type(self).__name__, ddp_kwargs))
+        self._periodic = self._runtime.sync_periodically(settings)
 
     # --- what users read ----------------------------------------------------------------------------------
     @property
@@ -150,90 +127,13 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         restore) and the last synced weights (``anchor``)."""
         return self._periodic
 
-    # --- launch -------------------------------------------------------------------------------------------
-    @override
-    def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
-        if not model.automatic_optimization:
-            raise MisconfigurationException(
-                f"{type(self).__name__} needs automatic optimization: a period is sync_every steps of the one "
-                f"optimizer Lightning steps, and {type(model).__name__} steps its optimizers itself "
-                f"(automatic_optimization=False). Use strategy='mgpu_ddp', which syncs each optimizer's gradients at "
-                f"its step."
-            )
-        plugin = self.precision_plugin
-        if isinstance(plugin, MGPUPrecision) and plugin.master:
-            raise MisconfigurationException(
-                f"MGPUPrecision({plugin.mode!r}) keeps FP32 master weights inside the optimizer, which the periodic "
-                f"weight sync does not see. Use precision='bf16-mixed' or '16-mixed' with {type(self).__name__}."
-            )
-        super()._check_model_before_launch(trainer, model)
-
-    # --- set-up -------------------------------------------------------------------------------------------
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            # after DDP's wrapping, which broadcast rank 0's weights: every rank starts from the same anchor
-            module = self.lightning_module
-            assert module is not None
-            self._periodic.setup(module.parameters(), self._ddp.process_group, self.world_size, module.buffers())
-
-    # --- steps --------------------------------------------------------------------------------------------
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self._periodic.in_warmup:
-            return super().training_step(*args, **kwargs)
-        # DDP decides in forward whether the backward all-reduces: outside the warm-up it never does
-        with self._ddp.no_sync():
-            return super().training_step(*args, **kwargs)
-
-    @override
-    def _backward_synced(self) -> bool:
-        return self._periodic.in_warmup and super()._backward_synced()
-
-    @override
-    def _after_optimizer_step(self) -> None:
-        self._periodic.after_optimizer_step(self._ledger.stats)
-
-    # --- checkpoints --------------------------------------------------------------------------------------
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self._periodic.is_set_up and group_is_up():
-            # a collective: Lightning calls save_checkpoint on every rank; rank 0 writes every rank's state
-            mine = {
-                "weights": self._periodic.local_weights(),
-                # on CPU: a CUDA tensor would be unpickled on rank 0 onto the sender's device
-                "optimizer_states": move_data_to_device([self.optimizer_state(o) for o in self.optimizers], "cpu"),
-            }
-            ranks = comm.gather_object(mine, dst=0, group=self._ddp.process_group)
-            if self.is_global_zero:
-                checkpoint[CHECKPOINT_KEY] = {**self._periodic.state_dict(), "ranks": ranks}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        # applied with the optimizer states, after set-up (DDP's wrapping broadcasts rank 0's weights)
-        self._pending_restore = checkpoint.get(CHECKPOINT_KEY)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        state, self._pending_restore = self._pending_restore, None
-        if state is None or not self._periodic.is_set_up:
-            return
-        ranks = state.get("ranks") or []
-        mine = ranks[self.global_rank] if len(ranks) == self.world_size == state["world_size"] else None
-        if mine is not None:
-            super().load_optimizer_state_dict({"optimizer_states": mine["optimizer_states"]})
-        self._periodic.load_state_dict(state, mine["weights"] if mine is not None else None)
-
     def __repr__(self) -> str:
         s = self._periodic.settings
-        return f"{type(self).__name__}(sync_every={s.sync_every}, start_method={self._launch.start_method!r})"
+        return f"{type(self).__name__}(sync_every={s.sync_every}, start_method={self.launch_settings.start_method!r})"
 
 
-class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
+@document_options(DiLoCoSettings, CommonSettings, var_keyword=_DDP_KEYWORDS)
+class MGPUDiLoCoStrategy(MGPUDDPStrategy):
     """DiLoCo (the DiLoCo paper; torchft's ``DiLoCo``): ``sync_every`` inner optimizer steps on each rank (the
     LightningModule's own optimizer, AdamW in the paper), then an outer SGD step with Nesterov momentum on the last
     synced weights along the averaged difference ``synced - local``, which every rank copies in.
@@ -242,13 +142,6 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
     (measured by :attr:`comm_stats`). With ``outer_lr=1, outer_momentum=0, nesterov=False`` it is local SGD;
     at ``sync_every=1`` with an SGD inner optimizer that equals mgpu_ddp to rounding. Checkpoints hold the outer
     optimizer's state too; everything else is as :class:`MGPULocalSGDStrategy`.
-
-    Args:
-        sync_every: inner optimizer steps between outer steps (H; the DiLoCo paper uses hundreds).
-        outer_lr: learning rate of the outer SGD (0.7 in the DiLoCo paper).
-        outer_momentum: its momentum, in ``[0, 1)`` (0.9).
-        nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
-        warmup_steps: as :class:`MGPULocalSGDStrategy`; the other arguments too.
 
     Example (on 8 GPUs: ``Trainer(accelerator="gpu", devices=8, strategy=strategy)``):
 
@@ -265,6 +158,7 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
     """
 
     strategy_name = "mgpu_diloco"
+    syncs_manual_optimization = False
 
     def __init__(
         self,
@@ -290,36 +184,32 @@ class MGPUDiLoCoStrategy(MGPULocalSGDStrategy):
         check_uneven_inputs: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
-        self._outer: dict[str, Any] = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
+        arguments = dict(locals())
+        settings = from_arguments(DiLoCoSettings, arguments)
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            sync_every=sync_every,
-            warmup_steps=warmup_steps,
-            comm_dtype=comm_dtype,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            log_comm_stats=log_comm_stats,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_reentrant=activation_checkpointing_reentrant,
-            compile=compile,
-            exact_evaluation=exact_evaluation,
-            check_uneven_inputs=check_uneven_inputs,
-            **ddp_kwargs,
+            **lightning_arguments(arguments),
+            **arguments_of(CommonSettings, arguments),
+            **LocalSGDSettings.ddp_kwargs(type(self).__name__, ddp_kwargs),
         )
+        self._periodic = self._runtime.sync_periodically(settings)
 
-    @override
-    def _periodic_settings(self, **kwargs: Any) -> DiLoCoSettings:
-        return DiLoCoSettings(**kwargs, **self._outer)
+    @property
+    def periodic_settings(self) -> DiLoCoSettings:
+        """The validated periodic-sync settings (``sync_every``, ``outer_lr``, ``outer_momentum``, ...)."""
+        settings = self._periodic.settings
+        assert isinstance(settings, DiLoCoSettings)
+        return settings
+
+    @property
+    def periodic_sync(self) -> PeriodicSync:
+        """The sync part (see :attr:`MGPULocalSGDStrategy.periodic_sync`)."""
+        return self._periodic
 
     def __repr__(self) -> str:
         s = self._periodic.settings
         assert isinstance(s, DiLoCoSettings)
         return (
             f"{type(self).__name__}(sync_every={s.sync_every}, outer_lr={s.outer_lr}, "
-            f"outer_momentum={s.outer_momentum}, nesterov={s.nesterov}, start_method={self._launch.start_method!r})"
+            f"outer_momentum={s.outer_momentum}, nesterov={s.nesterov}, "
+            f"start_method={self.launch_settings.start_method!r})"
         )

@@ -21,24 +21,29 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, Union, cast
 
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
+from torch.distributed import ReduceOp
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import unwrap_optimizer
-from lightning_mgpu.comm import attached_trainer, check_backend, group_is_up
+from lightning_mgpu.comm import CommStats, attached_trainer, group_is_up
 from lightning_mgpu.mesh import ParallelMesh, expose_to_module
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, classes_present
 from lightning_mgpu.parts.ddp import DDPWrapping
@@ -80,10 +85,13 @@ from lightning_mgpu.settings import (
     ShardedSettings,
     Stage,
     StartMethod,
+    document_options,
+    from_arguments,
+    lightning_arguments,
     split_ddp_kwargs,
 )
-from lightning_mgpu.strategies.base import MGPUParallelStrategy, MGPUStrategyMixin
 from lightning_mgpu.strategies.launchers import launched_weights_only
+from lightning_mgpu.strategies.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -114,228 +122,22 @@ class ShardMemory:
     parameters: int
 
 
-# ----------------------------------------------------------------------------------------------------
 # The checkpoints of :class:`~lightning_mgpu.MGPUShardedStrategy`: the consolidated file or the sharded directory
 # (``torch.distributed.checkpoint``), written atomically (and in the background with ``async_checkpoint=True``), and
-# loaded at any world size. A mixin of the sharded strategy's shared base; the sharding backend (``parts/sharding.py``)
-# gathers and scatters the states.
+# loaded at any world size; the sharding backend (``parts/sharding.py``) gathers and scatters the states.
 
 
 _METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint (Lightning's ModelParallelStrategy name)
 _OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
 
 
-class ShardedCheckpoints(MGPUStrategyMixin):
-    """Save, remove and load the sharded strategy's checkpoints (a base of :class:`MGPUShardedStrategy`)."""
-
-    _sharding: ShardingBackend
-    _sharded_settings: ShardedSettings
-    _backend_name: str
-    _checkpoint_layout: str
-
-    def _process_group(self) -> Any:
-        return torch.distributed.group.WORLD if group_is_up() else None
-
-    # --- checkpoints ----------------------------------------------------------------------------------
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Optimizer state can only be split once the optimizers are wrapped (and, for FSDP2, the parameters
-        # sharded); a consolidated checkpoint is loaded through the same path.
-        return True
-
-    @override
-    def _module_state(self) -> dict[str, Any]:
-        module = self.lightning_module
-        assert module is not None
-        if self._checkpoint_layout == "sharded":
-            return module.state_dict()
-        return self._sharding.full_model_state(module)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        optimizer = unwrap_optimizer(optimizer)
-        assert self.lightning_module is not None
-        if self._checkpoint_layout == "sharded":
-            return self._sharding.sharded_optimizer_state(self.lightning_module, optimizer)
-        return self.consolidated_optimizer_state(optimizer)
-
-    def consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The whole state of ``optimizer`` as one process's ``optimizer.state_dict()`` (indexed by parameter),
-        on rank 0; ``{}`` elsewhere. A collective: call it on every rank."""
-        optimizer = unwrap_optimizer(optimizer)
-        assert self.lightning_module is not None
-        return self._sharding.full_optimizer_state(self.lightning_module, optimizer, self.is_global_zero)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
-    ) -> None:
-        self._before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
-        filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
-        local = local_path(filepath)
-        if self._checkpoint_layout == "consolidated":
-            if local is not None and os.path.isdir(local):
-                raise IsADirectoryError(
-                    f"{local} is a directory (a sharded checkpoint?); a consolidated checkpoint is one file. Choose "
-                    f"another file name, or save with MGPUShardedStrategy(checkpoint='sharded')."
-                )
-            self._write_file(checkpoint, filepath, storage_options)  # checkpoint_io: atomic by default
-            return
-        if storage_options is not None:
-            raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
-        if local is None:
-            raise ValueError(
-                f"checkpoint='sharded' writes to a local or mounted filesystem; {filepath} is remote. Save to a "
-                f"local path, or use checkpoint='consolidated' (one file, which Lightning uploads)."
-            )
-        path = Path(local)
-        if path.is_file():
-            raise FileExistsError(
-                f"{path} is a file (a consolidated checkpoint?); a sharded checkpoint is a directory. Choose another "
-                f"name, or save with MGPUShardedStrategy(checkpoint='consolidated')."
-            )
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        optimizer_states = checkpoint.pop("optimizer_states", None)
-        for i, state in enumerate(optimizer_states or []):
-            tensors[f"optimizer_{i}"] = state
-        # None: saved with weights only (Lightning then refuses to resume training from it, as for a file)
-        checkpoint[_OPTIMIZER_COUNT] = None if optimizer_states is None else len(optimizer_states)
-        # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
-        # does rank 0 mark it complete and swap it in under `path`. A save killed or failing on any rank
-        # leaves the previous checkpoint under `path` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
-        staging = Path(self.broadcast(str(begin_dir(path)) if self.is_global_zero else ""))
-        if self._saves_async():
-            self._save_sharded_async(tensors, checkpoint, staging, path)
-            return
-        comm.save_sharded(tensors, str(staging), self._process_group())
-        if self.is_global_zero:
-            write_file_atomic(staging / _METADATA, lambda f: torch.save(checkpoint, f))
-        self.barrier("mgpu_sharded_save_written")  # every rank's shards are on disk
-        if self.is_global_zero:
-            commit_dir(staging, path, self._marker_info(checkpoint))
-        self.barrier("mgpu_sharded_save_done")
-
-    def _marker_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-        return {
-            "format": "lightning_mgpu.sharded",
-            "version": 1,
-            "world_size": self.world_size,
-            "stage": self._sharded_settings.stage,
-            "backend": self._backend_name,
-            "layout": self._checkpoint_layout,
-            "optimizers": checkpoint[_OPTIMIZER_COUNT],
-            "epoch": checkpoint.get("epoch"),
-            "global_step": checkpoint.get("global_step"),
-        }
-
-    def _save_sharded_async(
-        self, tensors: dict[str, Any], checkpoint: dict[str, Any], staging: Path, path: Path
-    ) -> None:
-        """The sharded layout with ``async_checkpoint=True``: every rank stages its shards now; the background
-        write marks the directory complete only once every rank's part is on disk (``plugins/async_checkpoint.py``)."""
-        assert self._async is not None
-        self._async_unsettled = True
-        rank0 = self.is_global_zero
-        staged = self._async.stage({"tensors": tensors, "meta": checkpoint if rank0 else None})
-        info = self._marker_info(checkpoint)
-        self._async.rank = self.global_rank
-        write = sharded_directory_write(
-            staged["tensors"],
-            staging,
-            self._async_checkpoint_group(),
-            write_meta=(lambda: write_file_atomic(staging / _METADATA, lambda f: torch.save(staged["meta"], f)))
-            if rank0
-            else None,
-            commit=(lambda: commit_dir(staging, path, info)) if rank0 else None,
-        )
-        self._async.submit(str(path), write)
-
-    @override
-    def remove_checkpoint(self, filepath: PathLike) -> None:
-        local = local_path(filepath)
-        if self.is_global_zero and local is not None and os.path.isdir(local):
-            # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
-            self._remove_when_written(lambda: remove_dir(local))
-            return
-        super().remove_checkpoint(os.fspath(filepath))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if weights_only is None:  # Lightning drops the user's for strategies that restore after set-up
-            weights_only = launched_weights_only(self.launcher)
-        if self.is_global_zero and (local := local_path(checkpoint_path)) is not None:
-            recover_dir(local)  # a save killed in the instant of its swap; the broadcast below waits for it
-        checkpoint_path = self.broadcast(str(checkpoint_path))
-        local = local_path(checkpoint_path)
-        if local is None or not os.path.isdir(local):
-            self._loaded_sharded = False
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        path = Path(local)
-        check_complete(path)  # never load half a checkpoint
-        if not (path / _METADATA).is_file():
-            raise FileNotFoundError(
-                f"{path} is a directory without {_METADATA}: not a sharded checkpoint of mgpu_sharded. Pass the "
-                f"checkpoint directory written by trainer.save_checkpoint."
-            )
-        module = self.lightning_module
-        assert module is not None
-        checkpoint: dict[str, Any] = load_file(path / _METADATA, weights_only, map_location="cpu", ckpt_path=path)
-        saved_optimizers = checkpoint.pop(_OPTIMIZER_COUNT, None)
-        template: dict[str, Any] = {"state_dict": module.state_dict()}
-        load_optimizers = bool(self.lightning_restore_optimizer and self.optimizers and saved_optimizers is not None)
-        if load_optimizers:
-            if saved_optimizers != len(self.optimizers):
-                raise ValueError(
-                    f"{path} holds {saved_optimizers} optimizer states and configure_optimizers returned "
-                    f"{len(self.optimizers)} optimizers: resume with the same configure_optimizers."
-                )
-            for i, opt in enumerate(self.optimizers):
-                template[f"optimizer_{i}"] = self._sharding.optimizer_load_template(module, opt)
-        # every rank reads the slices it owns now, whatever the world size at save time
-        load_sharded_dir(template, path, self._process_group(), weights_only)
-        module.load_state_dict(template["state_dict"], strict=module.strict_loading)
-        if load_optimizers:
-            for i, opt in enumerate(self.optimizers):
-                self._sharding.finish_optimizer_load(opt, template[f"optimizer_{i}"])
-            checkpoint["optimizer_states"] = [template[f"optimizer_{i}"] for i in range(len(self.optimizers))]
-        elif saved_optimizers is not None:
-            checkpoint["optimizer_states"] = []
-        self._loaded_sharded = True
-        # the file branch does it in super().load_checkpoint
-        self._resume.after_load(checkpoint, self.world_size, self.global_rank)
-        return checkpoint
-
-    @override
-    def _load_module_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
-        if self._loaded_sharded:
-            return  # loaded in place by load_checkpoint
-        assert self.lightning_module is not None
-        self._sharding.load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._loaded_sharded:
-            return
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(
-                f"The checkpoint has {len(states)} optimizer states and configure_optimizers returned "
-                f"{len(self.optimizers)} optimizers: resume with the same configure_optimizers."
-            )
-        assert self.lightning_module is not None
-        for opt, state in zip(self.optimizers, states):
-            if not state:
-                raise ValueError(
-                    "The checkpoint's optimizer state is empty: it was saved in the main process after a spawn or "
-                    "fork launch (plain Lightning does that). Resume from a checkpoint written during fit "
-                    "(ModelCheckpoint), or pass weights_only=True to Trainer.fit's ckpt_path logic by loading the "
-                    "weights with LightningModule.load_from_checkpoint and starting a new fit."
-                )
-            self._sharding.load_full_optimizer_state(self.lightning_module, opt, state)
-
-
-class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
+@document_options(
+    ShardedSettings,
+    DDPSettings,
+    var_keyword=":class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP keyword "
+    "arguments apply to stage 1 and fairscale stage 1 only.",
+)
+class MGPUShardedStrategy(ParallelStrategy):
     """Sharded data-parallel training (ZeRO), torch-native by default, on CPU (gloo) and CUDA (NCCL).
 
     * ``stage=1``: optimizer state split across ranks (torch ``ZeroRedundancyOptimizer``, or fairscale
@@ -361,35 +163,6 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
     sharded directory is written under a hidden name and swapped in only after every rank has written and rank
     0 has added its completion marker; loading a directory without the marker raises
     :class:`~lightning_mgpu.IncompleteCheckpointError`.
-
-    Args:
-        stage: 1, 2 or 3 (see above).
-        backend: ``"torch"`` or ``"fairscale"`` (optional extra: ``pip install 'lightning-mgpu[fairscale]'``;
-            stages 1 and 2).
-        checkpoint: ``"consolidated"`` or ``"sharded"``: the layout written.
-        wrap_modules: stages 2/3 torch: module classes that each become an FSDP unit (gathered one at a
-            time). Default: transformer layers if the model has any, else each direct child with parameters.
-        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (as for ``mgpu_ddp``).
-        loss_normalization: ``"tokens"``: the gradient of the mean over every token of the step (as for
-            ``mgpu_ddp``).
-        nonfinite: ``"error"``: every rank raises the same error on a NaN/Inf gradient (as for ``mgpu_ddp``).
-        micro_batch_size: stage 1 only: as for :class:`~lightning_mgpu.MGPUDDPStrategy`.
-        mesh: stages 2/3 torch: ``"flat"`` (shard over all ranks) or ``"hybrid"`` (HSDP: shard within each
-            group of ``shard_size`` ranks, by default the processes of one machine, and replicate across groups).
-        shard_size: ``mesh="hybrid"``: ranks per shard group (None: world size / ``num_nodes``).
-        async_checkpoint: stage checkpoints saved during fit off the live tensors and write them in the
-            background (either layout; a sharded directory is marked complete once every rank's part is written).
-        compile: ``True`` or a dict of :func:`torch.compile` keyword arguments: stages 2/3 compile each FSDP unit's
-            block in place after sharding, stage 1 the LightningModule's ``forward`` after the DDP wrap (as
-            :class:`~lightning_mgpu.MGPUDDPStrategy`).
-        exact_evaluation: every evaluation sample once, as many batches on every rank (as for ``mgpu_ddp``); an
-            evaluation loop whose ranks could still run different numbers of batches (a sampler of your own, an
-            iterable dataset) does the forward's collective once for the loop, so it cannot hang (stages 2 and 3:
-            the parameters gathered once, every rank then holds the whole model during that loop; fairscale: the
-            buffers broadcast once).
-        check_uneven_inputs: uneven training inputs raise on every rank instead of hanging (as for ``mgpu_ddp``).
-        **kwargs: :class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP
-            keyword arguments apply to stage 1 and fairscale stage 1 only.
 
     Example (``Trainer(strategy="mgpu_zero3")`` is the same with the consolidated layout):
 
@@ -438,81 +211,58 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         compile: CompileSetting = False,
         **ddp_kwargs: Any,
     ) -> None:
-        sharded = ShardedSettings(
-            stage=stage,
-            backend=backend,
-            checkpoint=checkpoint,
-            wrap_modules=wrap_modules,  # type: ignore[arg-type]  # a sequence or one class: the settings normalise it
-            micro_batch_size=micro_batch_size,
-            mesh=mesh,
-            shard_size=shard_size,
-        )
+        arguments = dict(locals())
+        sharded = from_arguments(ShardedSettings, arguments)
         own = [name for name in inspect.signature(MGPUShardedStrategy.__init__).parameters if name != "self"]
         ddp_kwargs = split_ddp_kwargs("MGPUShardedStrategy", ddp_kwargs, own[:-1])  # all but **ddp_kwargs
-        ddp_only: dict[str, Any] = {
+        ddp_only = {
             "comm_hook": comm_hook,
             "static_graph": static_graph,
             "find_unused_parameters": find_unused_parameters,
         }
         sharded.check_ddp_settings({**ddp_only, **ddp_kwargs})
-        common: dict[str, Any] = {
-            "process_group_backend": process_group_backend,
-            "timeout": timeout,
-            "start_method": start_method,
-            "log_comm_stats": log_comm_stats,
-            "activation_checkpointing": activation_checkpointing,
-            "activation_checkpointing_reentrant": activation_checkpointing_reentrant,
-            "loss_normalization": loss_normalization,
-            "nonfinite": nonfinite,
-            "async_checkpoint": async_checkpoint,
-            "micro_batch_size": micro_batch_size,
-            "compile": compile,
-            "exact_evaluation": exact_evaluation,
-            "check_uneven_inputs": check_uneven_inputs,
-        }
         # stage 1 trains a DistributedDataParallel model: its settings are mgpu_ddp's
         settings: CommonSettings = (
-            DDPSettings(
-                **common,
-                **ddp_only,
-                comm_state=dict(comm_state) if isinstance(comm_state, Mapping) and comm_state else comm_state or None,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                ddp_kwargs=ddp_kwargs,
-            )
+            from_arguments(DDPSettings, arguments, ddp_kwargs=ddp_kwargs)
             if sharded.uses_ddp
-            else CommonSettings(**common)
+            else from_arguments(CommonSettings, arguments)
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            settings=settings,
-        )
+        super().__init__(**lightning_arguments(arguments))
+        self._node_count = 1
+        self._common = settings
         self._sharded_settings = sharded
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
-        self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.wrap_modules)
+        self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.unit_classes)
         self._loaded_sharded = False
+        self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
         self._gathered_for_evaluation = False  # an evaluation loop runs with its forward's collective done once
-        # stage 1: the DDP wrapping of mgpu_ddp, composed (parts/ddp.py); None at stages 2 and 3
-        self._ddp_settings: Optional[DDPSettings] = settings if isinstance(settings, DDPSettings) else None
-        self._ddp_wrapping = DDPWrapping(self._ddp_settings) if self._ddp_settings is not None else None
-        self._micro = MicroBatching(micro_batch_size) if micro_batch_size is not None else None
-        self._comm_hook_state: Any = None
-        self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
+        # stage 1: the DDP part of mgpu_ddp, composed (parts/ddp.py), in the runtime; None at stages 2 and 3
+        self._runtime = Runtime(
+            self, self, settings, check_model=self._check_model, full_module_state=self._full_module_state
+        )
 
+    # --- what users read ------------------------------------------------------------------------------
     @property
-    @override
     def public_name(self) -> str:
+        """The strategy's class as users write it (what summaries and errors print)."""
         return type(self).__name__
 
     @property
     def settings(self) -> ShardedSettings:
         """The validated sharding settings (``ddp_settings``: the launch and, at stage 1, DDP ones)."""
         return self._sharded_settings
+
+    @property
+    def launch_settings(self) -> CommonSettings:
+        """The settings every mgpu strategy has (launch, process group, ledger, activation checkpointing)."""
+        return self._common
+
+    @property
+    def ddp_settings(self) -> CommonSettings:
+        """The launch settings and, at stage 1, the DDP ones (a :class:`~lightning_mgpu.settings.DDPSettings`)."""
+        return self._common
 
     @property
     def stage(self) -> int:
@@ -527,35 +277,396 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         return self._checkpoint_layout
 
     @property
-    def ddp_settings(self) -> CommonSettings:
-        """The launch settings and, at stage 1, the DDP ones (a :class:`~lightning_mgpu.settings.DDPSettings`)."""
-        return self._launch
+    def comm_stats(self) -> CommStats:
+        """The communication ledger of this rank (see :class:`~lightning_mgpu.comm.CommStats`)."""
+        return self._runtime.comm_stats
 
     @property
     def comm_hook(self) -> Optional[str]:
         """Stage 1: the DDP comm hook; stages 2 and 3 reduce-scatter without one (None)."""
-        return self._ddp_settings.comm_hook if self._ddp_settings is not None else None
+        ddp = self._runtime.ddp
+        return ddp.settings.comm_hook if ddp is not None else None
 
     @property
     def comm_hook_state(self) -> Any:
         """Stage 1: the registered hook's state (e.g. torch's ``PowerSGDState``), available after setup."""
-        return self._comm_hook_state
+        ddp = self._runtime.ddp
+        return ddp.hook_state if ddp is not None else None
 
     @property
     def static_graph(self) -> bool:
-        return self._ddp_settings.static_graph if self._ddp_settings is not None else False
+        ddp = self._runtime.ddp
+        return ddp.settings.static_graph if ddp is not None else False
 
     @property
     def micro_batching(self) -> Optional[MicroBatching]:
         """Stage 1 with ``micro_batch_size``: ``.size`` in use and ``.backoffs``; else None."""
-        return self._micro
+        ddp = self._runtime.ddp
+        return ddp.micro if ddp is not None else None
+
+    @property
+    def activation_checkpointing(self) -> Any:
+        """The activation-checkpointing policy (``None``: off)."""
+        return self._runtime.checkpointing.policy
+
+    @property
+    def async_checkpoint(self) -> bool:
+        """Whether checkpoints saved during fit are staged and written in the background."""
+        return self._common.async_checkpoint
+
+    @property
+    def checkpoint_write_in_flight(self) -> bool:
+        """Whether a background checkpoint write of this rank is running now (``async_checkpoint=True``)."""
+        return self._runtime.checkpoint_write_in_flight
+
+    def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
+        """Manual optimization with ``loss_normalization="tokens"``: count a micro-batch's tokens (see
+        :meth:`MGPUDDPStrategy.add_tokens`; the sharded strategy trains with automatic optimization only)."""
+        self._runtime.add_tokens(num_tokens, loss_sum)
+
+    # --- plugins --------------------------------------------------------------------------------------
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """:class:`~lightning_mgpu.AtomicCheckpointIO` unless a plugin was given (then that one, as it is)."""
+        return self._runtime.checkpoint_io()
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        _compat.set_strategy_checkpoint_io(self, io)
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        plugin = _compat.strategy_precision_plugin(self)
+        return plugin if plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        _compat.set_strategy_precision_plugin(self, PrecisionAdoption.adopt(plugin))
+
+    # --- the process group: what Lightning's DDPStrategy does for it, without its DDP wrapping (as Lightning's
+    # own FSDPStrategy) -----------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning's accelerator connector (its list of distributed strategies names only its own
+        classes): True, so that Lightning puts in its DistributedSampler and syncs logged metrics."""
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._node_count
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._node_count = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        self._runtime.sampler_requested()  # Lightning builds its DistributedSampler with these
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._common.process_group_backend
+
+    @property
+    def timeout(self) -> Optional[timedelta]:
+        return self._common.timeout
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+        self._parallel_mesh = None  # a new process group: a new mesh, which configure_model reads
+        self._built_mesh()
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``DeviceMesh`` the LightningModule sees (``self.device_mesh``), built once per set-up
+        (:mod:`lightning_mgpu.mesh`): ``mesh["data_parallel"]`` and ``mesh["tensor_parallel"]``, as under
+        Lightning's ``ModelParallelStrategy``."""
+        return self._built_mesh().device_mesh
+
+    def _built_mesh(self) -> ParallelMesh:
+        if self._parallel_mesh is None:
+            if not group_is_up():
+                raise RuntimeError(
+                    "MGPUShardedStrategy.device_mesh is built at set-up, once the processes have started: read it "
+                    "in the LightningModule's configure_model (self.device_mesh) or any hook after it."
+                )
+            dims = self._sharded_settings.parallel_dims(self.world_size, self.num_nodes)
+            self._parallel_mesh = dims.build(self.root_device.type)
+            expose_to_module(self.lightning_module, self._parallel_mesh.device_mesh)  # self.device_mesh
+        return self._parallel_mesh
+
+    def setup_distributed(self) -> None:
+        self._runtime.join_elastic_store()  # when torchrun restarted this job (_compat.torchelastic_shares_its_store)
+        reset_seed()
+        self.set_world_ranks()
+        if not group_is_up():
+            assert self.cluster_environment is not None
+            _compat.init_dist_connection(
+                self.cluster_environment,
+                self._runtime.group_backend(),
+                timeout=self._common.timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,  # as Lightning passes it
+            )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # both copies of rank_zero_only (Lightning's and lightning_utilities'), as Lightning's DDPStrategy does
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # a function attribute
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not group_is_up():
+            return
+        comm.barrier(device=self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not group_is_up():
+            return obj
+        return comm.broadcast_object(obj, src, group=torch.distributed.group.WORLD)
+
+    @override
+    def reduce(
+        self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Any:
+        return self._runtime.reduce(tensor, group, reduce_op)
+
+    def _process_group(self) -> Any:
+        return torch.distributed.group.WORLD if group_is_up() else None
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Optimizer state can only be split once the optimizers are wrapped (and, for FSDP2, the parameters
+        # sharded); a consolidated checkpoint is loaded through the same path.
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        sharded = self._checkpoint_layout == "sharded"
+        return self._runtime.module_state(module.state_dict() if sharded else self._sharding.full_model_state(module))
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = unwrap_optimizer(optimizer)
+        assert self.lightning_module is not None
+        if self._checkpoint_layout == "sharded":
+            return self._sharding.sharded_optimizer_state(self.lightning_module, optimizer)
+        return self.consolidated_optimizer_state(optimizer)
+
+    def consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole state of ``optimizer`` as one process's ``optimizer.state_dict()`` (indexed by parameter),
+        on rank 0; ``{}`` elsewhere. A collective: call it on every rank."""
+        optimizer = unwrap_optimizer(optimizer)
+        assert self.lightning_module is not None
+        return self._sharding.full_optimizer_state(self.lightning_module, optimizer, self.is_global_zero)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
+    ) -> None:
+        self._runtime.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
+        filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
+        local = local_path(filepath)
+        if self._checkpoint_layout == "consolidated":
+            if local is not None and os.path.isdir(local):
+                raise IsADirectoryError(
+                    f"{local} is a directory (a sharded checkpoint?); a consolidated checkpoint is one file. Choose "
+                    f"another file name, or save with MGPUShardedStrategy(checkpoint='sharded')."
+                )
+            # checkpoint_io: atomic by default
+            self._runtime.write_file(checkpoint, filepath, storage_options, super().save_checkpoint)
+            return
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
+        if local is None:
+            raise ValueError(
+                f"checkpoint='sharded' writes to a local or mounted filesystem; {filepath} is remote. Save to a "
+                f"local path, or use checkpoint='consolidated' (one file, which Lightning uploads)."
+            )
+        path = Path(local)
+        if path.is_file():
+            raise FileExistsError(
+                f"{path} is a file (a consolidated checkpoint?); a sharded checkpoint is a directory. Choose another "
+                f"name, or save with MGPUShardedStrategy(checkpoint='consolidated')."
+            )
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        for i, state in enumerate(optimizer_states or []):
+            tensors[f"optimizer_{i}"] = state
+        # None: saved with weights only (Lightning then refuses to resume training from it, as for a file)
+        checkpoint[_OPTIMIZER_COUNT] = None if optimizer_states is None else len(optimizer_states)
+        # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
+        # does rank 0 mark it complete and swap it in under `path`. A save killed or failing on any rank
+        # leaves the previous checkpoint under `path` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
+        staging = Path(self.broadcast(str(begin_dir(path)) if self.is_global_zero else ""))
+        if self._runtime.saves_async():
+            self._save_sharded_async(tensors, checkpoint, staging, path)
+            return
+        comm.save_sharded(tensors, str(staging), self._process_group())
+        if self.is_global_zero:
+            write_file_atomic(staging / _METADATA, lambda f: torch.save(checkpoint, f))
+        self.barrier("mgpu_sharded_save_written")  # every rank's shards are on disk
+        if self.is_global_zero:
+            commit_dir(staging, path, self._marker_info(checkpoint))
+        self.barrier("mgpu_sharded_save_done")
+
+    def _marker_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "format": "lightning_mgpu.sharded",
+            "version": 1,
+            "world_size": self.world_size,
+            "stage": self._sharded_settings.stage,
+            "backend": self._backend_name,
+            "layout": self._checkpoint_layout,
+            "optimizers": checkpoint[_OPTIMIZER_COUNT],
+            "epoch": checkpoint.get("epoch"),
+            "global_step": checkpoint.get("global_step"),
+        }
+
+    def _save_sharded_async(
+        self, tensors: dict[str, Any], checkpoint: dict[str, Any], staging: Path, path: Path
+    ) -> None:
+        """The sharded layout with ``async_checkpoint=True``: every rank stages its shards now; the background
+        write marks the directory complete only once every rank's part is on disk (``plugins/async_checkpoint.py``)."""
+        writes = self._runtime.writes
+        assert writes is not None
+        writes.unsettled = True
+        rank0 = self.is_global_zero
+        staged = writes.writer.stage({"tensors": tensors, "meta": checkpoint if rank0 else None})
+        info = self._marker_info(checkpoint)
+        write = sharded_directory_write(
+            staged["tensors"],
+            staging,
+            writes.group(),
+            write_meta=(lambda: write_file_atomic(staging / _METADATA, lambda f: torch.save(staged["meta"], f)))
+            if rank0
+            else None,
+            commit=(lambda: commit_dir(staging, path, info)) if rank0 else None,
+        )
+        writes.submit(str(path), self.global_rank, write)
+
+    @override
+    def remove_checkpoint(self, filepath: PathLike) -> None:
+        local = local_path(filepath)
+        if self.is_global_zero and local is not None and os.path.isdir(local):
+            # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
+            self._runtime.remove_when_written(lambda: remove_dir(local))
+            return
+        remove = super().remove_checkpoint
+        self._runtime.remove_when_written(lambda: remove(os.fspath(filepath)))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if weights_only is None:  # Lightning drops the user's for strategies that restore after set-up
+            weights_only = launched_weights_only(self.launcher)
+        if self.is_global_zero and (local := local_path(checkpoint_path)) is not None:
+            recover_dir(local)  # a save killed in the instant of its swap; the broadcast below waits for it
+        checkpoint_path = self.broadcast(str(checkpoint_path))
+        local = local_path(checkpoint_path)
+        if local is None or not os.path.isdir(local):
+            self._loaded_sharded = False
+            return self._runtime.after_load(
+                super().load_checkpoint(os.fspath(checkpoint_path), weights_only=weights_only)
+            )
+        path = Path(local)
+        check_complete(path)  # never load half a checkpoint
+        if not (path / _METADATA).is_file():
+            raise FileNotFoundError(
+                f"{path} is a directory without {_METADATA}: not a sharded checkpoint of mgpu_sharded. Pass the "
+                f"checkpoint directory written by trainer.save_checkpoint."
+            )
+        module = self.lightning_module
+        assert module is not None
+        checkpoint: dict[str, Any] = load_file(path / _METADATA, weights_only, map_location="cpu", ckpt_path=path)
+        saved_optimizers = checkpoint.pop(_OPTIMIZER_COUNT, None)
+        template: dict[str, Any] = {"state_dict": module.state_dict()}
+        load_optimizers = bool(self.lightning_restore_optimizer and self.optimizers and saved_optimizers is not None)
+        if load_optimizers:
+            if saved_optimizers != len(self.optimizers):
+                raise ValueError(
+                    f"{path} holds {saved_optimizers} optimizer states and configure_optimizers returned "
+                    f"{len(self.optimizers)} optimizers: resume with the same configure_optimizers."
+                )
+            for i, opt in enumerate(self.optimizers):
+                template[f"optimizer_{i}"] = self._sharding.optimizer_load_template(module, opt)
+        # every rank reads the slices it owns now, whatever the world size at save time
+        load_sharded_dir(template, path, self._process_group(), weights_only)
+        module.load_state_dict(template["state_dict"], strict=module.strict_loading)
+        if load_optimizers:
+            for i, opt in enumerate(self.optimizers):
+                self._sharding.finish_optimizer_load(opt, template[f"optimizer_{i}"])
+            checkpoint["optimizer_states"] = [template[f"optimizer_{i}"] for i in range(len(self.optimizers))]
+        elif saved_optimizers is not None:
+            checkpoint["optimizer_states"] = []
+        self._loaded_sharded = True
+        return self._runtime.after_load(checkpoint)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._loaded_sharded:  # else loaded in place by load_checkpoint
+            assert self.lightning_module is not None
+            self._sharding.load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict)
+        self._runtime.load_masters(checkpoint)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._loaded_sharded:
+            return
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"The checkpoint has {len(states)} optimizer states and configure_optimizers returned "
+                f"{len(self.optimizers)} optimizers: resume with the same configure_optimizers."
+            )
+        assert self.lightning_module is not None
+        for opt, state in zip(self.optimizers, states):
+            if not state:
+                raise ValueError(
+                    "The checkpoint's optimizer state is empty: it was saved in the main process after a spawn or "
+                    "fork launch (plain Lightning does that). Resume from a checkpoint written during fit "
+                    "(ModelCheckpoint), or pass weights_only=True to Trainer.fit's ckpt_path logic by loading the "
+                    "weights with LightningModule.load_from_checkpoint and starting a new fit."
+                )
+            self._sharding.load_full_optimizer_state(self.lightning_module, opt, state)
+
+    # --- launch ---------------------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        self._runtime.configure_launcher(self._check_at_construction)
+
     def _check_at_construction(self) -> None:
-        if self._ddp_settings is not None:
-            check_backend(self._ddp_settings.comm_hook, self._group_backend())
-        super()._check_at_construction()
-        processes, nodes = self._processes_and_nodes()
+        """Runs in the main process at Trainer construction, once accelerator and devices are known."""
+        self._runtime.check_at_construction()
+        processes, nodes = self._runtime.processes_and_nodes()
         self._sharded_settings.mesh_shape(processes * nodes, nodes)  # a hybrid mesh that cannot be built: now
         plugin = self.precision_plugin
         if not (isinstance(plugin, MGPUPrecision) and plugin.master):
@@ -574,18 +685,15 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
                 f"Use checkpoint='consolidated' (the default) or stage=2/3, whose FP32 masters FSDP2 shards itself."
             )
 
-    @override
     def _full_module_state(self) -> dict[str, Any]:
         # Lightning's launcher hands back rank 0's state_dict(), which under FSDP2 holds only its shards
         assert self.lightning_module is not None
         return self._sharding.full_model_state(self.lightning_module)
 
-    @override
-    def _check_model_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
-        if self._ddp_wrapping is not None:
-            sync_batchnorm = _compat.strategy_layer_sync(self) is not None
-            self._ddp_wrapping.check_model(model, self._device_type(), sync_batchnorm, self._micro)
-        wrap = self._sharded_settings.wrap_modules
+    def _check_model(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
+        """The sharded strategy's checks of the model before launch (fitting only; stage 1's DDP part checks its
+        own before, in the runtime)."""
+        wrap = self._sharded_settings.unit_classes
         if wrap is not None and not any(isinstance(m, wrap) for m in model.modules()):
             # FSDP2 would silently make the whole model one unit (all parameters gathered at once)
             names = [c.__name__ for c in wrap]
@@ -612,31 +720,6 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
 
     # --- set-up ---------------------------------------------------------------------------------------
     @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._parallel_mesh = None  # a new process group: a new mesh, which configure_model reads
-        self._built_mesh()
-
-    @property
-    def device_mesh(self) -> Any:
-        """The ``DeviceMesh`` the LightningModule sees (``self.device_mesh``), built once per set-up
-        (:mod:`lightning_mgpu.mesh`): ``mesh["data_parallel"]`` and ``mesh["tensor_parallel"]``, as under
-        Lightning's ``ModelParallelStrategy``."""
-        return self._built_mesh().device_mesh
-
-    def _built_mesh(self) -> ParallelMesh:
-        if self._parallel_mesh is None:
-            if not group_is_up():
-                raise RuntimeError(
-                    "MGPUShardedStrategy.device_mesh is built at set-up, once the processes have started: read it "
-                    "in the LightningModule's configure_model (self.device_mesh) or any hook after it."
-                )
-            dims = self._sharded_settings.parallel_dims(self.world_size, self.num_nodes)
-            self._parallel_mesh = dims.build(self.root_device.type)
-            expose_to_module(self.lightning_module, self._parallel_mesh.device_mesh)  # self.device_mesh
-        return self._parallel_mesh
-
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -651,7 +734,8 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
             self.model = layer_sync.apply(self.model)  # SyncBatchNorm, as Lightning's DDPStrategy converts it
         # before convert_module: in master modes FSDP2's sharded FP32 parameters are the master copy, so the
         # plugin must not cast the module's parameters to half itself
-        policy = self._sharding.mixed_precision_policy(self.precision_plugin) if fitting else None
+        masters = PrecisionAdoption.fsdp_mixed_precision(self.precision_plugin) if fitting else None
+        policy = self._sharding.mixed_precision_policy(masters)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if fitting:
@@ -661,7 +745,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
             comm.broadcast_module_states(self.model)  # evaluation without a wrapper: rank 0's weights everywhere
         self.setup_precision_plugin()
         if fitting:
-            clipping = self._sharding.norm_clipping(self._process_group(), self._ledger.stats)
+            clipping = self._sharding.norm_clipping(self._process_group(), self._runtime.ledger.stats)
             PrecisionAdoption.connect_norm_clipping(self.precision_plugin, clipping)  # shards: the global norm
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
@@ -672,27 +756,24 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         (``setup_optimizers``)."""
         module = self.lightning_module
         assert module is not None
-        self._checkpointing.apply(module)
-        if self._ddp_wrapping is not None:
-            ddp = self._ddp_wrapping.wrap(module, self.root_device)
-            self.model = ddp
-            self._ledger.start(ddp, self.world_size)
-            self._comm_hook_state = self._ddp_wrapping.register_hooks(ddp, self._ledger, manual=False)
-            self._compilation.compile_model(module)  # after the wrap, as mgpu_ddp: parts/compilation.py
+        if self._runtime.ddp is not None:
+            self.model = self._runtime.wrap_ddp(module)  # as mgpu_ddp: checkpointing, wrap, hooks, compilation
             return
+        self._runtime.checkpointing.apply(module)
         mesh = self._sharding.shard_mesh(self._built_mesh())
         sharded = self._sharding.shard_model(module, mesh, policy)
         if sharded is not None:
             self.model = sharded
-        self._compilation.compile_blocks(module, self._sharded_settings.wrap_modules)  # after sharding
+        self._runtime.compilation.compile_blocks(module, self._sharded_settings.unit_classes)  # after sharding
         assert self.model is not None
-        self._ledger.start(self.model, self.world_size, self._sharding.mesh_shape)
+        self._runtime.ledger.start(self.model, self.world_size, self._sharding.mesh_shape)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # A second fit() in the same process re-wraps: start from the module's own optimizers.
         _compat.reset_optimizers_and_schedulers(self)
         super().setup_optimizers(trainer)
+        self._runtime.setup_optimizers(trainer)  # master weights, before the optimizers are wrapped
         if trainer.state.fn != TrainerFn.FITTING:
             return
         group = self._process_group()
@@ -718,36 +799,15 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         follow_module_mode(self.model, self.lightning_module)  # after validation: fairscale's SDP hooks need it
-        if self._ddp_wrapping is not None:
-            ddp = cast(DistributedDataParallel, self.model)
-            if self._micro is not None:
-                return self._micro_batched_step(ddp, *args, **kwargs)
-            self._ddp_wrapping.before_training_step(ddp)
-        return self._one_training_step(*args, **kwargs)
+        return self._runtime.training_step(self._one_training_step, self._stage1_ddp(), *args, **kwargs)
 
     def _one_training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context():
-            return self._count_tokens(self._redirect("training_step", *args, **kwargs))
+            return self._redirect("training_step", *args, **kwargs)
 
-    def _micro_batched_step(self, ddp: DistributedDataParallel, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        assert self._micro is not None and self._ddp_wrapping is not None
-        module = self.lightning_module
-        assert module is not None
-        accumulate = module.trainer.accumulate_grad_batches
-        optimizer = self.optimizers[0] if self.optimizers else None
-        return self._ddp_wrapping.micro_batched_step(
-            self._micro,
-            ddp,
-            step=lambda micro: self._one_training_step(micro, *args, **kwargs),
-            backward=lambda loss: self.backward(loss / accumulate, optimizer),
-            batch=batch,
-            batch_idx=args[0] if args else None,
-            accumulate_grad_batches=accumulate,
-            stats=self._ledger.stats,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            device=self.root_device,
-        )
+    def _stage1_ddp(self) -> Optional[DistributedDataParallel]:
+        """Stage 1: the DDP model the runtime's DDP part drives; None at stages 2 and 3."""
+        return cast(DistributedDataParallel, self.model) if self._runtime.ddp is not None else None
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -778,7 +838,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         (one all-gather of the planned counts says so), do that collective once for the loop instead."""
         trainer = attached_trainer(self.lightning_module)
         model = self.model
-        if not self._launch.exact_evaluation or trainer is None or model is None or self.world_size < 2:
+        if not self._common.exact_evaluation or trainer is None or model is None or self.world_size < 2:
             return
         if not self._sharding.forward_is_collective(model):
             return
@@ -804,6 +864,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
 
     @override
     def on_predict_start(self) -> None:
+        self._runtime.predict_start()
         super().on_predict_start()
         self._start_evaluation()
 
@@ -839,16 +900,31 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         trainer = attached_trainer(self.lightning_module)
         if self._sync_blocked or self.model is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return
-        if self._ddp_settings is None:
-            self._ledger.record_round(self._sharding.sync_layout(self.model))
-        elif self._ddp_settings.count_from_buckets and self._micro is None:
-            self._ledger.record_buckets(cast(DistributedDataParallel, self.model))
+        if self._runtime.ddp is None:
+            self._runtime.ledger.record_round(self._sharding.sync_layout(self.model))
+        else:
+            self._runtime.after_backward(self._stage1_ddp())
 
     @override
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)
-        self._ledger.optimizer_stepped(self.lightning_module, self.is_global_zero)
-        return output
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[pl.LightningModule, nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        step = super().optimizer_step
+        return self._runtime.optimizer_step(optimizer, closure, lambda c: step(optimizer, c, model, **kwargs))
+
+    # --- data -----------------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self._runtime.process_dataloader(super().process_dataloader(dataloader))
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        lightning_hook = super().on_train_batch_start
+        self._runtime.train_batch_start(lambda: lightning_hook(batch, batch_idx))
 
     # --- memory ---------------------------------------------------------------------------------------
     def memory_report(self) -> ShardMemory:
@@ -867,7 +943,7 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
     def __repr__(self) -> str:
         return (
             f"{self.public_name}(stage={self._sharded_settings.stage}, backend={self._backend_name!r}, "
-            f"checkpoint={self._checkpoint_layout!r}, start_method={self.launch_settings.start_method!r})"
+            f"checkpoint={self._checkpoint_layout!r}, start_method={self._common.start_method!r})"
         )
 
     # --- end ------------------------------------------------------------------------------------------
@@ -881,10 +957,17 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
             layer_sync = _compat.strategy_layer_sync(self)
             if layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 self.model = layer_sync.revert(self.model)
+        self._runtime.teardown()
         super().teardown()
 
     @override
+    def on_train_end(self) -> None:
+        self._runtime.train_end()
+        super().on_train_end()
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._ddp_wrapping is not None:  # stage 1: DDP's errors name the fix, and the group ends as mgpu_ddp's
+        if self._runtime.ddp is not None:  # stage 1: DDP's errors name the fix, and the group ends as mgpu_ddp's
             DDPWrapping.explain(exception, "strategy=MGPUShardedStrategy(stage=1, find_unused_parameters=True)")
-            self._end_group_after(exception)
+            self._runtime.end_group_after(exception)
+

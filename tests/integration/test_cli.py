@@ -4,10 +4,12 @@ subprocess (the popen presets re-run the command once per rank)."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
 
+import docstring_parser
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -286,3 +288,24 @@ def test_the_console_script_imports_the_users_module_from_the_current_directory(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mymodel.MyModel" in proc.stdout and "**<- recommended**" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "name", ["MGPUDDPStrategy", "MGPUShardedStrategy", "MGPULocalSGDStrategy", "MGPUDiLoCoStrategy", "MGPUAutoStrategy"]
+)
+def test_fit_help_lists_every_argument_of_a_strategy_with_its_help(capsys, name):
+    """``lightning-mgpu fit --trainer.strategy.help CLASS``: each keyword, with the docstring of its settings field
+    (the one declaration of the option) as its help."""
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--trainer.strategy.help", name])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    cls = getattr(lightning_mgpu, name)
+    documented = {p.arg_name: p.description for p in docstring_parser.parse(inspect.getdoc(cls) or "").params}
+    for keyword, parameter in inspect.signature(cls.__init__).parameters.items():
+        if keyword == "self" or parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            continue
+        help_text = " ".join((documented.get(keyword) or "").split())
+        assert help_text, keyword
+        assert f"--trainer.strategy.{keyword} " in text, keyword
+        assert " ".join(help_text.split()[:4]) in text, (keyword, help_text)

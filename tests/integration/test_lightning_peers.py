@@ -136,7 +136,7 @@ def test_a_local_rank_past_the_local_devices_builds_the_trainer(make, tmp_path):
     strategy = make(_cluster(local_rank=1, node_rank=1))
     pl.Trainer(accelerator="cpu", default_root_dir=tmp_path, strategy=strategy, logger=False)
     assert strategy.local_rank == 1 and strategy.global_rank == 3
-    assert strategy._group_backend() == "gloo"
+    assert strategy._runtime.group_backend() == "gloo"
 
 
 @pytest.mark.parametrize("ours", [False, True], ids=["lightning_launcher", "mgpu_launcher"])
@@ -165,7 +165,7 @@ def test_the_launch_path_reads_no_root_device(tmp_path, monkeypatch):
     monkeypatch.setattr(MGPUDDPStrategy, "root_device", property(no_root_device))
     strategy = MGPUDDPStrategy(start_method="fork")
     pl.Trainer(accelerator="cpu", devices=2, default_root_dir=tmp_path, strategy=strategy, logger=False)
-    strategy._check_before_launch(Mock(accumulate_grad_batches=1, state=Mock(fn=TrainerFn.PREDICTING)))
+    strategy._runtime.check_before_launch(Mock(accumulate_grad_batches=1, state=Mock(fn=TrainerFn.PREDICTING)))
 
 
 # --- every message that suggests a strategy suggests ours -------------------------------------------------

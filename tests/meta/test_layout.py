@@ -1,5 +1,6 @@
 """The package's layout rules (docs/development.md): one home per concept, data flowing one way (parts and plugins
-never import a strategy), no import cycle, lazy imports inside functions included, and the import paths that
+never import a strategy, settings import no part, plugin, planner or strategy, no two subpackages import each other
+both ways), no import cycle, lazy imports inside functions included, and the import paths that
 moved still working with a warning that names the new one."""
 
 from __future__ import annotations
@@ -87,6 +88,50 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 @pytest.mark.parametrize("path", LOWER, ids=[_module_name(p) for p in LOWER])
 def test_parts_and_plugins_do_not_import_a_strategy(path):
     assert not [n for n in _imported(path) if n.startswith("lightning_mgpu.strategies")]
+
+
+def test_settings_import_no_part_plugin_planner_or_strategy():
+    """Settings sit below the parts: each option's type and checks, nothing that uses them."""
+    above = ("lightning_mgpu.parts", "lightning_mgpu.plugins", "lightning_mgpu.planning", "lightning_mgpu.strategies")
+    assert [n for n in _imported(PACKAGE / "settings.py") if n.startswith(above)] == []
+
+
+def _folder_edges(root: Path) -> set[tuple[str, str]]:
+    """(folder, folder) for every import from a module of one subpackage into another, lazy imports included."""
+
+    def folder(module: str) -> str:
+        return module.split(".")[1] if module.count(".") >= 2 else ""
+
+    edges = set()
+    for name, deps in _graph(root).items():
+        for dep in deps:
+            a, b = folder(name), folder(dep)
+            if a and b and a != b:
+                edges.add((a, b))
+    return edges
+
+
+def _both_ways(edges: set[tuple[str, str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
+
+
+def test_subpackages_import_each_other_in_one_direction_only():
+    """Plugins use parts (the precision plugin's global-norm clipping), never the reverse: no two subpackages
+    (parts, plugins, planning, strategies, callbacks, ...) import each other both ways."""
+    edges = _folder_edges(PACKAGE)
+    assert _both_ways(edges) == []
+    assert ("parts", "plugins") not in edges
+
+
+def test_the_direction_check_finds_two_folders_importing_each_other(tmp_path):
+    pkg = tmp_path / "lightning_mgpu"
+    for sub in ("parts", "plugins"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "parts" / "a.py").write_text("def f():\n    from lightning_mgpu.plugins.b import g\n")
+    (pkg / "plugins" / "b.py").write_text("from lightning_mgpu.parts.a import f\n")
+    assert _both_ways(_folder_edges(pkg)) == [("parts", "plugins")]
 
 
 def test_the_package_has_no_import_cycle_lazy_imports_included():

@@ -14,7 +14,7 @@ from pytorch_lightning.strategies import StrategyRegistry
 import lightning_mgpu
 from lightning_mgpu import PRESETS, preset_table, register_presets
 from lightning_mgpu.presets import LAUNCH_EXCEPTIONS, LAUNCH_VARIANTS
-from lightning_mgpu.strategies import MGPUStrategyMixin
+from lightning_mgpu.strategies.runtime import Runtime
 from tests.helpers import WORLD
 
 NAMES = [p.name for p in PRESETS]
@@ -44,7 +44,7 @@ def test_registering_twice_is_harmless():
 def test_trainer_builds_the_preset_configuration(preset):
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=preset.name, logger=False)
     strategy = trainer.strategy
-    assert isinstance(strategy, MGPUStrategyMixin)  # every mgpu strategy (the sharded stages 2/3 are not DDP)
+    assert isinstance(strategy._runtime, Runtime)  # every mgpu strategy holds one (the sharded stages 2/3: not DDP)
     assert isinstance(strategy, preset.strategy)
     assert strategy.launch_settings.start_method == preset.init_params["start_method"]
     assert getattr(strategy, "comm_hook", None) == preset.init_params.get("comm_hook")

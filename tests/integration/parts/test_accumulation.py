@@ -307,9 +307,15 @@ def _trainer(strategy: Any, k: Any, devices: int = WORLD) -> pl.Trainer:
 class NoLaunch(MGPUDDPStrategy):
     """Fails the test if a worker process is started: the error must come first."""
 
-    def _check_before_launch(self, trainer: pl.Trainer) -> None:
-        super()._check_before_launch(trainer)
-        raise AssertionError("the bad input passed the pre-launch check")
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        check = self._runtime.check_before_launch
+
+        def check_then_fail(trainer: pl.Trainer) -> None:
+            check(trainer)
+            raise AssertionError("the bad input passed the pre-launch check")
+
+        self._runtime.check_before_launch = check_then_fail  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize(

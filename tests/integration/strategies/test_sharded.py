@@ -21,7 +21,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
-from lightning_mgpu.strategies import MGPUStrategyMixin
+from lightning_mgpu.strategies.runtime import Runtime
 from tests.helpers import WORLD, fit, flat_params
 from tests.models import OptRegressor, Regressor, make_data, reference_run
 
@@ -481,7 +481,7 @@ def test_presets_build_the_documented_configuration():
     }
     for name, (stage, backend, launch) in expected.items():
         strategy = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=name, logger=False).strategy
-        assert isinstance(strategy, MGPUShardedStrategy) and isinstance(strategy, MGPUStrategyMixin)
+        assert isinstance(strategy, MGPUShardedStrategy) and isinstance(strategy._runtime, Runtime)
         # one class for every stage, none of them a DDP strategy (stage 1 composes mgpu_ddp's DDP wrapping)
         assert type(strategy) is MGPUShardedStrategy and not isinstance(strategy, MGPUDDPStrategy)
         assert (strategy.stage, strategy.backend, strategy.launch_settings.start_method) == (stage, backend, launch)
@@ -493,7 +493,7 @@ def test_the_save_preamble_runs_once_per_save(tmp_path, stage):
     consolidated layout used to run them twice: in the sharded strategy and again in the base it handed to)."""
     strategy = MGPUShardedStrategy(stage=stage)
     calls: list[str] = []
-    strategy._before_save = lambda checkpoint: calls.append("before")  # type: ignore[method-assign]
-    strategy._write_file = lambda checkpoint, path, options=None: calls.append("write")  # type: ignore[method-assign]
+    strategy._runtime.before_save = lambda checkpoint: calls.append("before")  # type: ignore[method-assign]
+    strategy._runtime.write_file = lambda checkpoint, path, options, save: calls.append("write")  # type: ignore[method-assign]
     strategy.save_checkpoint({"state_dict": {}}, str(tmp_path / "last.ckpt"))
     assert calls == ["before", "write"]

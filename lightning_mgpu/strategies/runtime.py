@@ -1,0 +1,757 @@
+"""The runtime: the plain object every mgpu strategy holds, built from its settings. It owns the parts (the ledger,
+failure handling, mid-epoch resume, exact evaluation, uneven inputs, activation checkpointing, compilation, the
+token and non-finite checks, the DDP part, the periodic sync, the background checkpoint writer, prediction gathering)
+and coordinates them: the launch and its checks, the results a worker hands to the main process, the elastic
+store, the optimizer step's closures, the saves and loads, the end of fit.
+
+A strategy is a direct subclass of Lightning's ``DDPStrategy`` or ``ParallelStrategy`` whose overridden hooks each
+hand their work to the runtime, explicitly (``strategies/``); the runtime reads what Lightning gave the strategy
+(its module, devices, ranks, plugins) from the strategy it serves.
+
+Example::
+
+    runtime = Runtime(strategy, strategy, settings)   # in the strategy's __init__
+    runtime.comm_stats                                # the ledger's counts
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Callable, Optional, Protocol, Union
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins import CheckpointIO
+from lightning_fabric.utilities.apply_func import move_data_to_device
+from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_mgpu import _compat, comm
+from lightning_mgpu.comm import CommStats, Ledger, attached_trainer, check_backend, group_is_up
+from lightning_mgpu.parts import rendezvous
+from lightning_mgpu.parts.accumulation import check_accumulate_grad_batches, check_manual_accumulation
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointing
+from lightning_mgpu.parts.compilation import Compilation
+from lightning_mgpu.parts.ddp import DDPWrapping
+from lightning_mgpu.parts.evaluation import ExactEvaluation
+from lightning_mgpu.parts.failures import FailureHandling
+from lightning_mgpu.parts.nonfinite import NonFiniteCheck
+from lightning_mgpu.parts.periodic_sync import CHECKPOINT_KEY, PeriodicSync
+from lightning_mgpu.parts.predictions import PredictionGathering
+from lightning_mgpu.parts.resume import MidEpochResume
+from lightning_mgpu.parts.token_loss import LOG_NAME, TokenNormalization
+from lightning_mgpu.parts.uneven_inputs import UnevenInputs
+from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError, failure_message
+from lightning_mgpu.plugins.checkpoint_io import choose_checkpoint_io
+from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
+from lightning_mgpu.settings import CommonSettings, DDPSettings, LocalSGDSettings
+from lightning_mgpu.strategies.launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
+
+log = logging.getLogger(__name__)
+
+#: strategy -> (what the user wrote, the notebook form of the same strategy), as ``Trainer(strategy=...)``
+#: arguments. Handed in by ``lightning_mgpu.presets``, which holds the preset table: it imports the strategies, so
+#: they cannot import it.
+_NOTEBOOK_ADVICE: list[Callable[[Any], tuple[str, str]]] = []
+
+
+def set_notebook_advice(advice: Callable[[Any], tuple[str, str]]) -> None:
+    """Where a notebook refusal finds the notebook preset to suggest (:meth:`Runtime.check_interactive`)."""
+    _NOTEBOOK_ADVICE[:] = [advice]
+
+
+def _callbacks(trainer: pl.Trainer) -> list[Any]:
+    # set on the Trainer at runtime by Lightning's callback connector (not a declared attribute)
+    return list(getattr(trainer, "callbacks", []))
+
+
+class Ranks(Protocol):
+    """What a strategy has beyond Lightning's ``ParallelStrategy``: processes per node, nodes, and how it sets the
+    world ranks (Lightning's ``DDPStrategy`` has them; so has ``MGPUShardedStrategy``)."""
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    def set_world_ranks(self) -> None: ...
+
+
+class AsyncWrites:
+    """The coordination of background checkpoint writes (``async_checkpoint=True``): which saves go to the
+    background, the agreement of every rank on their outcome, and the gloo group of their collectives."""
+
+    def __init__(self, writer: AsyncCheckpointWriter, timeout: Any) -> None:
+        self.writer = writer
+        self.timeout = timeout
+        self.unsettled = False  # every rank: an async save was submitted since the last agreement
+        self._write_group: Any = None  # a gloo group for the background writes' collectives (sharded layout)
+
+    def submit(self, path: str, rank: int, write: Callable[[], None]) -> None:
+        self.unsettled = True
+        self.writer.rank = rank
+        self.writer.submit(path, write)
+
+    def settle(self, world_size: int) -> None:
+        """Every rank, at a save and at the end of fit: wait for the write in flight, and raise
+        :class:`~lightning_mgpu.CheckpointWriteError` on every rank if any rank's write failed."""
+        if not self.unsettled:
+            return
+        self.unsettled = False
+        failures = self.writer.finish()
+        causes = self.writer.take_causes()
+        if group_is_up() and world_size > 1:
+            failures = [f for rank_failures in comm.all_gather_object(failures) for f in rank_failures]
+        if failures:
+            raise CheckpointWriteError(failure_message(failures)) from (causes[0] if causes else None)
+
+    def group(self) -> Any:
+        """A gloo group of all ranks for the collectives of background writes: they must not interleave with
+        the training thread's collectives on the default group (torch's advice for ``dcp.async_save``). Made on
+        every rank at the first asynchronous sharded save (a collective)."""
+        if self._write_group is None:
+            self._write_group = comm.new_group(backend="gloo", timeout=self.timeout)
+        return self._write_group
+
+    def end(self) -> None:
+        """Teardown: wait for the last write (an error not raised yet, e.g. after another exception, is logged)
+        and leave the checkpoint group."""
+        for failure in self.writer.finish():
+            log.error(f"The background write of {failure}")
+        self.writer.take_causes()
+        self.unsettled = False
+        group, self._write_group = self._write_group, None
+        if group is not None:
+            comm.destroy_group(group, quiet=True)
+
+
+class Runtime:
+    """The parts of one strategy and their coordination (see the module docstring).
+
+    ``strategy``: the Lightning strategy it serves; ``ranks``: the same object, seen through what
+    ``ParallelStrategy`` lacks (:class:`Ranks`); ``settings``: its validated settings (a
+    :class:`~lightning_mgpu.settings.DDPSettings` gives it the DDP part); ``check_model``: the strategy's own
+    checks of the model before launch; ``full_module_state``: the whole module's weights on every rank (the
+    sharded strategy gathers them)."""
+
+    def __init__(
+        self,
+        strategy: ParallelStrategy,
+        ranks: Ranks,
+        settings: CommonSettings,
+        check_model: Optional[Callable[[pl.Trainer, pl.LightningModule], None]] = None,
+        full_module_state: Optional[Callable[[], dict[str, Any]]] = None,
+    ) -> None:
+        self.strategy = strategy
+        self.ranks = ranks
+        self.settings = settings
+        self.ledger = Ledger(log=settings.log_comm_stats)
+        self.failures = FailureHandling(settings.timeout)
+        self.resume = MidEpochResume()
+        self.evaluation = ExactEvaluation(settings.exact_evaluation)
+        self.uneven = UnevenInputs(settings.check_uneven_inputs)
+        self.checkpointing = ActivationCheckpointing(
+            settings.activation_checkpointing, settings.activation_checkpointing_reentrant
+        )
+        self.compilation = Compilation(settings.compile)
+        tokens = settings.loss_normalization == "tokens"
+        self.tokens = TokenNormalization(self.ledger.stats) if tokens else None
+        self.nonfinite = NonFiniteCheck(self.ledger.stats) if settings.nonfinite == "error" else None
+        self.writes = AsyncWrites(AsyncCheckpointWriter(), settings.timeout) if settings.async_checkpoint else None
+        self.predictions = PredictionGathering()
+        self.ddp = DDPWrapping(settings) if isinstance(settings, DDPSettings) else None
+        """The DDP part (``mgpu_ddp``, its periodic family, the sharded stage 1); None where no DDP wraps the model."""
+        self.periodic: Optional[PeriodicSync] = None
+        """The periodic weight sync (``mgpu_local_sgd``, ``mgpu_diloco`` set it); None elsewhere."""
+        self._periodic_restore: Optional[dict[str, Any]] = None  # loaded with the weights, applied with the optimizers
+        self.sharded_choices: tuple[str, ...] = ()
+        """The sharded stages 2/3 the strategy may still become (``mgpu_auto`` sets them)."""
+        self._check_model = check_model
+        self._full_module_state = full_module_state
+
+    # --- what users read --------------------------------------------------------------------------------------
+    @property
+    def comm_stats(self) -> CommStats:
+        return self.ledger.stats
+
+    def processes_and_nodes(self) -> tuple[int, int]:
+        return self.ranks.num_processes, self.ranks.num_nodes
+
+    def group_backend(self) -> str:
+        """The process-group backend asked for, or the device's default (gloo on CPU, nccl on CUDA), as Lightning's
+        DDP chooses it; from the devices' type, not from this rank's device (see :meth:`device_type`)."""
+        return self.settings.process_group_backend or ("nccl" if self.device_type() == "cuda" else "gloo")
+
+    def device_type(self) -> str:
+        """The type of the Trainer's devices. The launch path (Trainer construction, the checks before launch, the
+        launcher) asks only for this, never for ``root_device``: that indexes the devices by this process's local
+        rank, which a cluster environment may put past the local device count before any worker exists (Lightning's
+        DDP reads ``root_device`` only once set up, in the worker)."""
+        devices = self.strategy.parallel_devices
+        return devices[0].type if devices else self.strategy.root_device.type
+
+    def _attached(self) -> Optional[pl.Trainer]:
+        return attached_trainer(self.strategy.lightning_module)
+
+    # --- plugins ----------------------------------------------------------------------------------------------
+    def checkpoint_io(self) -> CheckpointIO:
+        """:class:`~lightning_mgpu.AtomicCheckpointIO` unless a plugin was given (then that one, as it is; a
+        wrapping plugin without a base, e.g. ``AsyncCheckpointIO()``, gets ``AtomicCheckpointIO`` as its base)."""
+        io = choose_checkpoint_io(_compat.strategy_checkpoint_io(self.strategy))
+        _compat.set_strategy_checkpoint_io(self.strategy, io)
+        return io
+
+    # --- launch -----------------------------------------------------------------------------------------------
+    def check_at_construction(self) -> None:
+        """Runs in the main process at Trainer construction, once accelerator and devices are known."""
+        if self.ddp is not None:
+            check_backend(self.ddp.settings.comm_hook, self.group_backend())
+        strategy = self.strategy
+        PrecisionAdoption.check(_compat.strategy_precision_plugin(strategy), strategy.parallel_devices)
+        io = _compat.strategy_checkpoint_io(strategy)
+        if self.settings.async_checkpoint and _compat.is_wrapping_checkpoint_io(io):
+            raise ValueError(
+                f"async_checkpoint=True with {type(io).__name__}: the strategy already writes checkpoints in the "
+                f"background, from a copy of the state, and marks them complete only once written; a second "
+                f"background plugin would hand it back before the file exists. Remove {type(io).__name__} from the "
+                f"plugins (or give its base plugin as checkpoint_io), or drop async_checkpoint=True."
+            )
+
+    def configure_launcher(self, check_at_construction: Callable[[], None]) -> None:
+        """The last moment to refuse a configuration before any process is started: the notebook check, then the
+        strategy's construction checks (``check_at_construction``), then the launcher with its pre-launch check."""
+        self.check_interactive()
+        check_at_construction()
+        strategy = self.strategy
+        assert strategy.cluster_environment is not None
+        launcher: Any
+        if self.settings.start_method == "popen":
+            launcher = _CheckedSubprocessScriptLauncher(
+                self.check_before_launch,
+                strategy.cluster_environment,
+                *self.processes_and_nodes(),
+                on_failure=self.end_group_after,
+                grace_s=self.failures.roll_call_s() + 5.0,  # rank 0's roll call, then a margin to raise and print
+                finish=self.gather_predictions,
+            )
+        else:
+            launcher = _CheckedMultiProcessingLauncher(
+                self.check_before_launch,
+                strategy,
+                start_method=self.settings.start_method,
+                on_failure=self.end_group_after,
+                weights=self.weights_for_main_process,
+                results=(self.results_for_main_process, self.restore_results_from_worker),
+                returned=(self.predictions.before_launch, self.gather_predictions),
+                device_type=self.device_type,
+            )
+        _compat.set_strategy_launcher(strategy, launcher)
+
+    def check_interactive(self) -> None:
+        """In a notebook, a launch that re-runs the script (popen) or spawns fresh interpreters cannot work.
+        Lightning refuses it too, right after this, but suggests its own ``strategy='ddp_notebook'``, which would
+        silently drop the pack; the refusal here names the notebook preset of the same strategy."""
+        if not _compat.is_interactive() or self.settings.start_method == "fork":
+            return
+        name = type(self.strategy).__name__
+        advice = _NOTEBOOK_ADVICE[0] if _NOTEBOOK_ADVICE else None
+        flag, choice = advice(self.strategy) if advice else (f"{name}(...)", f"{name}(..., start_method='fork')")
+        raise MisconfigurationException(
+            f"`Trainer(strategy={flag})` is not compatible with an interactive environment. Run your code as a "
+            f"script, or choose a notebook-compatible strategy: `Trainer(strategy={choice})` (fork launch; CUDA "
+            f"must not be initialised before it). In case you are spawning processes yourself, make sure to "
+            f"include the Trainer creation inside the worker function."
+        )
+
+    def check_before_launch(self, trainer: pl.Trainer) -> None:
+        """Runs in the main process when fit() is called, before any worker starts (and in each torchrun or
+        SLURM process before it joins the group)."""
+        check_accumulate_grad_batches(trainer.accumulate_grad_batches)
+        backend = self.group_backend()
+        if backend == "nccl" and self.device_type() != "cuda":
+            # torch fails only inside every worker ("Distributed package doesn't have NCCL built in" on a CPU
+            # build; NCCL collectives take CUDA tensors only). Refused here, not at Trainer construction, so that
+            # a configuration can still be built and inspected on a machine without GPUs.
+            raise MisconfigurationException(
+                f"process_group_backend={backend!r} needs CUDA devices, but this Trainer runs on "
+                f"{self.device_type()!r}. Use process_group_backend='gloo' (or leave it None: gloo on CPU, "
+                f"nccl on CUDA), or train on GPUs with Trainer(accelerator='gpu')."
+            )
+        model = self.strategy.lightning_module
+        if model is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        check_manual_accumulation(trainer, model)
+        self.compilation.check(model, type(self.strategy).__name__, self.sharded_choices)
+        if self.periodic is not None:
+            self._check_periodic(model)
+        if self.ddp is not None:
+            sync_batchnorm = _compat.strategy_layer_sync(self.strategy) is not None
+            self.ddp.check_model(model, self.device_type(), sync_batchnorm, self.ddp.micro)
+        if self._check_model is not None:
+            self._check_model(trainer, model)
+        self.checkpointing.check(model)  # a policy that matches nothing fails here
+
+    # --- set-up -----------------------------------------------------------------------------------------------
+    def join_elastic_store(self) -> None:
+        """When torchrun restarted this job (``_compat.torchelastic_shares_its_store``): Lightning's init would use
+        env:// on the agent's store, which keeps the previous attempt's addresses; join with a per-attempt prefix.
+        Lightning's ``setup_distributed`` then finds the group initialised and only sets the ranks and seed."""
+        if group_is_up():
+            return
+        strategy = self.strategy
+        if _compat.torchelastic_shares_its_store():
+            self.ranks.set_world_ranks()
+            backend = self.group_backend()
+            torch.distributed.init_process_group(
+                backend,
+                store=_compat.elastic_attempt_store(self.settings.timeout),
+                rank=strategy.global_rank,
+                world_size=strategy.world_size,
+                timeout=self.settings.timeout,
+                device_id=strategy.root_device if strategy.root_device.type != "cpu" else None,  # as Lightning does
+            )
+            if backend == "nccl":  # what Lightning's own connection set-up does for NCCL
+                atexit.register(_compat.destroy_dist_connection)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # a bounded join that names the ranks still missing (parts/rendezvous.py) instead of torch's silent
+            # wait; under torchrun's agent store the agents have gathered every node before the workers start
+            self.ranks.set_world_ranks()
+            if strategy.world_size > 1 and strategy.cluster_environment is not None:
+                backend = self.group_backend()
+                rendezvous.join_process_group(
+                    address=strategy.cluster_environment.main_address,
+                    port=strategy.cluster_environment.main_port,
+                    rank=strategy.global_rank,
+                    world_size=strategy.world_size,
+                    num_nodes=self.processes_and_nodes()[1],
+                    backend=backend,
+                    timeout=self.settings.timeout,
+                    device_id=strategy.root_device if strategy.root_device.type != "cpu" else None,  # as Lightning does
+                )
+                if backend == "nccl":
+                    atexit.register(_compat.destroy_dist_connection)
+
+    def wrap_ddp(self, module: pl.LightningModule) -> DistributedDataParallel:
+        """The DDP part's model set-up, in the one order (torchtitan's ``parallelize`` order): activation
+        checkpointing -> the DDP wrap with its comm hook, counted by the ledger -> compilation of ``forward``."""
+        assert self.ddp is not None
+        strategy = self.strategy
+        self.checkpointing.apply(module)
+        ddp = self.ddp.wrap(module, strategy.root_device)
+        self.ledger.start(ddp, strategy.world_size)
+        self.ddp.register_hooks(ddp, self.ledger, self.manual_sync())
+        self.compilation.compile_model(module)  # after the wrap: parts/compilation.py
+        return ddp
+
+    def manual_sync(self) -> bool:
+        """Manual optimization under DDP: each optimizer's gradients are averaged at its step, outside DDP."""
+        module = self.strategy.lightning_module
+        return self.ddp is not None and module is not None and not module.automatic_optimization
+
+    def setup_ddp_sync(self, trainer: pl.Trainer, ddp: DistributedDataParallel) -> None:
+        """After the DDP set-up: the manual-optimization gradient sync handed to the precision plugin, and the
+        periodic sync's starting point (after DDP's wrap broadcast rank 0's weights: every rank the same anchor)."""
+        strategy = self.strategy
+        plugin = strategy.precision_plugin
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.ddp is not None and self.manual_sync() and fitting:
+            to_model = PrecisionAdoption.model_parameter(plugin)
+            self.ddp.manual.setup(strategy.optimizers, strategy.world_size, to_model)
+            PrecisionAdoption.connect_gradient_sync(plugin, lambda opt: self.sync_manual_gradients(opt, ddp))
+        else:
+            PrecisionAdoption.connect_gradient_sync(plugin, None)
+        module = strategy.lightning_module
+        if self.periodic is not None and fitting and module is not None:
+            self.periodic.setup(module.parameters(), ddp.process_group, strategy.world_size, module.buffers())
+
+    def sync_manual_gradients(self, optimizer: Any, ddp: DistributedDataParallel) -> None:
+        """Manual optimization: average ``optimizer``'s gradients across ranks, once per step; handed to the
+        precision plugin, which calls it before it moves or clips the gradients."""
+        if self.ddp is not None and self.manual_sync():
+            self.ddp.manual.sync(optimizer, ddp.process_group, self.ledger.stats)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            PrecisionAdoption.attach_masters(self.strategy.precision_plugin, self.strategy.optimizers)
+
+    # --- steps ------------------------------------------------------------------------------------------------
+    def training_step(
+        self, step: Callable[..., Any], ddp: Optional[DistributedDataParallel], *args: Any, **kwargs: Any
+    ) -> Any:
+        """One ``training_step``: ``step`` runs the LightningModule's (through the strategy's wrapper), each call's
+        tokens counted (``loss_normalization="tokens"``); with the DDP part, through it (manual optimization,
+        micro-batching, static graph); with the periodic sync, outside the warm-up without DDP's all-reduce."""
+
+        def counted(*a: Any, **k: Any) -> Any:
+            return self.count_tokens(step(*a, **k))
+
+        if self.ddp is None or ddp is None:
+            return counted(*args, **kwargs)
+        strategy = self.strategy
+        trainer = self._attached()
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        optimizer = strategy.optimizers[0] if strategy.optimizers else None
+        with self.periodic_no_sync(ddp):
+            return self.ddp.training_step(
+                ddp,
+                counted,
+                args,
+                kwargs,
+                manual=self.manual_sync(),
+                backward=lambda loss: strategy.backward(loss / accumulate, optimizer),
+                accumulate_grad_batches=accumulate,
+                stats=self.ledger.stats,
+                rank=strategy.global_rank,
+                world_size=strategy.world_size,
+                device=strategy.root_device,
+            )
+
+    @contextmanager
+    def periodic_no_sync(self, ddp: DistributedDataParallel) -> Generator[None, None, None]:
+        """The periodic sync: DDP decides in forward whether the backward all-reduces; outside the warm-up it never
+        does."""
+        if self.periodic is None or self.periodic.in_warmup:
+            yield
+            return
+        with ddp.no_sync():
+            yield
+
+    def count_tokens(self, output: Any) -> Any:
+        """A training_step's output, its ``num_tokens`` counted (automatic optimization, tokens mode)."""
+        module = self.strategy.lightning_module
+        if self.tokens is None or module is None or not module.automatic_optimization:
+            return output
+        return self.tokens.record(output)
+
+    def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
+        if self.tokens is None:
+            raise RuntimeError("add_tokens needs the strategy built with loss_normalization='tokens'.")
+        self.tokens.add(num_tokens, loss_sum)
+
+    def after_backward(self, ddp: Optional[DistributedDataParallel]) -> None:
+        """After a backward of the DDP model: count a synchronised one (the periodic sync's backwards are, only in
+        the warm-up)."""
+        if self.ddp is None or ddp is None:
+            return
+        synced = ddp.require_backward_grad_sync and (self.periodic is None or self.periodic.in_warmup)
+        self.ddp.after_backward(ddp, self.ledger, synced)
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any], group: Any = None
+    ) -> Any:
+        """One optimizer step: ``step(closure)`` runs Lightning's. The closure is wrapped: the manual-optimization
+        gradient sync (DDP, ``group``), the token rescale, the non-finite check, in that order after the closure's
+        backward; after the step, the periodic sync, then the ledger counts it."""
+        strategy = self.strategy
+        manual = self.ddp.manual if self.ddp is not None else None
+        if manual is not None and self.manual_sync():
+            # after the user's closure (its backward), before unscaling and on_before_optimizer_step: where DDP
+            # would have finished its all-reduce in automatic optimization
+            closure = manual.wrap_closure(optimizer, closure, group, self.ledger.stats)
+        if self.tokens is not None:
+            closure = self._token_closure(optimizer, closure)
+        if self.nonfinite is not None:
+            closure = self._nonfinite_closure(optimizer, closure)
+        if manual is not None:
+            with manual.stepping():
+                output = step(closure)
+        else:
+            output = step(closure)
+        if self.periodic is not None:
+            self.periodic.after_optimizer_step(self.ledger.stats)
+        self.ledger.optimizer_stepped(strategy.lightning_module, strategy.is_global_zero)
+        return output
+
+    def _token_closure(self, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+        # after the step's last backward (gradients synced), before unscaling, clipping and the optimizer step
+        tokens = self.tokens
+        assert tokens is not None
+        strategy = self.strategy
+        to_model = PrecisionAdoption.model_parameter(strategy.precision_plugin)
+
+        def rescaled() -> Any:
+            out = closure()
+            trainer = self._attached()
+            accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+            params = [to_model(p) for group in optimizer.param_groups for p in group["params"]]
+            mean = tokens.rescale(params, strategy.world_size, accumulate)
+            module = strategy.lightning_module
+            if module is not None and getattr(module, "_current_fx_name", None) is not None:
+                module.log(LOG_NAME, mean, on_step=True, on_epoch=False, prog_bar=True)  # the same on every rank
+            return out
+
+        return rescaled
+
+    def _nonfinite_closure(self, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+        # after the step's last backward (and the token rescale), before unscaling, clipping and the step
+        check = self.nonfinite
+        assert check is not None
+        strategy = self.strategy
+        plugin = strategy.precision_plugin
+
+        def checked() -> Any:
+            out = closure()
+            if getattr(plugin, "uses_scaler", False):
+                return out  # fp16: the scaler's agreed inf check skips the step on every rank
+            module = strategy.lightning_module
+            assert module is not None
+            to_model = PrecisionAdoption.model_parameter(plugin)
+            names = {id(p): name for name, p in module.named_parameters()}
+            named = [
+                (names.get(id(to_model(p)), f"param_groups[{g}][{i}]"), to_model(p))
+                for g, group in enumerate(optimizer.param_groups)
+                for i, p in enumerate(group["params"])
+            ]
+            trainer = attached_trainer(module)
+            step = trainer.global_step if trainer is not None else 0
+            check.check(named, strategy.global_rank, strategy.world_size, step)
+            return out
+
+        return checked
+
+    # --- periodic sync (mgpu_local_sgd, mgpu_diloco: parts/periodic_sync.py) -----------------------------------
+    def sync_periodically(self, settings: LocalSGDSettings) -> PeriodicSync:
+        """Sync the weights every ``sync_every`` steps instead of the gradients every step (the strategy's DDP hooks
+        then hand the steps, backwards and checkpoints to the sync as well)."""
+        self.periodic = PeriodicSync(settings)
+        return self.periodic
+
+    def _check_periodic(self, model: pl.LightningModule) -> None:
+        name = type(self.strategy).__name__
+        if not model.automatic_optimization:
+            raise MisconfigurationException(
+                f"{name} needs automatic optimization: a period is sync_every steps of the one "
+                f"optimizer Lightning steps, and {type(model).__name__} steps its optimizers itself "
+                f"(automatic_optimization=False). Use strategy='mgpu_ddp', which syncs each optimizer's gradients at "
+                f"its step."
+            )
+        plugin = self.strategy.precision_plugin
+        if isinstance(plugin, MGPUPrecision) and plugin.master:
+            raise MisconfigurationException(
+                f"MGPUPrecision({plugin.mode!r}) keeps FP32 master weights inside the optimizer, which the periodic "
+                f"weight sync does not see. Use precision='bf16-mixed' or '16-mixed' with {name}."
+            )
+
+    def add_periodic_state(self, checkpoint: dict[str, Any], ddp: DistributedDataParallel) -> None:
+        """A collective (Lightning calls ``save_checkpoint`` on every rank): rank 0 puts every rank's own weights
+        and optimizer states, and the sync's state, into the checkpoint."""
+        periodic = self.periodic
+        if periodic is None or not periodic.is_set_up or not group_is_up():
+            return
+        strategy = self.strategy
+        mine = {
+            "weights": periodic.local_weights(),
+            # on CPU: a CUDA tensor would be unpickled on rank 0 onto the sender's device
+            "optimizer_states": move_data_to_device([strategy.optimizer_state(o) for o in strategy.optimizers], "cpu"),
+        }
+        ranks = comm.gather_object(mine, dst=0, group=ddp.process_group)
+        if strategy.is_global_zero:
+            checkpoint[CHECKPOINT_KEY] = {**periodic.state_dict(), "ranks": ranks}
+
+    def hold_periodic_state(self, checkpoint: Any) -> None:
+        """Loading the weights: the sync's state is applied with the optimizer states, after set-up (DDP's wrap
+        broadcasts rank 0's weights)."""
+        if self.periodic is not None:
+            self._periodic_restore = checkpoint.get(CHECKPOINT_KEY)
+
+    def restore_periodic_state(self, load_optimizer_states: Callable[[dict[str, Any]], None]) -> None:
+        """After the optimizer states: on as many ranks as saved, every rank's own weights and optimizer states
+        (``load_optimizer_states``: Lightning's load); on another number, the last synced weights."""
+        state, self._periodic_restore = self._periodic_restore, None
+        periodic = self.periodic
+        if periodic is None or state is None or not periodic.is_set_up:
+            return
+        strategy = self.strategy
+        ranks = state.get("ranks") or []
+        mine = ranks[strategy.global_rank] if len(ranks) == strategy.world_size == state["world_size"] else None
+        if mine is not None:
+            load_optimizer_states({"optimizer_states": mine["optimizer_states"]})
+        periodic.load_state_dict(state, mine["weights"] if mine is not None else None)
+
+    # --- data -------------------------------------------------------------------------------------------------
+    def sampler_requested(self) -> None:
+        """Lightning is building its automatic sampler for the loader it hands to ``process_dataloader`` next."""
+        self.resume.sampler_requested()
+        self.evaluation.sampler_requested()
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self._attached()
+        dataloader = self.evaluation.process_dataloader(dataloader, trainer)  # validate/test/predict
+        dataloader = self.resume.process_dataloader(dataloader, trainer)  # training
+        return self.uneven.process_dataloader(dataloader, trainer)  # training
+
+    def reduce(self, tensor: Any, group: Optional[Any], reduce_op: Optional[Union[ReduceOp, str]]) -> Any:
+        """Lightning's reduce (``self.log(..., sync_dist=True)``); with ``exact_evaluation`` the mean of an integer
+        tensor (the summed batch sizes of a logged mean) is not truncated
+        (:func:`lightning_mgpu.comm.lightning_reduce`)."""
+        if isinstance(tensor, Tensor):
+            return comm.lightning_reduce(tensor, group, reduce_op, exact_mean=self.settings.exact_evaluation)
+        return tensor
+
+    def train_batch_start(self, lightning_hook: Callable[[], None]) -> None:
+        trainer = self._attached()
+        self.uneven.on_train_batch_start(trainer)  # once per epoch: the counts
+        lightning_hook()
+        self.resume.batch_started(trainer)
+
+    # --- trainer.predict, and what a worker hands to the main process ----------------------------------------
+    def predict_start(self) -> None:
+        self.predictions.on_predict_start(self._attached())
+
+    def gather_predictions(self, trainer: pl.Trainer, results: Any) -> Any:
+        """Every rank, after a Trainer call: ``trainer.predict``'s predictions of all ranks, each once, in dataset
+        order; on every rank under popen (each rank's call returns them), on rank 0 under spawn/fork (its worker
+        hands them to the main process; with several nodes, every rank)."""
+        to_all = self.settings.start_method == "popen" or self.processes_and_nodes()[1] > 1
+        return self.predictions.gather(trainer, results, to_all=to_all)
+
+    def weights_for_main_process(self) -> dict[str, Any]:
+        """After a spawn/fork fit: the weights the main process's module gets (a collective: every rank)."""
+        module = self.strategy.lightning_module
+        assert module is not None
+        state = self._full_module_state() if self._full_module_state is not None else module.state_dict()
+        return PrecisionAdoption.with_masters(self.strategy.precision_plugin, module, state)
+
+    def results_for_main_process(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """After a spawn/fork fit, in rank 0's worker: what the main process's objects get (as Lightning hands
+        back ``callback_metrics``): the ledger, ``mgpu_auto``'s decision, and the state of each callback that
+        has ``results_for_main_process`` (``DeviceMonitor``'s history), keyed by its place in the callbacks."""
+        callbacks = {
+            i: (type(c).__name__, c.results_for_main_process())
+            for i, c in enumerate(_callbacks(trainer))
+            if callable(getattr(c, "results_for_main_process", None))
+        }
+        decision = getattr(self.strategy, "auto_decision", None)
+        # dataclasses travel as dicts: Lightning moves the results to the CPU with apply_to_collection, which
+        # refuses frozen dataclasses
+        return {
+            "comm_stats": dataclasses.asdict(self.ledger.stats),
+            "auto_decision": (type(decision), dataclasses.asdict(decision)) if decision is not None else None,
+            "callbacks": callbacks,
+        }
+
+    def restore_results_from_worker(self, trainer: pl.Trainer, results: dict[str, Any]) -> None:
+        """In the main process, after a spawn/fork fit: rank 0's ledger (updated in place: the parts that count
+        into it keep their reference), ``auto_decision`` and callback states (see
+        :meth:`results_for_main_process`)."""
+        stats = self.ledger.stats
+        for name, value in results["comm_stats"].items():
+            setattr(stats, name, value)
+        if results["auto_decision"] is not None:
+            kind, fields = results["auto_decision"]
+            setattr(self.strategy, "auto_decision", kind(**fields))  # noqa: B010  # the strategy's public attribute
+        present = _callbacks(trainer)
+        for i, (kind, state) in results["callbacks"].items():
+            callback: Any = present[i] if i < len(present) else None
+            if type(callback).__name__ == kind and callable(getattr(callback, "restore_results_from_worker", None)):
+                callback.restore_results_from_worker(state)
+
+    # --- failures ---------------------------------------------------------------------------------------------
+    def end_group_after(self, exception: BaseException) -> list[int]:
+        """One rank failed: say which, and leave the group so that no rank waits for it (``parts/failures.py``)."""
+        return self.failures.end_group_after(exception, self.strategy.global_rank, self.strategy.world_size)
+
+    # --- checkpoints and mid-epoch resume ---------------------------------------------------------------------
+    def before_save(self, checkpoint: dict[str, Any]) -> None:
+        """What every save does first, once: refuse a save that could not resume, wait for the previous background
+        write (or raise its error), and put the mid-epoch position into the checkpoint."""
+        self._refuse_main_process_save()
+        self.settle_async_writes()
+        self.resume.before_save(checkpoint, self._attached())
+
+    def _refuse_main_process_save(self) -> None:
+        """Plain Lightning writes a checkpoint with empty optimizer states (and the main process's loop
+        counters) when ``trainer.save_checkpoint`` runs in the main process after a spawn/fork fit."""
+        start = self.settings.start_method
+        if start != "popen" and not group_is_up() and math.prod(self.processes_and_nodes()) > 1:
+            raise RuntimeError(
+                f"trainer.save_checkpoint() was called in the main process after a {start!r} "
+                f"launch. Training ran in the worker processes and their optimizer states are gone, so this "
+                f"checkpoint could not resume training. Save from inside fit (ModelCheckpoint(save_last=True), or "
+                f"trainer.save_checkpoint in a callback's on_train_end), or launch with start_method='popen', where "
+                f"trainer.save_checkpoint after fit works."
+            )
+
+    def write_file(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        storage_options: Optional[Any],
+        lightning_save: Callable[[dict[str, Any], Any, Optional[Any]], None],
+    ) -> None:
+        """One checkpoint file, written by rank 0 through the checkpoint IO (atomic by default; ``lightning_save``
+        is Lightning's save), in the background with ``async_checkpoint=True``."""
+        if not self.saves_async():
+            lightning_save(checkpoint, filepath, storage_options)
+            return
+        assert self.writes is not None
+        self.writes.unsettled = True
+        if self.strategy.is_global_zero:  # one file, written by rank 0 (as Lightning's)
+            staged = self.writes.writer.stage(checkpoint)
+            io = self.strategy.checkpoint_io
+            self.writes.submit(str(filepath), 0, lambda: io.save_checkpoint(staged, filepath, storage_options))
+
+    def saves_async(self) -> bool:
+        """Async only inside a running fit: a save outside it (after fit, in validate) has no end of fit that
+        waits for it, so it is written before it returns."""
+        if self.writes is None:
+            return False
+        trainer = self._attached()
+        return (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING
+        )
+
+    def settle_async_writes(self) -> None:
+        if self.writes is not None:
+            self.writes.settle(self.strategy.world_size)
+
+    def remove_when_written(self, remove: Callable[[], None]) -> None:
+        """Remove an old checkpoint once the write in flight has succeeded (ModelCheckpoint's top-k and
+        ``save_last`` ask right after submitting the replacement), at once without a write in flight."""
+        if self.writes is not None:
+            self.writes.writer.remove_after_write(remove)
+        else:
+            remove()
+
+    @property
+    def checkpoint_write_in_flight(self) -> bool:
+        return self.writes is not None and self.writes.writer.in_flight
+
+    def after_load(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        self.resume.after_load(checkpoint, self.strategy.world_size, self.strategy.global_rank)
+        return checkpoint
+
+    def module_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The module's weights as the strategy saves them (``state``), with the precision plugin's masters."""
+        return PrecisionAdoption.with_masters(self.strategy.precision_plugin, self.strategy.lightning_module, state)
+
+    def load_masters(self, checkpoint: Any) -> None:
+        PrecisionAdoption.load_masters(self.strategy.precision_plugin, self.strategy.lightning_module, checkpoint)
+
+    # --- end --------------------------------------------------------------------------------------------------
+    def train_end(self) -> None:
+        self.settle_async_writes()  # fit's end waits for the last write; its failure raises on every rank
+        self.ledger.write(self.strategy.lightning_module, self.strategy.is_global_zero, force=True)
+
+    def teardown(self) -> None:
+        if self.writes is not None:
+            self.writes.end()
+        if self.ddp is not None:
+            self.ddp.manual.teardown()
+            PrecisionAdoption.connect_gradient_sync(self.strategy.precision_plugin, None)
+        module = self.strategy.lightning_module
+        self.compilation.remove(module)  # the eager forwards back, then the checkpointed ones
+        self.checkpointing.remove(module)  # the user's module back
