@@ -6,7 +6,7 @@ errors it raises. Used by ``mgpu_ddp`` (and its periodic-sync family) and by ``M
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch

@@ -38,9 +38,9 @@ from lightning_mgpu import _compat
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.planning import NoPlanFits, PlanError, plan
 from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, fallback, planner_precision
+from lightning_mgpu.planning.request import parse_memory
 from lightning_mgpu.planning.source import default_policy
 from lightning_mgpu.planning.stand_in import stand_in_factory
-from lightning_mgpu.planning.request import parse_memory
 from lightning_mgpu.settings import (
     AutoSettings,
     CommonSettings,

@@ -970,4 +970,3 @@ class MGPUShardedStrategy(ParallelStrategy):
         if self._runtime.ddp is not None:  # stage 1: DDP's errors name the fix, and the group ends as mgpu_ddp's
             DDPWrapping.explain(exception, "strategy=MGPUShardedStrategy(stage=1, find_unused_parameters=True)")
             self._runtime.end_group_after(exception)
-
