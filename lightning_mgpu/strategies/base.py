@@ -591,7 +591,22 @@ class MGPUStrategyMixin(ParallelStrategy):
         self._end_async_writes()
         self._compilation.remove(self.lightning_module)  # the eager forwards back, then the checkpointed ones
         self._checkpointing.remove(self.lightning_module)  # the user's module back
+        if self._module_stays_on_device():
+            # Lightning's teardown moves the module and the optimizer states to the CPU. A module sharded in place
+            # (FSDP2) must stay where it is, as Lightning's own ModelParallelStrategy leaves it: FSDP keeps its
+            # padded shards on the device, so a move leaves the parameters it gathers on the device and the
+            # module's buffers on the CPU (a later validate/test/predict then mixes devices).
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
+
+    def _module_stays_on_device(self) -> bool:
+        """Whether teardown leaves the module on its device (a module sharded in place); False: to the CPU."""
+        return False
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -638,7 +638,9 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not fitting and self._sharding.is_sharded(self.model):
             # validate/test/predict after fit in the same process: the module stays sharded (FSDP2 cannot be
-            # undone) and its shards agree; a broadcast of module states cannot take DTensors.
+            # undone) and its shards agree; a broadcast of module states cannot take DTensors. What FSDP does not
+            # own (the buffers, any parameter left unsharded) goes to the device, wherever it was left.
+            self._sharding.state_to_device(self.model, self.root_device)
             self.setup_precision_plugin()
             return
         layer_sync = _compat.strategy_layer_sync(self)
@@ -866,6 +868,11 @@ class MGPUShardedStrategy(ShardedCheckpoints, MGPUParallelStrategy):
         )
 
     # --- end ------------------------------------------------------------------------------------------
+    @override
+    def _module_stays_on_device(self) -> bool:
+        module = self.lightning_module
+        return module is not None and self._sharding.is_sharded(module)
+
     @override
     def teardown(self) -> None:
         module = self.lightning_module
