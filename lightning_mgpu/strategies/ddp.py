@@ -287,6 +287,14 @@ class MGPUDDPStrategy(MGPUStrategyMixin, DDPStrategy):
         super().configure_ddp()
         self._compilation.compile_model(self.lightning_module)  # after the wrap: parts/compilation.py
 
+    @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        # Lightning's DDPStrategy (2.6) builds DDP inside a side CUDA stream. DDP's reducer keeps the parameters'
+        # AccumulateGrad nodes, which then belong to that stream while forwards and backwards run on the current
+        # one, and torch >= 2.10 warns "The AccumulateGrad node's stream does not match ...". Built here on the
+        # current stream, as the sharded strategy's stage 1 builds it (parts/ddp.py).
+        return self._wrapping.wrap(model, self.root_device)
+
     @property
     def _ddp(self) -> DistributedDataParallel:
         """The model while fitting: Lightning's ``configure_ddp`` wrapped it (this family always trains a DDP

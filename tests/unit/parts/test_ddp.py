@@ -75,3 +75,39 @@ def test_ddp_is_built_on_the_current_stream_not_a_side_stream(monkeypatch):
     assert built[0]["device_ids"] == [3] and made == []
     torch.cuda.stream(torch.cuda.Stream())  # negative control: the recorder sees a side stream
     assert made == ["Stream", "stream"]
+
+
+def test_mgpu_ddp_builds_its_ddp_on_the_current_stream_where_lightning_builds_it_on_a_side_stream(monkeypatch):
+    """``MGPUDDPStrategy`` derives from Lightning's ``DDPStrategy``, whose ``configure_ddp`` builds the wrapper with
+    ``_setup_model`` inside ``torch.cuda.stream(torch.cuda.Stream())`` (Lightning 2.6): on CUDA the one "AccumulateGrad
+    node's stream does not match" warning per fit the GPU tier saw. The strategy builds it through ``DDPWrapping.wrap``
+    instead, for a CUDA device too; Lightning's own strategy is the negative control."""
+    import pytorch_lightning.strategies.ddp as lightning_ddp
+
+    import lightning_mgpu.parts.ddp as ddp_part
+    from lightning_mgpu import MGPUDDPStrategy
+
+    made: list[str] = []
+    built: list[dict[str, Any]] = []
+
+    class _Stream:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append("Stream")
+
+    def _enter(stream: Any) -> nullcontext[None]:
+        made.append("stream")
+        return nullcontext()
+
+    def _ddp(**kwargs: Any) -> str:
+        built.append(kwargs)
+        return "ddp"
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", _enter)
+    monkeypatch.setattr(ddp_part, "DistributedDataParallel", _ddp)
+    monkeypatch.setattr(lightning_ddp, "DistributedDataParallel", _ddp)
+    cuda = [torch.device("cuda", 3)]
+    assert MGPUDDPStrategy(parallel_devices=cuda)._setup_model(nn.Linear(2, 2)) == "ddp"
+    assert made == [] and built[0]["device_ids"] == [3] and built[0]["gradient_as_bucket_view"] is True
+    assert lightning_ddp.DDPStrategy(parallel_devices=cuda)._setup_model(nn.Linear(2, 2)) == "ddp"
+    assert made == ["Stream", "stream"]  # negative control: Lightning's builds it in a side stream
