@@ -129,11 +129,11 @@ class ShardingBackend:
         from torch.distributed.tensor import DTensor
 
         for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != device:
-                    module._buffers[name] = buffer.to(device)
-            for param in module._parameters.values():
-                if param is not None and not isinstance(param, DTensor) and param.device != device:
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer.device != device:
+                    setattr(module, name, buffer.to(device))  # stays a buffer (persistent or not) of the module
+            for param in module.parameters(recurse=False):
+                if not isinstance(param, DTensor) and param.device != device:
                     param.data = param.data.to(device)
 
     def shard_mesh(self, mesh: ParallelMesh) -> Any:
