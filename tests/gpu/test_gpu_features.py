@@ -137,11 +137,12 @@ def test_a_module_sharded_in_place_stays_on_the_device_between_stages(stage: int
     # move would leave the root module's buffer on the CPU for the next validate (CUDA: two devices in forward). On
     # CPU the move is a no-op: the count of moves is what tells; mgpu_ddp (not sharded in place) is the control.
     r = run("sharded_module_stays_on_device", stage=stage)
-    assert r["devices_in_validate"] == [r["root_device"]] and r["offset_device_after"] == r["root_device"], r
-    if stage == 0:
-        assert r["cpu_calls_after_fit"] == 1 and r["cpu_calls"] == 2, r  # negative control: the move happens
+    assert r["devices_in_validate"] == [r["root_device"]], r
+    if stage == 0:  # negative control: Lightning's teardown moves the module to the CPU after each stage
+        assert r["cpu_calls_after_fit"] == 1 and r["cpu_calls"] == 2 and r["offset_device_after"] == "cpu", r
     else:
         assert r["cpu_calls_after_fit"] == 0 and r["cpu_calls"] == 0, r
+        assert r["offset_device_after"] == r["root_device"], r
 
 
 #: compiled against eager weights after 8 steps: FP32 (inductor fuses and reorders sums; a few float32 ulps per
