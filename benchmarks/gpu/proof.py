@@ -78,7 +78,7 @@ def parts(out: Path, xdist: bool) -> list[Part]:
         ),
         Part(
             "throughput",
-            90,
+            75,
             (
                 py,
                 "benchmarks/gpu/bench_throughput.py",
@@ -94,7 +94,7 @@ def parts(out: Path, xdist: bool) -> list[Part]:
         ),
         Part(
             "compile",
-            60,
+            75,
             (
                 py,
                 "benchmarks/bench_compile.py",

@@ -113,6 +113,29 @@ class ShardingBackend:
         """Whether ``model`` is sharded in place already (FSDP2 cannot be undone: a later evaluation keeps it)."""
         return False
 
+    @staticmethod
+    @torch.no_grad()
+    def state_to_device(model: nn.Module, device: torch.device) -> None:
+        """Moves what a module sharded in place holds outside its shards (its buffers, any parameter left a plain
+        tensor) to ``device``; the sharded parameters (DTensors) stay with FSDP, which owns their storage.
+
+        >>> from lightning_mgpu.parts.sharding import ShardingBackend
+        >>> m = nn.Sequential(nn.Module())
+        >>> m[0].register_buffer("offset", torch.zeros(2))
+        >>> ShardingBackend.state_to_device(m, torch.device("meta"))
+        >>> m[0].offset.device.type
+        'meta'
+        """
+        from torch.distributed.tensor import DTensor
+
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer.device != device:
+                    setattr(module, name, buffer.to(device))  # stays a buffer (persistent or not) of the module
+            for param in module.parameters(recurse=False):
+                if not isinstance(param, DTensor) and param.device != device:
+                    param.data = param.data.to(device)
+
     def shard_mesh(self, mesh: ParallelMesh) -> Any:
         """The part of the strategy's device mesh the model is sharded over, or None where the backend takes a
         process group."""

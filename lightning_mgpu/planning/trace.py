@@ -52,7 +52,7 @@ def _optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
     parameter for a plain ``nn.Module``."""
     configure = getattr(module, "configure_optimizers", None)
     if configure is None:
-        return [torch.optim.Adam(module.parameters())]
+        return [as_stepped_on_cuda(torch.optim.Adam(module.parameters()))]
     found: list[torch.optim.Optimizer] = []
 
     def walk(x: Any) -> None:
@@ -70,7 +70,31 @@ def _optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
             f"{type(module).__name__}.configure_optimizers() returned no optimizer; the planner steps it to count "
             f"the optimizer state. Return one (e.g. torch.optim.AdamW(self.parameters())) or pass a plain nn.Module."
         )
-    return found
+    return [as_stepped_on_cuda(opt) for opt in found]
+
+
+def as_stepped_on_cuda(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer set to step as torch steps it on CUDA: where ``foreach`` is left to torch (None, not fused),
+    torch picks the foreach kernels for CUDA tensors, and their temporaries (Adam: a parameter-sized list for the
+    square root of ``exp_avg_sq``) are part of the step's peak; for the planner's CPU tensors it would pick the
+    per-tensor loop, whose temporaries are one parameter's.
+
+    >>> opt = as_stepped_on_cuda(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
+    >>> opt.param_groups[0]["foreach"]
+    True
+    >>> kept = as_stepped_on_cuda(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], foreach=False))
+    >>> kept.param_groups[0]["foreach"]
+    False
+    """
+    for group in optimizer.param_groups:
+        if (
+            "foreach" in group
+            and group["foreach"] is None
+            and not group.get("fused")
+            and not group.get("differentiable")
+        ):
+            group["foreach"] = True
+    return optimizer
 
 
 @contextlib.contextmanager

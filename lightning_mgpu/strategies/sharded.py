@@ -726,7 +726,9 @@ class MGPUShardedStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not fitting and self._sharding.is_sharded(self.model):
             # validate/test/predict after fit in the same process: the module stays sharded (FSDP2 cannot be
-            # undone) and its shards agree; a broadcast of module states cannot take DTensors.
+            # undone) and its shards agree; a broadcast of module states cannot take DTensors. What FSDP does not
+            # own (the buffers, any parameter left unsharded) goes to the device, wherever it was left.
+            self._sharding.state_to_device(self.model, self.root_device)
             self.setup_precision_plugin()
             return
         layer_sync = _compat.strategy_layer_sync(self)
@@ -950,6 +952,7 @@ class MGPUShardedStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         module = self.lightning_module
+        stays = module is not None and self._sharding.is_sharded(module)
         if module is not None:
             PrecisionAdoption.connect_norm_clipping(self.precision_plugin, None)
             self.model = module  # unwrap DDP or fairscale's ShardedDataParallel (FSDP2 shards the module in place)
@@ -958,6 +961,17 @@ class MGPUShardedStrategy(ParallelStrategy):
             if layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 self.model = layer_sync.revert(self.model)
         self._runtime.teardown()
+        if stays:
+            # Lightning's teardown moves the module and the optimizer states to the CPU. A module sharded in place
+            # (FSDP2) stays where it is, as Lightning's own ModelParallelStrategy leaves it: FSDP keeps its padded
+            # shards on the device, so a move would leave the parameters it gathers on the device and the module's
+            # buffers on the CPU (a later validate/test/predict would then mix devices).
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
 
     @override

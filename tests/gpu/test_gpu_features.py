@@ -124,6 +124,27 @@ def test_exact_evaluation_logs_the_one_process_values_on_the_device(stage: int) 
     assert r["predictions_shape"] == [n, 3] and r["predictions_max_abs_diff"] < 1e-12, r
 
 
+#: run in CPU mode too (besides each test's first parameters): the sharded cases of the device test
+CPU_ALSO = (
+    "test_a_module_sharded_in_place_stays_on_the_device_between_stages[mgpu_sharded]",
+    "test_a_module_sharded_in_place_stays_on_the_device_between_stages[mgpu_zero3]",
+)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3], ids=["mgpu_ddp", "mgpu_sharded", "mgpu_zero3"])
+def test_a_module_sharded_in_place_stays_on_the_device_between_stages(stage: int) -> None:
+    # Lightning's teardown moves the module to the CPU after each stage; FSDP2 keeps its shards on the device, so the
+    # move would leave the root module's buffer on the CPU for the next validate (CUDA: two devices in forward). On
+    # CPU the move is a no-op: the count of moves is what tells; mgpu_ddp (not sharded in place) is the control.
+    r = run("sharded_module_stays_on_device", stage=stage)
+    assert r["devices_in_validate"] == [r["root_device"]], r
+    if stage == 0:  # negative control: Lightning's teardown moves the module to the CPU after each stage
+        assert r["cpu_calls_after_fit"] == 1 and r["cpu_calls"] == 2 and r["offset_device_after"] == "cpu", r
+    else:
+        assert r["cpu_calls_after_fit"] == 0 and r["cpu_calls"] == 0, r
+        assert r["offset_device_after"] == r["root_device"], r
+
+
 #: compiled against eager weights after 8 steps: FP32 (inductor fuses and reorders sums; a few float32 ulps per
 #: step) and bf16-mixed (both runs round to bf16, not always the same way), relative to the largest weight
 COMPILE_TOLERANCE = {"32-true": 1e-4, "bf16-mixed": 2e-2}

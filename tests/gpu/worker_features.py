@@ -505,6 +505,44 @@ def planner_vs_allocator(
 
 
 @case
+def sharded_module_stays_on_device(stage: int) -> dict[str, Any]:
+    """fit, then validate, with the module's buffer on the root module (outside every FSDP unit): how often the
+    strategy moved the LightningModule to the CPU (Lightning's teardown does, after each stage), and where the
+    buffer and the parameters are when ``validate`` runs its first step."""
+    from tests.integration.parts.test_evaluation import EvalRegressor, indexed
+
+    class _Spy(EvalRegressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cpu_calls = 0
+            self.devices_in_validate: list[str] = []
+
+        def cpu(self) -> Any:
+            self.cpu_calls += 1
+            return super().cpu()
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0 and not self.trainer.sanity_checking:
+                params = [full(p.detach()) for p in self.parameters()]
+                self.devices_in_validate = sorted({str(t.device) for t in [self.offset, *params]})
+            super().validation_step(batch, batch_idx)
+
+    pl.seed_everything(0)
+    model = _Spy().double()
+    trainer = _trainer(_sharded(stage), max_steps=-1, max_epochs=1, limit_val_batches=1.0)
+    trainer.fit(model, DataLoader(indexed(16), batch_size=4))
+    calls_after_fit = model.cpu_calls
+    trainer.validate(model, DataLoader(indexed(8), batch_size=4), verbose=False)
+    return {
+        "cpu_calls_after_fit": calls_after_fit,
+        "cpu_calls": model.cpu_calls,
+        "devices_in_validate": model.devices_in_validate,
+        "root_device": str(trainer.strategy.root_device),
+        "offset_device_after": str(model.offset.device),
+    }
+
+
+@case
 def exact_evaluation(stage: int = 0) -> dict[str, Any]:
     """``exact_evaluation=True`` (the default) on NCCL: fit (with validation), validate, test and predict on 37
     samples in batches of 4, 1 and 5 (uneven last batches). The logged epoch values, each batch weighted by its

@@ -75,3 +75,56 @@ def test_ddp_is_built_on_the_current_stream_not_a_side_stream(monkeypatch):
     assert built[0]["device_ids"] == [3] and made == []
     torch.cuda.stream(torch.cuda.Stream())  # negative control: the recorder sees a side stream
     assert made == ["Stream", "stream"]
+
+
+def test_mgpu_ddp_builds_its_ddp_on_the_current_stream_where_lightning_builds_it_on_a_side_stream(monkeypatch):
+    """``MGPUDDPStrategy`` derives from Lightning's ``DDPStrategy``, whose ``configure_ddp`` builds the wrapper with
+    ``_setup_model`` inside ``torch.cuda.stream(torch.cuda.Stream())`` (Lightning 2.6): on CUDA the one "AccumulateGrad
+    node's stream does not match" warning per fit the GPU tier saw. The strategy's ``configure_ddp`` builds it through
+    the DDP part (``DDPWrapping.wrap``) instead, for a CUDA device too; Lightning's own strategy is the negative
+    control."""
+    import pytest
+    import pytorch_lightning as pl
+    import pytorch_lightning.strategies.ddp as lightning_ddp
+
+    import lightning_mgpu.parts.ddp as ddp_part
+    from lightning_mgpu import MGPUDDPStrategy
+
+    made: list[str] = []
+    built: list[dict[str, Any]] = []
+
+    class _Built(Exception):
+        """Raised where DistributedDataParallel would be built: what happened before it is what counts."""
+
+    class _Stream:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append("Stream")
+
+    def _enter(stream: Any) -> nullcontext[None]:
+        made.append("stream")
+        return nullcontext()
+
+    def _ddp(**kwargs: Any) -> None:
+        built.append(kwargs)
+        raise _Built
+
+    class _Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", _enter)
+    monkeypatch.setattr(ddp_part, "DistributedDataParallel", _ddp)
+    monkeypatch.setattr(lightning_ddp, "DistributedDataParallel", _ddp)
+    cuda = [torch.device("cuda", 3)]
+    ours = MGPUDDPStrategy(parallel_devices=cuda)
+    ours.model = _Module()
+    with pytest.raises(_Built):
+        ours.configure_ddp()
+    assert made == [] and built[0]["device_ids"] == [3] and built[0]["gradient_as_bucket_view"] is True
+    lightnings = lightning_ddp.DDPStrategy(parallel_devices=cuda)
+    lightnings.model = _Module()
+    with pytest.raises(_Built):
+        lightnings.configure_ddp()
+    assert made == ["Stream", "stream"]  # negative control: Lightning's builds it in a side stream

@@ -124,6 +124,25 @@ def test_adam_keeps_two_states_per_parameter_and_a_step_sgd_momentum_one():
     assert count_model_states(model).optimizer_names == ("Adam",)  # a plain nn.Module: Adam
 
 
+def test_the_step_counts_the_foreach_temporaries_torch_uses_for_cuda_tensors():
+    # torch steps Adam with foreach kernels on CUDA (foreach=None): a parameter-sized list for sqrt(exp_avg_sq) lives
+    # through the step. The planner's tensors are CPU ones, for which torch would take the per-tensor loop (one
+    # parameter's temporaries): a DDP step measured on a GPU peaked about one parameter copy above that.
+    class WithOptimizer(nn.Sequential):
+        def __init__(self, foreach: Any) -> None:
+            super().__init__(*(nn.Linear(64, 64) for _ in range(8)))
+            self.foreach = foreach
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), foreach=self.foreach)
+
+    n = 8 * (64 * 64 + 64)
+    default = count_model_states(lambda: WithOptimizer(None))
+    assert default.optimizer_transient >= 4 * n, default  # one FP32 copy of the parameters at least
+    per_tensor = count_model_states(lambda: WithOptimizer(False))  # negative control: the user's choice is kept
+    assert per_tensor.optimizer_transient < 4 * n // 4, per_tensor
+
+
 def test_sharding_divides_the_optimizer_state_and_master_weights_halve_the_parameters():
     p = plan(DigitsTransformer, devices=4, device_memory="8GiB", batch=_digits_batch())
     ddp, zero1 = p.row("mgpu_ddp"), p.row("mgpu_zero1")
