@@ -116,8 +116,10 @@ class ShardingBackend:
     @staticmethod
     @torch.no_grad()
     def state_to_device(model: nn.Module, device: torch.device) -> None:
-        """Moves what a module sharded in place holds outside its shards (its buffers, any parameter left a plain
-        tensor) to ``device``; the sharded parameters (DTensors) stay with FSDP, which owns their storage.
+        """Moves what a module sharded in place holds outside its shards to ``device``: every submodule without a
+        sharded parameter below it moves whole (its buffers, plain parameters and whatever its own ``_apply`` moves,
+        such as a torchmetrics metric's states), and a module above the shards moves its own buffers and plain
+        parameters; the sharded parameters (DTensors) stay with FSDP, which owns their storage.
 
         >>> from lightning_mgpu.parts.sharding import ShardingBackend
         >>> m = nn.Sequential(nn.Module())
@@ -128,13 +130,20 @@ class ShardingBackend:
         """
         from torch.distributed.tensor import DTensor
 
-        for module in model.modules():
-            for name, buffer in list(module.named_buffers(recurse=False)):
-                if buffer.device != device:
-                    setattr(module, name, buffer.to(device))  # stays a buffer (persistent or not) of the module
-            for param in module.parameters(recurse=False):
-                if not isinstance(param, DTensor) and param.device != device:
-                    param.data = param.data.to(device)
+        def holds_shards(module: nn.Module) -> bool:
+            return any(isinstance(p, DTensor) for p in module.parameters())
+
+        if not holds_shards(model):
+            model.to(device)
+            return
+        for child in model.children():
+            ShardingBackend.state_to_device(child, device)
+        for name, buffer in list(model.named_buffers(recurse=False)):
+            if buffer.device != device:
+                setattr(model, name, buffer.to(device))  # stays a buffer (persistent or not) of the module
+        for param in model.parameters(recurse=False):
+            if not isinstance(param, DTensor) and param.device != device:
+                param.data = param.data.to(device)
 
     def shard_mesh(self, mesh: ParallelMesh) -> Any:
         """The part of the strategy's device mesh the model is sharded over, or None where the backend takes a

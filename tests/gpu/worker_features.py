@@ -523,8 +523,10 @@ def sharded_module_stays_on_device(stage: int) -> dict[str, Any]:
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             if batch_idx == 0 and not self.trainer.sanity_checking:
-                params = [full(p.detach()) for p in self.parameters()]
-                self.devices_in_validate = sorted({str(t.device) for t in [self.offset, *params]})
+                # a DTensor's device is its shard's; no gather (a collective inside inference mode cannot make a
+                # parameter-sized copy of an inference tensor)
+                devices = [self.offset.device, *(p.device for p in self.parameters())]
+                self.devices_in_validate = sorted({str(d) for d in devices})
             super().validation_step(batch, batch_idx)
 
     pl.seed_everything(0)

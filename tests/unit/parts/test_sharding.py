@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from lightning_mgpu.parts.sharding import follow_module_mode
@@ -33,3 +34,20 @@ def test_wrapper_follows_eval_mode_and_nothing_happens_without_a_wrapper():
     follow_module_mode(module, module)
     follow_module_mode(None, module)
     assert not module.training
+
+
+def test_state_outside_the_shards_goes_to_the_device_whole_including_a_metrics_states():
+    """A validate/test/predict after fit under FSDP2: what FSDP does not own (buffers, and submodules such as a
+    torchmetrics metric whose states are neither parameters nor buffers) is moved to the root device; a move of
+    buffers alone left the metric's states behind (seen on CUDA: "Encountered different devices in metric
+    calculation")."""
+    import torchmetrics
+
+    from lightning_mgpu.parts.sharding import ShardingBackend
+
+    model = torch.nn.Module()
+    model.metric = torchmetrics.MeanSquaredError()
+    model.register_buffer("offset", torch.zeros(2))
+    ShardingBackend.state_to_device(model, torch.device("meta"))
+    assert model.offset.device.type == "meta"
+    assert model.metric.sum_squared_error.device.type == "meta"  # the metric's own state, moved by its _apply
