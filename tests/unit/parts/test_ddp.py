@@ -46,13 +46,13 @@ def test_static_graph_is_switched_on_at_the_first_synchronised_forward_only():
     in_one_rank_group(_static_graph)
 
 
-def test_ddp_is_built_on_the_current_stream_not_a_side_stream(monkeypatch):
-    """On CUDA, DDP built in a side stream owns gradient accumulators of that stream, and torch >= 2.10 warns
-    "AccumulateGrad node's stream does not match" on every backward (the GPU tier's ``stream_warning`` case checks the
-    warning itself). Here, without a GPU: ``wrap`` for a CUDA device creates no stream and enters none; the negative
-    control shows that the recorder sees a side stream when one is made."""
-    import lightning_mgpu.parts.ddp as ddp_part
+class _Built(Exception):
+    """Raised where DistributedDataParallel would be built: what happened before it is what counts."""
 
+
+def _record_streams(monkeypatch: Any, *modules: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """CUDA streams made or entered (``made``) and the keywords DistributedDataParallel is built with (``built``;
+    the build raises ``_Built``), recorded without a GPU in ``torch.cuda`` and the given modules."""
     made: list[str] = []
     built: list[dict[str, Any]] = []
 
@@ -64,14 +64,29 @@ def test_ddp_is_built_on_the_current_stream_not_a_side_stream(monkeypatch):
         made.append("stream")
         return nullcontext()
 
-    def _ddp(**kwargs: Any) -> str:
+    def _ddp(**kwargs: Any) -> None:
         built.append(kwargs)
-        return "ddp"
+        raise _Built
 
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "stream", _enter)
-    monkeypatch.setattr(ddp_part, "DistributedDataParallel", _ddp)
-    assert DDPWrapping(DDPSettings()).wrap(nn.Linear(2, 2), torch.device("cuda", 3)) == "ddp"
+    for module in modules:
+        monkeypatch.setattr(module, "DistributedDataParallel", _ddp)
+    return made, built
+
+
+def test_ddp_is_built_on_the_current_stream_not_a_side_stream(monkeypatch):
+    """On CUDA, DDP built in a side stream owns gradient accumulators of that stream, and torch >= 2.10 warns
+    "AccumulateGrad node's stream does not match" on every backward (the GPU tier's ``stream_warning`` case checks the
+    warning itself). Here, without a GPU: ``wrap`` for a CUDA device creates no stream and enters none; the negative
+    control shows that the recorder sees a side stream when one is made."""
+    import pytest
+
+    import lightning_mgpu.parts.ddp as ddp_part
+
+    made, built = _record_streams(monkeypatch, ddp_part)
+    with pytest.raises(_Built):
+        DDPWrapping(DDPSettings()).wrap(nn.Linear(2, 2), torch.device("cuda", 3))
     assert built[0]["device_ids"] == [3] and made == []
     torch.cuda.stream(torch.cuda.Stream())  # negative control: the recorder sees a side stream
     assert made == ["Stream", "stream"]
@@ -90,33 +105,12 @@ def test_mgpu_ddp_builds_its_ddp_on_the_current_stream_where_lightning_builds_it
     import lightning_mgpu.parts.ddp as ddp_part
     from lightning_mgpu import MGPUDDPStrategy
 
-    made: list[str] = []
-    built: list[dict[str, Any]] = []
-
-    class _Built(Exception):
-        """Raised where DistributedDataParallel would be built: what happened before it is what counts."""
-
-    class _Stream:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            made.append("Stream")
-
-    def _enter(stream: Any) -> nullcontext[None]:
-        made.append("stream")
-        return nullcontext()
-
-    def _ddp(**kwargs: Any) -> None:
-        built.append(kwargs)
-        raise _Built
-
     class _Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.layer = nn.Linear(2, 2)
 
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "stream", _enter)
-    monkeypatch.setattr(ddp_part, "DistributedDataParallel", _ddp)
-    monkeypatch.setattr(lightning_ddp, "DistributedDataParallel", _ddp)
+    made, built = _record_streams(monkeypatch, ddp_part, lightning_ddp)
     cuda = [torch.device("cuda", 3)]
     ours = MGPUDDPStrategy(parallel_devices=cuda)
     ours.model = _Module()
