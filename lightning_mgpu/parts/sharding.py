@@ -101,6 +101,9 @@ class ShardingBackend:
     """Stage 1: the model is wrapped in mgpu_ddp's ``DistributedDataParallel`` (gradients all-reduced)."""
     sync_control: BackwardSyncControl = DDPSyncControl()
     """How accumulation blocks the gradient sync of the wrapped model."""
+    keeps_masters = False
+    """The backend's own sharded FP32 parameters are the master copy in the precision plugin's master modes (FSDP2
+    shards with a ``MixedPrecisionPolicy``): the plugin then neither casts the module nor keeps masters itself."""
     needs_global_norm = False
     """Norm clipping needs :class:`~lightning_mgpu.MGPUPrecision` (a plain plugin would clip each rank's shard by
     its own norm; FSDP2's DTensor gradients are clipped globally by torch's own ``clip_grad_norm_``)."""
@@ -417,6 +420,8 @@ class FSDP2Backend(ShardingBackend):
     parameters (one unit per block of the sample models). A module holding a tied parameter (one that a module
     outside it uses too) gets no unit of its own: the parameter stays in the enclosing unit.
     """
+
+    keeps_masters = True
 
     def __init__(
         self,

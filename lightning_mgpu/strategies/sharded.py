@@ -735,8 +735,10 @@ class MGPUShardedStrategy(ParallelStrategy):
         if fitting and layer_sync is not None:
             self.model = layer_sync.apply(self.model)  # SyncBatchNorm, as Lightning's DDPStrategy converts it
         # before convert_module: in master modes FSDP2's sharded FP32 parameters are the master copy, so the
-        # plugin must not cast the module's parameters to half itself
-        masters = PrecisionAdoption.fsdp_mixed_precision(self.precision_plugin) if fitting else None
+        # plugin must not cast the module's parameters to half itself (stage 1 and fairscale: the plugin keeps its
+        # own FP32 masters and casts the module, as under mgpu_ddp)
+        keeps_masters = fitting and self._sharding.keeps_masters
+        masters = PrecisionAdoption.fsdp_mixed_precision(self.precision_plugin) if keeps_masters else None
         policy = self._sharding.mixed_precision_policy(masters)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
