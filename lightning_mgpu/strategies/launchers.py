@@ -123,6 +123,7 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
         if trainer is not None:
             self._check(trainer)
+        self.weights_only = requested_weights_only(function, args, kwargs)  # as _PreLaunchCheck.launch keeps it
         # Lightning's _SubprocessScriptLauncher.launch, with _ChildObserver in place of its process observer
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally and not self.procs:
