@@ -29,6 +29,7 @@ from typing_extensions import override
 from lightning_mgpu import AtomicCheckpointIO, CheckpointWriteError, MGPUDDPStrategy, MGPUShardedStrategy
 from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter
 from lightning_mgpu.plugins.checkpoint_io import check_complete
+from lightning_mgpu.strategies.runtime import Runtime
 from tests.models import OptRegressor, RankData, make_data
 
 pytestmark = pytest.mark.slow
@@ -213,18 +214,13 @@ def _record(exception: BaseException, rank: int) -> None:
         (_ERRORS[0] / f"error{rank}.txt").write_text(f"{type(exception).__name__}\n{exception}")
 
 
-class _RecordingDDP(MGPUDDPStrategy):
-    @override
-    def _end_group_after(self, exception: BaseException) -> list[int]:
-        _record(exception, self.global_rank)
-        return super()._end_group_after(exception)
+_END_GROUP_AFTER = Runtime.end_group_after
 
 
-class _RecordingSharded(MGPUShardedStrategy):
-    @override
-    def _end_group_after(self, exception: BaseException) -> list[int]:
-        _record(exception, self.global_rank)
-        return super()._end_group_after(exception)
+def _recording_end_group_after(self: Runtime, exception: BaseException) -> list[int]:
+    """The runtime's failure handling (what the launcher calls in a worker whose fit raised), recording first."""
+    _record(exception, self.strategy.global_rank)
+    return _END_GROUP_AFTER(self, exception)
 
 
 class _DiskFullIO(AtomicCheckpointIO):
@@ -259,10 +255,11 @@ def test_a_failing_background_write_raises_on_every_rank_with_the_path(tmp_path,
     ckpt_dir = tmp_path / "ckpt"
     _ERRORS[:] = [tmp_path]
     strategy: Any
+    monkeypatch.setattr(Runtime, "end_group_after", _recording_end_group_after)  # the fork workers inherit it
     if name == "mgpu_ddp":
-        strategy = _RecordingDDP(start_method="fork", async_checkpoint=True, checkpoint_io=_DiskFullIO(fail))
+        strategy = MGPUDDPStrategy(start_method="fork", async_checkpoint=True, checkpoint_io=_DiskFullIO(fail))
     else:
-        strategy = _RecordingSharded(stage=2, checkpoint="sharded", start_method="fork", async_checkpoint=True)
+        strategy = MGPUShardedStrategy(stage=2, checkpoint="sharded", start_method="fork", async_checkpoint=True)
         monkeypatch.setattr(FileSystemWriter, "write_data", _rank1_disk_full)
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2, save_top_k=-1)
     trainer = _trainer(strategy, [checkpoints], enable_checkpointing=True)
