@@ -148,6 +148,8 @@ LossNormalization = Literal["tokens"]
 NonFinite = Literal["error"]
 MicroBatchSetting = Union[int, Literal["auto"]]
 CompileSetting = Union[bool, dict[str, Any]]
+CheckpointParams = Literal["all", "trainable", "auto"]
+CHECKPOINT_PARAMS = ("all", "trainable", "auto")
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 #: the strategies the planner (and mgpu_auto) can choose, fastest first
@@ -301,6 +303,13 @@ class CommonSettings:
     memory on GPU) and written in a background thread, one write at a time; a failed write raises on every rank at
     the next save or at the end of fit, which waits for the last write (the sharded layout marks a directory
     complete once every rank's part is written). See the reliability guide."""
+    checkpoint_params: CheckpointParams = "all"
+    """Which parameters a checkpoint holds. ``"all"``: every one (a checkpoint that loads anywhere, e.g. with
+    ``LightningModule.load_from_checkpoint``). ``"trainable"``: only those with ``requires_grad`` (adapters such as
+    LoRA), with the buffers, the optimizer state and the loop state, and a fingerprint of the frozen base in their
+    place: a resume, ``validate``/``test``/``predict(ckpt_path=...)`` onto another base is refused with the reason.
+    ``"auto"``: ``"trainable"`` when the frozen parameters hold most of the parameter elements, else ``"all"``.
+    See the fine-tuning guide."""
     compile: CompileSetting = False
     """``True`` or a dict of :func:`torch.compile` keyword arguments (``{"mode": "max-autotune"}``): compile the
     model in place once it is wrapped or sharded (state-dict keys unchanged): the LightningModule's ``forward``
@@ -353,6 +362,12 @@ class CommonSettings:
         validate_policy(self.activation_checkpointing)
         _check_bool("activation_checkpointing_reentrant", self.activation_checkpointing_reentrant)
         _check_bool("async_checkpoint", self.async_checkpoint)
+        if self.checkpoint_params not in CHECKPOINT_PARAMS:
+            raise ValueError(
+                f"checkpoint_params={self.checkpoint_params!r} is unknown. Use 'all' (every parameter, the default), "
+                f"'trainable' (only the parameters with requires_grad, e.g. adapters) or 'auto' ('trainable' when "
+                f"most parameters are frozen)."
+            )
         _check_bool("exact_evaluation", self.exact_evaluation)
         _check_bool("check_uneven_inputs", self.check_uneven_inputs)
 

@@ -236,6 +236,44 @@ class HFGPT2(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
 
 
+class LoRAGPT2(HFGPT2):
+    """The transformers GPT-2 of :class:`HFGPT2` with ``peft`` LoRA adapters on its attention and MLP
+    projections: the base frozen, only the adapters (and nothing else) trainable; ``seed`` makes another base
+    (for the tests that must refuse a resume onto it). Not in :data:`MODELS` (its own tests train it under every
+    preset family)."""
+
+    def __init__(self, seed: int = 0, rank: int = 4, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        from peft import LoraConfig, get_peft_model
+
+        if seed:
+            torch.manual_seed(seed)
+            for p in self.model.parameters():
+                p.data.normal_(0.0, 0.02)
+        torch.manual_seed(100)
+        config = LoraConfig(
+            r=rank, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True
+        )
+        self.model = get_peft_model(self.model, config)
+        # peft starts lora_B at zero (the adapted model is the base at step 0); a random start makes every
+        # adapter matrix's gradient non-zero from the first step, so that parity covers all of them
+        for name, p in self.model.named_parameters():
+            if "lora_B" in name:
+                p.data.normal_(0.0, 0.05)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self(batch[0]).loss
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer_name == "sgd":  # plain SGD: weight averaging every step is then gradient averaging
+            return torch.optim.SGD(trainable, lr=0.1)
+        return torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.0)
+
+
 #: name -> (model factory, dataset factory)
 MODELS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[], TensorDataset]]] = {
     "plain_attributes": (PlainAttributes, regression_data),

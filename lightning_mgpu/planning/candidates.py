@@ -113,20 +113,22 @@ def _row(
     fp32 = sum(states.parameters.values())
     p_c, g, a, b = trace.parameters, trace.gradients, trace.activations, states.buffers
     p_m = fp32 if master else 0
+    # only the trainable parameters have gradients: FP32 ones of their masters in the master modes
+    g_m = states.trainable_bytes if master else 0
     opt, opt_tmp = states.optimizer_state, states.optimizer_transient
     bucket = min(int(request.bucket_cap_mb * 2**20), g)
     largest, root = units
     if strategy in ("mgpu_ddp", "mgpu_zero1"):
         o = opt if strategy == "mgpu_ddp" else opt // n
         tmp = opt_tmp if strategy == "mgpu_ddp" else opt_tmp // n
-        params = p_c + p_m + b
+        params = p_c + (states.optimized_bytes if master else 0) + b  # masters of the optimizers' parameters
         # gradient_as_bucket_view (mgpu_ddp's default): every gradient lives in its bucket from the first step on
         fb = (params, g, o, a, bucket)
         # the step: FP32 gradients of the masters (master modes) and the optimizer's temporaries, no activations
-        step = (params, g + p_m, o + tmp, 0, 0)
+        step = (params, g + g_m, o + tmp, 0, 0)
     else:
         shard_p = (p_m if master else p_c) // n
-        shard_g = (p_m if master else g) // n
+        shard_g = (g_m if master else g) // n
         # gradients are reduce-scattered unit by unit as backward produces them: a rank keeps 1/N of each
         acts_and_grads = trace.peak_with_gradients(shard_g / g if g else 0.0)
         grads_at_peak = max(0, acts_and_grads - a)

@@ -113,6 +113,11 @@ class ModelStates:
     """Parameter bytes by dtype name (``{"float32": ...}``) as the model is built."""
     parameter_count: int
     trainable_count: int
+    trainable_bytes: int
+    """Bytes of the parameters with ``requires_grad`` as built: the only ones with gradients (FP32 master gradients
+    in the master modes)."""
+    optimized_bytes: int
+    """Bytes of the parameters the optimizers hold as built: the ones the master modes copy to FP32 under DDP."""
     buffers: int
     optimizer_state: int
     """Optimizer state after a real ``optimizer.step()`` (Adam: exp_avg, exp_avg_sq and step per parameter)."""
@@ -134,6 +139,7 @@ def count_model_states(factory: ModelFactory) -> ModelStates:
             by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
         buffers = sum(b.numel() * b.element_size() for b in module.buffers())
         optimizers = _optimizers(module)
+        optimized = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]}
         for p in params:
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
@@ -154,6 +160,8 @@ def count_model_states(factory: ModelFactory) -> ModelStates:
         parameters=by_dtype,
         parameter_count=sum(p.numel() for p in params),
         trainable_count=sum(p.numel() for p in params if p.requires_grad),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        optimized_bytes=sum(p.numel() * p.element_size() for p in optimized.values()),
         buffers=buffers,
         optimizer_state=state,
         optimizer_transient=max(0, peak - before),

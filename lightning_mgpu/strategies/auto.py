@@ -43,6 +43,7 @@ from lightning_mgpu.planning.source import default_policy
 from lightning_mgpu.planning.stand_in import stand_in_factory
 from lightning_mgpu.settings import (
     AutoSettings,
+    CheckpointParams,
     CommonSettings,
     CompileSetting,
     LossNormalization,
@@ -68,8 +69,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
     default the transformer layers, else every block of the outermost containers; a model with neither (layers
     kept as plain attributes) is planned without activation checkpointing. ``micro_batch_size`` and the options
     every mgpu strategy has (``start_method``, ``process_group_backend``, ``timeout``, ``log_comm_stats``,
-    ``loss_normalization``, ``nonfinite``, ``async_checkpoint``, ``compile``, ``exact_evaluation``,
-    ``check_uneven_inputs``) are passed to the chosen strategy.
+    ``loss_normalization``, ``nonfinite``, ``async_checkpoint``, ``checkpoint_params``, ``compile``,
+    ``exact_evaluation``, ``check_uneven_inputs``) are passed to the chosen strategy.
 
     After set-up, in the training processes, ``trainer.strategy`` is the chosen strategy and its
     ``auto_decision`` (an ``AutoDecision``: ``strategy``, ``activation_checkpointing``, ``reason``, ``table``)
@@ -111,6 +112,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         loss_normalization: Optional[LossNormalization] = None,
         nonfinite: Optional[NonFinite] = None,
         async_checkpoint: bool = False,
+        checkpoint_params: CheckpointParams = "all",
         compile: CompileSetting = False,
         exact_evaluation: bool = True,
         check_uneven_inputs: bool = True,

@@ -41,6 +41,7 @@ from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_d
 from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import (
     LIGHTNING_KEYWORDS,
+    CheckpointParams,
     CommHookName,
     CompileSetting,
     DDPSettings,
@@ -125,6 +126,7 @@ class MGPUDDPStrategy(DDPStrategy):
         nonfinite: Optional[NonFinite] = None,
         micro_batch_size: Optional[MicroBatchSetting] = None,
         async_checkpoint: bool = False,
+        checkpoint_params: CheckpointParams = "all",
         compile: CompileSetting = False,
         exact_evaluation: bool = True,
         check_uneven_inputs: bool = True,
@@ -360,7 +362,9 @@ class MGPUDDPStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
+        self._runtime.load_weights(
+            checkpoint, strict, lambda c, s: super(MGPUDDPStrategy, self).load_model_state_dict(c, s)
+        )
         self._runtime.load_masters(checkpoint)
         self._runtime.hold_periodic_state(checkpoint)
 

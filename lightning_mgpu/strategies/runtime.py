@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -50,6 +50,7 @@ from lightning_mgpu.parts.periodic_sync import CHECKPOINT_KEY, PeriodicSync
 from lightning_mgpu.parts.predictions import PredictionGathering
 from lightning_mgpu.parts.resume import MidEpochResume
 from lightning_mgpu.parts.token_loss import LOG_NAME, TokenNormalization
+from lightning_mgpu.parts.trainable_state import check_base, check_keys, saves_trainable_only, trainable_only
 from lightning_mgpu.parts.uneven_inputs import UnevenInputs
 from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError, failure_message
 from lightning_mgpu.plugins.checkpoint_io import choose_checkpoint_io
@@ -669,6 +670,9 @@ class Runtime:
         self._refuse_main_process_save()
         self.settle_async_writes()
         self.resume.before_save(checkpoint, self._attached())
+        module = self.strategy.lightning_module
+        if module is not None and saves_trainable_only(module, self.settings.checkpoint_params):
+            trainable_only(checkpoint, module)  # checkpoint_params: the frozen base out, its fingerprint in
 
     def _refuse_main_process_save(self) -> None:
         """Plain Lightning writes a checkpoint with empty optimizer states (and the main process's loop
@@ -737,6 +741,28 @@ class Runtime:
     def module_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The module's weights as the strategy saves them (``state``), with the precision plugin's masters."""
         return PrecisionAdoption.with_masters(self.strategy.precision_plugin, self.strategy.lightning_module, state)
+
+    def frozen_left_out(self, checkpoint: Mapping[str, Any]) -> Optional[set[str]]:
+        """For an adapter-only checkpoint (``checkpoint_params``): the frozen parameters it leaves out, once the
+        model's frozen base is checked to be the one it was saved on (the same error on every rank otherwise);
+        None for a full checkpoint. Call on every rank."""
+        module = self.strategy.lightning_module
+        assert module is not None
+        return check_base(checkpoint, module, self.strategy.is_global_zero, self.strategy.broadcast)
+
+    def load_weights(
+        self, checkpoint: Mapping[str, Any], strict: bool, load: Callable[[Mapping[str, Any], bool], None]
+    ) -> None:
+        """Load the checkpoint's weights with ``load(checkpoint, strict)`` (the strategy's way); an adapter-only
+        checkpoint loads non-strictly onto the checked base, its keys checked here when ``strict``."""
+        left_out = self.frozen_left_out(checkpoint)
+        if left_out is not None:
+            module = self.strategy.lightning_module
+            assert module is not None
+            if strict:
+                check_keys(checkpoint["state_dict"], module, left_out)
+            strict = False
+        load(checkpoint, strict)
 
     def load_masters(self, checkpoint: Any) -> None:
         PrecisionAdoption.load_masters(self.strategy.precision_plugin, self.strategy.lightning_module, checkpoint)

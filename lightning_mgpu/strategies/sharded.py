@@ -74,6 +74,7 @@ from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
 from lightning_mgpu.settings import (
     Backend,
     CheckpointLayout,
+    CheckpointParams,
     CommHookName,
     CommonSettings,
     CompileSetting,
@@ -198,6 +199,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         loss_normalization: Optional[LossNormalization] = None,
         nonfinite: Optional[NonFinite] = None,
         async_checkpoint: bool = False,
+        checkpoint_params: CheckpointParams = "all",
         exact_evaluation: bool = True,
         check_uneven_inputs: bool = True,
         comm_hook: Optional[CommHookName] = None,
@@ -608,7 +610,9 @@ class MGPUShardedStrategy(ParallelStrategy):
         assert module is not None
         checkpoint: dict[str, Any] = load_file(path / _METADATA, weights_only, map_location="cpu", ckpt_path=path)
         saved_optimizers = checkpoint.pop(_OPTIMIZER_COUNT, None)
-        template: dict[str, Any] = {"state_dict": module.state_dict()}
+        left_out = self._runtime.frozen_left_out(checkpoint)  # adapter-only: refused now on another base
+        weights = {k: v for k, v in module.state_dict().items() if k not in (left_out or ())}
+        template: dict[str, Any] = {"state_dict": weights}
         load_optimizers = bool(self.lightning_restore_optimizer and self.optimizers and saved_optimizers is not None)
         if load_optimizers:
             if saved_optimizers != len(self.optimizers):
@@ -620,7 +624,8 @@ class MGPUShardedStrategy(ParallelStrategy):
                 template[f"optimizer_{i}"] = self._sharding.optimizer_load_template(module, opt)
         # every rank reads the slices it owns now, whatever the world size at save time
         load_sharded_dir(template, path, self._process_group(), weights_only)
-        module.load_state_dict(template["state_dict"], strict=module.strict_loading)
+        # adapter-only: the frozen base stays as built (DCP found every key of the template in the checkpoint)
+        module.load_state_dict(template["state_dict"], strict=module.strict_loading and left_out is None)
         if load_optimizers:
             for i, opt in enumerate(self.optimizers):
                 self._sharding.finish_optimizer_load(opt, template[f"optimizer_{i}"])
@@ -633,8 +638,11 @@ class MGPUShardedStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._loaded_sharded:  # else loaded in place by load_checkpoint
-            assert self.lightning_module is not None
-            self._sharding.load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict)
+            module = self.lightning_module
+            assert module is not None
+            self._runtime.load_weights(
+                checkpoint, strict, lambda c, s: self._sharding.load_full_model_state(module, c["state_dict"], s)
+            )
         self._runtime.load_masters(checkpoint)
 
     @override

@@ -43,8 +43,20 @@ SETTINGS: dict[type, tuple[type, ...]] = {
 }
 # fields a strategy takes through ``**kwargs`` only (handed to MGPUDDPStrategy), not as named keywords
 NOT_NAMED = {
-    MGPULocalSGDStrategy: {"loss_normalization", "nonfinite", "micro_batch_size", "async_checkpoint"},
-    MGPUDiLoCoStrategy: {"loss_normalization", "nonfinite", "micro_batch_size", "async_checkpoint"},
+    MGPULocalSGDStrategy: {
+        "loss_normalization",
+        "nonfinite",
+        "micro_batch_size",
+        "async_checkpoint",
+        "checkpoint_params",
+    },
+    MGPUDiLoCoStrategy: {
+        "loss_normalization",
+        "nonfinite",
+        "micro_batch_size",
+        "async_checkpoint",
+        "checkpoint_params",
+    },
     MGPUAutoStrategy: {"activation_checkpointing_reentrant"},
 }
 # a valid value other than the default, per option, and what it needs beside it (where the strategy has that keyword)
@@ -59,6 +71,7 @@ GIVEN: dict[str, Any] = {
     "nonfinite": "error",
     "micro_batch_size": 4,
     "async_checkpoint": True,
+    "checkpoint_params": "trainable",
     "compile": {"mode": "default"},
     "exact_evaluation": False,
     "check_uneven_inputs": False,

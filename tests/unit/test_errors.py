@@ -91,6 +91,13 @@ CASES = [
         ["compiled with torch.compile", "may choose a sharded stage", "compile=True", "['mgpu_ddp', 'mgpu_zero1']"],
         id="compile-mgpu-auto-may-shard-a-user-compiled-model",
     ),
+    # --- checkpoint_params (every strategy) ------------------------------------------------------------------
+    pytest.param(
+        lambda: MGPUShardedStrategy(checkpoint_params="adapters"),
+        ValueError,
+        ["checkpoint_params='adapters'", "'all'", "'trainable'", "'auto'"],
+        id="checkpoint_params-unknown-lists-the-choices",
+    ),
     # --- MGPUDDPStrategy -------------------------------------------------------------------------------------
     pytest.param(
         lambda: MGPUDDPStrategy(comm_hook="fp8"),

@@ -285,3 +285,42 @@ def test_memory_sizes_accept_decimal_and_binary_units():
     assert parse_memory("40 GB") == 40 * 10**9
     assert parse_memory("1.5mib") == 3 * 2**19
     assert parse_memory(1024) == 1024
+
+
+class _FrozenBase(nn.Module):
+    """A frozen 512-wide base with a rank-4 low-rank adapter (LoRA's shape: 0.8% of the parameters trainable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
+        self.base.requires_grad_(False)
+        self.down, self.up = nn.Linear(512, 4, bias=False), nn.Linear(4, 512, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def test_the_plan_counts_gradients_and_optimizer_state_of_the_trainable_parameters_only():
+    model = _FrozenBase()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert frozen > 100 * trainable
+    p = plan(
+        _FrozenBase,
+        devices=2,
+        device_memory="8GiB",
+        batch=(torch.randn(2, 512),),
+        precisions=("32-true", "bf16-master"),
+        activation_checkpointing=None,
+    )
+    # AdamW: exp_avg, exp_avg_sq (FP32) per trainable element and a step per trainable tensor
+    assert p.states.optimizer_state == 2 * 4 * trainable + 4 * 2
+    assert p.states.trainable_bytes == 4 * trainable
+    for row in p.rows:
+        # at most the FP32 (master) gradients and the half ones of the trainable parameters, never the base's
+        assert row.gradients_bytes <= 6 * trainable, row
+        # the state and the step's temporaries (foreach): a few FP32 copies of the adapters, never of the base
+        assert row.optimizer_state_bytes <= 4 * 4 * trainable + 4 * 2, row
