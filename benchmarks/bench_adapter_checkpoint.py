@@ -6,7 +6,8 @@
 A ``peft`` LoRA GPT-2 built from a random config of ``--width``/``--layers`` (no download; 768/12 is GPT-2
 small's shape, 124M parameters) with adapters of rank ``--rank`` on the attention and MLP projections, AdamW on the
 adapters, trains one step on 2 fork-launched CPU ranks under each layout (``mgpu_ddp``: one consolidated file;
-``mgpu_zero3`` with ``checkpoint="sharded"``: a directory written by every rank) and setting (``"all"``, then
+``mgpu_zero3``: one file gathered on rank 0 (an adapter-only save gathers the adapters only), and with
+``checkpoint="sharded"``: a directory written by every rank) and setting (``"all"``, then
 ``"trainable"``), then calls ``trainer.save_checkpoint`` ``--repeats`` times. Printed: the bytes on disk, rank 0's
 median save time and the ratios.
 """
@@ -112,6 +113,9 @@ def main() -> None:
     )
     layouts = {
         "mgpu_ddp (one file)": lambda params: MGPUDDPStrategy(start_method="fork", checkpoint_params=params),
+        "mgpu_zero3 (one file)": lambda params: MGPUShardedStrategy(
+            stage=3, start_method="fork", checkpoint_params=params
+        ),
         "mgpu_zero3 checkpoint='sharded'": lambda params: MGPUShardedStrategy(
             stage=3, checkpoint="sharded", start_method="fork", checkpoint_params=params
         ),

@@ -32,7 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mgpu._compat import copy_lr_scheduler_step_tracking, init_optimizer_state, sync_param_groups
-from lightning_mgpu.comm import CommStats, local_shard
+from lightning_mgpu.comm import CommStats, full_tensor, local_shard
 from lightning_mgpu.mesh import DATA_SHARD, ParallelMesh
 from lightning_mgpu.parts.accumulation import (
     BackwardSyncControl,
@@ -206,8 +206,10 @@ class ShardingBackend:
         return None
 
     # --- consolidated state ---------------------------------------------------------------------------
-    def full_model_state(self, module: nn.Module) -> dict[str, Any]:
-        return module.state_dict()
+    def full_model_state(self, module: nn.Module, keys: Optional[set[str]] = None) -> dict[str, Any]:
+        """The whole module's state (``keys``: only these entries, e.g. the trainable ones), on rank 0 at least."""
+        state = module.state_dict()
+        return state if keys is None else {k: v for k, v in state.items() if k in keys}
 
     def load_full_model_state(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
         module.load_state_dict(state, strict=strict)
@@ -510,10 +512,13 @@ class FSDP2Backend(ShardingBackend):
         # squared norms are summed over the shard group only (over all ranks they would count `replicas` times)
         return GlobalNormClipping(optimizer_params, self.shard_group(group), ledger)
 
-    def full_model_state(self, module: nn.Module) -> dict[str, Any]:
+    def full_model_state(self, module: nn.Module, keys: Optional[set[str]] = None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if keys is None:
+            return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # only these entries (an adapter-only checkpoint): the frozen base is never gathered; one tensor at a time
+        return {k: full_tensor(v).detach().cpu() for k, v in module.state_dict().items() if k in keys}
 
     def load_full_model_state(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

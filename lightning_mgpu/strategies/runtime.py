@@ -50,7 +50,13 @@ from lightning_mgpu.parts.periodic_sync import CHECKPOINT_KEY, PeriodicSync
 from lightning_mgpu.parts.predictions import PredictionGathering
 from lightning_mgpu.parts.resume import MidEpochResume
 from lightning_mgpu.parts.token_loss import LOG_NAME, TokenNormalization
-from lightning_mgpu.parts.trainable_state import check_base, check_keys, saves_trainable_only, trainable_only
+from lightning_mgpu.parts.trainable_state import (
+    check_base,
+    check_keys,
+    frozen_parameters,
+    saves_trainable_only,
+    trainable_only,
+)
 from lightning_mgpu.parts.uneven_inputs import UnevenInputs
 from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError, failure_message
 from lightning_mgpu.plugins.checkpoint_io import choose_checkpoint_io
@@ -741,6 +747,14 @@ class Runtime:
     def module_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The module's weights as the strategy saves them (``state``), with the precision plugin's masters."""
         return PrecisionAdoption.with_masters(self.strategy.precision_plugin, self.strategy.lightning_module, state)
+
+    def saved_keys(self) -> Optional[set[str]]:
+        """The module's state entries a save keeps under ``checkpoint_params`` (None: all of them)."""
+        module = self.strategy.lightning_module
+        if module is None or not saves_trainable_only(module, self.settings.checkpoint_params):
+            return None
+        frozen = frozen_parameters(module)
+        return {k for k in module.state_dict() if k not in frozen}
 
     def frozen_left_out(self, checkpoint: Mapping[str, Any]) -> Optional[set[str]]:
         """For an adapter-only checkpoint (``checkpoint_params``): the frozen parameters it leaves out, once the

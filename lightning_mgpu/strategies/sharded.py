@@ -473,8 +473,10 @@ class MGPUShardedStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
-        sharded = self._checkpoint_layout == "sharded"
-        return self._runtime.module_state(module.state_dict() if sharded else self._sharding.full_model_state(module))
+        if self._checkpoint_layout == "sharded":
+            return self._runtime.module_state(module.state_dict())
+        # checkpoint_params: an adapter-only save gathers the entries it keeps, not the frozen base
+        return self._runtime.module_state(self._sharding.full_model_state(module, self._runtime.saved_keys()))
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

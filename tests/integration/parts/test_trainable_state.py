@@ -123,7 +123,7 @@ CASES: dict[str, tuple[Any, str, Optional[int]]] = {
             stage=3, mesh="hybrid", shard_size=1, start_method="fork", checkpoint_params="trainable"
         ),
         "adamw",
-        None,
+        2,
     ),
     "local_sgd": (
         lambda: MGPULocalSGDStrategy(sync_every=1, start_method="fork", checkpoint_params="trainable"),
