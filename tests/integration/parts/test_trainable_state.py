@@ -52,6 +52,10 @@ class Probe(Callback):
 
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.start_step = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_step = trainer.global_step  # a resumed run starts where its checkpoint stopped
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         names = {id(p): n for n, p in pl_module.named_parameters()}
@@ -71,6 +75,7 @@ class Probe(Callback):
                 ],
                 "with_state": with_state,
                 "state_bytes": state_bytes,
+                "start_step": self.start_step,
             },
             self.out / f"probe{trainer.global_rank}.pt",
         )
@@ -214,7 +219,10 @@ def test_lora_fine_tuning_has_parity_keeps_the_base_stateless_and_resumes_from_a
         devices=resume_world,
         max_epochs=EPOCHS,
         ckpt_path=str(first),
+        callbacks=[Probe(tmp_path / "resumed")],
     )
+    # the resumed run trained epoch 1 only, from the checkpoint's adapters and optimizer state
+    assert torch.load(tmp_path / "resumed" / "probe0.pt", weights_only=False)["start_step"] == SAMPLES // (WORLD * B)
     for rank in resumed:  # continue == uninterrupted
         torch.testing.assert_close(rank["state"], ranks[0]["state"])
     if case == "zero3-dir-async":
