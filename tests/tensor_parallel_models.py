@@ -116,8 +116,13 @@ class TPModule(pl.LightningModule):
         self.tokens = tokens
         self.seen: list[int] = []
 
+    @staticmethod
+    def compute(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """The training loss of ``model`` on ``tokens`` (the one-process reference calls it too)."""
+        return lm_loss(model, tokens)
+
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        loss = lm_loss(self.model, batch[0])
+        loss = self.compute(self.model, batch[0])
         if self.tokens:
             count = batch[0][:, 1:].numel()
             return {"loss": loss * count, "num_tokens": count}
@@ -126,7 +131,7 @@ class TPModule(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         tokens, index = batch
         self.seen += index.tolist()
-        self.log("val_loss", lm_loss(self.model, tokens), sync_dist=True, batch_size=len(index))
+        self.log("val_loss", self.compute(self.model, tokens), sync_dist=True, batch_size=len(index))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
@@ -151,22 +156,49 @@ def reference(
     batch_size: int = 2,
     accumulate: int = 1,
     clip: Optional[float] = None,
+    limit: Optional[int] = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, the global batch, one epoch per entry of ``data_ranks`` (the data ranks of that epoch): the
     state_dict after training as the LightningModule describes it, with Lightning's loss / k over the k
-    micro-batches of each step and clipping by the global norm; and each step's gradient norm before clipping."""
+    micro-batches of each step and clipping by the global norm (``limit``: micro-batches per epoch); and each step's
+    gradient norm before clipping."""
     model = copy.deepcopy(module.model)
     opt = torch.optim.SGD(model.parameters(), lr=module.lr, momentum=0.9)
     norms = []
     for epoch, ranks in enumerate(data_ranks):
-        batches = global_batches(dataset, ranks, batch_size, epoch)
+        batches = global_batches(dataset, ranks, batch_size, epoch)[:limit]
         for i in range(0, len(batches) - len(batches) % accumulate, accumulate):
             opt.zero_grad(set_to_none=True)
             for tokens in batches[i : i + accumulate]:
-                (lm_loss(model, tokens) / accumulate).backward()
+                (module.compute(model, tokens) / accumulate).backward()
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))))
             opt.step()
     return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+class HFModule(TPModule):
+    """A Hugging Face model from a tiny random config (no download), in float64: ``"llama"`` (its own
+    ``base_model_tp_plan``) or ``"bert"`` (masked LM, the auto plan's BERT rule); the model computes its loss."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import transformers as t
+
+        sizes = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
+        torch.manual_seed(0)
+        if kind == "llama":
+            config = t.LlamaConfig(**sizes, num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+            self.model = t.LlamaForCausalLM(config).double()
+        else:
+            config = t.BertConfig(
+                **sizes, num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                max_position_embeddings=SEQ + 1, attn_implementation="eager",
+            )  # fmt: skip
+            self.model = t.BertForMaskedLM(config).double()
+
+    @staticmethod
+    def compute(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=tokens, labels=tokens).loss
 
 
 # --- Lightning's tensor-parallel example, shrunk (model.py and parallelism.py, rotary embedding left out) ----------

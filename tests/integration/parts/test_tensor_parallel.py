@@ -20,9 +20,11 @@ from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_mgpu import MGPUShardedStrategy
+from lightning_mgpu.parts.tensor_parallel import is_tensor_parallel
 from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
     Block,
+    HFModule,
     Llama3,
     TPModule,
     indexed_data,
@@ -56,6 +58,7 @@ class Report(Callback):
             "sampler": trainer.strategy.distributed_sampler_kwargs,
             "seen": list(pl_module.seen),
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
         }
         torch.save(record, self.out / f"report{trainer.global_rank}.pt")
         if self.save is not None:
@@ -106,6 +109,7 @@ def test_tensor2_data2_equals_one_process_evaluates_each_sample_once_and_resumes
     first = _fit(tmp_path / "tp", WORLD, tp, epochs=1, save=tmp_path / "tp.ckpt")
     expected, _ = reference(TPModule(), token_data(), data_ranks=[2])
     _assert_weights(first, expected)
+    assert all(r["split"] for r in first)
     # negative control: had the tensor-parallel ranks taken different batches (4 data ranks), the weights differ
     assert _differs(first, reference(TPModule(), token_data(), data_ranks=[4])[0])
     # the data is split over the 2 data ranks; both ranks of a tensor-parallel group see the same batches
@@ -161,6 +165,16 @@ def test_accumulation_clipping_token_loss_and_a_plan_of_your_own_on_the_hybrid_m
     _assert_weights(records, expected)
     # negative control: without the clipping the weights differ
     assert _differs(records, reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3)[0])
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: Path, kind: str):
+    pytest.importorskip("transformers")
+    strategy = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, start_method="fork")
+    records = _fit(tmp_path, 2, strategy, epochs=1, module=HFModule(kind), limit_train_batches=4)
+    expected, _ = reference(HFModule(kind), token_data(), data_ranks=[1], limit=4)
+    _assert_weights(records, expected)
+    assert all(r["split"] for r in records)
 
 
 # --- Lightning's example, under ours and under Lightning's ModelParallelStrategy -----------------------------------
