@@ -167,10 +167,10 @@ def test_accumulation_clipping_token_loss_and_a_plan_of_your_own_on_the_hybrid_m
     assert _differs(records, reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3)[0])
 
 
-@pytest.mark.parametrize("kind", ["llama", "bert"])
-def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: Path, kind: str):
+@pytest.mark.parametrize(("kind", "stage"), [("llama", 3), ("bert", 2)])
+def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: Path, kind: str, stage: int):
     pytest.importorskip("transformers")
-    strategy = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, start_method="fork")
+    strategy = MGPUShardedStrategy(stage=stage, tensor_parallel_size=2, start_method="fork")  # type: ignore[arg-type]
     records = _fit(tmp_path, 2, strategy, epochs=1, module=HFModule(kind), limit_train_batches=4)
     expected, _ = reference(HFModule(kind), token_data(), data_ranks=[1], limit=4)
     _assert_weights(records, expected)
