@@ -762,7 +762,8 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     def _wrap_model(self, policy: Any) -> None:
         """The model's set-up order, in one place (torchtitan's ``parallelize`` order): SyncBatchNorm conversion
-        (in ``setup``) -> activation checkpointing -> DDP (stage 1) or sharding (stages 2/3), so that DDP's and
+        (in ``setup``) -> tensor parallelism (``tensor_parallel_size``) -> activation checkpointing -> DDP (stage 1)
+        or sharding (stages 2/3), so that DDP's and
         FSDP's hooks stay outside the recompute -> compilation (``compile=``); the sharded optimizers come after
         (``setup_optimizers``)."""
         module = self.lightning_module
