@@ -232,8 +232,9 @@ def main() -> None:
         print(f"{runner:40s} {r['step_s']:9.3f} {mb:9.2f} {r['collectives_per_step']:10.1f} {ratio:13.2f}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "tensor_parallel.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                                                    "results": results}, indent=2))
+        (args.out / "tensor_parallel.json").write_text(
+            json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
+        )
 
 
 if __name__ == "__main__":

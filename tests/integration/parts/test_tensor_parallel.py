@@ -150,21 +150,30 @@ def _one_process(_: int, tmp_path: Path) -> None:
 
 def test_accumulation_clipping_token_loss_and_a_plan_of_your_own_on_the_hybrid_mesh(tmp_path: Path):
     # tensor 2 x (2 replicas x 1 shard), k = 3, clipping that bites, the token loss, the non-finite check, the
-    # MLPs split by the user's plan (the attention stays replicated), biases in every linear layer
+    # MLPs split by the user's plan (the attention stays replicated), biases in every linear layer; a sharded
+    # checkpoint (DCP) resumed at data 4
     plan = {"model.layers.*.feed_forward.w1": "colwise", "model.layers.*.feed_forward.w3": "colwise"}
     plan["model.layers.*.feed_forward.w2"] = "rowwise"
     strategy = MGPUShardedStrategy(
         stage=3, mesh="hybrid", shard_size=1, tensor_parallel_size=2, tensor_parallel_plan=plan,
-        loss_normalization="tokens", nonfinite="error", start_method="fork",
+        loss_normalization="tokens", nonfinite="error", checkpoint="sharded", start_method="fork",
     )  # fmt: skip
     clip = 0.1
-    records = _fit(tmp_path, WORLD, strategy, epochs=1, module=TPModule(bias=True, tokens=True),
-                   accumulate_grad_batches=3, gradient_clip_val=clip)  # fmt: skip
+    train = {"accumulate_grad_batches": 3, "gradient_clip_val": clip}
+    module = TPModule(bias=True, tokens=True)
+    records = _fit(tmp_path / "tp", WORLD, strategy, epochs=1, module=module, save=tmp_path / "sharded.ckpt", **train)
     expected, norms = reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3, clip=clip)
     assert records[0]["global_step"] == 2 and min(norms) > 2 * clip  # every step is clipped
     _assert_weights(records, expected)
+    assert all(r["split"] for r in records)
     # negative control: without the clipping the weights differ
     assert _differs(records, reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3)[0])
+    # the sharded directory resumes at data 4
+    data4 = MGPUShardedStrategy(stage=3, checkpoint="sharded", loss_normalization="tokens", start_method="fork")
+    resumed = _fit(tmp_path / "d4", WORLD, data4, epochs=2, module=TPModule(bias=True, tokens=True),
+                   ckpt_path=str(tmp_path / "sharded.ckpt"), **train)  # fmt: skip
+    both, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2, 4], accumulate=3, clip=clip)
+    _assert_weights(resumed, both)
 
 
 @pytest.mark.parametrize(("kind", "stage"), [("llama", 3), ("bert", 2)])
@@ -223,3 +232,21 @@ def test_lightnings_example_module_trains_as_under_model_parallel_strategy():
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(lightnings))  # float32 tolerance
     # the ranks of a tensor-parallel group see the same batch, the data ranks different ones
     assert ours[0] == ours[1] and ours[2] == ours[3] and ours[0] != ours[2]
+
+
+def test_the_lightning_namespace_trains_a_tensor_parallel_model():
+    import lightning as L
+
+    from lightning_mgpu.lightning import MGPUShardedStrategy as Strategy
+    from lightning_mgpu.lightning.examples import DigitsDataModule, DigitsTransformer
+
+    class Check(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            assert is_tensor_parallel(pl_module) and trainer.global_step == 2
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=Strategy(stage=3, tensor_parallel_size=2, start_method="fork"),
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Check()], limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(DigitsTransformer(d_model=32, heads=4, layers=2), DigitsDataModule())
