@@ -178,7 +178,8 @@ def reference(
 
 class HFModule(TPModule):
     """A Hugging Face model from a tiny random config (no download), in float64: ``"llama"`` (its own
-    ``base_model_tp_plan``) or ``"bert"`` (masked LM, the auto plan's BERT rule); the model computes its loss."""
+    ``base_model_tp_plan``), ``"bert"`` (masked LM, the auto plan's BERT rule) or ``"gpt2"`` (its MLP's ``Conv1D``
+    layers); the model computes its loss."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -186,7 +187,13 @@ class HFModule(TPModule):
 
         sizes = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
         torch.manual_seed(0)
-        if kind == "llama":
+        if kind == "gpt2":
+            config = t.GPT2Config(
+                vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=SEQ + 1, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+            )  # fmt: skip
+            self.model = t.GPT2LMHeadModel(config).double()
+        elif kind == "llama":
             config = t.LlamaConfig(**sizes, num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
             self.model = t.LlamaForCausalLM(config).double()
         else:

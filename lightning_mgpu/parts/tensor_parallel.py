@@ -19,13 +19,14 @@ again over the data dimension.
   module's head counts (``n_heads``, ``num_heads``, ``n_kv_heads``, ``num_key_value_heads``, ...) become the
   local counts (divided by the tensor size), as torchtitan does by hand. The forward must read the head count
   from those attributes or infer it from the width (``view(..., -1, head_dim)``), as these models do. Torch's
-  ``nn.TransformerEncoderLayer``/``DecoderLayer`` get their MLP (``linear1``/``linear2``) split.
+  ``nn.TransformerEncoderLayer``/``DecoderLayer`` and GPT-2 (transformers' ``Conv1D`` ``c_fc``/``c_proj``) get
+  their MLP split.
 
-Anything not matched (embeddings, norms, the output head, ``nn.MultiheadAttention``'s packed projection,
-transformers' ``Conv1D``) stays replicated and is listed in one line at start-up. Sequence parallelism of the
-norms changes the layout of the residual stream between blocks, which only a plan that knows the model's forward
-can do safely: it is available through a plan of your own (``"sequence_parallel"`` entries with the
-``PrepareModuleInput`` styles around them), not derived.
+Anything not matched (embeddings, norms, the output head, the packed query/key/value projection of
+``nn.MultiheadAttention`` and of GPT-2's ``c_attn``) stays replicated and is listed in one line at start-up.
+Sequence parallelism of the norms changes the layout of the residual stream between blocks, which only a plan that
+knows the model's forward can do safely: it is available through a plan of your own (``"sequence_parallel"``
+entries with the ``PrepareModuleInput`` styles around them) or your ``configure_model``, not derived.
 
 Example::
 
@@ -92,6 +93,8 @@ class TensorParallelPlan:
 
 def _style_name(style: Any) -> str:
     names = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "SequenceParallel": "sequence_parallel"}
+    if type(style).__name__ == "Conv1DParallel":
+        return "colwise" if "Colwise" in repr(style) else "rowwise"
     return names.get(type(style).__name__, type(style).__name__)
 
 
@@ -193,6 +196,13 @@ def _linear(module: nn.Module, name: str) -> Optional[nn.Linear]:
     return child if isinstance(child, nn.Linear) else None
 
 
+def _widths(layer: nn.Module) -> tuple[int, int]:
+    """``(in, out)`` features of an ``nn.Linear`` or a transformers ``Conv1D``."""
+    if _is_conv1d(layer):
+        return int(layer.weight.shape[0]), int(layer.nf)  # type: ignore[index,arg-type]
+    return int(layer.in_features), int(layer.out_features)  # type: ignore[arg-type]
+
+
 def _has(module: nn.Module, dotted: str) -> bool:
     try:
         module.get_submodule(dotted)
@@ -206,6 +216,48 @@ def _only(block: nn.Module, names: list[str]) -> bool:
     another projection) could sit between the split layers and see only a slice of their output."""
     held = {n for n, c in block.named_children() if any(True for _ in c.parameters())}
     return held == set(names) and not any(True for _ in block.parameters(recurse=False))
+
+
+def _is_conv1d(module: Any) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's linear layers: ``y = x @ weight + bias``, weight stored ``(in, out)``)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+def conv1d_style(kind: str) -> Any:
+    """A ``ParallelStyle`` splitting a transformers ``Conv1D`` by output column (``"colwise"``: weight ``Shard(1)``,
+    bias ``Shard(0)``, the output left local) or by input row (``"rowwise"``: weight ``Shard(0)``, the input taken
+    as this rank's slice, the output summed over the group), as torch's styles split an ``nn.Linear``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    colwise = kind == "colwise"
+
+    def partition(name: str, module: nn.Module, mesh: Any) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = (
+                (Shard(1) if pname == "weight" else Shard(0))
+                if colwise
+                else (Shard(0) if pname == "weight" else Replicate())
+            )
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement])))
+
+    def prepare_input(module: nn.Module, inputs: Any, mesh: Any) -> Any:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate() if colwise else Shard(-1)], run_check=False)
+        return (x, *inputs[1:])
+
+    def prepare_output(module: nn.Module, output: Any, mesh: Any) -> Any:
+        return output.to_local() if colwise else output.redistribute(mesh, [Replicate()]).to_local()
+
+    class Conv1DParallel(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+
+        def __repr__(self) -> str:
+            return f"Conv1D{'Colwise' if colwise else 'Rowwise'}Parallel()"
+
+    return Conv1DParallel()
 
 
 def _pairs(block: nn.Module) -> list[tuple[str, list[str], str]]:
@@ -223,6 +275,9 @@ def _pairs(block: nn.Module) -> list[tuple[str, list[str], str]]:
     mlp_out = next((n for n in _MLP_OUT if _linear(block, n) is not None), None)
     if mlp_in and mlp_out is not None and _only(block, [*mlp_in, mlp_out]):
         found.append(("mlp", mlp_in, mlp_out))
+    fc, proj = getattr(block, "c_fc", None), getattr(block, "c_proj", None)
+    if _is_conv1d(fc) and _is_conv1d(proj) and _only(block, ["c_fc", "c_proj"]):  # GPT-2's MLP
+        found.append(("mlp", ["c_fc"], "c_proj"))
     if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):  # torch's: a known forward
         found.append(("mlp", ["linear1"], "linear2"))
     up, down = _linear(block, "intermediate.dense"), _linear(block, "output.dense")
@@ -260,9 +315,10 @@ def derive_plan(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
                 why = reason or ", ".join(bad)
                 skipped.append(f"{name or type(module).__name__} ({why} not divisible by {tensor_size})")
                 continue
+            conv = _is_conv1d(module.get_submodule(full[-1]))
             for f in full[:-1]:
-                styles[f] = ColwiseParallel()
-            styles[full[-1]] = RowwiseParallel()
+                styles[f] = conv1d_style("colwise") if conv else ColwiseParallel()
+            styles[full[-1]] = conv1d_style("rowwise") if conv else RowwiseParallel()
             heads += [(f"{name}.{owner}".strip(".") if owner else name, a, v) for owner, a, v in counts]
     plan = TensorParallelPlan(styles, "auto plan", heads=heads, replicated=_replicated(module, styles))
     plan.skipped = skipped
@@ -271,13 +327,11 @@ def derive_plan(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
 
 def _indivisible(block: nn.Module, fan_out: list[str], fan_in: str, size: int) -> str:
     for n in fan_out:
-        layer = _linear(block, n)
-        if layer is not None and layer.out_features % size:
-            return f"{n}.out_features={layer.out_features}"
-    layer = _linear(block, fan_in)
-    if layer is not None and layer.in_features % size:
-        return f"{fan_in}.in_features={layer.in_features}"
-    return ""
+        width = _widths(block.get_submodule(n))[1]
+        if width % size:
+            return f"{n} width {width}"
+    width = _widths(block.get_submodule(fan_in))[0]
+    return f"{fan_in} width {width}" if width % size else ""
 
 
 def _head_counts(block: nn.Module, first_fan_out: str) -> list[tuple[str, str, int]]:

@@ -176,7 +176,7 @@ def test_accumulation_clipping_token_loss_and_a_plan_of_your_own_on_the_hybrid_m
     _assert_weights(resumed, both)
 
 
-@pytest.mark.parametrize(("kind", "stage"), [("llama", 3), ("bert", 2)])
+@pytest.mark.parametrize(("kind", "stage"), [("llama", 3), ("bert", 2), ("gpt2", 3)])
 def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: Path, kind: str, stage: int):
     pytest.importorskip("transformers")
     strategy = MGPUShardedStrategy(stage=stage, tensor_parallel_size=2, start_method="fork")  # type: ignore[arg-type]

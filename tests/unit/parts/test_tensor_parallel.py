@@ -86,3 +86,15 @@ def test_patterns_match_one_name_per_star_and_plain_modules_are_not_tensor_paral
     assert matches("layers.*.w1", "layers.12.w1") and not matches("layers.*", "layers.1.w1")
     assert not is_tensor_parallel(nn.Linear(2, 2))
     assert TensorParallelism(size=1).apply(nn.Linear(2, 2), mesh=None) is None  # one rank: nothing to do
+
+
+def test_gpt2s_conv1d_mlp_is_split_and_its_packed_attention_stays_whole():
+    t = _transformers()
+    config = t.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=8, bos_token_id=0, eos_token_id=0)
+    plan = derive_plan(t.GPT2LMHeadModel(config), tensor_size=2)
+    assert {n: repr(s) for n, s in plan.styles.items()} == {
+        "transformer.h.0.mlp.c_fc": "Conv1DColwiseParallel()",
+        "transformer.h.0.mlp.c_proj": "Conv1DRowwiseParallel()",
+    }
+    line = plan.summary(2)
+    assert "transformer.h.*.mlp.c_fc colwise" in line and "transformer.h.*.attn.c_attn" in line.split("replicated:")[1]
