@@ -8,7 +8,7 @@ within a machine where it fits):
 * ``data_replicate``: copies of the sharded state (HSDP's replicas, one per machine by default; 1 when sharding is
   flat);
 * ``data_shard``: ranks that split the parameters, gradients and optimizer state (FSDP2's shard group);
-* ``tensor_parallel``: ranks that split each layer (1 for now).
+* ``tensor_parallel``: ranks that split each layer (tensor parallelism: they see the same batch).
 
 The ranks that see different batches, ``data_replicate x data_shard``, form the dimension ``"data_parallel"``. The
 mesh a LightningModule sees (``self.device_mesh`` in ``configure_model``) is shaped as Lightning's
@@ -93,9 +93,25 @@ class ParallelDims:
             )
 
     @classmethod
-    def hybrid(cls, world_size: int, num_nodes: int = 1, shard_size: Optional[int] = None) -> ParallelDims:
-        """HSDP's shape: shard within groups of ``shard_size`` ranks (by default the processes of one machine,
-        ``world_size // num_nodes``), replicate across the groups."""
+    def hybrid(
+        cls, world_size: int, num_nodes: int = 1, shard_size: Optional[int] = None, tensor: int = 1
+    ) -> ParallelDims:
+        """HSDP's shape: shard within groups of ``shard_size`` ranks (by default the data ranks of one machine,
+        ``world_size // num_nodes // tensor``), replicate across the groups."""
+        if tensor != 1:
+            _check_size("tensor", tensor)
+            data = cls(world_size=world_size, tensor=tensor).data_parallel  # the world must split into tensor groups
+            nodes = max(int(num_nodes), 1)
+            if shard_size is None and (world_size // tensor) % nodes:
+                raise ValueError(
+                    f"mesh='hybrid' shards within each machine, but the {data} data ranks (world size {world_size} / "
+                    f"tensor {tensor}) do not split evenly over num_nodes={nodes}. Pass shard_size=N (a divisor of "
+                    f"{data})."
+                )
+            flat = cls.hybrid(data, nodes, shard_size)
+            return cls(
+                world_size=world_size, data_replicate=flat.data_replicate, data_shard=flat.data_shard, tensor=tensor
+            )
         nodes = max(int(num_nodes), 1)
         if shard_size is None and world_size % nodes:
             raise ValueError(
@@ -115,6 +131,28 @@ class ParallelDims:
     def data_parallel(self) -> int:
         """Ranks that see different batches: ``data_replicate x data_shard``."""
         return self.data_replicate * self.data_shard
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Each dimension's index of the global ``rank``: ``rank = ((pipeline x data_parallel) + data_parallel
+        index) x tensor + tensor index``, and the data-parallel index is ``replicate x data_shard + shard``
+        (consecutive ranks vary fastest in the tensor dimension).
+
+        Example:
+
+            >>> ParallelDims(world_size=8, data_replicate=2, tensor=2).coordinates(5)
+            {'pipeline': 0, 'data_parallel': 2, 'data_replicate': 1, 'data_shard': 0, 'tensor_parallel': 1}
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank!r} is not a rank of this mesh: use 0 <= rank < {self.world_size}.")
+        tensor_idx = rank % self.tensor
+        data_idx = (rank // self.tensor) % self.data_parallel
+        return {
+            PIPELINE: rank // (self.tensor * self.data_parallel),
+            DATA_PARALLEL: data_idx,
+            DATA_REPLICATE: data_idx // self.data_shard,
+            DATA_SHARD: data_idx % self.data_shard,
+            TENSOR_PARALLEL: tensor_idx,
+        }
 
     @property
     def is_hybrid(self) -> bool:
@@ -183,6 +221,12 @@ class ParallelMesh:
     data: DeviceMesh
     """What FSDP2's ``fully_shard`` takes: 1-D ``"data_parallel"`` (flat sharding), or 2-D ``("data_replicate",
     "data_shard")`` (HSDP: reduce-scatter within the shard group, all-reduce across the replicas)."""
+
+    @property
+    def tensor(self) -> DeviceMesh:
+        """The 1-D ``"tensor_parallel"`` mesh (what ``parallelize_module`` takes): the ranks that split each
+        layer, which see the same batch."""
+        return self.device_mesh[TENSOR_PARALLEL]
 
 
 def expose_to_module(module: Any, mesh: Optional[DeviceMesh]) -> None:

@@ -149,6 +149,12 @@ PRESETS: tuple[Preset, ...] = (
         {"start_method": "popen", "stage": 3, "mesh": "hybrid"},
     ),
     Preset(
+        "mgpu_tensor_parallel",
+        MGPUShardedStrategy,
+        "ZeRO stage 3 with tensor parallelism over pairs of ranks (the auto plan): tensor 2 x data world/2",
+        {"start_method": "popen", "stage": 3, "tensor_parallel_size": 2},
+    ),
+    Preset(
         "mgpu_sharded_fairscale",
         MGPUShardedStrategy,
         "fairscale OSS + ShardedDataParallel (Lightning 1.x ddp_sharded); needs the [fairscale] extra",
@@ -174,6 +180,8 @@ LAUNCH_EXCEPTIONS: dict[str, str] = {
     "mgpu_ddp_fp16_compress": "popen only: MGPUDDPStrategy(comm_hook='fp16', start_method=...) for another launch",
     "mgpu_ddp_powersgd": "popen only: MGPUDDPStrategy(comm_hook='powersgd', start_method=...) likewise",
     "mgpu_sharded_fairscale": "popen only: MGPUShardedStrategy(backend='fairscale', start_method=...) likewise",
+    "mgpu_tensor_parallel": "popen only: MGPUShardedStrategy(stage=3, tensor_parallel_size=N, start_method=...) for "
+    "another launch or size",
     "mgpu_hsdp": "popen only: jobs on several machines are started by torchrun or SLURM; "
     "MGPUShardedStrategy(stage=3, mesh='hybrid', start_method=...) for another launch",
 }

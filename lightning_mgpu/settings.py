@@ -150,6 +150,9 @@ MicroBatchSetting = Union[int, Literal["auto"]]
 CompileSetting = Union[bool, dict[str, Any]]
 CheckpointParams = Literal["all", "trainable", "auto"]
 CHECKPOINT_PARAMS = ("all", "trainable", "auto")
+#: ``"auto"``, or module-name patterns (``"layers.*.attention.wq"``) -> a ``ParallelStyle`` of
+#: ``torch.distributed.tensor.parallel`` or its name (``"colwise"``, ``"rowwise"``, ``"sequence_parallel"``)
+TensorParallelPlanSetting = Union[Literal["auto"], dict[str, Any]]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 #: the strategies the planner (and mgpu_auto) can choose, fastest first
@@ -158,6 +161,8 @@ STRATEGIES: tuple[str, ...] = ("mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_h
 BACKENDS = ("torch", "fairscale")
 LAYOUTS = ("consolidated", "sharded")
 MESHES = ("flat", "hybrid")
+#: the ``ParallelStyle`` names a tensor-parallel plan may use (Hugging Face's ``base_model_tp_plan`` names)
+TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "sequence_parallel")
 FAIRSCALE_INSTALL = "pip install 'lightning-mgpu[fairscale]'"
 
 # Arguments of Lightning's DDPStrategy that the mgpu strategies replace with named ones.
@@ -685,6 +690,15 @@ class ShardedSettings:
     shard_size: Optional[int] = None
     """``mesh="hybrid"`` only: ranks per shard group; ``None``: the processes of one machine (world size /
     ``num_nodes``). Must divide the world size."""
+    tensor_parallel_size: int = 1
+    """Stages 2/3 torch: ranks that split each layer (tensor parallelism, Lightning's ``"tensor_parallel"`` mesh
+    dimension; they see the same batch); the data is sharded over world size / ``tensor_parallel_size`` ranks.
+    1: no tensor parallelism."""
+    tensor_parallel_plan: TensorParallelPlanSetting = "auto"
+    """With ``tensor_parallel_size`` > 1: ``"auto"`` derives the plan for the attention and MLP blocks (the
+    model's own ``base_model_tp_plan`` where a Hugging Face model ships one), or a dict of module-name patterns
+    (``*`` for any one name) to ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` or a ``ParallelStyle``. A
+    ``configure_model`` that applies tensor parallelism itself overrides either."""
 
     def __post_init__(self) -> None:
         stage = self.stage
@@ -729,6 +743,42 @@ class ShardedSettings:
                 f"wrap_modules."
             )
         self._check_mesh()
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        size, plan = self.tensor_parallel_size, self.tensor_parallel_plan
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"tensor_parallel_size={size!r} must be a whole number of ranks >= 1 (e.g. 2 or the GPUs of one "
+                f"machine); 1 turns tensor parallelism off."
+            )
+        if size > 1 and not self.uses_fsdp2:
+            raise ValueError(
+                f"tensor_parallel_size={size} needs FSDP2 (stage 2 or 3 with backend='torch'); got stage="
+                f"{self.stage}, backend={self.backend!r}. Use MGPUShardedStrategy(stage=3, "
+                f"tensor_parallel_size={size}) (the preset 'mgpu_tensor_parallel'), or tensor_parallel_size=1."
+            )
+        if plan == "auto":
+            return
+        if not isinstance(plan, Mapping) or not all(isinstance(k, str) for k in plan):
+            raise ValueError(
+                f"tensor_parallel_plan={plan!r} must be 'auto' or a dict of module-name patterns to styles, e.g. "
+                f"{{'layers.*.attention.wq': 'colwise', 'layers.*.attention.wo': 'rowwise'}}."
+            )
+        from torch.distributed.tensor.parallel import ParallelStyle
+
+        for name, style in plan.items():
+            if not isinstance(style, ParallelStyle) and style not in TENSOR_PARALLEL_STYLES:
+                raise ValueError(
+                    f"tensor_parallel_plan[{name!r}]={style!r} is not a tensor-parallel style. Use one of "
+                    f"{list(TENSOR_PARALLEL_STYLES)} or an instance of torch.distributed.tensor.parallel's "
+                    f"ColwiseParallel / RowwiseParallel / SequenceParallel / PrepareModuleInput."
+                )
+        if size == 1:
+            raise ValueError(
+                f"tensor_parallel_plan is a plan of {len(plan)} module(s) but tensor_parallel_size=1, so nothing is "
+                f"split. Pass tensor_parallel_size=2 (or more) with it, or remove tensor_parallel_plan."
+            )
 
     def _check_mesh(self) -> None:
         if self.mesh not in MESHES:
@@ -770,10 +820,19 @@ class ShardedSettings:
         return (dims.data_replicate, dims.data_shard)
 
     def parallel_dims(self, world_size: int, num_nodes: int = 1) -> ParallelDims:
-        """The device mesh's sizes (:mod:`lightning_mgpu.mesh`): flat, or HSDP's shape for ``mesh="hybrid"``."""
+        """The device mesh's sizes (:mod:`lightning_mgpu.mesh`): flat, or HSDP's shape for ``mesh="hybrid"``, with
+        ``tensor_parallel_size`` ranks in the tensor dimension."""
+        tensor = self.tensor_parallel_size
+        if world_size % tensor:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0 and d <= tensor]
+            raise ValueError(
+                f"tensor_parallel_size={tensor} does not divide the world size {world_size} (devices x num_nodes): "
+                f"each tensor-parallel group needs {tensor} ranks. Use tensor_parallel_size={divisors[-1]} (a "
+                f"divisor of {world_size}), or launch a multiple of {tensor} processes."
+            )
         if self.mesh == "flat":
-            return ParallelDims(world_size=world_size)
-        return ParallelDims.hybrid(world_size, num_nodes, self.shard_size)
+            return ParallelDims(world_size=world_size, tensor=tensor)
+        return ParallelDims.hybrid(world_size, num_nodes, self.shard_size, tensor=self.tensor_parallel_size)
 
     @property
     def unit_classes(self) -> Optional[tuple[type[nn.Module], ...]]:

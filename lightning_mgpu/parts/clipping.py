@@ -35,6 +35,9 @@ class GlobalNormClipping:
             parameter, each a ``DTensor`` shard; fairscale stage 2: the parameters this rank's ``OSS`` owns).
         group: the process group (``None``: the default group).
         ledger: counts the scalar all-reduce.
+        weight_copies: ``DTensor`` gradients replicated over some dimensions of their mesh (the replicas of a
+            hybrid mesh, the tensor-parallel ranks of a layer that is not split) add ``1 / copies`` of their squared
+            norm on each rank, so that the sum over all ranks of ``group`` counts each element once.
 
     Example::
 
@@ -42,20 +45,26 @@ class GlobalNormClipping:
         total = clipping.clip(optimizer, max_norm=1.0)  # the pre-clip norm over all ranks
     """
 
-    def __init__(self, share_of: ShareOf, group: Any = None, ledger: Optional[CommStats] = None) -> None:
+    def __init__(
+        self, share_of: ShareOf, group: Any = None, ledger: Optional[CommStats] = None, weight_copies: bool = False
+    ) -> None:
         self.share_of = share_of
         self.group = group
         self.ledger = ledger
+        self.weight_copies = weight_copies
 
     def total_norm(self, grads: Iterable[Tensor]) -> Tensor:
         """The L2 norm over every rank's shares (a collective: call it on every rank)."""
+        grads = list(grads)
         local = [comm.local_shard(g) for g in grads]
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in local) else torch.float32
         # a rank holding no share still joins the all-reduce, with a zero on the group's collective device
         device = local[0].device if local else comm.collective_device(self.group)
         squared = torch.zeros((), dtype=dtype, device=device)
-        for g in local:
-            squared += torch.linalg.vector_norm(g, dtype=dtype) ** 2
+        ranks = torch.distributed.get_world_size(self.group) if self.weight_copies and comm.group_is_up() else 1
+        for g, shard in zip(grads, local):
+            norm = torch.linalg.vector_norm(shard, dtype=dtype) ** 2
+            squared += norm / _copies(g, ranks) if self.weight_copies else norm
         if comm.group_is_up():
             comm.all_reduce(squared, group=self.group, ledger=self.ledger)
         return squared.sqrt()
@@ -71,3 +80,20 @@ class GlobalNormClipping:
                 local = comm.local_shard(g)
                 local.mul_(coef.to(local.dtype))
         return total
+
+
+def _copies(grad: Tensor, ranks: int) -> int:
+    """How many of the ``ranks`` ranks hold the same local shard of ``grad``: ``ranks`` over the number of
+    distinct shards (the product of its mesh's sizes along the dimensions it is sharded on); the ranks outside its
+    mesh (a layer FSDP shards over the data dimension only, seen by every tensor-parallel rank) hold copies too.
+    1 for a plain tensor, of which each rank holds a distinct share."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return 1
+    mesh = grad.device_mesh
+    distinct = 1
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_shard() or type(placement).__name__ == "_StridedShard":
+            distinct *= mesh.size(dim)
+    return max(ranks // distinct, 1)

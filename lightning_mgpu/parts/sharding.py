@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_mgpu._compat import copy_lr_scheduler_step_tracking, init_optimizer_state, sync_param_groups
 from lightning_mgpu.comm import CommStats, full_tensor, local_shard
-from lightning_mgpu.mesh import DATA_SHARD, ParallelMesh
+from lightning_mgpu.mesh import ParallelMesh
 from lightning_mgpu.parts.accumulation import (
     BackwardSyncControl,
     DDPSyncControl,
@@ -439,9 +439,8 @@ class FSDP2Backend(ShardingBackend):
         return fsdp_unit_roots(module, self.wrap_modules)
 
     def is_sharded(self, model: nn.Module) -> bool:
-        from torch.distributed.fsdp import FSDPModule
-
-        return isinstance(model, FSDPModule)
+        # the module itself, or (Lightning's ModelParallelStrategy style) modules inside it sharded by configure_model
+        return bool(_fsdp_units(model))
 
     def forward_is_collective(self, model: nn.Module) -> bool:
         # stage 2 too: FSDP2 frees the gathered parameters after each backward
@@ -471,12 +470,6 @@ class FSDP2Backend(ShardingBackend):
             return None
         return (1, mesh.size()) if mesh.ndim == 1 else (mesh.size(0), mesh.size(1))
 
-    def shard_group(self, group: Any) -> Any:
-        """The process group whose ranks hold distinct shards: the mesh's shard dimension (hybrid), else
-        ``group``."""
-        mesh = self._mesh
-        return mesh.get_group(DATA_SHARD) if mesh is not None and mesh.ndim == 2 else group
-
     def mixed_precision_policy(self, policy: Any) -> Any:
         # master modes: FSDP2's sharded FP32 parameters are the master copy, gathered in half for compute
         return policy
@@ -484,7 +477,7 @@ class FSDP2Backend(ShardingBackend):
     def shard_model(self, module: nn.Module, mesh: Any, mp_policy: Any = None) -> Optional[nn.Module]:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-        if isinstance(module, FSDPModule):  # fit() again in the same process: already sharded
+        if _fsdp_units(module):  # fit() again in the same process, or configure_model applied fully_shard itself
             return module
         reshard = self.stage == 3
         policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
@@ -508,9 +501,10 @@ class FSDP2Backend(ShardingBackend):
         return sizes
 
     def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
-        # every gradient is a DTensor shard; under the hybrid mesh the replicas hold the same shards, so the
-        # squared norms are summed over the shard group only (over all ranks they would count `replicas` times)
-        return GlobalNormClipping(optimizer_params, self.shard_group(group), ledger)
+        # every gradient is a DTensor shard; where ranks hold the same shard (the replicas of the hybrid mesh, the
+        # tensor-parallel ranks of a layer left replicated) each copy is weighted 1 / copies, so the squared norms
+        # summed over all ranks count each element once
+        return GlobalNormClipping(optimizer_params, group, ledger, weight_copies=True)
 
     def full_model_state(self, module: nn.Module, keys: Optional[set[str]] = None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -44,7 +44,7 @@ from typing_extensions import override
 from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import unwrap_optimizer
 from lightning_mgpu.comm import CommStats, attached_trainer, group_is_up
-from lightning_mgpu.mesh import ParallelMesh, expose_to_module
+from lightning_mgpu.mesh import DATA_PARALLEL, ParallelMesh, expose_to_module
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, classes_present
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import planned_counts_differ
@@ -57,6 +57,7 @@ from lightning_mgpu.parts.sharding import (
     make_backend,
     rebind_schedulers,
 )
+from lightning_mgpu.parts.tensor_parallel import TensorParallelism
 from lightning_mgpu.plugins.async_checkpoint import sharded_directory_write
 from lightning_mgpu.plugins.checkpoint_io import (
     PathLike,
@@ -86,6 +87,7 @@ from lightning_mgpu.settings import (
     ShardedSettings,
     Stage,
     StartMethod,
+    TensorParallelPlanSetting,
     document_options,
     from_arguments,
     lightning_arguments,
@@ -211,6 +213,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         mesh: MeshLayout = "flat",
         shard_size: Optional[int] = None,
         compile: CompileSetting = False,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: TensorParallelPlanSetting = "auto",
         **ddp_kwargs: Any,
     ) -> None:
         arguments = dict(locals())
@@ -236,6 +240,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
         self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.unit_classes)
+        self._tensor = TensorParallelism(sharded.tensor_parallel_size, sharded.tensor_parallel_plan)
         self._loaded_sharded = False
         self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
@@ -379,7 +384,9 @@ class MGPUShardedStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         self._runtime.sampler_requested()  # Lightning builds its DistributedSampler with these
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # the ranks of a tensor-parallel group see the same batch: the data is split over the data dimension only
+        dims = self._sharded_settings.parallel_dims(self.num_nodes * self.num_processes, self.num_nodes)
+        return {"num_replicas": dims.data_parallel, "rank": dims.coordinates(self.global_rank)[DATA_PARALLEL]}
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -765,7 +772,8 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     def _wrap_model(self, policy: Any) -> None:
         """The model's set-up order, in one place (torchtitan's ``parallelize`` order): SyncBatchNorm conversion
-        (in ``setup``) -> activation checkpointing -> DDP (stage 1) or sharding (stages 2/3), so that DDP's and
+        (in ``setup``) -> tensor parallelism (``tensor_parallel_size``) -> activation checkpointing -> DDP (stage 1)
+        or sharding (stages 2/3), so that DDP's and
         FSDP's hooks stay outside the recompute -> compilation (``compile=``); the sharded optimizers come after
         (``setup_optimizers``)."""
         module = self.lightning_module
@@ -773,6 +781,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         if self._runtime.ddp is not None:
             self.model = self._runtime.wrap_ddp(module)  # as mgpu_ddp: checkpointing, wrap, hooks, compilation
             return
+        self._tensor.apply(module, self._built_mesh().tensor)  # tensor parallelism first (torchtitan's order)
         self._runtime.checkpointing.apply(module)
         mesh = self._sharding.shard_mesh(self._built_mesh())
         sharded = self._sharding.shard_model(module, mesh, policy)

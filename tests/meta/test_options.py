@@ -86,6 +86,8 @@ GIVEN: dict[str, Any] = {
     "wrap_modules": (nn.Linear,),
     "mesh": "hybrid",
     "shard_size": 2,
+    "tensor_parallel_size": 2,
+    "tensor_parallel_plan": {"layers.*.w1": "colwise", "layers.*.w2": "rowwise"},
     "sync_every": 3,
     "warmup_steps": 2,
     "comm_dtype": "bf16",
@@ -105,6 +107,8 @@ NEEDS: dict[str, dict[str, Any]] = {
     "micro_batch_size": {"stage": 1},
     "shard_size": {"mesh": "hybrid", "stage": 3},
     "mesh": {"stage": 3},
+    "tensor_parallel_size": {"stage": 3},
+    "tensor_parallel_plan": {"stage": 3, "tensor_parallel_size": 2},
 }
 
 

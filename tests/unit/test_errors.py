@@ -380,6 +380,36 @@ CASES = [
         id="sharded-shard_size-not-dividing-the-world-size-is-refused-at-trainer-construction",
     ),
     pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, tensor_parallel_size=0),
+        ValueError,
+        ["tensor_parallel_size=0", ">= 1"],
+        id="sharded-tensor_parallel_size-must-be-a-positive-int",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=1, tensor_parallel_size=2),
+        ValueError,
+        ["tensor_parallel_size=2", "stage=1", "MGPUShardedStrategy(stage=3, tensor_parallel_size=2)"],
+        id="sharded-tensor-parallelism-needs-fsdp2-stages",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, tensor_parallel_size=2, tensor_parallel_plan={"layers.*.w1": "diagonal"}),
+        ValueError,
+        ["tensor_parallel_plan['layers.*.w1']='diagonal'", "'colwise'", "RowwiseParallel"],
+        id="sharded-tensor_parallel_plan-unknown-style",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, tensor_parallel_plan={"layers.*.w1": "colwise"}),
+        ValueError,
+        ["tensor_parallel_size=1", "tensor_parallel_size=2"],
+        id="sharded-tensor_parallel_plan-needs-a-tensor-size",
+    ),
+    pytest.param(
+        lambda: trainer(MGPUShardedStrategy(stage=3, tensor_parallel_size=3, start_method="fork")),
+        ValueError,
+        ["tensor_parallel_size=3", "does not divide the world size 2", "tensor_parallel_size=2"],
+        id="sharded-tensor_parallel_size-not-dividing-the-world-size-is-refused-at-trainer-construction",
+    ),
+    pytest.param(
         lambda: MGPUShardedStrategy(stage=2, comm_hook="fp16"),
         ValueError,
         ["comm_hook='fp16'", "stage 2", "stage=1"],

@@ -121,3 +121,26 @@ def test_the_strategys_mesh_read_before_set_up_says_where_to_read_it():
 
     with pytest.raises(RuntimeError, match=r"built at set-up.*configure_model \(self\.device_mesh\)"):
         MGPUShardedStrategy(stage=3).device_mesh  # noqa: B018
+
+
+def test_coordinates_index_every_dimension_with_the_tensor_dimension_fastest():
+    dims = ParallelDims(world_size=16, data_replicate=2, tensor=2, pipeline=2)  # data_shard = 2
+    seen = set()
+    for rank in range(16):
+        c = dims.coordinates(rank)
+        data = c["data_replicate"] * dims.data_shard + c["data_shard"]
+        assert c["data_parallel"] == data
+        assert rank == (c["pipeline"] * dims.data_parallel + data) * dims.tensor + c["tensor_parallel"]
+        seen.add(tuple(c.values()))
+    assert len(seen) == 16  # every rank its own place
+    assert ParallelDims(world_size=4, tensor=2).coordinates(2) == {
+        "pipeline": 0, "data_parallel": 1, "data_replicate": 0, "data_shard": 1, "tensor_parallel": 0,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="rank=4 is not a rank of this mesh"):
+        ParallelDims(world_size=4).coordinates(4)
+
+
+def test_the_hybrid_shape_with_a_tensor_dimension_shards_the_data_ranks_of_a_machine():
+    dims = ParallelDims.hybrid(world_size=16, num_nodes=2, tensor=2)
+    assert (dims.data_replicate, dims.data_shard, dims.tensor) == (2, 4, 2)
+    assert ParallelDims.hybrid(world_size=4, shard_size=1, tensor=2).data_replicate == 2

@@ -1,0 +1,423 @@
+"""Tensor parallelism: each layer of the attention and MLP blocks split across the ranks of the
+``"tensor_parallel"`` mesh dimension, without a hand-written plan.
+
+A plan maps module names to ``torch.distributed.tensor.parallel`` styles, Megatron's pairing: the projections
+that fan out (attention's query/key/value, the MLP's up/gate) are split by output column (``ColwiseParallel``:
+each rank computes its heads or hidden units), the projection that fans back in (attention's output, the MLP's
+down) by input row (``RowwiseParallel``: each rank multiplies its slice, one all-reduce sums them). Between the
+two nothing is communicated; the weights and their gradients are ``DTensor`` shards that FSDP2 then shards
+again over the data dimension.
+
+``tensor_parallel_plan="auto"`` derives the plan:
+
+* a Hugging Face model that ships one (``config.base_model_tp_plan``: Llama, Mistral, Qwen, ...) gets its own;
+* otherwise each block is recognised by the names of its linear layers: Llama-style (``wq/wk/wv/wo``,
+  ``q_proj/k_proj/v_proj/o_proj``; ``w1/w3/w2``, ``gate_proj/up_proj/down_proj``), BERT-style (``query/key/value``
+  with the sibling ``output.dense``; ``intermediate.dense`` with ``output.dense``), ``fc1/fc2``,
+  ``fc_in/fc_out``, in a module whose only layers with parameters they are (a norm or
+  another layer beside them could sit between the split layers, so such a block stays whole); the attention
+  module's head counts (``n_heads``, ``num_heads``, ``n_kv_heads``, ``num_key_value_heads``, ...) become the
+  local counts (divided by the tensor size), as torchtitan does by hand. The forward must read the head count
+  from those attributes or infer it from the width (``view(..., -1, head_dim)``), as these models do. Torch's
+  ``nn.TransformerEncoderLayer``/``DecoderLayer`` and GPT-2 (transformers' ``Conv1D`` ``c_fc``/``c_proj``) get
+  their MLP split.
+
+Anything not matched (embeddings, norms, the output head, the packed query/key/value projection of
+``nn.MultiheadAttention`` and of GPT-2's ``c_attn``) stays replicated and is listed in one line at start-up.
+Sequence parallelism of the norms changes the layout of the residual stream between blocks, which only a plan that
+knows the model's forward can do safely: it is available through a plan of your own (``"sequence_parallel"``
+entries with the ``PrepareModuleInput`` styles around them) or your ``configure_model``, not derived.
+
+Example::
+
+    plan = derive_plan(model, tensor_size=2)
+    plan.styles    # {"layers.0.attention.wq": ColwiseParallel(), ..., "layers.0.feed_forward.w2": RowwiseParallel()}
+    plan.summary() # "... split 14 layers (layers.*.attention.wq colwise, ...); replicated: tok_embeddings, norm, ..."
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+#: linear layers that fan out of the block's input (split by output column), and that fan back in (split by row)
+_ATTENTION_IN = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value")
+_ATTENTION_OUT = ("o_proj", "wo", "out_proj")
+_MLP_IN = ("gate_proj", "up_proj", "w1", "w3", "fc1", "fc_in")
+_MLP_OUT = ("down_proj", "w2", "fc2", "fc_out")
+#: attributes holding an attention module's head counts: each becomes the local count
+_HEAD_COUNTS = (
+    "n_heads",
+    "num_heads",
+    "n_kv_heads",
+    "num_key_value_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_local_heads",
+    "n_local_kv_heads",
+)
+
+
+@dataclass
+class TensorParallelPlan:
+    """A plan resolved against one model: module names (no patterns) to styles, the head counts to make local,
+    and what stays replicated."""
+
+    styles: dict[str, Any]
+    """Module name -> a ``ParallelStyle`` (what ``parallelize_module`` takes)."""
+    source: str
+    """Where the plan comes from (for the start-up line)."""
+    heads: list[tuple[str, str, int]] = field(default_factory=list)
+    """``(module name, attribute, global count)`` of each head count made local."""
+    replicated: list[str] = field(default_factory=list)
+    """Modules holding parameters that no style splits."""
+    skipped: list[str] = field(default_factory=list)
+    """Blocks recognised but left replicated, each with the reason."""
+
+    def summary(self, tensor_size: int) -> str:
+        """The one start-up line: what is split, how, and what stays replicated."""
+        split = _grouped(f"{name} {_style_name(style)}" for name, style in self.styles.items())
+        text = f"tensor parallelism over {tensor_size} ranks ({self.source}): split {len(self.styles)} layers"
+        text += f" ({', '.join(split)})" if split else ""
+        if self.replicated:
+            text += f"; replicated: {', '.join(_grouped(self.replicated))}"
+        if self.skipped:
+            text += f"; not split: {'; '.join(self.skipped)}"
+        return text
+
+
+def _style_name(style: Any) -> str:
+    names = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "SequenceParallel": "sequence_parallel"}
+    if type(style).__name__ == "Conv1DParallel":
+        return "colwise" if "Colwise" in repr(style) else "rowwise"
+    return names.get(type(style).__name__, type(style).__name__)
+
+
+def _grouped(names: Iterable[str]) -> list[str]:
+    """Names with their layer indices as ``*``, each pattern once, in first-seen order."""
+    return list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n) for n in names))
+
+
+def is_tensor_parallel(module: nn.Module) -> bool:
+    """Whether any parameter of ``module`` is a ``DTensor`` on a mesh with a ``"tensor_parallel"`` dimension of
+    more than one rank, or any parameter a ``DTensor`` before FSDP shards it: tensor parallelism is applied
+    (by the user's ``configure_model``, or by an earlier ``fit`` in this process)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(m, FSDPModule) for m in module.modules())
+    for param in module.parameters():
+        if not isinstance(param, DTensor):
+            continue
+        if not sharded:
+            return True
+        names = param.device_mesh.mesh_dim_names or ()
+        if any(n == "tensor_parallel" and param.device_mesh.size(i) > 1 for i, n in enumerate(names)):
+            return True
+    return False
+
+
+def style_of(style: Any) -> Any:
+    """A ``ParallelStyle`` from a plan's entry: the instance itself, or its name (Hugging Face's names)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if not isinstance(style, str):
+        return style
+    made = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel}
+    if style not in made:
+        raise ValueError(f"{style!r} is not a style this plan can apply; use one of {sorted(made)}.")
+    return made[style]()
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Whether module ``name`` matches ``pattern`` (``*`` stands for any one name between dots).
+
+    >>> matches("layers.*.attention.wq", "layers.3.attention.wq"), matches("layers.*.wq", "layers.3.attention.wq")
+    (True, False)
+    """
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names))
+
+
+def plan_from_patterns(
+    module: nn.Module, patterns: Mapping[str, Any], source: str, prefix: str = ""
+) -> TensorParallelPlan:
+    """A user's (or a model's own) plan of patterns resolved to the module names of ``module``; a pattern that
+    matches nothing is an error naming the modules there are. ``prefix``: where the patterns' root is (a Hugging
+    Face plan is relative to its base model)."""
+    styles: dict[str, Any] = {}
+    unmatched = []
+    names = [n for n, _ in module.named_modules() if n]
+    for pattern, style in patterns.items():
+        full = f"{prefix}.{pattern}" if prefix else pattern
+        found = [n for n in names if matches(full, n)]
+        if not found:
+            unmatched.append(full)
+        for name in found:
+            styles[name] = style_of(style)
+    if unmatched and source == "your plan":
+        raise ValueError(
+            f"tensor_parallel_plan: {unmatched} match no module of {type(module).__name__} (`*` stands for one "
+            f"name between dots). Its modules with parameters include {_grouped(_holders(module))[:12]}."
+        )
+    return TensorParallelPlan(styles, source, replicated=_replicated(module, styles))
+
+
+def _holders(module: nn.Module) -> list[str]:
+    return [n for n, m in module.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+
+
+def _replicated(module: nn.Module, styles: Mapping[str, Any]) -> list[str]:
+    return [n for n in _holders(module) if n not in styles]
+
+
+def _hf_plan(module: nn.Module) -> Optional[tuple[str, Mapping[str, str]]]:
+    """``(prefix, base_model_tp_plan)`` of the first Hugging Face model inside ``module`` that ships a plan whose
+    patterns name its modules, relative to its base model."""
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        plan = getattr(config, "base_model_tp_plan", None)
+        if not plan or not hasattr(sub, "base_model_prefix"):
+            continue
+        base = getattr(sub, sub.base_model_prefix, sub)  # e.g. LlamaForCausalLM.model
+        base_name = next((n for n, m in module.named_modules() if m is base), name)
+        if all(isinstance(v, str) for v in plan.values()):
+            return base_name, plan
+    return None
+
+
+def _linear(module: nn.Module, name: str) -> Optional[nn.Linear]:
+    child = module.get_submodule(name) if _has(module, name) else None
+    return child if isinstance(child, nn.Linear) else None
+
+
+def _widths(layer: nn.Module) -> tuple[int, int]:
+    """``(in, out)`` features of an ``nn.Linear`` or a transformers ``Conv1D``."""
+    if _is_conv1d(layer):
+        return int(layer.weight.shape[0]), int(layer.nf)  # type: ignore[index,arg-type]
+    return int(layer.in_features), int(layer.out_features)  # type: ignore[arg-type]
+
+
+def _has(module: nn.Module, dotted: str) -> bool:
+    try:
+        module.get_submodule(dotted)
+    except AttributeError:
+        return False
+    return True
+
+
+def _only(block: nn.Module, names: list[str]) -> bool:
+    """Whether the direct children of ``block`` that hold parameters are exactly ``names``: nothing else (a norm,
+    another projection) could sit between the split layers and see only a slice of their output."""
+    held = {n for n, c in block.named_children() if any(True for _ in c.parameters())}
+    return held == set(names) and not any(True for _ in block.parameters(recurse=False))
+
+
+def _is_conv1d(module: Any) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's linear layers: ``y = x @ weight + bias``, weight stored ``(in, out)``)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+def conv1d_style(kind: str) -> Any:
+    """A ``ParallelStyle`` splitting a transformers ``Conv1D`` by output column (``"colwise"``: weight ``Shard(1)``,
+    bias ``Shard(0)``, the output left local) or by input row (``"rowwise"``: weight ``Shard(0)``, the input taken
+    as this rank's slice, the output summed over the group), as torch's styles split an ``nn.Linear``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    colwise = kind == "colwise"
+
+    def partition(name: str, module: nn.Module, mesh: Any) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = (
+                (Shard(1) if pname == "weight" else Shard(0))
+                if colwise
+                else (Shard(0) if pname == "weight" else Replicate())
+            )
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement])))
+
+    def prepare_input(module: nn.Module, inputs: Any, mesh: Any) -> Any:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate() if colwise else Shard(-1)], run_check=False)
+        return (x, *inputs[1:])
+
+    def prepare_output(module: nn.Module, output: Any, mesh: Any) -> Any:
+        return output.to_local() if colwise else output.redistribute(mesh, [Replicate()]).to_local()
+
+    class Conv1DParallel(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+
+        def __repr__(self) -> str:
+            return f"Conv1D{'Colwise' if colwise else 'Rowwise'}Parallel()"
+
+    return Conv1DParallel()
+
+
+def _pairs(block: nn.Module) -> list[tuple[str, list[str], str]]:
+    """``(kind, fan-out names, fan-in name)`` within ``block`` (names relative to it)."""
+    found = []
+    fan_in = [n for n in _ATTENTION_IN if _linear(block, n) is not None]
+    out = next((n for n in _ATTENTION_OUT if _linear(block, n) is not None), None)
+    if len(fan_in) == 3 and out is not None and _only(block, [*fan_in, out]):
+        found.append(("attention", fan_in, out))
+    bert_self = block.get_submodule("self") if _has(block, "self") else None
+    qkv = ["query", "key", "value"]
+    if bert_self is not None and _linear(block, "output.dense") is not None and _only(bert_self, qkv):
+        found.append(("attention", [f"self.{n}" for n in qkv], "output.dense"))  # BERT's attention
+    mlp_in = [n for n in _MLP_IN if _linear(block, n) is not None]
+    mlp_out = next((n for n in _MLP_OUT if _linear(block, n) is not None), None)
+    if mlp_in and mlp_out is not None and _only(block, [*mlp_in, mlp_out]):
+        found.append(("mlp", mlp_in, mlp_out))
+    fc, proj = getattr(block, "c_fc", None), getattr(block, "c_proj", None)
+    if _is_conv1d(fc) and _is_conv1d(proj) and _only(block, ["c_fc", "c_proj"]):  # GPT-2's MLP
+        found.append(("mlp", ["c_fc"], "c_proj"))
+    if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):  # torch's: a known forward
+        found.append(("mlp", ["linear1"], "linear2"))
+    up, down = _linear(block, "intermediate.dense"), _linear(block, "output.dense")
+    if up is not None and down is not None and up.out_features == down.in_features:  # BERT's MLP
+        if _only(block.get_submodule("intermediate"), ["dense"]):
+            found.append(("mlp", ["intermediate.dense"], "output.dense"))
+    return found
+
+
+def derive_plan(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
+    """The auto plan for ``module`` at ``tensor_size`` ranks (see the module's documentation)."""
+    hf = _hf_plan(module)
+    if hf is not None:
+        prefix, patterns = hf
+        supported = {k: v for k, v in patterns.items() if v in ("colwise", "rowwise", "sequence_parallel")}
+        plan = plan_from_patterns(module, supported, "the model's own base_model_tp_plan", prefix)
+        plan.skipped += [
+            f"{prefix}.{k} ({v!r}: a style this plan does not apply)" for k, v in patterns.items() if k not in supported
+        ]
+        return _checked(module, plan, tensor_size, attention_roots=_hf_attention_roots(module, plan))
+    styles: dict[str, Any] = {}
+    heads: list[tuple[str, str, int]] = []
+    skipped: list[str] = []
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    for name, block in module.named_modules():
+        for kind, fan_out, fan_in in _pairs(block):
+            full = [f"{name}.{n}" if name else n for n in [*fan_out, fan_in]]
+            if any(f in styles for f in full):
+                continue
+            reason = _indivisible(block, fan_out, fan_in, tensor_size)
+            counts = _head_counts(block, fan_out[0]) if kind == "attention" else []
+            bad = [f"{a}={v}" for _, a, v in counts if v % tensor_size]
+            if reason or bad:
+                why = reason or ", ".join(bad)
+                skipped.append(f"{name or type(module).__name__} ({why} not divisible by {tensor_size})")
+                continue
+            conv = _is_conv1d(module.get_submodule(full[-1]))
+            for f in full[:-1]:
+                styles[f] = conv1d_style("colwise") if conv else ColwiseParallel()
+            styles[full[-1]] = conv1d_style("rowwise") if conv else RowwiseParallel()
+            heads += [(f"{name}.{owner}".strip(".") if owner else name, a, v) for owner, a, v in counts]
+    plan = TensorParallelPlan(styles, "auto plan", heads=heads, replicated=_replicated(module, styles))
+    plan.skipped = skipped
+    return plan
+
+
+def _indivisible(block: nn.Module, fan_out: list[str], fan_in: str, size: int) -> str:
+    for n in fan_out:
+        width = _widths(block.get_submodule(n))[1]
+        if width % size:
+            return f"{n} width {width}"
+    width = _widths(block.get_submodule(fan_in))[0]
+    return f"{fan_in} width {width}" if width % size else ""
+
+
+def _head_counts(block: nn.Module, first_fan_out: str) -> list[tuple[str, str, int]]:
+    """``(owner relative to block, attribute, count)`` of the head counts of the module holding the projections."""
+    owner = first_fan_out.rpartition(".")[0]
+    holder = block.get_submodule(owner) if owner else block
+    return [
+        (owner, a, v)
+        for a in _HEAD_COUNTS
+        if isinstance(v := getattr(holder, a, None), int) and not isinstance(v, bool) and v > 0
+    ]
+
+
+def _hf_attention_roots(module: nn.Module, plan: TensorParallelPlan) -> list[str]:
+    return sorted({n.rpartition(".")[0] for n, s in plan.styles.items() if _style_name(s) == "colwise"})
+
+
+def _checked(module: nn.Module, plan: TensorParallelPlan, size: int, attention_roots: list[str]) -> TensorParallelPlan:
+    """A model's own plan, with each split layer's sizes checked (an indivisible one refused with its name) and the
+    head counts of the modules it splits made local where the module keeps them as attributes."""
+    for name, style in plan.styles.items():
+        layer = module.get_submodule(name)
+        kind = _style_name(style)
+        width = getattr(layer, "out_features" if kind == "colwise" else "in_features", None)
+        if isinstance(width, int) and width % size:
+            raise ValueError(
+                f"tensor parallelism over {size} ranks splits {name} ({kind}), whose width {width} is not divisible "
+                f"by {size}. Use a tensor_parallel_size that divides {width}, or a tensor_parallel_plan without it."
+            )
+    for root in attention_roots:
+        holder = module.get_submodule(root) if root else module
+        for a in _HEAD_COUNTS:
+            v = getattr(holder, a, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                plan.heads.append((root, a, v))
+    return plan
+
+
+class TensorParallelism:
+    """The strategy's tensor-parallel part: applies the plan over the ``"tensor_parallel"`` mesh at set-up, before
+    activation checkpointing and sharding (torchtitan's order), unless the user's ``configure_model`` did.
+
+    Example::
+
+        tp = TensorParallelism(size=2, plan="auto")
+        plan = tp.apply(lightning_module, parallel_mesh.tensor)   # None where configure_model applied its own
+    """
+
+    def __init__(self, size: int, plan: Any = "auto") -> None:
+        self.size = size
+        self.plan_setting = plan
+        self.applied: Optional[TensorParallelPlan] = None
+
+    def plan_for(self, module: nn.Module) -> TensorParallelPlan:
+        """The plan this part applies to ``module`` (no communication)."""
+        if self.plan_setting == "auto":
+            return derive_plan(module, self.size)
+        plan = plan_from_patterns(module, self.plan_setting, "your plan")
+        return _checked(module, plan, self.size, attention_roots=[])
+
+    def apply(self, module: nn.Module, mesh: Any) -> Optional[TensorParallelPlan]:
+        """Split ``module``'s layers over ``mesh`` (1-D, ``"tensor_parallel"``); None where there is nothing to do
+        (one rank, or the model is tensor-parallel already)."""
+        if self.size <= 1:
+            return None
+        if is_tensor_parallel(module):
+            rank_zero_info(f"tensor parallelism over {self.size} ranks: applied by {type(module).__name__} itself")
+            return None
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            raise ValueError(
+                f"tensor_parallel_size={self.size}, but {type(module).__name__}'s configure_model applied FSDP "
+                f"(fully_shard) without tensor parallelism, and a sharded model cannot be split any more. Apply "
+                f"parallelize_module(..., self.device_mesh['tensor_parallel'], plan) before fully_shard in "
+                f"configure_model, or leave the sharding to the strategy (remove fully_shard), or use "
+                f"tensor_parallel_size=1."
+            )
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = self.plan_for(module)
+        for owner, attribute, count in plan.heads:
+            holder = module.get_submodule(owner) if owner else module
+            setattr(holder, attribute, count // self.size)
+        if plan.styles:
+            parallelize_module(module, mesh, plan.styles)
+        rank_zero_info(plan.summary(self.size))
+        self.applied = plan
+        return plan

@@ -1,0 +1,252 @@
+"""Tensor parallelism on 4 gloo processes (tensor 2 x data 2): the weights of one process with the global batch
+(float64, ``assert_close`` defaults), with accumulation, clipping that bites, activation checkpointing, the token
+loss, exact evaluation and checkpoints that resume across layouts; and Lightning's own tensor-parallel example
+trains to the same losses under ``MGPUShardedStrategy`` as under Lightning's ``ModelParallelStrategy``."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.multiprocessing as mp
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from pytorch_lightning.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from lightning_mgpu import MGPUShardedStrategy
+from lightning_mgpu.parts.tensor_parallel import is_tensor_parallel
+from tests.helpers import Recorder, load_ranks
+from tests.tensor_parallel_models import (
+    Block,
+    HFModule,
+    Llama3,
+    TPModule,
+    indexed_data,
+    lm_loss,
+    reference,
+    token_data,
+)
+
+WORLD = 4
+
+
+class Data(pl.LightningDataModule):
+    """Plain loaders: Lightning puts in its sampler, with the strategy's ``distributed_sampler_kwargs``."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(token_data(), batch_size=2)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(indexed_data(), batch_size=2)
+
+
+class Report(Callback):
+    """At the end of fit, on every rank: the sampler's split, the evaluation samples seen, the logged metrics;
+    then a consolidated checkpoint (a collective) where ``save`` is given."""
+
+    def __init__(self, out: Path, save: Optional[Path] = None) -> None:
+        self.out, self.save = Path(out), save
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        record = {
+            "sampler": trainer.strategy.distributed_sampler_kwargs,
+            "seen": list(pl_module.seen),
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
+        }
+        torch.save(record, self.out / f"report{trainer.global_rank}.pt")
+        if self.save is not None:
+            trainer.save_checkpoint(self.save)
+
+
+def _fit(
+    out: Path,
+    devices: int,
+    strategy: Any,
+    epochs: int,
+    module: Optional[TPModule] = None,
+    save: Optional[Path] = None,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Recorder(out), Report(out, save)], **kwargs,
+    )  # fmt: skip
+    trainer.fit(module or TPModule(), datamodule=Data(), ckpt_path=ckpt_path)
+    records = load_ranks(out, devices)
+    for r, record in enumerate(records):
+        record.update(torch.load(out / f"report{r}.pt", weights_only=False))
+    return records
+
+
+def _assert_weights(records: list[dict[str, Any]], expected: dict[str, torch.Tensor]) -> None:
+    for record in records:
+        assert set(record["state"]) == set(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(record["state"][name], value, msg=name)
+
+
+def _differs(records: list[dict[str, Any]], expected: dict[str, torch.Tensor]) -> bool:
+    try:
+        _assert_weights(records, expected)
+    except AssertionError:
+        return True
+    return False
+
+
+def test_tensor2_data2_equals_one_process_evaluates_each_sample_once_and_resumes_across_layouts(tmp_path: Path):
+    # tensor 2 x data 2, k = 1, activation checkpointing of every block, the auto plan
+    tp = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, activation_checkpointing=Block, start_method="fork")
+    first = _fit(tmp_path / "tp", WORLD, tp, epochs=1, save=tmp_path / "tp.ckpt")
+    expected, _ = reference(TPModule(), token_data(), data_ranks=[2])
+    _assert_weights(first, expected)
+    assert all(r["split"] for r in first)
+    # negative control: had the tensor-parallel ranks taken different batches (4 data ranks), the weights differ
+    assert _differs(first, reference(TPModule(), token_data(), data_ranks=[4])[0])
+    # the data is split over the 2 data ranks; both ranks of a tensor-parallel group see the same batches
+    assert [r["sampler"] for r in first] == [{"num_replicas": 2, "rank": d} for d in (0, 0, 1, 1)]
+    assert first[0]["global_step"] == 6
+    # exact evaluation: every sample once across the data ranks, the same samples within a tensor-parallel group
+    assert first[0]["seen"] == first[1]["seen"] and first[2]["seen"] == first[3]["seen"]
+    assert sorted(first[0]["seen"] + first[2]["seen"]) == list(range(10))
+    model = TPModule().model
+    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
+    with torch.no_grad():
+        one_process = float(lm_loss(model, indexed_data().tensors[0]))
+    assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in first)
+    # the consolidated checkpoint holds the whole tensors
+    saved = torch.load(tmp_path / "tp.ckpt", weights_only=False)
+    for name, value in expected.items():
+        torch.testing.assert_close(saved["state_dict"][name], value)
+
+    # resumed at data 4 (no tensor dimension), then on one process, then back at tensor 2 x data 2
+    data4 = _fit(
+        tmp_path / "d4", WORLD, MGPUShardedStrategy(stage=3, start_method="fork"), epochs=2,
+        ckpt_path=str(tmp_path / "tp.ckpt"), save=tmp_path / "d4.ckpt",
+    )  # fmt: skip
+    _assert_weights(data4, reference(TPModule(), token_data(), data_ranks=[2, 4])[0])
+    # one process in a child of its own: its process group must not outlive the fit in this process
+    mp.start_processes(_one_process, args=(tmp_path,), nprocs=1, start_method="fork")
+    one = load_ranks(tmp_path / "one", 1)
+    _assert_weights(one, reference(TPModule(), token_data(), data_ranks=[2, 4, 1])[0])
+    back = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, start_method="fork")
+    again = _fit(tmp_path / "back", WORLD, back, epochs=4, ckpt_path=str(tmp_path / "one.ckpt"))
+    _assert_weights(again, reference(TPModule(), token_data(), data_ranks=[2, 4, 1, 2])[0])
+
+
+def _one_process(_: int, tmp_path: Path) -> None:
+    strategy = MGPUShardedStrategy(stage=3)
+    _fit(tmp_path / "one", 1, strategy, epochs=3, ckpt_path=str(tmp_path / "d4.ckpt"), save=tmp_path / "one.ckpt")
+
+
+def test_accumulation_clipping_token_loss_and_a_plan_of_your_own_on_the_hybrid_mesh(tmp_path: Path):
+    # tensor 2 x (2 replicas x 1 shard), k = 3, clipping that bites, the token loss, the non-finite check, the
+    # MLPs split by the user's plan (the attention stays replicated), biases in every linear layer; a sharded
+    # checkpoint (DCP) resumed at data 4
+    plan = {"model.layers.*.feed_forward.w1": "colwise", "model.layers.*.feed_forward.w3": "colwise"}
+    plan["model.layers.*.feed_forward.w2"] = "rowwise"
+    strategy = MGPUShardedStrategy(
+        stage=3, mesh="hybrid", shard_size=1, tensor_parallel_size=2, tensor_parallel_plan=plan,
+        loss_normalization="tokens", nonfinite="error", checkpoint="sharded", start_method="fork",
+    )  # fmt: skip
+    clip = 0.1
+    train = {"accumulate_grad_batches": 3, "gradient_clip_val": clip}
+    module = TPModule(bias=True, tokens=True)
+    records = _fit(tmp_path / "tp", WORLD, strategy, epochs=1, module=module, save=tmp_path / "sharded.ckpt", **train)
+    expected, norms = reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3, clip=clip)
+    assert records[0]["global_step"] == 2 and min(norms) > 2 * clip  # every step is clipped
+    _assert_weights(records, expected)
+    assert all(r["split"] for r in records)
+    # negative control: without the clipping the weights differ
+    assert _differs(records, reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3)[0])
+    # the sharded directory resumes at data 4
+    data4 = MGPUShardedStrategy(stage=3, checkpoint="sharded", loss_normalization="tokens", start_method="fork")
+    resumed = _fit(tmp_path / "d4", WORLD, data4, epochs=2, module=TPModule(bias=True, tokens=True),
+                   ckpt_path=str(tmp_path / "sharded.ckpt"), **train)  # fmt: skip
+    both, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2, 4], accumulate=3, clip=clip)
+    _assert_weights(resumed, both)
+
+
+@pytest.mark.parametrize(("kind", "stage"), [("llama", 3), ("bert", 2), ("gpt2", 3)])
+def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: Path, kind: str, stage: int):
+    pytest.importorskip("transformers")
+    strategy = MGPUShardedStrategy(stage=stage, tensor_parallel_size=2, start_method="fork")  # type: ignore[arg-type]
+    records = _fit(tmp_path, 2, strategy, epochs=1, module=HFModule(kind), limit_train_batches=4)
+    expected, _ = reference(HFModule(kind), token_data(), data_ranks=[1], limit=4)
+    _assert_weights(records, expected)
+    assert all(r["split"] for r in records)
+
+
+# --- Lightning's example, under ours and under Lightning's ModelParallelStrategy -----------------------------------
+
+
+def _rank(rank: int, port: int, job: Callable[[], None], out: str) -> None:
+    # what a cluster (or torchrun) sets for each process: Lightning starts no process of its own
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank))
+    os.environ["WORLD_SIZE"] = str(WORLD)
+    torch.set_num_threads(1)
+    try:
+        job()
+    except BaseException:
+        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _example_losses(make_strategy: Callable[[], Any]) -> list[list[float]]:
+    """Lightning's example module (shrunk) trained for 4 steps on 4 processes; every rank's losses."""
+    with tempfile.TemporaryDirectory() as out:
+
+        def job() -> None:
+            torch.manual_seed(0)
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=WORLD, strategy=make_strategy(), max_steps=4, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            )  # fmt: skip
+            module = Llama3()
+            trainer.fit(module)
+            torch.save(module.losses, Path(out) / f"losses{trainer.global_rank}.pt")
+
+        try:
+            mp.start_processes(_rank, nprocs=WORLD, start_method="fork", args=(find_free_network_port(), job, out))
+        except Exception as err:
+            errors = "\n".join(p.read_text() for p in sorted(Path(out).glob("*.err")))
+            raise AssertionError(f"a rank failed:\n{errors}") from err
+        return [torch.load(Path(out) / f"losses{r}.pt") for r in range(WORLD)]
+
+
+def test_lightnings_example_module_trains_as_under_model_parallel_strategy():
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    ours = _example_losses(lambda: MGPUShardedStrategy(stage=3, tensor_parallel_size=2))
+    lightnings = _example_losses(lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2))
+    assert len(ours[0]) == 4
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(lightnings))  # float32 tolerance
+    # the ranks of a tensor-parallel group see the same batch, the data ranks different ones
+    assert ours[0] == ours[1] and ours[2] == ours[3] and ours[0] != ours[2]
+
+
+def test_the_lightning_namespace_trains_a_tensor_parallel_model():
+    import lightning as L
+
+    from lightning_mgpu.lightning import MGPUShardedStrategy as Strategy
+    from lightning_mgpu.lightning.examples import DigitsDataModule, DigitsTransformer
+
+    class Check(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            assert is_tensor_parallel(pl_module) and trainer.global_step == 2
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=Strategy(stage=3, tensor_parallel_size=2, start_method="fork"),
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Check()], limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(DigitsTransformer(d_model=32, heads=4, layers=2), DigitsDataModule())
