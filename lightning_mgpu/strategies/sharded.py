@@ -49,6 +49,7 @@ from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointin
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import planned_counts_differ
 from lightning_mgpu.parts.micro_batching import MicroBatching
+from lightning_mgpu.parts.pipeline import PipelineBackend
 from lightning_mgpu.parts.sharding import (
     ShardingBackend,
     check_optimizer,
@@ -82,6 +83,8 @@ from lightning_mgpu.settings import (
     MeshLayout,
     MicroBatchSetting,
     NonFinite,
+    PipelineScheduleName,
+    PipelineSplit,
     ShardedSettings,
     Stage,
     StartMethod,
@@ -209,6 +212,10 @@ class MGPUShardedStrategy(ParallelStrategy):
         mesh: MeshLayout = "flat",
         shard_size: Optional[int] = None,
         compile: CompileSetting = False,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: PipelineScheduleName = "1f1b",
+        pipeline_microbatches: Optional[int] = None,
+        pipeline_split: PipelineSplit = "auto",
         **ddp_kwargs: Any,
     ) -> None:
         arguments = dict(locals())
@@ -234,6 +241,12 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
         self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.unit_classes)
+        self._pipeline: Optional[PipelineBackend] = None  # pipeline_parallel_size > 1: parts/pipeline.py
+        if sharded.pipelined:
+            self._pipeline = PipelineBackend(
+                sharded.pipeline_parallel_size, pipeline_schedule, pipeline_microbatches, sharded.pipeline_split
+            )
+            self._sharding = self._pipeline
         self._loaded_sharded = False
         self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
@@ -377,7 +390,9 @@ class MGPUShardedStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         self._runtime.sampler_requested()  # Lightning builds its DistributedSampler with these
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        dims = self._sharded_settings.parallel_dims(self.num_nodes * self.num_processes, self.num_nodes)
+        # the ranks of one pipeline (one data-parallel index) see the same batches
+        return {"num_replicas": dims.data_parallel, "rank": dims.coordinates(self.global_rank)["data_parallel"]}
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -711,6 +726,8 @@ class MGPUShardedStrategy(ParallelStrategy):
                 f"precision='32-true', '16-mixed' or 'bf16-mixed' (or plugins=[MGPUPrecision(...)]), "
                 f"gradient_clip_algorithm='value', or strategy='mgpu_sharded' (FSDP2)."
             )
+        if self._pipeline is not None:
+            self._pipeline.check_model(model, self.precision_plugin, bool(clip_by_norm))
         if not model.automatic_optimization:
             raise MisconfigurationException(
                 f"{type(model).__name__} uses manual optimization, which MGPUShardedStrategy does not support yet "
@@ -807,6 +824,10 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     def _one_training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context():
+            if self._pipeline is not None:  # every micro-batch's forward and backward, through the stages
+                trainer = attached_trainer(self.lightning_module)
+                accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+                return self._pipeline.training_step(self.lightning_module, accumulate, *args, **kwargs)
             return self._redirect("training_step", *args, **kwargs)
 
     def _stage1_ddp(self) -> Optional[DistributedDataParallel]:
@@ -842,6 +863,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         (one all-gather of the planned counts says so), do that collective once for the loop instead."""
         trainer = attached_trainer(self.lightning_module)
         model = self.model
+        if model is not None:
+            self._sharding.before_evaluation(model)
         if not self._common.exact_evaluation or trainer is None or model is None or self.world_size < 2:
             return
         if not self._sharding.forward_is_collective(model):
@@ -918,6 +941,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         step = super().optimizer_step
+        if self._pipeline is not None:
+            closure = self._pipeline.after_closure(closure)  # the replicas' and the stages' gradient sync
         return self._runtime.optimizer_step(optimizer, closure, lambda c: step(optimizer, c, model, **kwargs))
 
     # --- data -----------------------------------------------------------------------------------------
@@ -978,6 +1003,8 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.gather_blocks()  # every rank holds the trained model after fit
         self._runtime.train_end()
         super().on_train_end()
 
