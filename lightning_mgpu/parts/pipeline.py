@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, cast
@@ -57,6 +58,21 @@ SHAPE_NEEDED = (
     "block's output (or its first element) handed to the next block as its first argument: `self.blocks = "
     "nn.ModuleList([...])` and `for block in self.blocks: x = block(x)` (or `x = block(x)[0]`)"
 )
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """One pipeline step of this rank (``trainer.strategy.pipeline_stats()``): the bytes it sent to other stages
+    (activations forward, their gradients backward, from their shapes), and the measured bubble (the fraction of the
+    schedule's wall time this rank's stages did not compute) beside the formula, ``(P - 1) / (m + P - 1)`` for
+    GPipe and 1F1B, divided by the stages per rank for interleaved 1F1B."""
+
+    stages: int
+    stages_per_rank: int
+    microbatches: int
+    bytes_sent: int
+    bubble: float
+    bubble_theory: float
 
 
 class PipelineError(ValueError):
@@ -278,11 +294,18 @@ def combine_logs(records: list[list[tuple[str, Any, dict[str, Any]]]]) -> list[t
 
 
 class _ChunkedStage(PipelineStage):
-    """``PipelineStage`` that tells its module (a :class:`_Stage`) which micro-batch it runs."""
+    """``PipelineStage`` that tells its module (a :class:`_Stage`) which micro-batch it runs, and times its
+    computation (the schedule waits for the received tensors before calling these)."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        cast(_Stage, self.submod).chunk = fwd_chunk_id
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        runner = cast(_Stage, self.submod)
+        runner.chunk = fwd_chunk_id
+        with runner.timed():
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with cast(_Stage, self.submod).timed():
+            return super().backward_one_chunk(*args, **kwargs)
 
 
 class _PendingGradients(torch.autograd.Function):
@@ -326,6 +349,14 @@ class _Stage(nn.Module):
     def forward(self, *args: Tensor) -> Tensor:
         return self._backend[0].run_stage(self.index, self.chunk, args[0])
 
+    @contextlib.contextmanager
+    def timed(self) -> Generator[None, None, None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._backend[0].busy_s += time.perf_counter() - start
+
 
 class PipelineBackend(ShardingBackend):
     """The sharded strategy's backend with ``pipeline_parallel_size > 1`` (see the module docstring): the stages,
@@ -366,9 +397,9 @@ class PipelineBackend(ShardingBackend):
         self._boundaries: dict[Any, list[tuple[torch.Size, torch.dtype]]] = {}
         self._loss_meta: dict[Any, tuple[torch.Size, torch.dtype]] = {}
         self._tuple_outputs: dict[int, int] = {}
-        self.bytes_per_step = 0
-        """Bytes one step sends between the stages of this rank's pipeline (activations forward, their gradients
-        backward), from the activation shapes; in the ledger too."""
+        self._sends = (0, 0)  # (sends, bytes) of one step of this rank, from the boundary shapes
+        self.busy_s = 0.0  # time in the stages' forward and backward computation during the last step
+        self.last_stats: Optional[PipelineStats] = None
 
     # --- before launch ------------------------------------------------------------------------------------
     def check_model(self, module: nn.Module, precision_plugin: Any, clip_by_norm: bool) -> None:
@@ -464,11 +495,20 @@ class PipelineBackend(ShardingBackend):
             p.grad = None
         try:
             with self._logs_captured(module):
+                self.busy_s, start = 0.0, time.perf_counter()
                 schedule.step(*args, target=target, return_outputs=False)
+                elapsed = time.perf_counter() - start
             self._pending = [(p, p.grad) for p in params if p.grad is not None]
         finally:
             for p, g in zip(params, held):
                 p.grad = g
+        if self.ledger is not None:
+            self.ledger.record_stage_sends(*self._sends)
+        theory = (self.size - 1) / (m + self.size - 1)
+        if self.schedule_name == "interleaved_1f1b":
+            theory /= len(self._local)
+        measured = max(0.0, 1.0 - self.busy_s / elapsed) if elapsed > 0 else 0.0
+        self.last_stats = PipelineStats(self.stages, len(self._local), m, self._sends[1], measured, theory)
         payload: Any = None
         if last:
             losses = [self._losses[i] for i in range(m)]
@@ -601,12 +641,13 @@ class PipelineBackend(ShardingBackend):
             schedule = ScheduleGPipe(stages[0], m, loss_fn=self._loss, scale_grads=False)
         else:
             schedule = Schedule1F1B(stages[0], m, loss_fn=self._loss, scale_grads=False)
-        sent = 0
-        for s in self._local:
-            if s != self.stages - 1:
-                shape, dtype = boundaries[s]
-                sent += 2 * m * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_step = sent
+        sends, sent = 0, 0
+        for s in self._local:  # an activation forward from each stage but the last, its gradient back from the next
+            for boundary in ([boundaries[s]] if s != self.stages - 1 else []) + ([boundaries[s - 1]] if s else []):
+                shape, dtype = boundary
+                sends += m
+                sent += m * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._sends = (sends, sent)
         self._schedules[key] = schedule
         return schedule
 

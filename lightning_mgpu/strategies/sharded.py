@@ -49,7 +49,7 @@ from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointin
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import planned_counts_differ
 from lightning_mgpu.parts.micro_batching import MicroBatching
-from lightning_mgpu.parts.pipeline import PipelineBackend
+from lightning_mgpu.parts.pipeline import PipelineBackend, PipelineStats
 from lightning_mgpu.parts.sharding import (
     ShardingBackend,
     check_optimizer,
@@ -331,6 +331,11 @@ class MGPUShardedStrategy(ParallelStrategy):
     def checkpoint_write_in_flight(self) -> bool:
         """Whether a background checkpoint write of this rank is running now (``async_checkpoint=True``)."""
         return self._runtime.checkpoint_write_in_flight
+
+    def pipeline_stats(self) -> Optional[PipelineStats]:
+        """``pipeline_parallel_size > 1``: the last training step of this rank (bytes sent between stages, the
+        measured bubble beside the formula); None before it, or without a pipeline."""
+        return self._pipeline.last_stats if self._pipeline is not None else None
 
     def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
         """Manual optimization with ``loss_normalization="tokens"``: count a micro-batch's tokens (see

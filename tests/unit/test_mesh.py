@@ -121,3 +121,22 @@ def test_the_strategys_mesh_read_before_set_up_says_where_to_read_it():
 
     with pytest.raises(RuntimeError, match=r"built at set-up.*configure_model \(self\.device_mesh\)"):
         MGPUShardedStrategy(stage=3).device_mesh  # noqa: B018
+
+
+def test_coordinates_follow_the_built_mesh_rank_order():
+    """rank = ((pipeline x data_parallel) + data_parallel_index) x tensor + tensor_index, with data_parallel_index =
+    replicate x data_shard + shard; every rank gets distinct coordinates, and the ranks of one pipeline share their
+    data-parallel index (they see the same batch)."""
+    dims = ParallelDims(world_size=16, data_replicate=2, tensor=2, pipeline=2)  # data_shard = 2
+    seen = set()
+    for rank in range(16):
+        c = dims.coordinates(rank)
+        assert ((c["pipeline"] * dims.data_parallel) + c["data_parallel"]) * dims.tensor + c["tensor_parallel"] == rank
+        assert c["data_parallel"] == c["data_replicate"] * dims.data_shard + c["data_shard"]
+        seen.add(tuple(c.values()))
+    assert len(seen) == 16
+    flat = ParallelDims(world_size=4, pipeline=2)
+    assert [flat.coordinates(r)["data_parallel"] for r in range(4)] == [0, 1, 0, 1]
+    assert [flat.coordinates(r)["pipeline"] for r in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="rank=4 is not a global rank"):
+        flat.coordinates(4)

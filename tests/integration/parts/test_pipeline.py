@@ -156,7 +156,10 @@ class Record(pl.Callback):
         trainer.save_checkpoint(self.out / "last.ckpt")
         if trainer.global_rank == 0:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-            torch.save({"state": state, "metrics": metrics, "norms": self.norms}, self.out / "record.pt")
+            stats = trainer.strategy.pipeline_stats() if hasattr(trainer.strategy, "pipeline_stats") else None
+            ledger = getattr(trainer.strategy, "comm_stats", None)
+            record = {"state": state, "metrics": metrics, "norms": self.norms, "stats": stats, "ledger": ledger}
+            torch.save(record, self.out / "record.pt")
 
 
 def trainer_kwargs(out: Path, accumulate: int, **kwargs: Any) -> dict[str, Any]:
@@ -251,6 +254,11 @@ def test_pipeline_trains_as_one_process(
     # the checkpoint the pipeline wrote is one process's: it resumes on one device and continues as an
     # uninterrupted run (its optimizer state, gathered from the stages, included)
     epochs = (2 if accumulate == 1 else 4) if model == "sequential" else 0
+    if model == "sequential":  # stage 0 (rank 0) sends the (1, 8) float64 activation of each of 4 micro-batches
+        stats = got["stats"]
+        assert (stats.stages, stats.microbatches, stats.bytes_sent) == (2, 4, 4 * 8 * 8)
+        assert stats.bubble_theory == pytest.approx(1 / 5) and 0.0 <= stats.bubble <= 1.0
+        assert got["ledger"].stage_bytes_per_step == accumulate * stats.bytes_sent  # k micro-steps per step
     if epochs:
         trained = SequentialNet()
         trained.load_state_dict(want["state"])
@@ -295,3 +303,52 @@ def test_negative_control_the_comparison_fails_for_a_wrong_pipeline(tmp_path: Pa
     got = pipelined(tmp_path / "pipeline", "sequential", 2, "1f1b", 1, strategy_cls=BrokenPipeline)
     with pytest.raises(AssertionError):
         assert_one_process(got, want)
+
+
+def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_path: Path) -> None:
+    """``import lightning as L`` with ``lightning_mgpu.lightning``: pipeline 2 on 2 processes, 1F1B, a model whose
+    forward iterates a ``ModuleList``."""
+    import lightning as L
+
+    import lightning_mgpu.lightning as mgpu
+
+    data = dataset("sequential")
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp = nn.Linear(6, WIDTH)
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(3)])
+            self.out = nn.Linear(WIDTH, 3)
+            self.double()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            h = self.inp(x)
+            for layer in self.layers:
+                h = layer(h)
+            return F.mse_loss(self.out(h), y)
+
+        def train_dataloader(self) -> DataLoader:
+            distributed = torch.distributed.is_initialized()
+            kwargs = self.trainer.strategy.distributed_sampler_kwargs if distributed else {"num_replicas": 1, "rank": 0}
+            return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=DistributedSampler(data, shuffle=False, **kwargs))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    class Save(L.Callback):
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            state = trainer.strategy.lightning_module_state_dict()
+            if trainer.global_rank == 0:
+                torch.save(state, tmp_path / f"{trainer.world_size}.pt")
+
+    flags: dict[str, Any] = {"accelerator": "cpu", "max_steps": 4, "logger": False, "enable_checkpointing": False}
+    flags.update(enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()])
+    L.Trainer(devices=1, **flags).fit(Net())
+    strategy = mgpu.MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, start_method="fork")
+    L.Trainer(devices=2, strategy=strategy, use_distributed_sampler=False, **flags).fit(Net())
+    want, got = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=key)
