@@ -110,9 +110,34 @@ class TinyGPT(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
+class HFGPT2(pl.LightningModule):
+    """A transformers GPT-2 (tiny random config, tied embeddings, dropout off), its loss from ``labels``: the blocks
+    are ``model.transformer.h``, each returning a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        drop = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=2, n_head=2, **drop)
+        self.model = GPT2LMHeadModel(config).double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.model(input_ids=batch[0], labels=batch[0]).loss, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
 def dataset(model: str) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
-    if model.startswith("gpt"):
+    if model.startswith("gpt") or model == "hf_gpt2":
         tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=g)
         return TensorDataset(tokens[:, :-1], tokens[:, 1:])
     return TensorDataset(
@@ -181,6 +206,9 @@ def trainer_kwargs(out: Path, accumulate: int, **kwargs: Any) -> dict[str, Any]:
 
 def make_model(name: str) -> pl.LightningModule:
     """``"gpt8"``: 8 blocks, for 4 ranks of 2 interleaved stages each."""
+    if name == "hf_gpt2":
+        pytest.importorskip("transformers")
+        return HFGPT2()
     return TinyGPT(blocks=8 if name == "gpt8" else 4) if name.startswith("gpt") else SequentialNet()
 
 
@@ -203,15 +231,20 @@ def pipelined(
     accumulate: int,
     strategy_cls: type = MGPUShardedStrategy,
     predict: bool = False,
+    ckpt: Optional[Path] = None,
+    epochs: int = 0,
 ) -> dict[str, Any]:
     replicas = WORLD // pipeline
     m = 2 * pipeline if schedule == "interleaved_1f1b" else 4
     strategy = strategy_cls(
         pipeline_parallel_size=pipeline, pipeline_schedule=schedule, pipeline_microbatches=m, start_method="fork"
     )
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp, accumulate, devices=WORLD))
+    kwargs = trainer_kwargs(tmp, accumulate, devices=WORLD)
+    if epochs:
+        kwargs["max_epochs"] = epochs
+    trainer = pl.Trainer(strategy=strategy, **kwargs)
     model = make_model(name)
-    trainer.fit(model, Data(dataset(name), GLOBAL_BATCH // replicas))
+    trainer.fit(model, Data(dataset(name), GLOBAL_BATCH // replicas), ckpt_path=ckpt)
     record = torch.load(tmp / "record.pt", weights_only=False)
     if predict:  # a new launch: every rank runs the whole model on its share, gathered in dataset order
         record["predictions"] = torch.cat(trainer.predict(model, DataLoader(dataset(name), batch_size=5)))
@@ -233,6 +266,7 @@ CASES = [
     ("sequential", 2, "1f1b", 3),
     ("gpt", 4, "gpipe", 1),
     ("gpt", 2, "interleaved_1f1b", 3),
+    ("hf_gpt2", 2, "gpipe", 1),
 ]
 MATRIX = [
     ("gpt8" if (model, p, schedule) == ("gpt", 4, "interleaved_1f1b") else model, p, schedule, k)
@@ -268,8 +302,20 @@ def test_pipeline_trains_as_one_process(
             model, accumulate, tmp_path / "resumed", ckpt=tmp_path / "pipeline" / "last.ckpt", epochs=epochs
         )
         uninterrupted = reference(model, accumulate, tmp_path / "uninterrupted", epochs=epochs)
+        # and the other way: one process's checkpoint resumed by the pipeline (its optimizer state loaded on every
+        # stage) continues as the uninterrupted run
+        into_pipeline = pipelined(
+            tmp_path / "into_pipeline",
+            model,
+            pipeline,
+            schedule,
+            accumulate,
+            ckpt=tmp_path / "reference" / "last.ckpt",
+            epochs=epochs,
+        )
         for key in uninterrupted["state"]:
             torch.testing.assert_close(resumed["state"][key], uninterrupted["state"][key], msg=key)
+            torch.testing.assert_close(into_pipeline["state"][key], uninterrupted["state"][key], msg=key)
 
 
 @pytest.mark.slow
