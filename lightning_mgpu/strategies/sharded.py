@@ -228,6 +228,7 @@ class MGPUShardedStrategy(ParallelStrategy):
             "find_unused_parameters": find_unused_parameters,
         }
         sharded.check_ddp_settings({**ddp_only, **ddp_kwargs})
+        sharded.check_pipeline_composition({"loss_normalization": loss_normalization, "compile": compile})
         # stage 1 trains a DistributedDataParallel model: its settings are mgpu_ddp's
         settings: CommonSettings = (
             from_arguments(DDPSettings, arguments, ddp_kwargs=ddp_kwargs)

@@ -705,6 +705,12 @@ CASES = [
         ["pipeline_schedule='zb'", "'gpipe', '1f1b', 'interleaved_1f1b'"],
         id="pipeline-unknown-schedule",
     ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, loss_normalization="tokens", compile=True),
+        ValueError,
+        ["loss_normalization='tokens', compile=True is not supported yet", "Remove"],
+        id="pipeline-with-token-loss-or-compile-not-supported-yet",
+    ),
 ]
 
 
