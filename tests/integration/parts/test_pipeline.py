@@ -362,7 +362,8 @@ def test_negative_control_the_comparison_fails_for_a_wrong_pipeline(tmp_path: Pa
 
 def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_path: Path) -> None:
     """``import lightning as L`` with ``lightning_mgpu.lightning``: pipeline 2 on 2 processes, 1F1B, a model whose
-    forward iterates a ``ModuleList``."""
+    forward iterates a ``ModuleList``, its loader sharded by Lightning's automatic sampler (one data replica: both
+    stages see every batch)."""
     import lightning as L
 
     import lightning_mgpu.lightning as mgpu
@@ -386,9 +387,11 @@ def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_p
             return F.mse_loss(self.out(h), y)
 
         def train_dataloader(self) -> DataLoader:
-            distributed = torch.distributed.is_initialized()
-            kwargs = self.trainer.strategy.distributed_sampler_kwargs if distributed else {"num_replicas": 1, "rank": 0}
-            return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=DistributedSampler(data, shuffle=False, **kwargs))
+            if self.trainer.world_size > 1:  # Lightning's automatic sampler, shuffling: one data replica of 2 stages
+                return DataLoader(data, batch_size=GLOBAL_BATCH)
+            # one process: the same order (torch's shuffle of epoch 0 with Lightning's seed 0, one replica)
+            sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+            return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler)
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -403,7 +406,7 @@ def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_p
     flags.update(enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()])
     L.Trainer(devices=1, **flags).fit(Net())
     strategy = mgpu.MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, start_method="fork")
-    L.Trainer(devices=2, strategy=strategy, use_distributed_sampler=False, **flags).fit(Net())
+    L.Trainer(devices=2, strategy=strategy, **flags).fit(Net())
     want, got = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     for key in want:
         torch.testing.assert_close(got[key], want[key], msg=key)
