@@ -394,6 +394,7 @@ class PipelineBackend(ShardingBackend):
         self._losses: dict[int, Tensor] = {}
         self._scale = 1.0
         self._pending: list[tuple[nn.Parameter, Tensor]] = []
+        self._stale = False  # the stages trained since the blocks were last gathered
         self._boundaries: dict[Any, list[tuple[torch.Size, torch.dtype]]] = {}
         self._loss_meta: dict[Any, tuple[torch.Size, torch.dtype]] = {}
         self._tuple_outputs: dict[int, int] = {}
@@ -434,6 +435,7 @@ class PipelineBackend(ShardingBackend):
         self._blocks = [modules[n] for n in self.plan.names]
         self._local = [s for s in range(self.stages) if s % self.size == self.pipeline_index]
         self._schedules.clear()
+        self._stale = False
         return None
 
     def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
@@ -482,6 +484,7 @@ class PipelineBackend(ShardingBackend):
         self._logged, self._losses = {}, {}
         self._scale = 1.0 / m
         schedule = self._schedule_for(module, key)
+        self._stale = True
         device = self._module_device(module)
         first = 0 in self._local
         last = self.stages - 1 in self._local
@@ -761,8 +764,9 @@ class PipelineBackend(ShardingBackend):
     def gather_blocks(self) -> None:
         """Broadcast each block's weights and buffers from the rank that trains it to the other ranks of its
         pipeline: every rank then holds the trained model (a collective of the pipeline's ranks)."""
-        if self.plan is None or self.dims is None or not comm.group_is_up():
-            return
+        if not self._stale or self.plan is None or self.dims is None or not comm.group_is_up():
+            return  # nothing trained since the last gather (validate/test/predict outside fit: rank 0's weights)
+        self._stale = False
         for s in range(self.stages):
             tensors = [t for b in self._stage_blocks(s) for t in [*b.parameters(), *b.buffers()]]
             for dtype in sorted({t.dtype for t in tensors}, key=str):
