@@ -76,6 +76,11 @@ class CommStats:
     round_bytes: int = 0
     """The part of ``allreduce_bytes`` handed to the gradient collectives of synchronised backwards (the rest:
     the pack's own collectives such as norm clipping's scalar all-reduce)."""
+    stage_sends: int = 0
+    """Pipeline parallelism: point-to-point sends between stages issued by this rank (an activation forward, or its
+    gradient backward, per micro-batch and stage boundary)."""
+    stage_bytes: int = 0
+    """Their payload bytes, from the shapes of the tensors sent."""
     replicas: int = 1
     """Hybrid sharding (HSDP): the number of replicas of each shard (the mesh's replicate dimension); 1 otherwise.
     Then each synchronised backward reduce-scatters the gradients (``allreduce_bytes``) within a shard group of
@@ -154,6 +159,16 @@ class CommStats:
         self.allreduce_calls += calls
         self.allreduce_bytes += nbytes
 
+    def record_stage_sends(self, sends: int, nbytes: int) -> None:
+        """One pipeline step's sends between stages (``torch.distributed.pipelining`` issues them)."""
+        self.stage_sends += sends
+        self.stage_bytes += nbytes
+
+    @property
+    def stage_bytes_per_step(self) -> float:
+        """Bytes this rank sends to other pipeline stages per optimizer step."""
+        return self.stage_bytes / self.optimizer_steps if self.optimizer_steps else 0.0
+
     def record_round(self, bucket_bytes: list[int]) -> None:
         """One synchronised backward of DDP's built-in all-reduce: one call per bucket."""
         self.record(len(bucket_bytes), sum(bucket_bytes))
@@ -173,6 +188,7 @@ class CommStats:
             f"{prefix}ring_lower_bound_bytes": self.ring_lower_bound_bytes,
             f"{prefix}ratio_to_lower_bound": self.ratio_to_lower_bound,
             **({f"{prefix}{k}": v for k, v in self.per_group().items()} if self.replicas > 1 else {}),
+            **({f"{prefix}stage_bytes_per_step": self.stage_bytes_per_step} if self.stage_sends else {}),
         }
 
     def summary(self) -> str:

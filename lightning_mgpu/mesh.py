@@ -4,7 +4,8 @@ the one ``torch.distributed.device_mesh.DeviceMesh`` a strategy builds from them
 The dimensions, outermost first (consecutive ranks vary fastest in the innermost one, so an inner dimension stays
 within a machine where it fits):
 
-* ``pipeline``: pipeline stages (1 for now);
+* ``pipeline``: pipeline stages (``MGPUShardedStrategy(pipeline_parallel_size=P)``,
+  :mod:`lightning_mgpu.parts.pipeline`);
 * ``data_replicate``: copies of the sharded state (HSDP's replicas, one per machine by default; 1 when sharding is
   flat);
 * ``data_shard``: ranks that split the parameters, gradients and optimizer state (FSDP2's shard group);
@@ -132,28 +133,6 @@ class ParallelDims:
         """Ranks that see different batches: ``data_replicate x data_shard``."""
         return self.data_replicate * self.data_shard
 
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Each dimension's index of the global ``rank``: ``rank = ((pipeline x data_parallel) + data_parallel
-        index) x tensor + tensor index``, and the data-parallel index is ``replicate x data_shard + shard``
-        (consecutive ranks vary fastest in the tensor dimension).
-
-        Example:
-
-            >>> ParallelDims(world_size=8, data_replicate=2, tensor=2).coordinates(5)
-            {'pipeline': 0, 'data_parallel': 2, 'data_replicate': 1, 'data_shard': 0, 'tensor_parallel': 1}
-        """
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank!r} is not a rank of this mesh: use 0 <= rank < {self.world_size}.")
-        tensor_idx = rank % self.tensor
-        data_idx = (rank // self.tensor) % self.data_parallel
-        return {
-            PIPELINE: rank // (self.tensor * self.data_parallel),
-            DATA_PARALLEL: data_idx,
-            DATA_REPLICATE: data_idx // self.data_shard,
-            DATA_SHARD: data_idx % self.data_shard,
-            TENSOR_PARALLEL: tensor_idx,
-        }
-
     @property
     def is_hybrid(self) -> bool:
         """Whether the sharded state has several replicas (HSDP: FSDP2 gets a 2-D mesh)."""
@@ -169,6 +148,30 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         """The sizes of :attr:`names`."""
         return ((self.pipeline,) if self.pipeline > 1 else ()) + (self.data_parallel, self.tensor)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Each dimension's index of global ``rank`` in the mesh :meth:`build` makes: ``rank = ((pipeline *
+        data_parallel) + data_parallel_index) * tensor + tensor_index``, ``data_parallel_index = data_replicate_index
+        x data_shard + data_shard_index``. The ranks of one pipeline share their ``"data_parallel"`` index (they
+        see the same batch).
+
+        Example:
+
+            >>> ParallelDims(world_size=4, pipeline=2).coordinates(3)
+            {'pipeline': 1, 'data_parallel': 1, 'data_replicate': 0, 'data_shard': 1, 'tensor_parallel': 0}
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"{self._call()}: rank={rank!r} is not a global rank (0 to {self.world_size - 1}).")
+        rest, tensor_index = divmod(rank, self.tensor)
+        pipeline_index, data_index = divmod(rest, self.data_parallel)
+        replicate_index, shard_index = divmod(data_index, self.data_shard)
+        return {
+            PIPELINE: pipeline_index,
+            DATA_PARALLEL: data_index,
+            DATA_REPLICATE: replicate_index,
+            DATA_SHARD: shard_index,
+            TENSOR_PARALLEL: tensor_index,
+        }
 
     def build(self, device_type: str) -> ParallelMesh:
         """The device mesh over the current default process group: a collective, every rank calls it at the same

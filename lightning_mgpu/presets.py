@@ -155,6 +155,12 @@ PRESETS: tuple[Preset, ...] = (
         {"start_method": "popen", "stage": 3, "tensor_parallel_size": 2},
     ),
     Preset(
+        "mgpu_pipeline",
+        MGPUShardedStrategy,
+        "pipeline parallelism: the model's blocks in 2 stages (1F1B), the ranks left as data replicas",
+        {"start_method": "popen", "pipeline_parallel_size": 2},
+    ),
+    Preset(
         "mgpu_sharded_fairscale",
         MGPUShardedStrategy,
         "fairscale OSS + ShardedDataParallel (Lightning 1.x ddp_sharded); needs the [fairscale] extra",
@@ -184,6 +190,7 @@ LAUNCH_EXCEPTIONS: dict[str, str] = {
     "another launch or size",
     "mgpu_hsdp": "popen only: jobs on several machines are started by torchrun or SLURM; "
     "MGPUShardedStrategy(stage=3, mesh='hybrid', start_method=...) for another launch",
+    "mgpu_pipeline": "popen only: MGPUShardedStrategy(pipeline_parallel_size=P, start_method=...) for another launch",
 }
 
 

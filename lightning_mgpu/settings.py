@@ -20,6 +20,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import math
 import multiprocessing
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
@@ -153,6 +154,8 @@ CHECKPOINT_PARAMS = ("all", "trainable", "auto")
 #: ``"auto"``, or module-name patterns (``"layers.*.attention.wq"``) -> a ``ParallelStyle`` of
 #: ``torch.distributed.tensor.parallel`` or its name (``"colwise"``, ``"rowwise"``, ``"sequence_parallel"``)
 TensorParallelPlanSetting = Union[Literal["auto"], dict[str, Any]]
+PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+PipelineSplit = Union[Sequence[str], Literal["auto"]]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 #: the strategies the planner (and mgpu_auto) can choose, fastest first
@@ -163,6 +166,7 @@ LAYOUTS = ("consolidated", "sharded")
 MESHES = ("flat", "hybrid")
 #: the ``ParallelStyle`` names a tensor-parallel plan may use (Hugging Face's ``base_model_tp_plan`` names)
 TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "sequence_parallel")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 FAIRSCALE_INSTALL = "pip install 'lightning-mgpu[fairscale]'"
 
 # Arguments of Lightning's DDPStrategy that the mgpu strategies replace with named ones.
@@ -699,6 +703,20 @@ class ShardedSettings:
     model's own ``base_model_tp_plan`` where a Hugging Face model ships one), or a dict of module-name patterns
     (``*`` for any one name) to ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` or a ``ParallelStyle``. A
     ``configure_model`` that applies tensor parallelism itself overrides either."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages: the model's blocks are split into consecutive stages, each trained on its own ranks, the
+    batch flowing through them in micro-batches (see the pipeline guide). Must divide the world size; the ranks
+    left form the data-parallel replicas of each stage. 1: no pipeline."""
+    pipeline_schedule: PipelineScheduleName = "1f1b"
+    """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (one forward, one backward: fewer activations
+    in flight) or ``"interleaved_1f1b"`` (several stages per rank, a smaller bubble)."""
+    pipeline_microbatches: Optional[int] = None
+    """Micro-batches each batch is cut into (the batch size must divide by it); ``None``: the number of
+    stages. The bubble (idle fraction) of GPipe and 1F1B is ``(P - 1) / (m + P - 1)``."""
+    pipeline_split: PipelineSplit = "auto"
+    """The names of the modules where stages 1, 2, ... begin (``["blocks.2"]``: stage 0 runs ``blocks.0`` and
+    ``blocks.1``), all children of one ``nn.Sequential`` or ``nn.ModuleList``; ``"auto"``: that container's
+    children split into stages of balanced parameter count (two stages per rank under ``"interleaved_1f1b"``)."""
 
     def __post_init__(self) -> None:
         stage = self.stage
@@ -744,6 +762,7 @@ class ShardedSettings:
             )
         self._check_mesh()
         self._check_tensor_parallel()
+        self._check_pipeline()
 
     def _check_tensor_parallel(self) -> None:
         size, plan = self.tensor_parallel_size, self.tensor_parallel_plan
@@ -779,6 +798,89 @@ class ShardedSettings:
                 f"tensor_parallel_plan is a plan of {len(plan)} module(s) but tensor_parallel_size=1, so nothing is "
                 f"split. Pass tensor_parallel_size=2 (or more) with it, or remove tensor_parallel_plan."
             )
+
+    def _check_pipeline(self) -> None:
+        size = self.pipeline_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size={size!r} must be a whole number of stages >= 1 (1: no pipeline), e.g. "
+                f"pipeline_parallel_size=2."
+            )
+        schedule = self.pipeline_schedule
+        if schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} is unknown. Use one of {', '.join(map(repr, PIPELINE_SCHEDULES))}."
+            )
+        m = self.pipeline_microbatches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(
+                f"pipeline_microbatches={m!r} must be a whole number >= 1 that divides the batch size, or None "
+                f"(the number of stages)."
+            )
+        split = self.pipeline_split
+        if isinstance(split, str):
+            if split != "auto":
+                raise ValueError(
+                    f"pipeline_split={split!r}: give a list of module names where the stages after the first "
+                    f"begin (pipeline_split=[{split!r}]), or 'auto'."
+                )
+        elif not isinstance(split, Sequence) or not all(isinstance(n, str) and n for n in split):
+            raise ValueError(f"pipeline_split={split!r} must be a list of module names (e.g. ['blocks.2']) or 'auto'.")
+        else:
+            object.__setattr__(self, "pipeline_split", tuple(split))
+        if size == 1:
+            return
+        if m is not None and schedule == "1f1b" and m < size:
+            raise ValueError(
+                f"pipeline_schedule='1f1b' needs at least one micro-batch per stage: pipeline_microbatches={m} < "
+                f"pipeline_parallel_size={size}. Use pipeline_microbatches={size} (or more), or "
+                f"pipeline_schedule='gpipe'."
+            )
+        if m is not None and schedule == "interleaved_1f1b" and m % size:
+            raise ValueError(
+                f"pipeline_schedule='interleaved_1f1b' runs the micro-batches in rounds of "
+                f"pipeline_parallel_size={size}: pipeline_microbatches={m} is not a multiple of it. Use "
+                f"pipeline_microbatches={size * max(1, round(m / size))}."
+            )
+        if not isinstance(split, str):
+            stages = len(split) + 1
+            per_rank = "a multiple of" if schedule == "interleaved_1f1b" else "equal to"
+            if (stages % size if schedule == "interleaved_1f1b" else stages != size) or stages < size:
+                raise ValueError(
+                    f"pipeline_split={list(split)!r} makes {stages} stages, which must be {per_rank} "
+                    f"pipeline_parallel_size={size} under pipeline_schedule={schedule!r}. Give "
+                    f"{size - 1 if schedule != 'interleaved_1f1b' else 2 * size - 1} module names where stages begin, "
+                    f"or pipeline_split='auto'."
+                )
+        unsupported = []
+        if self.stage != 2:
+            unsupported.append(f"stage={self.stage}")
+        if self.backend != "torch":
+            unsupported.append(f"backend={self.backend!r}")
+        if self.mesh != "flat":
+            unsupported.append(f"mesh={self.mesh!r}")
+        if self.micro_batch_size is not None:
+            unsupported.append(f"micro_batch_size={self.micro_batch_size!r}")
+        if self.wrap_modules is not None:
+            unsupported.append("wrap_modules")
+        if self.checkpoint != "consolidated":
+            unsupported.append(f"checkpoint={self.checkpoint!r}")
+        if self.tensor_parallel_size != 1:
+            unsupported.append(f"tensor_parallel_size={self.tensor_parallel_size}")
+        if unsupported:
+            raise ValueError(
+                f"pipeline_parallel_size={size} with {', '.join(unsupported)} is not supported yet: with pipeline "
+                f"stages the data dimension holds whole replicas of each stage (gradients all-reduced across them, "
+                f"as DDP does), ZeRO sharding and HSDP inside it are not implemented yet, and checkpoints are "
+                f"consolidated; tensor parallelism within a stage is not implemented yet either. Remove "
+                f"{', '.join(unsupported)} (keep stage=2, the default, backend='torch', mesh='flat', "
+                f"checkpoint='consolidated'), or train without pipeline_parallel_size."
+            )
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the model is split into pipeline stages (``pipeline_parallel_size > 1``)."""
+        return self.pipeline_parallel_size > 1
 
     def _check_mesh(self) -> None:
         if self.mesh not in MESHES:
@@ -821,8 +923,8 @@ class ShardedSettings:
 
     def parallel_dims(self, world_size: int, num_nodes: int = 1) -> ParallelDims:
         """The device mesh's sizes (:mod:`lightning_mgpu.mesh`): flat, or HSDP's shape for ``mesh="hybrid"``, with
-        ``tensor_parallel_size`` ranks in the tensor dimension."""
-        tensor = self.tensor_parallel_size
+        ``tensor_parallel_size`` ranks in the tensor dimension and ``pipeline_parallel_size`` stages."""
+        tensor, size = self.tensor_parallel_size, self.pipeline_parallel_size
         if world_size % tensor:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0 and d <= tensor]
             raise ValueError(
@@ -830,8 +932,14 @@ class ShardedSettings:
                 f"each tensor-parallel group needs {tensor} ranks. Use tensor_parallel_size={divisors[-1]} (a "
                 f"divisor of {world_size}), or launch a multiple of {tensor} processes."
             )
+        if world_size % size:
+            raise ValueError(
+                f"pipeline_parallel_size={size} does not divide the world size {world_size} (devices x num_nodes): "
+                f"every data-parallel replica needs all {size} stages. Use pipeline_parallel_size="
+                f"{math.gcd(size, world_size)}, or devices x num_nodes a multiple of {size}."
+            )
         if self.mesh == "flat":
-            return ParallelDims(world_size=world_size, tensor=tensor)
+            return ParallelDims(world_size=world_size, tensor=tensor, pipeline=size)
         return ParallelDims.hybrid(world_size, num_nodes, self.shard_size, tensor=self.tensor_parallel_size)
 
     @property
@@ -847,6 +955,18 @@ class ShardedSettings:
     @property
     def uses_fsdp2(self) -> bool:
         return self.stage in (2, 3) and self.backend == "torch"
+
+    def check_pipeline_composition(self, given: Mapping[str, Any]) -> None:
+        """Refuse the launch settings pipeline parallelism does not compose with yet (``given``: their values)."""
+        if not self.pipelined:
+            return
+        set_ = [f"{k}={v!r}" for k, v in given.items() if v not in (None, False)]
+        if set_:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} with {', '.join(set_)} is not supported yet "
+                f"(the token count of each micro-batch and compiled stages are not implemented for pipeline stages). "
+                f"Remove {', '.join(set_)}, or train without pipeline_parallel_size."
+            )
 
     def check_ddp_settings(self, given: Mapping[str, Any]) -> None:
         """Refuse DDP all-reduce settings (``comm_hook=...``, ``bucket_cap_mb=...``) where the gradients are not

@@ -38,6 +38,11 @@ class GlobalNormClipping:
         weight_copies: ``DTensor`` gradients replicated over some dimensions of their mesh (the replicas of a
             hybrid mesh, the tensor-parallel ranks of a layer that is not split) add ``1 / copies`` of their squared
             norm on each rank, so that the sum over all ranks of ``group`` counts each element once.
+        replicated: the parameters of an optimizer whose whole gradient every rank of ``group`` holds (the
+            pipeline's parameters outside the stages' blocks): scaled on every rank, counted in the norm once
+            (where ``count_replicated``, on one rank of the group).
+        norm_dtype: the dtype of the squared norm's all-reduce, where a rank may hold no gradient (the same on
+            every rank); None: float64 if any local gradient is, else float32.
 
     Example::
 
@@ -46,18 +51,28 @@ class GlobalNormClipping:
     """
 
     def __init__(
-        self, share_of: ShareOf, group: Any = None, ledger: Optional[CommStats] = None, weight_copies: bool = False
+        self,
+        share_of: ShareOf,
+        group: Any = None,
+        ledger: Optional[CommStats] = None,
+        replicated: Optional[ShareOf] = None,
+        count_replicated: bool = True,
+        norm_dtype: Optional[torch.dtype] = None,
+        weight_copies: bool = False,
     ) -> None:
         self.share_of = share_of
         self.group = group
         self.ledger = ledger
         self.weight_copies = weight_copies
+        self.replicated = replicated
+        self.count_replicated = count_replicated
+        self.norm_dtype = norm_dtype
 
     def total_norm(self, grads: Iterable[Tensor]) -> Tensor:
         """The L2 norm over every rank's shares (a collective: call it on every rank)."""
         grads = list(grads)
         local = [comm.local_shard(g) for g in grads]
-        dtype = torch.float64 if any(g.dtype == torch.float64 for g in local) else torch.float32
+        dtype = self.norm_dtype or (torch.float64 if any(g.dtype == torch.float64 for g in local) else torch.float32)
         # a rank holding no share still joins the all-reduce, with a zero on the group's collective device
         device = local[0].device if local else comm.collective_device(self.group)
         squared = torch.zeros((), dtype=dtype, device=device)
@@ -73,7 +88,9 @@ class GlobalNormClipping:
         """Scale this rank's gradient shares so that the global norm is at most ``max_norm``; returns the
         pre-clip global norm."""
         grads = [p.grad for p in self.share_of(optimizer) if p.grad is not None]
-        total = self.total_norm(grads)
+        whole = [p.grad for p in self.replicated(optimizer) if p.grad is not None] if self.replicated else []
+        total = self.total_norm(grads + whole if self.count_replicated else grads)
+        grads += whole
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
             for g in grads:

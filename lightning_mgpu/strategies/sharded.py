@@ -49,6 +49,7 @@ from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointin
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import planned_counts_differ
 from lightning_mgpu.parts.micro_batching import MicroBatching
+from lightning_mgpu.parts.pipeline import PipelineBackend, PipelineStats
 from lightning_mgpu.parts.sharding import (
     ShardingBackend,
     check_optimizer,
@@ -84,6 +85,8 @@ from lightning_mgpu.settings import (
     MeshLayout,
     MicroBatchSetting,
     NonFinite,
+    PipelineScheduleName,
+    PipelineSplit,
     ShardedSettings,
     Stage,
     StartMethod,
@@ -215,6 +218,10 @@ class MGPUShardedStrategy(ParallelStrategy):
         compile: CompileSetting = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlanSetting = "auto",
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: PipelineScheduleName = "1f1b",
+        pipeline_microbatches: Optional[int] = None,
+        pipeline_split: PipelineSplit = "auto",
         **ddp_kwargs: Any,
     ) -> None:
         arguments = dict(locals())
@@ -227,6 +234,7 @@ class MGPUShardedStrategy(ParallelStrategy):
             "find_unused_parameters": find_unused_parameters,
         }
         sharded.check_ddp_settings({**ddp_only, **ddp_kwargs})
+        sharded.check_pipeline_composition({"loss_normalization": loss_normalization, "compile": compile})
         # stage 1 trains a DistributedDataParallel model: its settings are mgpu_ddp's
         settings: CommonSettings = (
             from_arguments(DDPSettings, arguments, ddp_kwargs=ddp_kwargs)
@@ -241,6 +249,12 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._checkpoint_layout: str = checkpoint
         self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.unit_classes)
         self._tensor = TensorParallelism(sharded.tensor_parallel_size, sharded.tensor_parallel_plan)
+        self._pipeline: Optional[PipelineBackend] = None  # pipeline_parallel_size > 1: parts/pipeline.py
+        if sharded.pipelined:
+            self._pipeline = PipelineBackend(
+                sharded.pipeline_parallel_size, pipeline_schedule, pipeline_microbatches, sharded.pipeline_split
+            )
+            self._sharding = self._pipeline
         self._loaded_sharded = False
         self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
@@ -325,6 +339,11 @@ class MGPUShardedStrategy(ParallelStrategy):
     def checkpoint_write_in_flight(self) -> bool:
         """Whether a background checkpoint write of this rank is running now (``async_checkpoint=True``)."""
         return self._runtime.checkpoint_write_in_flight
+
+    def pipeline_stats(self) -> Optional[PipelineStats]:
+        """``pipeline_parallel_size > 1``: the last training step of this rank (bytes sent between stages, the
+        measured bubble beside the formula); None before it, or without a pipeline."""
+        return self._pipeline.last_stats if self._pipeline is not None else None
 
     def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
         """Manual optimization with ``loss_normalization="tokens"``: count a micro-batch's tokens (see
@@ -728,6 +747,8 @@ class MGPUShardedStrategy(ParallelStrategy):
                 f"precision='32-true', '16-mixed' or 'bf16-mixed' (or plugins=[MGPUPrecision(...)]), "
                 f"gradient_clip_algorithm='value', or strategy='mgpu_sharded' (FSDP2)."
             )
+        if self._pipeline is not None:
+            self._pipeline.check_model(model, self.precision_plugin, bool(clip_by_norm))
         if not model.automatic_optimization:
             raise MisconfigurationException(
                 f"{type(model).__name__} uses manual optimization, which MGPUShardedStrategy does not support yet "
@@ -826,6 +847,10 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     def _one_training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context():
+            if self._pipeline is not None:  # every micro-batch's forward and backward, through the stages
+                trainer = attached_trainer(self.lightning_module)
+                accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+                return self._pipeline.training_step(self.lightning_module, accumulate, *args, **kwargs)
             return self._redirect("training_step", *args, **kwargs)
 
     def _stage1_ddp(self) -> Optional[DistributedDataParallel]:
@@ -861,6 +886,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         (one all-gather of the planned counts says so), do that collective once for the loop instead."""
         trainer = attached_trainer(self.lightning_module)
         model = self.model
+        if model is not None:
+            self._sharding.before_evaluation(model)
         if not self._common.exact_evaluation or trainer is None or model is None or self.world_size < 2:
             return
         if not self._sharding.forward_is_collective(model):
@@ -937,6 +964,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         step = super().optimizer_step
+        if self._pipeline is not None:
+            closure = self._pipeline.after_closure(closure)  # the replicas' and the stages' gradient sync
         return self._runtime.optimizer_step(optimizer, closure, lambda c: step(optimizer, c, model, **kwargs))
 
     # --- data -----------------------------------------------------------------------------------------
@@ -997,6 +1026,8 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.gather_blocks()  # every rank holds the trained model after fit
         self._runtime.train_end()
         super().on_train_end()
 

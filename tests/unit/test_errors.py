@@ -39,6 +39,14 @@ from tests.helpers import WORLD
 from tests.models import BlockRegressor, ManualRegressor, RankData, Regressor, make_data
 
 
+class Unsplittable(Regressor):
+    """Layers as plain attributes: no nn.Sequential or nn.ModuleList of blocks to split into pipeline stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(6, 3)  # type: ignore[assignment]
+
+
 def trainer(strategy: Any = "mgpu_ddp_fork", **kwargs: Any) -> pl.Trainer:
     flags: dict[str, Any] = {
         "accelerator": "cpu",
@@ -659,6 +667,86 @@ CASES = [
         ValueError,
         ["dst=5", "[0, 1)", "None for every rank"],
         id="distributed-mean-dst-outside-the-ranks",
+    ),
+    # --- pipeline parallelism (MGPUShardedStrategy(pipeline_parallel_size=P)) --------------------------------
+    pytest.param(
+        lambda: fit(
+            Regressor(), MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_split=["net.9"], start_method="fork")
+        ),
+        ValueError,
+        ["pipeline_split=['net.9']", "no module named 'net.9'", "named_modules()"],
+        id="pipeline-split-name-that-does-not-exist",
+    ),
+    pytest.param(
+        lambda: fit(Regressor(), MGPUShardedStrategy(pipeline_parallel_size=4, start_method="fork"), devices=4),
+        ValueError,
+        ["at least 4 children", "the largest has 3", "Use fewer stages"],
+        id="pipeline-more-stages-than-blocks",
+    ),
+    pytest.param(
+        lambda: fit(Regressor(), MGPUShardedStrategy(pipeline_parallel_size=3, start_method="fork")),
+        ValueError,
+        ["pipeline_parallel_size=3", "does not divide the world size 2", "pipeline_parallel_size=1"],
+        id="pipeline-size-must-divide-the-world-size",
+    ),
+    pytest.param(
+        lambda: fit(Unsplittable(), MGPUShardedStrategy(pipeline_parallel_size=2, start_method="fork")),
+        ValueError,
+        ["no nn.Sequential or nn.ModuleList in Unsplittable", "for block in self.blocks"],
+        id="pipeline-model-without-blocks-says-what-shape-it-needs",
+    ),
+    pytest.param(
+        lambda: fit(ManualRegressor(), MGPUShardedStrategy(pipeline_parallel_size=2, start_method="fork")),
+        MisconfigurationException,
+        ["manual optimization", "MGPUShardedStrategy does not support yet"],
+        id="pipeline-manual-optimization",
+    ),
+    pytest.param(
+        lambda: fit(
+            Regressor().double(),
+            MGPUShardedStrategy(pipeline_parallel_size=2, start_method="fork"),
+            precision="64-true",
+            gradient_clip_val=1.0,
+        ),
+        ValueError,
+        ["gradient_clip_val by norm", "DoublePrecision", "precision='32-true'", "gradient_clip_algorithm='value'"],
+        id="pipeline-norm-clipping-needs-mgpu-precision",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, stage=3),
+        ValueError,
+        ["pipeline_parallel_size=2 with stage=3 is not supported yet", "Remove stage=3"],
+        id="pipeline-with-zero3-not-supported-yet",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, checkpoint="sharded"),
+        ValueError,
+        ["checkpoint='sharded'", "not supported yet", "checkpoint='consolidated'"],
+        id="pipeline-with-sharded-checkpoints-not-supported-yet",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=4, pipeline_microbatches=2),
+        ValueError,
+        ["pipeline_microbatches=2 < pipeline_parallel_size=4", "pipeline_microbatches=4", "'gpipe'"],
+        id="pipeline-1f1b-needs-a-micro-batch-per-stage",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_split=["blocks.1", "blocks.2"]),
+        ValueError,
+        ["makes 3 stages", "equal to pipeline_parallel_size=2", "Give 1 module names"],
+        id="pipeline-split-count-must-match-the-stages",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_schedule="zb"),  # type: ignore[arg-type]
+        ValueError,
+        ["pipeline_schedule='zb'", "'gpipe', '1f1b', 'interleaved_1f1b'"],
+        id="pipeline-unknown-schedule",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, loss_normalization="tokens", compile=True),
+        ValueError,
+        ["loss_normalization='tokens', compile=True is not supported yet", "Remove"],
+        id="pipeline-with-token-loss-or-compile-not-supported-yet",
     ),
 ]
 

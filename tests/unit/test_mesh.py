@@ -136,7 +136,7 @@ def test_coordinates_index_every_dimension_with_the_tensor_dimension_fastest():
     assert ParallelDims(world_size=4, tensor=2).coordinates(2) == {
         "pipeline": 0, "data_parallel": 1, "data_replicate": 0, "data_shard": 1, "tensor_parallel": 0,
     }  # fmt: skip
-    with pytest.raises(ValueError, match="rank=4 is not a rank of this mesh"):
+    with pytest.raises(ValueError, match="rank=4 is not a global rank"):
         ParallelDims(world_size=4).coordinates(4)
 
 
@@ -144,3 +144,9 @@ def test_the_hybrid_shape_with_a_tensor_dimension_shards_the_data_ranks_of_a_mac
     dims = ParallelDims.hybrid(world_size=16, num_nodes=2, tensor=2)
     assert (dims.data_replicate, dims.data_shard, dims.tensor) == (2, 4, 2)
     assert ParallelDims.hybrid(world_size=4, shard_size=1, tensor=2).data_replicate == 2
+
+
+def test_the_ranks_of_one_pipeline_share_their_data_index():
+    flat = ParallelDims(world_size=4, pipeline=2)
+    assert [flat.coordinates(r)["data_parallel"] for r in range(4)] == [0, 1, 0, 1]
+    assert [flat.coordinates(r)["pipeline"] for r in range(4)] == [0, 0, 1, 1]

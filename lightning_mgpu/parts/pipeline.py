@@ -1,0 +1,804 @@
+"""Pipeline parallelism: the model's blocks split into consecutive stages, each on its own ranks, every batch cut
+into micro-batches that flow through the stages (``torch.distributed.pipelining``: ``PipelineStage`` and its
+GPipe, 1F1B and interleaved 1F1B schedules).
+
+The model is the user's LightningModule, unchanged. Its blocks are the children of one ``nn.Sequential`` or
+``nn.ModuleList`` that its forward calls in order (``for block in self.blocks: x = block(x)``); everything else
+(embeddings, masks, positions, the final norm and head, the loss) is computed by the user's own ``training_step``.
+Each stage runs that ``training_step`` on its micro-batch with hooks on the blocks: the blocks before the stage's
+are skipped, the first block of the stage takes the activation received from the previous stage in place of its
+first argument, and the forward stops after the stage's last block, whose output (its first tensor) is sent on.
+The last stage runs the ``training_step`` to its end: its loss, scaled by ``1 / (micro-batches x
+accumulate_grad_batches)``, is what the schedule's backward starts from (the ``1 / accumulate_grad_batches`` is
+applied by Lightning's own backward of the loss the step returns), so the gradients are those of one process with
+the same global batch. ``self.log`` calls made in ``training_step`` on the last stage are collected per
+micro-batch, combined with their ``reduce_fx`` (the mean of equal micro-batches: the value of the whole batch),
+and logged once on every rank of the pipeline.
+
+Every rank holds the whole module; it trains the blocks of its stages and the parameters outside the blocks
+(their gradients are summed over the stages, which handles weights tied between the embedding and the head).
+Before evaluation, a checkpoint and the end of fit, each block's weights are broadcast from the stage that trains
+them, so that every rank holds the trained model: evaluation then runs the whole model on every rank,
+data-parallel over all ranks.
+
+Example::
+
+    backend = PipelineBackend(size=2, schedule="1f1b", microbatches=4, split="auto")  # the strategy's backend
+    backend.shard_model(module, parallel_mesh)  # at set-up: the stages and their blocks
+    loss = backend.training_step(module, 1, batch, batch_idx)  # all stages' forwards and backwards (k=1)
+    loss.backward()  # Lightning's closure: the schedule's gradients land in .grad
+    backend.sync_gradients()  # after the closure: the replicas and the weights outside the blocks
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, cast
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.optim import Optimizer
+
+from lightning_mgpu import comm
+from lightning_mgpu.comm import CommStats
+from lightning_mgpu.mesh import DATA_PARALLEL, PIPELINE, ParallelDims, ParallelMesh
+from lightning_mgpu.parts.accumulation import BackwardSyncControl
+from lightning_mgpu.parts.clipping import GlobalNormClipping
+from lightning_mgpu.parts.sharding import ShardingBackend, optimizer_params
+
+#: what the container of the blocks must look like, for the errors
+SHAPE_NEEDED = (
+    "the blocks as the children of one nn.Sequential or nn.ModuleList that forward calls in order, each once, each "
+    "block's output (or its first element) handed to the next block as its first argument: `self.blocks = "
+    "nn.ModuleList([...])` and `for block in self.blocks: x = block(x)` (or `x = block(x)[0]`)"
+)
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """One pipeline step of this rank (``trainer.strategy.pipeline_stats()``): the bytes it sent to other stages
+    (activations forward, their gradients backward, from their shapes), and the measured bubble (the fraction of the
+    schedule's wall time this rank's stages did not compute) beside the formula, ``(P - 1) / (m + P - 1)`` for
+    GPipe and 1F1B, divided by the stages per rank for interleaved 1F1B."""
+
+    stages: int
+    stages_per_rank: int
+    microbatches: int
+    bytes_sent: int
+    bubble: float
+    bubble_theory: float
+
+
+class PipelineError(ValueError):
+    """A model or batch the pipeline cannot split, with the shape it needs."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Where the stages begin: ``container`` (a module name, ``""`` for the LightningModule itself) holds the
+    blocks ``names``; stage ``s`` trains ``names[bounds[s][0]:bounds[s][1]]``."""
+
+    container: str
+    names: tuple[str, ...]
+    bounds: tuple[tuple[int, int], ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds)
+
+    def begins(self) -> list[str]:
+        """The module names where stages 1, 2, ... begin (``pipeline_split`` that gives this plan)."""
+        return [self.names[start] for start, _ in self.bounds[1:]]
+
+
+def _containers(module: nn.Module) -> dict[str, Any]:
+    return {name: m for name, m in module.named_modules() if isinstance(m, (nn.Sequential, nn.ModuleList))}
+
+
+def _full(prefix: str, child: str) -> str:
+    return f"{prefix}.{child}" if prefix else child
+
+
+def balanced_bounds(costs: Sequence[int], stages: int) -> tuple[tuple[int, int], ...]:
+    """Consecutive ranges of ``costs`` (one per block), ``stages`` of them, each non-empty, whose largest sum is the
+    smallest possible.
+
+    >>> balanced_bounds([1, 1, 1, 1, 4], 2)
+    ((0, 4), (4, 5))
+    """
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the smallest largest-stage cost of the first i blocks in s stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds = []
+    end = n
+    for s in range(stages, 0, -1):
+        start = cut[s][end]
+        bounds.append((start, end))
+        end = start
+    return tuple(reversed(bounds))
+
+
+def plan_stages(module: nn.Module, split: Any, stages: int) -> StagePlan:
+    """The stages of ``module``: from ``split`` (the module names where stages 1, 2, ... begin) or ``"auto"`` (the
+    ``nn.Sequential`` or ``nn.ModuleList`` with the most parameters among those with at least ``stages`` children,
+    cut into stages of balanced parameter count). Raises :class:`PipelineError` naming the fix."""
+    owner = type(module).__name__
+    containers = _containers(module)
+    if split == "auto":
+        candidates = [(n, c) for n, c in containers.items() if len(c) >= stages]
+        if not candidates:
+            largest = max((len(c) for c in containers.values()), default=0)
+            raise PipelineError(
+                f"pipeline_split='auto' found no nn.Sequential or nn.ModuleList in {owner} with at least {stages} "
+                f"children (blocks) to make {stages} stages (the largest has {largest}). The pipeline needs "
+                f"{SHAPE_NEEDED}. Use fewer stages, or give the model that shape."
+            )
+        name, container = max(
+            candidates, key=lambda nc: (sum(p.numel() for p in nc[1].parameters()), len(nc[1]), -len(nc[0]))
+        )
+        children = [n for n, _ in container.named_children()]
+        costs = [sum(p.numel() for p in child.parameters()) + 1 for child in container.children()]
+        bounds = balanced_bounds(costs, stages)
+        return StagePlan(name, tuple(_full(name, c) for c in children), bounds)
+    names = list(split)
+    modules = dict(module.named_modules())
+    missing = [n for n in names if n not in modules]
+    if missing:
+        close = [n for n in modules if n and any(n.endswith("." + m.split(".")[-1]) for m in missing)][:6]
+        raise PipelineError(
+            f"pipeline_split={names!r}: {owner} has no module named {missing[0]!r}. Give names from "
+            f"{owner}.named_modules() where the stages after the first begin{f', e.g. {close}' if close else ''}."
+        )
+    parents = {n.rpartition(".")[0] for n in names}
+    parent = parents.pop() if len(parents) == 1 else None
+    if parent is None or parent not in containers:
+        raise PipelineError(
+            f"pipeline_split={names!r}: the names must be children of one nn.Sequential or nn.ModuleList (the "
+            f"blocks), such as ['blocks.2'] for `self.blocks = nn.ModuleList(...)`. The pipeline needs "
+            f"{SHAPE_NEEDED}."
+        )
+    children = [_full(parent, c) for c, _ in containers[parent].named_children()]
+    starts = [children.index(n) for n in names]
+    if starts != sorted(set(starts)) or starts[0] == 0:
+        raise PipelineError(
+            f"pipeline_split={names!r} must name blocks in increasing order, after the first block "
+            f"({children[0]!r} begins stage 0): each name is where one stage after the first begins."
+        )
+    edges = [0, *starts, len(children)]
+    bounds = tuple((edges[i], edges[i + 1]) for i in range(len(edges) - 1))
+    return StagePlan(parent, tuple(children), bounds)
+
+
+def check_stage_count(module: nn.Module, split: Any, stages: int) -> StagePlan:
+    """:func:`plan_stages`, with the error for more stages than blocks."""
+    plan = plan_stages(module, split, stages)
+    if plan.stages != stages:  # only names can disagree; settings checked the count against the schedule
+        raise PipelineError(f"pipeline_split makes {plan.stages} stages where {stages} are needed.")
+    return plan
+
+
+# --- micro-batches --------------------------------------------------------------------------------------------
+
+
+def _leaves(batch: Any) -> list[Tensor]:
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _leaves(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _leaves(v)]
+    return []
+
+
+def _split(batch: Any, m: int) -> list[Any]:
+    if isinstance(batch, Tensor):
+        return list(batch.chunk(m)) if batch.dim() > 0 else [batch] * m
+    if isinstance(batch, dict):
+        parts = {k: _split(v, m) for k, v in batch.items()}
+        return [type(batch)({k: parts[k][i] for k in batch}) for i in range(m)]
+    if isinstance(batch, (list, tuple)):
+        parts_list = [_split(v, m) for v in batch]
+        rows = [[p[i] for p in parts_list] for i in range(m)]
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+            return [type(batch)(*row) for row in rows]
+        return [type(batch)(row) for row in rows]
+    return [batch] * m
+
+
+def split_batch(batch: Any, m: int) -> list[Any]:
+    """``batch`` (tensors, and lists, tuples and dicts of them) cut into ``m`` micro-batches along the first
+    dimension of every tensor; anything else is repeated. Raises :class:`PipelineError` where a tensor's first
+    dimension does not divide by ``m``."""
+    sizes = {t.shape[0] for t in _leaves(batch) if t.dim() > 0}
+    bad = sorted(s for s in sizes if s % m)
+    if bad:
+        raise PipelineError(
+            f"A batch of {bad[0]} samples does not divide into pipeline_microbatches={m} equal micro-batches. Use a "
+            f"batch size that is a multiple of {m} (and drop_last=True in the DataLoader if the dataset's last batch "
+            f"is smaller), or pipeline_microbatches={math.gcd(bad[0], m)}."
+        )
+    return _split(batch, m)
+
+
+def _first_tensor(value: Any) -> Optional[Tensor]:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
+        return value[0]
+    return None
+
+
+class _StageOutput(Exception):
+    """Raised by the hook after a stage's last block: the forward of this stage ends there."""
+
+    def __init__(self, output: Tensor) -> None:
+        super().__init__("pipeline stage output")
+        self.output = output
+
+
+# --- logging ----------------------------------------------------------------------------------------------------
+
+_REDUCE = {"mean": "mean", "sum": "sum", "max": "max", "min": "min"}
+
+
+def _reduce_name(fx: Any) -> str:
+    name = fx if isinstance(fx, str) else getattr(fx, "__name__", repr(fx))
+    if name not in _REDUCE:
+        raise PipelineError(
+            f"self.log(..., reduce_fx={fx!r}) under pipeline parallelism: the micro-batches' values are combined "
+            f"with reduce_fx, which must be one of 'mean', 'sum', 'max', 'min'."
+        )
+    return name
+
+
+def combine_logs(records: list[list[tuple[str, Any, dict[str, Any]]]]) -> list[tuple[str, Tensor, dict[str, Any]]]:
+    """The ``self.log`` calls of each micro-batch's ``training_step`` (in micro-batch order) as one call per name:
+    the values combined with the call's ``reduce_fx`` (a mean of equal micro-batches is the whole batch's value)."""
+    combined: dict[str, tuple[list[Tensor], dict[str, Any]]] = {}
+    for calls in records:
+        for name, value, kwargs in calls:
+            if not isinstance(value, (Tensor, int, float)):
+                raise PipelineError(
+                    f"self.log({name!r}, {type(value).__name__}) under pipeline parallelism: only numbers and "
+                    f"tensors can be combined over the micro-batches. Log a tensor (metric.compute()) instead."
+                )
+            combined.setdefault(name, ([], kwargs))[0].append(torch.as_tensor(value).detach().cpu())
+    out = []
+    for name, (values, kwargs) in combined.items():
+        stacked = torch.stack([v.reshape(()) for v in values])
+        fx = _reduce_name(kwargs.get("reduce_fx", "mean"))
+        value = getattr(stacked, fx)() if fx in ("mean", "sum") else getattr(stacked, fx)().reshape(())
+        out.append((name, value, kwargs))
+    return out
+
+
+# --- the backend ------------------------------------------------------------------------------------------------
+
+
+class _ChunkedStage(PipelineStage):
+    """``PipelineStage`` that tells its module (a :class:`_Stage`) which micro-batch it runs, and times its
+    computation (the schedule waits for the received tensors before calling these)."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        runner = cast(_Stage, self.submod)
+        runner.chunk = fwd_chunk_id
+        with runner.timed():
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with cast(_Stage, self.submod).timed():
+            return super().backward_one_chunk(*args, **kwargs)
+
+
+class _PendingGradients(torch.autograd.Function):
+    """The loss Lightning's closure backpropagates: its backward adds the schedule's gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, backend: PipelineBackend) -> Tensor:
+        ctx.backend = backend
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
+        ctx.backend.add_pending(grad)
+        return None, None
+
+
+class PipelineSyncControl(BackwardSyncControl):
+    """Nothing to block: the pipeline's gradients are synced once per optimizer step, after the closure
+    (:meth:`PipelineBackend.sync_gradients`), never inside a backward."""
+
+    wrapper = "the pipeline (no wrapper)"
+
+    def controls(self, module: nn.Module) -> bool:
+        return True
+
+    def _block(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class _Stage(nn.Module):
+    """What ``PipelineStage`` runs for stage ``index``: the user's ``training_step`` on the micro-batch, hooked to
+    this stage's blocks (:meth:`PipelineBackend.run_stage`)."""
+
+    def __init__(self, backend: PipelineBackend, index: int, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.index = index
+        self.blocks = nn.ModuleList(blocks)
+        self._backend = [backend]  # not a submodule
+        self.chunk = 0
+
+    def forward(self, *args: Tensor) -> Tensor:
+        return self._backend[0].run_stage(self.index, self.chunk, args[0])
+
+    @contextlib.contextmanager
+    def timed(self) -> Generator[None, None, None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._backend[0].busy_s += time.perf_counter() - start
+
+
+class PipelineBackend(ShardingBackend):
+    """The sharded strategy's backend with ``pipeline_parallel_size > 1`` (see the module docstring): the stages,
+    their schedule, the gradient sync across the data replicas, the global-norm clipping across stages, and the
+    whole model gathered for evaluation and checkpoints.
+
+    ``size``: the pipeline stages' ranks (P); ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``;
+    ``microbatches``: m (None: the number of stages); ``split``: module names or ``"auto"``."""
+
+    sync_control = PipelineSyncControl()
+
+    def __init__(self, size: int, schedule: str, microbatches: Optional[int], split: Any) -> None:
+        super().__init__(stage=2)
+        self.size = size
+        self.schedule_name = schedule
+        self.split = split
+        self.stages = size * (2 if schedule == "interleaved_1f1b" and split == "auto" else 1)
+        if split != "auto":
+            self.stages = len(split) + 1
+        self.microbatches = microbatches if microbatches is not None else self.stages
+        self.plan: Optional[StagePlan] = None
+        self.module: Optional[nn.Module] = None
+        self.dims: Optional[ParallelDims] = None
+        self.rank = 0
+        self.pipeline_index = 0
+        self.pipeline_group: Any = None
+        self.data_group: Any = None
+        self.ledger: Optional[CommStats] = None
+        self._blocks: list[nn.Module] = []
+        self._local: list[int] = []  # the stage indices this rank runs
+        self._schedules: dict[Any, Any] = {}
+        self._micro: list[Any] = []
+        self._step_batch_index = 0
+        self._logged: dict[int, list[tuple[str, Any, dict[str, Any]]]] = {}
+        self._losses: dict[int, Tensor] = {}
+        self._scale = 1.0
+        self._pending: list[tuple[nn.Parameter, Tensor]] = []
+        self._stale = False  # the stages trained since the blocks were last gathered
+        self._boundaries: dict[Any, list[tuple[torch.Size, torch.dtype]]] = {}
+        self._loss_meta: dict[Any, tuple[torch.Size, torch.dtype]] = {}
+        self._tuple_outputs: dict[int, int] = {}
+        self._sends = (0, 0)  # (sends, bytes) of one step of this rank, from the boundary shapes
+        self.busy_s = 0.0  # time in the stages' forward and backward computation during the last step
+        self.last_stats: Optional[PipelineStats] = None
+
+    # --- before launch ------------------------------------------------------------------------------------
+    def check_model(self, module: nn.Module, precision_plugin: Any, clip_by_norm: bool) -> None:
+        """Before any process starts: the split against the model, the clipping against the precision plugin (the
+        sizes against the world size: the settings, at Trainer construction)."""
+        plan = check_stage_count(module, self.split, self.stages)
+        blocks = len(plan.names)
+        if blocks < self.stages:
+            raise PipelineError(f"{self.stages} stages but only {blocks} blocks in {plan.container!r}.")
+        if clip_by_norm and not hasattr(precision_plugin, "use_norm_clipping"):
+            raise PipelineError(
+                f"gradient_clip_val by norm with {type(precision_plugin).__name__} under pipeline parallelism: each "
+                f"stage holds the gradients of its own blocks, and only MGPUPrecision clips them by the norm over "
+                f"all stages. Use precision='32-true' (a float64 model: call .double() on it), '16-mixed' or "
+                f"'bf16-mixed', or gradient_clip_algorithm='value'."
+            )
+
+    # --- set-up -------------------------------------------------------------------------------------------
+    def shard_mesh(self, mesh: ParallelMesh) -> Any:
+        return mesh
+
+    def shard_model(self, module: nn.Module, mesh: Any, mp_policy: Any = None) -> Optional[nn.Module]:
+        parallel: ParallelMesh = mesh
+        self.dims = parallel.dims
+        self.rank = torch.distributed.get_rank()
+        self.pipeline_index = self.dims.coordinates(self.rank)[PIPELINE]
+        self.pipeline_group = parallel.device_mesh[PIPELINE].get_group()
+        self.data_group = parallel.device_mesh[DATA_PARALLEL].get_group() if self.dims.data_parallel > 1 else None
+        self.module = module
+        self.plan = check_stage_count(module, self.split, self.stages)
+        modules = dict(module.named_modules())
+        self._blocks = [modules[n] for n in self.plan.names]
+        self._local = [s for s in range(self.stages) if s % self.size == self.pipeline_index]
+        self._schedules.clear()
+        self._stale = False
+        return None
+
+    def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
+        self.ledger = ledger
+        owned = {id(p) for p in self._owned_params()}
+        shared = {id(p) for p in self._shared_params()}
+        return GlobalNormClipping(
+            lambda opt: [p for p in optimizer_params(opt) if id(p) in owned],
+            self.pipeline_group,
+            ledger,
+            replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
+            count_replicated=self.pipeline_index == 0,
+            norm_dtype=torch.float64,  # a stage may hold no gradient: every rank the same dtype
+        )
+
+    # --- the parameters -----------------------------------------------------------------------------------
+    def _stage_blocks(self, stage: int) -> list[nn.Module]:
+        assert self.plan is not None
+        start, end = self.plan.bounds[stage]
+        return self._blocks[start:end]
+
+    def _owned_params(self) -> list[nn.Parameter]:
+        return [p for s in self._local for b in self._stage_blocks(s) for p in b.parameters() if p.requires_grad]
+
+    def _shared_params(self) -> list[nn.Parameter]:
+        assert self.module is not None
+        in_blocks = {id(p) for b in self._blocks for p in b.parameters()}
+        return [p for p in self.module.parameters() if p.requires_grad and id(p) not in in_blocks]
+
+    def _owner(self, stage: int) -> int:
+        """The global rank that trains ``stage`` in this rank's pipeline."""
+        assert self.dims is not None
+        here = self.dims.coordinates(self.rank)
+        index = stage % self.size
+        return ((index * self.dims.data_parallel) + here[DATA_PARALLEL]) * self.dims.tensor + here["tensor_parallel"]
+
+    # --- one training step --------------------------------------------------------------------------------
+    def training_step(self, module: Any, accumulate: int, batch: Any, batch_idx: int = 0) -> Tensor:
+        """Forward and backward of every micro-batch through the stages (the schedule's); returns the batch's loss
+        (the mean of the micro-batches' losses, the same on every stage) as a tensor whose backward does nothing,
+        for Lightning's closure. The gradients are in ``.grad``, scaled by ``1 / (m x accumulate)``."""
+        m = self.microbatches
+        micro = split_batch(batch, m)
+        key = tuple((tuple(t.shape), t.dtype) for t in _leaves(micro[0]))
+        self._micro, self._step_batch_index = micro, batch_idx
+        self._logged, self._losses = {}, {}
+        self._scale = 1.0 / m
+        schedule = self._schedule_for(module, key)
+        self._stale = True
+        device = self._module_device(module)
+        first = 0 in self._local
+        last = self.stages - 1 in self._local
+        args = (torch.arange(m, device=device),) if first else ()
+        target = torch.arange(m, device=device) if last else None
+        # Lightning zeroes the gradients between the training step and its backward: the schedule's gradients
+        # wait aside and are added by the backward of the loss returned (scaled by what flows into it: 1 / k)
+        params = [p for p in module.parameters() if p.requires_grad]
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            with self._logs_captured(module):
+                self.busy_s, start = 0.0, time.perf_counter()
+                schedule.step(*args, target=target, return_outputs=False)
+                elapsed = time.perf_counter() - start
+            self._pending = [(p, p.grad) for p in params if p.grad is not None]
+        finally:
+            for p, g in zip(params, held):
+                p.grad = g
+        if self.ledger is not None:
+            self.ledger.record_stage_sends(*self._sends)
+        theory = (self.size - 1) / (m + self.size - 1)
+        if self.schedule_name == "interleaved_1f1b":
+            theory /= len(self._local)
+        measured = max(0.0, 1.0 - self.busy_s / elapsed) if elapsed > 0 else 0.0
+        self.last_stats = PipelineStats(self.stages, len(self._local), m, self._sends[1], measured, theory)
+        payload: Any = None
+        if last:
+            losses = [self._losses[i] for i in range(m)]
+            payload = (torch.stack(losses).mean().cpu(), combine_logs([self._logged.get(i, []) for i in range(m)]))
+        payload = comm.broadcast_object(payload, src=self._owner(self.stages - 1), group=self.pipeline_group)
+        loss, logs = payload
+        for name, value, kwargs in logs:
+            module.log(name, value.to(device), **kwargs)
+        return _PendingGradients.apply(loss.to(device).requires_grad_(True), self)
+
+    def add_pending(self, scale: Tensor) -> None:
+        """The backward of the loss :meth:`training_step` returned: the schedule's gradients, times ``scale`` (what
+        flows into that loss: ``1 / accumulate_grad_batches``, times the loss scale under fp16), added to
+        ``.grad``."""
+        pending, self._pending = self._pending, []
+        with torch.no_grad():
+            for p, g in pending:
+                g = g * scale.to(g.dtype)
+                p.grad = g if p.grad is None else p.grad + g
+
+    @staticmethod
+    def _module_device(module: Any) -> torch.device:
+        return next(iter(module.parameters())).device
+
+    @contextlib.contextmanager
+    def _logs_captured(self, module: Any) -> Generator[None, None, None]:
+        signature = inspect.signature(type(module).log)
+        backend = self
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(module, name, value, *args, **kwargs).arguments
+            given = {k: v for k, v in bound.items() if k not in ("self", "name", "value")}
+            given.update(given.pop("kwargs", {}))
+            if backend._logs_wanted:  # the last stage's calls: the loss exists there only
+                backend._logged.setdefault(backend._chunk, []).append((name, value, given))
+
+        module.log = log
+        try:
+            yield
+        finally:
+            del module.log
+
+    _chunk = 0
+    _logs_wanted = False
+
+    def run_stage(self, stage: int, chunk: int, received: Tensor) -> Tensor:
+        """The user's ``training_step`` on micro-batch ``chunk``, run as stage ``stage``: see the module docstring."""
+        module: Any = self.module
+        assert module is not None and self.plan is not None
+        start, end = self.plan.bounds[stage]
+        is_first, is_last = stage == 0, stage == self.stages - 1
+        handles: list[Any] = []
+        skipped: list[nn.Module] = []
+        for j in range(start):
+            block = self._blocks[j]
+            block.forward = self._passthrough(j)
+            skipped.append(block)
+        if not is_first:
+
+            def take(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                return (received, *args[1:]), kwargs
+
+            handles.append(self._blocks[start].register_forward_pre_hook(take, with_kwargs=True))
+        if not is_last:
+
+            def stop(block: nn.Module, args: Any, output: Any) -> None:
+                tensor = _first_tensor(output)
+                assert tensor is not None  # checked by the probe
+                raise _StageOutput(tensor)
+
+            handles.append(self._blocks[end - 1].register_forward_hook(stop))
+        self._chunk, self._logs_wanted = chunk, is_last
+        try:
+            out = module.training_step(self._micro[chunk], self._step_batch_index)
+        except _StageOutput as stage_output:
+            return stage_output.output.contiguous()
+        finally:
+            for h in handles:
+                h.remove()
+            for block in skipped:
+                del block.forward
+        loss = out["loss"] if isinstance(out, dict) else out
+        if not isinstance(loss, Tensor):
+            raise PipelineError(
+                "training_step returned no loss tensor on the last pipeline stage; return the loss (or a dict with "
+                "'loss')."
+            )
+        self._losses[chunk] = loss.detach()
+        return loss
+
+    def _passthrough(self, index: int) -> Callable[..., Any]:
+        extra = self._tuple_outputs.get(index, 0)
+
+        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+            return (x, *([None] * extra)) if extra else x
+
+        return forward
+
+    def _loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return output * self._scale
+
+    # --- the stages, built once per micro-batch shape -------------------------------------------------------
+    def _schedule_for(self, module: Any, key: Any) -> Any:
+        if key in self._schedules:
+            return self._schedules[key]
+        boundaries, loss_meta = self._probe(module)
+        device = self._module_device(module)
+        stages: list[Any] = []
+        for s in self._local:
+            if s == 0:
+                inputs: Tensor = torch.zeros(1, dtype=torch.long, device=device)
+            else:
+                shape, dtype = boundaries[s - 1]
+                inputs = torch.empty(shape, dtype=dtype, device=device).requires_grad_(dtype.is_floating_point)
+            if s == self.stages - 1:
+                outputs = torch.empty(loss_meta[0], dtype=loss_meta[1], device=device).requires_grad_(True)
+            else:
+                shape, dtype = boundaries[s]
+                outputs = torch.empty(shape, dtype=dtype, device=device).requires_grad_(dtype.is_floating_point)
+            runner = _Stage(self, s, self._stage_blocks(s))
+            stage = _ChunkedStage(
+                runner, s, self.stages, device, input_args=inputs, output_args=outputs, group=self.pipeline_group
+            )
+            stages.append(stage)
+        m = self.microbatches
+        schedule: Any
+        if self.schedule_name == "interleaved_1f1b":
+            schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=self._loss, scale_grads=False)
+        elif self.schedule_name == "gpipe":
+            schedule = ScheduleGPipe(stages[0], m, loss_fn=self._loss, scale_grads=False)
+        else:
+            schedule = Schedule1F1B(stages[0], m, loss_fn=self._loss, scale_grads=False)
+        sends, sent = 0, 0
+        for s in self._local:  # an activation forward from each stage but the last, its gradient back from the next
+            for boundary in ([boundaries[s]] if s != self.stages - 1 else []) + ([boundaries[s - 1]] if s else []):
+                shape, dtype = boundary
+                sends += m
+                sent += m * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._sends = (sends, sent)
+        self._schedules[key] = schedule
+        return schedule
+
+    def _probe(self, module: Any) -> tuple[list[tuple[torch.Size, torch.dtype]], tuple[torch.Size, torch.dtype]]:
+        """One forward of the whole ``training_step`` on micro-batch 0 (no gradients, evaluation mode, the random
+        state restored, logs dropped): the blocks' order, the activation at each stage boundary and the loss's
+        shape. Raises :class:`PipelineError` where the model does not have the shape the pipeline needs."""
+        assert self.plan is not None
+        calls: list[int] = []
+        inputs: dict[int, Any] = {}
+        outputs: dict[int, Any] = {}
+        handles = []
+        for j, block in enumerate(self._blocks):
+
+            def pre(b: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], j: int = j) -> None:
+                calls.append(j)
+                inputs[j] = args[0] if args else None
+
+            def post(b: nn.Module, args: Any, output: Any, j: int = j) -> None:
+                outputs[j] = output
+
+            handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(block.register_forward_hook(post))
+        training = module.training
+        module.eval()
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), self._logs_captured(module):
+                out = module.training_step(self._micro[0], self._step_batch_index)
+        finally:
+            module.train(training)
+            for h in handles:
+                h.remove()
+        self._logged = {}
+        names = self.plan.names
+        if calls != list(range(len(self._blocks))):
+            order = [names[j] for j in calls]
+            raise PipelineError(
+                f"The training_step of {type(module).__name__} calls the blocks of {self.plan.container!r} in the "
+                f"order {order}, not each once in order. The pipeline needs {SHAPE_NEEDED}."
+            )
+        boundaries = []
+        for s in range(self.stages - 1):
+            end = self.plan.bounds[s][1]
+            sent, taken = _first_tensor(outputs[end - 1]), inputs[end]
+            if (
+                sent is None
+                or not isinstance(taken, Tensor)
+                or sent.shape != taken.shape
+                or not torch.equal(sent, taken)
+            ):
+                raise PipelineError(
+                    f"At the stage boundary before {names[end]!r}, the forward does not hand the output of "
+                    f"{names[end - 1]!r} (its first tensor) to {names[end]!r} as its first argument unchanged. The "
+                    f"pipeline needs {SHAPE_NEEDED}. Choose other split points (pipeline_split) where it does."
+                )
+            boundaries.append((sent.shape, sent.dtype))
+        for j, output in outputs.items():
+            if isinstance(output, (tuple, list)):
+                self._tuple_outputs[j] = len(output) - 1
+        loss = out["loss"] if isinstance(out, dict) else out
+        if not isinstance(loss, Tensor):
+            raise PipelineError(
+                f"training_step of {type(module).__name__} returned {type(out).__name__}; under pipeline parallelism "
+                f"it must return the loss tensor (or a dict with 'loss')."
+            )
+        return boundaries, (loss.shape, loss.dtype)
+
+    # --- after the closure: the replicas' and the shared weights' gradients ----------------------------------
+    def after_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Lightning's closure (the step's last training_step and its backward), then :meth:`sync_gradients`:
+        before the precision plugin unscales and clips."""
+
+        def synced() -> Any:
+            out = closure()
+            self.sync_gradients()
+            return out
+
+        return synced
+
+    def sync_gradients(self) -> None:
+        """Average the blocks' gradients over the data-parallel replicas, and sum the gradients of the weights
+        outside the blocks over the stages (then average them over the replicas): every replica then holds the
+        one-process gradient of what it trains. A parameter without a gradient on every rank keeps none."""
+        assert self.dims is not None
+        dp = self.dims.data_parallel
+        if dp > 1:
+            self._reduce(self._owned_params(), self.data_group, dp)
+        self._reduce(self._shared_params(), None, dp)
+
+    def _reduce(self, params: list[nn.Parameter], group: Any, divide: int) -> None:
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        reference = next((g for g in grads if g is not None), None)
+        dtype = reference.dtype if reference is not None else params[0].dtype
+        flat = torch.cat(
+            [(g if g is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p, g in zip(params, grads)]
+            + [torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=params[0].device)]
+        )
+        comm.all_reduce(flat, group=group, ledger=self.ledger)
+        flags = flat[-len(params) :]
+        offset = 0
+        for i, p in enumerate(params):
+            n = p.numel()
+            if flags[i] > 0:
+                p.grad = (flat[offset : offset + n].view_as(p) / divide).to(p.dtype)
+            offset += n
+
+    # --- the whole model on every rank ------------------------------------------------------------------------
+    @torch.no_grad()
+    def gather_blocks(self) -> None:
+        """Broadcast each block's weights and buffers from the rank that trains it to the other ranks of its
+        pipeline: every rank then holds the trained model (a collective of the pipeline's ranks)."""
+        if not self._stale or self.plan is None or self.dims is None or not comm.group_is_up():
+            return  # nothing trained since the last gather (validate/test/predict outside fit: rank 0's weights)
+        self._stale = False
+        for s in range(self.stages):
+            tensors = [t for b in self._stage_blocks(s) for t in [*b.parameters(), *b.buffers()]]
+            for dtype in sorted({t.dtype for t in tensors}, key=str):
+                group = [t for t in tensors if t.dtype == dtype]
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                comm.broadcast(flat, src=self._owner(s), group=self.pipeline_group)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def before_evaluation(self, model: nn.Module) -> None:
+        self.gather_blocks()
+
+    def full_model_state(self, module: nn.Module, keys: Optional[set[str]] = None) -> dict[str, Any]:
+        self.gather_blocks()
+        state = module.state_dict()
+        return state if keys is None else {k: v for k, v in state.items() if k in keys}
+
+    def full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
+        """One process's ``optimizer.state_dict()``: each parameter's state from the stage that trains it."""
+        state = optimizer.state_dict()
+        params = optimizer_params(optimizer)
+        mine = {id(p) for p in self._owned_params()}
+        if self.pipeline_index == 0:
+            mine |= {id(p) for p in self._shared_params()}
+        local = {
+            i: {k: v.cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
+            for i, s in state["state"].items()
+            if id(params[i]) in mine
+        }
+        merged: dict[int, Any] = {}
+        for part in comm.all_gather_object(local, group=self.pipeline_group):
+            merged.update(part)
+        return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}

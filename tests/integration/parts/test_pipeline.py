@@ -1,0 +1,412 @@
+"""Pipeline parallelism through ``Trainer.fit`` on 4 gloo processes (pipeline 2 x data 2, and pipeline 4), float64:
+the weights equal one process with the same global batch for each schedule, with ``accumulate_grad_batches`` and
+global-norm clipping that bites; the logged training loss and the validation loss are the one-process values; a
+consolidated checkpoint written by the pipeline resumes in one process and continues as an uninterrupted run. Two
+models as users write them: an ``nn.Sequential`` stack and a GPT-style model whose forward iterates a
+``ModuleList`` (embeddings and a causal mask before the blocks, a norm and a head tied to the embedding after)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_mgpu import MGPUShardedStrategy
+from lightning_mgpu.parts.pipeline import PipelineBackend
+
+WORLD = 4
+GLOBAL_BATCH = 8
+SAMPLES = 48  # 6 batches of 8 per epoch
+CLIP = 0.05
+VOCAB, SEQ, WIDTH = 11, 6, 8
+
+
+class SequentialNet(pl.LightningModule):
+    """A plain ``nn.Sequential`` stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(6, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 3)
+        ).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and MLP, called as ``block(x, mask)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        att = (q @ k.transpose(-2, -1) / math.sqrt(WIDTH)).masked_fill(mask, float("-inf")).softmax(-1)
+        x = x + self.proj(att @ v)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(pl.LightningModule):
+    """GPT-style: token and position embeddings, a causal mask, ``for block in self.blocks``, a final norm, a head
+    whose weight is the token embedding's (tied)."""
+
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
+        self.blocks = nn.ModuleList([Block() for _ in range(blocks)])
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+        self.double()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=idx.device), diagonal=1)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, target = batch
+        loss = F.cross_entropy(self(idx).flatten(0, 1), target.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        idx, target = batch
+        self.log("val_loss", F.cross_entropy(self(idx).flatten(0, 1), target.flatten()), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class HFGPT2(pl.LightningModule):
+    """A transformers GPT-2 (tiny random config, tied embeddings, dropout off), its loss from ``labels``: the blocks
+    are ``model.transformer.h``, each returning a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        drop = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=2, n_head=2, **drop)
+        self.model = GPT2LMHeadModel(config).double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.model(input_ids=batch[0], labels=batch[0]).loss, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+def dataset(model: str) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    if model.startswith("gpt") or model == "hf_gpt2":
+        tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=g)
+        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return TensorDataset(
+        torch.randn(SAMPLES, 6, generator=g, dtype=torch.float64),
+        torch.randn(SAMPLES, 3, generator=g, dtype=torch.float64),
+    )
+
+
+class Data(pl.LightningDataModule):
+    """Training batches from the strategy's sampler arguments (every stage of a pipeline gets its replica's
+    batch); validation through Lightning's automatic sampler (exact evaluation)."""
+
+    def __init__(self, data: TensorDataset, batch_size: int) -> None:
+        super().__init__()
+        self.data, self.batch_size = data, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        distributed = torch.distributed.is_initialized()
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs if distributed else {"num_replicas": 1, "rank": 0}
+        sampler = DistributedSampler(self.data, shuffle=False, **kwargs)
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=5)  # 48 samples: batches of different sizes on 4 ranks
+
+
+class Record(pl.Callback):
+    """On every rank at the end of fit: the whole state (a collective under the pipeline), the logged values, the
+    pre-clip gradient norms; rank 0 saves them and a checkpoint."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
+        squares = [p.grad.pow(2).sum() for p in module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.stack(squares).sum().sqrt()) if squares else 0.0)
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        state = trainer.strategy.lightning_module_state_dict()
+        trainer.save_checkpoint(self.out / "last.ckpt")
+        if trainer.global_rank == 0:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+            stats = trainer.strategy.pipeline_stats() if hasattr(trainer.strategy, "pipeline_stats") else None
+            ledger = getattr(trainer.strategy, "comm_stats", None)
+            record = {"state": state, "metrics": metrics, "norms": self.norms, "stats": stats, "ledger": ledger}
+            torch.save(record, self.out / "record.pt")
+
+
+def trainer_kwargs(out: Path, accumulate: int, **kwargs: Any) -> dict[str, Any]:
+    return {
+        "accelerator": "cpu",
+        "max_epochs": 1 if accumulate == 1 else 2,  # 6 or 4 optimizer steps
+        "accumulate_grad_batches": accumulate,
+        "gradient_clip_val": CLIP,
+        "use_distributed_sampler": True,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "callbacks": [Record(out)],
+        **kwargs,
+    }
+
+
+def make_model(name: str) -> pl.LightningModule:
+    """``"gpt8"``: 8 blocks, for 4 ranks of 2 interleaved stages each."""
+    if name == "hf_gpt2":
+        pytest.importorskip("transformers")
+        return HFGPT2()
+    return TinyGPT(blocks=8 if name == "gpt8" else 4) if name.startswith("gpt") else SequentialNet()
+
+
+def reference(name: str, accumulate: int, out: Path, ckpt: Optional[Path] = None, epochs: int = 0) -> dict[str, Any]:
+    """One process, the global batch: plain Lightning on one device."""
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = trainer_kwargs(out, accumulate, devices=1)
+    if epochs:
+        kwargs["max_epochs"] = epochs
+    trainer = pl.Trainer(**kwargs)
+    trainer.fit(make_model(name), Data(dataset(name), GLOBAL_BATCH), ckpt_path=ckpt)
+    return torch.load(out / "record.pt", weights_only=False)
+
+
+def pipelined(
+    tmp: Path,
+    name: str,
+    pipeline: int,
+    schedule: str,
+    accumulate: int,
+    strategy_cls: type = MGPUShardedStrategy,
+    predict: bool = False,
+    ckpt: Optional[Path] = None,
+    epochs: int = 0,
+    **options: Any,
+) -> dict[str, Any]:
+    replicas = WORLD // pipeline
+    m = 2 * pipeline if schedule == "interleaved_1f1b" else 4
+    strategy = strategy_cls(
+        pipeline_parallel_size=pipeline,
+        pipeline_schedule=schedule,
+        pipeline_microbatches=m,
+        start_method="fork",
+        **options,
+    )
+    kwargs = trainer_kwargs(tmp, accumulate, devices=WORLD)
+    if epochs:
+        kwargs["max_epochs"] = epochs
+    trainer = pl.Trainer(strategy=strategy, **kwargs)
+    model = make_model(name)
+    trainer.fit(model, Data(dataset(name), GLOBAL_BATCH // replicas), ckpt_path=ckpt)
+    record = torch.load(tmp / "record.pt", weights_only=False)
+    if predict:  # a new launch: every rank runs the whole model on its share, gathered in dataset order
+        record["predictions"] = torch.cat(trainer.predict(model, DataLoader(dataset(name), batch_size=5)))
+    return record
+
+
+def assert_one_process(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert want["norms"] and max(want["norms"]) > CLIP, "the clipping must bite for the comparison to mean anything"
+    assert got["state"].keys() == want["state"].keys()
+    for key in want["state"]:
+        torch.testing.assert_close(got["state"][key], want["state"][key], msg=key)
+    for name in ("train_loss", "val_loss"):
+        torch.testing.assert_close(got["metrics"][name], want["metrics"][name], msg=name)
+
+
+# (model, pipeline stages, schedule, accumulate_grad_batches): the default suite runs one of each schedule, each
+# layout and each k once; -m slow the whole matrix
+CASES = [
+    ("sequential", 2, "1f1b", 3),
+    ("gpt", 4, "gpipe", 1),
+    ("gpt", 2, "interleaved_1f1b", 3),
+    ("hf_gpt2", 2, "gpipe", 1),
+]
+MATRIX = [
+    ("gpt8" if (model, p, schedule) == ("gpt", 4, "interleaved_1f1b") else model, p, schedule, k)
+    for model in ("sequential", "gpt")
+    for p in (2, 4)
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b")
+    for k in (1, 3)
+    if (model, p, schedule, k) not in CASES and (model, p, schedule) != ("sequential", 4, "interleaved_1f1b")
+]
+
+
+@pytest.mark.parametrize(("model", "pipeline", "schedule", "accumulate"), CASES)
+def test_pipeline_trains_as_one_process(
+    tmp_path: Path, model: str, pipeline: int, schedule: str, accumulate: int
+) -> None:
+    want = reference(model, accumulate, tmp_path / "reference")
+    # the GPT at pipeline 4 also recomputes its blocks' activations and checks the gradients are finite
+    options = {"activation_checkpointing": Block, "nonfinite": "error"} if (model, pipeline) == ("gpt", 4) else {}
+    got = pipelined(
+        tmp_path / "pipeline", model, pipeline, schedule, accumulate, predict=model == "sequential", **options
+    )
+    assert_one_process(got, want)
+    # the checkpoint the pipeline wrote is one process's: it resumes on one device and continues as an
+    # uninterrupted run (its optimizer state, gathered from the stages, included)
+    epochs = (2 if accumulate == 1 else 4) if model == "sequential" else 0
+    if model == "sequential":  # stage 0 (rank 0) sends the (1, 8) float64 activation of each of 4 micro-batches
+        stats = got["stats"]
+        assert (stats.stages, stats.microbatches, stats.bytes_sent) == (2, 4, 4 * 8 * 8)
+        assert stats.bubble_theory == pytest.approx(1 / 5) and 0.0 <= stats.bubble <= 1.0
+        assert got["ledger"].stage_bytes_per_step == accumulate * stats.bytes_sent  # k micro-steps per step
+    if epochs:
+        trained = SequentialNet()
+        trained.load_state_dict(want["state"])
+        with torch.no_grad():
+            torch.testing.assert_close(got["predictions"], trained(dataset(model).tensors[0]))
+        resumed = reference(
+            model, accumulate, tmp_path / "resumed", ckpt=tmp_path / "pipeline" / "last.ckpt", epochs=epochs
+        )
+        uninterrupted = reference(model, accumulate, tmp_path / "uninterrupted", epochs=epochs)
+        # and the other way: one process's checkpoint resumed by the pipeline (its optimizer state loaded on every
+        # stage) continues as the uninterrupted run
+        into_pipeline = pipelined(
+            tmp_path / "into_pipeline",
+            model,
+            pipeline,
+            schedule,
+            accumulate,
+            ckpt=tmp_path / "reference" / "last.ckpt",
+            epochs=epochs,
+        )
+        for key in uninterrupted["state"]:
+            torch.testing.assert_close(resumed["state"][key], uninterrupted["state"][key], msg=key)
+            torch.testing.assert_close(into_pipeline["state"][key], uninterrupted["state"][key], msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "pipeline", "schedule", "accumulate"), MATRIX)
+def test_pipeline_matrix(tmp_path: Path, model: str, pipeline: int, schedule: str, accumulate: int) -> None:
+    assert_one_process(
+        pipelined(tmp_path / "pipeline", model, pipeline, schedule, accumulate),
+        reference(model, accumulate, tmp_path / "reference"),
+    )
+
+
+class UnsyncedReplicas(PipelineBackend):
+    """Negative control: the data replicas' gradients are not averaged (each replica steps on its own half of the
+    batch). (Summing the micro-batches' losses instead of averaging them would not do: clipping that bites every
+    step hides a scale.)"""
+
+    def sync_gradients(self) -> None:
+        pass
+
+
+class BrokenPipeline(MGPUShardedStrategy):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        assert self._pipeline is not None
+        broken = UnsyncedReplicas(self._pipeline.size, "1f1b", self._pipeline.microbatches, "auto")
+        self._pipeline = self._sharding = broken
+
+
+def test_negative_control_the_comparison_fails_for_a_wrong_pipeline(tmp_path: Path) -> None:
+    want = reference("sequential", 1, tmp_path / "reference")
+    got = pipelined(tmp_path / "pipeline", "sequential", 2, "1f1b", 1, strategy_cls=BrokenPipeline)
+    with pytest.raises(AssertionError):
+        assert_one_process(got, want)
+
+
+def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_path: Path) -> None:
+    """``import lightning as L`` with ``lightning_mgpu.lightning``: pipeline 2 on 2 processes, 1F1B, a model whose
+    forward iterates a ``ModuleList``, its loader sharded by Lightning's automatic sampler (one data replica: both
+    stages see every batch)."""
+    import lightning as L
+
+    import lightning_mgpu.lightning as mgpu
+
+    data = dataset("sequential")
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp = nn.Linear(6, WIDTH)
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(3)])
+            self.out = nn.Linear(WIDTH, 3)
+            self.double()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            h = self.inp(x)
+            for layer in self.layers:
+                h = layer(h)
+            return F.mse_loss(self.out(h), y)
+
+        def train_dataloader(self) -> DataLoader:
+            if self.trainer.world_size > 1:  # Lightning's automatic sampler, shuffling: one data replica of 2 stages
+                return DataLoader(data, batch_size=GLOBAL_BATCH)
+            # one process: the same order (torch's shuffle of epoch 0 with Lightning's seed 0, one replica)
+            sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+            return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    class Save(L.Callback):
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            state = trainer.strategy.lightning_module_state_dict()
+            if trainer.global_rank == 0:
+                torch.save(state, tmp_path / f"{trainer.world_size}.pt")
+
+    flags: dict[str, Any] = {"accelerator": "cpu", "max_steps": 4, "logger": False, "enable_checkpointing": False}
+    flags.update(enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()])
+    L.Trainer(devices=1, **flags).fit(Net())
+    strategy = mgpu.MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, start_method="fork")
+    L.Trainer(devices=2, strategy=strategy, **flags).fit(Net())
+    want, got = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=key)

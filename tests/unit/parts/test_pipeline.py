@@ -1,0 +1,108 @@
+"""The pipeline's pieces without processes: where the stages begin, balanced splits, micro-batches, the logged
+values combined over micro-batches, and the refusal of a model whose forward does not hand a block's output to the
+next block (found by the probe of one forward)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from lightning_mgpu.parts.pipeline import (
+    PipelineBackend,
+    PipelineError,
+    balanced_bounds,
+    combine_logs,
+    plan_stages,
+    split_batch,
+)
+
+
+class Stack(pl.LightningModule):
+    def __init__(self, between: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+        self.head = nn.Linear(4, 1)
+        self.between = between
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = self.embed(batch)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if self.between and i == 1:
+                x = x * 2  # changes the activation between two blocks: no stage boundary may fall here
+        loss = self.head(x).pow(2).mean()
+        self.log("loss", loss)
+        return loss
+
+
+def test_auto_split_takes_the_largest_block_container_and_balances_parameters():
+    plan = plan_stages(Stack(), "auto", 2)
+    assert plan.container == "blocks"
+    assert plan.names == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    assert plan.bounds == ((0, 2), (2, 4)) and plan.begins() == ["blocks.2"]
+    assert balanced_bounds([1, 1, 1, 1, 4], 2) == ((0, 4), (4, 5))
+    assert balanced_bounds([2, 2, 2, 2, 2, 2], 3) == ((0, 2), (2, 4), (4, 6))
+
+
+def test_named_split_gives_the_stages_and_a_wrong_name_is_refused_with_the_names_to_use():
+    plan = plan_stages(Stack(), ["blocks.1", "blocks.3"], 3)
+    assert plan.bounds == ((0, 1), (1, 3), (3, 4))
+    with pytest.raises(PipelineError, match=r"no module named 'blocks\.7'.*named_modules\(\)"):
+        plan_stages(Stack(), ["blocks.7"], 2)
+    with pytest.raises(PipelineError, match=r"children of one nn\.Sequential or nn\.ModuleList"):
+        plan_stages(Stack(), ["head"], 2)
+    with pytest.raises(PipelineError, match="increasing order"):
+        plan_stages(Stack(), ["blocks.3", "blocks.1"], 3)
+    with pytest.raises(PipelineError, match="at least 5 children"):
+        plan_stages(Stack(), "auto", 5)
+
+
+def test_a_batch_is_cut_into_micro_batches_and_one_that_does_not_divide_is_refused_with_the_fix():
+    batch = {"x": torch.arange(12).view(6, 2), "y": (torch.arange(6), "tag")}
+    parts = split_batch(batch, 3)
+    assert [p["x"].shape[0] for p in parts] == [2, 2, 2]
+    assert torch.equal(torch.cat([p["y"][0] for p in parts]), torch.arange(6))
+    assert all(p["y"][1] == "tag" for p in parts)
+    with pytest.raises(PipelineError, match=r"batch of 6 samples.*pipeline_microbatches=4.*multiple of 4"):
+        split_batch(batch, 4)
+
+
+def test_logged_values_combine_over_micro_batches_with_their_reduce_fx():
+    records = [
+        [("loss", torch.tensor(1.0), {}), ("seen", 2, {"reduce_fx": "sum"})],
+        [("loss", torch.tensor(3.0), {}), ("seen", 4, {"reduce_fx": "sum"})],
+    ]
+    combined = {name: (float(value), kwargs) for name, value, kwargs in combine_logs(records)}
+    assert combined == {"loss": (2.0, {}), "seen": (6.0, {"reduce_fx": "sum"})}
+    with pytest.raises(PipelineError, match="reduce_fx"):
+        combine_logs([[("loss", torch.tensor(1.0), {"reduce_fx": "median"})]])
+
+
+def _probed(module: pl.LightningModule, split: Any) -> PipelineBackend:
+    backend = PipelineBackend(2, "1f1b", 2, split)
+    backend.module = module
+    backend.plan = plan_stages(module, split, 2)
+    modules = dict(module.named_modules())
+    backend._blocks = [modules[n] for n in backend.plan.names]
+    backend._micro = split_batch(torch.randn(4, 3), 2)
+    state = torch.random.get_rng_state()
+    backend._probe(module)
+    assert torch.equal(state, torch.random.get_rng_state())  # dropout in a real step draws as without the probe
+    return backend
+
+
+def test_the_probe_drops_the_logs_and_keeps_the_random_state_and_the_training_mode():
+    module = Stack()
+    backend = _probed(module, ["blocks.2"])
+    assert backend._logged == {} and module.training
+
+
+def test_a_forward_that_changes_the_activation_at_a_boundary_is_refused_naming_the_place():
+    _probed(Stack(between=True), ["blocks.3"])  # the change is inside stage 0: fine
+    with pytest.raises(PipelineError, match=r"before 'blocks\.2'.*Choose other split points"):
+        _probed(Stack(between=True), ["blocks.2"])
