@@ -725,6 +725,12 @@ CASES = [
         id="pipeline-with-sharded-checkpoints-not-supported-yet",
     ),
     pytest.param(
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2),
+        ValueError,
+        ["tensor_parallel_size=2 is not supported yet", "tensor parallelism within a stage", "Remove"],
+        id="pipeline-with-tensor-parallelism-not-supported-yet",
+    ),
+    pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=4, pipeline_microbatches=2),
         ValueError,
         ["pipeline_microbatches=2 < pipeline_parallel_size=4", "pipeline_microbatches=4", "'gpipe'"],
