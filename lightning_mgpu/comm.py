@@ -725,6 +725,13 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a ``DTensor`` on every rank (an all-gather over its mesh: a collective, every rank calls it);
+    a plain tensor itself."""
+    gather = getattr(tensor, "full_tensor", None)
+    return gather() if callable(gather) else tensor
+
+
 def group_is_up() -> bool:
     """True when ``torch.distributed`` is built in and the default process group is initialised.
 

@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "mgpu_complete.json"
 """Written last, by rank 0, into a sharded checkpoint directory once every rank has written its part."""
+EMA_STATE_KEY = "ema_state_dict"
+"""The checkpoint entry of the :class:`~lightning_mgpu.EMA` average: parameter name -> tensor (a ``DTensor`` shard
+in a sharded directory, where it is written beside ``state_dict``)."""
 _TMP = ".tmp-"  # a save in progress (or killed): .<name>.tmp-<pid>
 _OLD = ".old-"  # the previous directory, set aside for the instant of the swap: .<name>.old-<pid>
 _DEL = ".del-"  # a directory being removed: .<name>.del-<pid>

@@ -59,6 +59,7 @@ from lightning_mgpu.parts.sharding import (
 )
 from lightning_mgpu.plugins.async_checkpoint import sharded_directory_write
 from lightning_mgpu.plugins.checkpoint_io import (
+    EMA_STATE_KEY,
     PathLike,
     begin_dir,
     check_complete,
@@ -129,6 +130,7 @@ class ShardMemory:
 
 _METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint (Lightning's ModelParallelStrategy name)
 _OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
+_EMA_NAMES = "mgpu_sharded_ema"  # the parameter names of the EMA average saved beside state_dict (or absent)
 
 
 @document_options(
@@ -524,6 +526,10 @@ class MGPUShardedStrategy(ParallelStrategy):
             tensors[f"optimizer_{i}"] = state
         # None: saved with weights only (Lightning then refuses to resume training from it, as for a file)
         checkpoint[_OPTIMIZER_COUNT] = None if optimizer_states is None else len(optimizer_states)
+        ema = checkpoint.pop(EMA_STATE_KEY, None)
+        if ema is not None:  # the EMA callback's average: each rank's shards, as the weights
+            tensors[EMA_STATE_KEY] = ema
+            checkpoint[_EMA_NAMES] = sorted(ema)
         # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
         # does rank 0 mark it complete and swap it in under `path`. A save killed or failing on any rank
         # leaves the previous checkpoint under `path` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
@@ -608,7 +614,10 @@ class MGPUShardedStrategy(ParallelStrategy):
         assert module is not None
         checkpoint: dict[str, Any] = load_file(path / _METADATA, weights_only, map_location="cpu", ckpt_path=path)
         saved_optimizers = checkpoint.pop(_OPTIMIZER_COUNT, None)
+        ema_names = checkpoint.pop(_EMA_NAMES, None)
         template: dict[str, Any] = {"state_dict": module.state_dict()}
+        if ema_names is not None:  # shaped and sharded as the parameters they average
+            template[EMA_STATE_KEY] = {name: torch.empty_like(template["state_dict"][name]) for name in ema_names}
         load_optimizers = bool(self.lightning_restore_optimizer and self.optimizers and saved_optimizers is not None)
         if load_optimizers:
             if saved_optimizers != len(self.optimizers):
@@ -621,6 +630,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         # every rank reads the slices it owns now, whatever the world size at save time
         load_sharded_dir(template, path, self._process_group(), weights_only)
         module.load_state_dict(template["state_dict"], strict=module.strict_loading)
+        if ema_names is not None:
+            checkpoint[EMA_STATE_KEY] = template[EMA_STATE_KEY]
         if load_optimizers:
             for i, opt in enumerate(self.optimizers):
                 self._sharding.finish_optimizer_load(opt, template[f"optimizer_{i}"])
