@@ -25,6 +25,7 @@ from lightning_mgpu import distributed
 from lightning_mgpu.callbacks import EMA, DeviceMonitor, ScaleLR
 from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
 from lightning_mgpu.distributed import effective_batch_size
+from lightning_mgpu.export import export_checkpoint
 from lightning_mgpu.migration import RemovedTrainerArgument, guard_trainer
 from lightning_mgpu.parts.accumulation import ManualAccumulation
 from lightning_mgpu.parts.activation_checkpointing import (
@@ -82,6 +83,7 @@ __all__ = [
     "checkpointed_modules",
     "distributed",
     "effective_batch_size",
+    "export_checkpoint",
     "plan",
     "preset_table",
     "register_presets",

@@ -103,6 +103,13 @@ class EMA(MGPUCallback):
         _reshard(pl_module)
         return {name: p for name, p in pl_module.named_parameters() if p.requires_grad}
 
+    @staticmethod
+    def _all_names(pl_module: nn.Module, params: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Every ``state_dict`` name of the averaged parameters, tied ones under each of their names (GPT-2's
+        ``lm_head.weight`` is ``transformer.wte.weight``), so that a checkpoint's average replaces every copy."""
+        first = {id(p): name for name, p in params.items()}
+        return [(name, p) for name, p in pl_module.named_parameters(remove_duplicate=False) if id(p) in first]
+
     def _place_loaded(self, params: dict[str, torch.Tensor]) -> None:
         """The average read from a checkpoint, as this rank's shards on the parameters' devices: a sharded
         checkpoint hands ``DTensor`` shards, a one-file checkpoint whole tensors, which each rank slices locally."""
@@ -237,8 +244,9 @@ class EMA(MGPUCallback):
             return
         sharded = getattr(trainer.strategy, "checkpoint_layout", None) == "sharded"
         entries: dict[str, torch.Tensor] = {}
-        for name, p in params.items():
-            average = self._ema[name]
+        first = {id(p): name for name, p in params.items()}
+        for name, p in self._all_names(pl_module, params):
+            average = self._ema[first[id(p)]]
             if isinstance(p, DTensor):
                 spread = DTensor.from_local(
                     average, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()

@@ -398,10 +398,11 @@ def load_file(
     weights_only: Optional[bool] = None,
     map_location: Any = None,
     ckpt_path: Optional[PathLike] = None,
+    mmap: bool = False,
 ) -> Any:
     """``torch.load(path, weights_only=weights_only)`` of a local checkpoint file (``ckpt_path``, what the user
     passed, defaults to ``path``); refused with :func:`refusal_message` (a ``pickle.UnpicklingError``) unless
-    ``weights_only=False``.
+    ``weights_only=False``. ``mmap``: the tensors are mapped from the file, read when used.
 
     Example:
 
@@ -412,7 +413,7 @@ def load_file(
         3
     """
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as err:
         if weights_only is False:
             raise
