@@ -94,8 +94,26 @@ def hf_models(module: nn.Module) -> dict[str, dict[str, str]]:
             continue
         config = getattr(sub, "config", None)
         if callable(getattr(sub, "save_pretrained", None)) and callable(getattr(config, "to_json_string", None)):
-            found[name] = {"class": type(sub).__name__, "config": config.to_json_string()}  # type: ignore[union-attr]
+            entry = {"class": type(sub).__name__, "config": config.to_json_string()}  # type: ignore[union-attr]
+            adapters = getattr(sub, "peft_config", None)
+            base = getattr(sub, "get_base_model", None)
+            if isinstance(adapters, dict) and callable(base):  # a peft model: its base's class, its adapters
+                entry["class"] = type(base()).__name__
+                entry["peft"] = json.dumps({k: _plain(v.to_dict()) for k, v in adapters.items()}, sort_keys=True)
+            found[name] = entry
     return found
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can hold it (peft's configurations hold sets and enums)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_plain(v) for v in value]
+        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(getattr(value, "value", value))
 
 
 def record_hf_models(checkpoint: dict[str, Any], module: Optional[nn.Module]) -> None:
@@ -218,8 +236,8 @@ def _select(groups: dict[str, dict[str, _Tensor]], ema: bool, prefix: str, path:
 
 def _choose_model(
     meta: dict[str, Any], prefix: Optional[str], config: Optional[PathLike], path: Path
-) -> tuple[str, Optional[dict[str, Any]], Optional[str]]:
-    """(prefix, the configuration as a dict or None, the model class name or None)."""
+) -> tuple[str, Optional[dict[str, Any]], Optional[str], Optional[dict[str, Any]]]:
+    """(prefix, the configuration as a dict or None, the model class name or None, the recorded entry or None)."""
     models: dict[str, dict[str, str]] = meta.get(HF_MODELS_KEY) or {}
     if prefix is None:
         if len(models) == 1:
@@ -230,15 +248,99 @@ def _choose_model(
                 f"to export, e.g. --prefix {sorted(models)[0]}."
             )
     recorded = models.get(prefix) if prefix is not None else None
+    return (prefix or "", *_config_of(recorded, config))
+
+
+def _config_of(
+    recorded: Optional[dict[str, str]], config: Optional[PathLike]
+) -> tuple[Optional[dict[str, Any]], Optional[str], Optional[dict[str, Any]]]:
+    """(the configuration, the model class, the recorded entry)."""
     if config is not None:
         source = Path(config)
         file = source / "config.json" if source.is_dir() else source
         if not file.is_file():
             raise FileNotFoundError(f"--config {config}: no such file; pass a config.json or the folder holding one.")
-        return (prefix or "", json.loads(file.read_text()), recorded["class"] if recorded else None)
+        return (json.loads(file.read_text()), recorded["class"] if recorded else None, recorded)
     if recorded is None:
-        return (prefix or "", None, None)
-    return (prefix or "", json.loads(recorded["config"]), recorded["class"])
+        return (None, None, None)
+    return (json.loads(recorded["config"]), recorded["class"], recorded)
+
+
+# ----------------------------------------------------------------------------------------------------
+# peft adapters: merged into the base weights, or kept as an adapter folder
+
+_PEFT_ROOT = "base_model.model."
+ADAPTERS = ("merge", "peft")
+
+
+def _adapter_config(recorded: dict[str, Any], path: Path) -> tuple[str, dict[str, Any]]:
+    adapters: dict[str, Any] = json.loads(recorded["peft"])
+    if len(adapters) != 1:
+        raise ValueError(
+            f"{path} holds {len(adapters)} peft adapters ({sorted(adapters)}); the export writes one: keep one "
+            f"adapter in the module (delete_adapter) before saving, or export with --format torch."
+        )
+    return next(iter(adapters.items()))
+
+
+def _split_peft(
+    tensors: dict[str, _Tensor], adapter: str, path: Path
+) -> tuple[dict[str, _Tensor], dict[str, dict[str, _Tensor]], dict[str, _Tensor]]:
+    """(base weights by the model's own names, the LoRA pair of each adapted layer by its weight's name, the
+    adapter's tensors by peft's saved names)."""
+    base: dict[str, _Tensor] = {}
+    pairs: dict[str, dict[str, _Tensor]] = {}
+    saved: dict[str, _Tensor] = {}
+    for name, t in tensors.items():
+        if not name.startswith(_PEFT_ROOT):
+            raise ValueError(
+                f"{name} is not under peft's {_PEFT_ROOT!r}: pass --prefix with the peft model's attribute."
+            )
+        own = name[len(_PEFT_ROOT) :]
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}.{adapter}."
+            if marker in own:
+                layer, _, leaf = own.partition(marker)
+                pairs.setdefault(f"{layer}.{leaf}", {})[part] = t
+                saved[f"{_PEFT_ROOT}{layer}.{part}.{leaf}"] = t
+                break
+        else:
+            if ".lora_" in own or ".modules_to_save." in own or ".original_module." in own:
+                raise ValueError(
+                    f"{name}: this adapter part (other than LoRA's A and B of a Linear or Conv1D layer) is not "
+                    f"exported; merge_and_unload in the module before saving, or export with --format torch."
+                )
+            base[own.replace(".base_layer.", ".")] = t
+    for weight, pair in pairs.items():
+        if set(pair) != {"lora_A", "lora_B"} or weight not in base:
+            raise ValueError(f"{path}: the LoRA pair of {weight} is incomplete ({sorted(pair)}).")
+    return base, pairs, saved
+
+
+def _merged(weight: _Tensor, pair: dict[str, _Tensor], config: dict[str, Any]) -> _Tensor:
+    """``W + scaling * B @ A`` (transposed for ``fan_in_fan_out`` layers, GPT-2's Conv1D), computed as peft's
+    ``merge_and_unload`` computes it."""
+    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    transpose = bool(config.get("fan_in_fan_out"))
+
+    def read() -> torch.Tensor:
+        w, a, b = weight.read(), pair["lora_A"].read(), pair["lora_B"].read()
+        delta = b.to(w.dtype) @ a.to(w.dtype)
+        delta = (delta.T if transpose else delta) * scaling
+        return w + delta
+
+    return _Tensor(weight.dtype, weight.shape, read)
+
+
+def _check_lora(config: dict[str, Any]) -> None:
+    unsupported = [k for k in ("use_dora", "rank_pattern", "alpha_pattern") if config.get(k)]
+    if config.get("peft_type") != "LORA" or unsupported:
+        kind = config.get("peft_type") if config.get("peft_type") != "LORA" else ", ".join(unsupported)
+        raise ValueError(
+            f"The adapter ({kind}) is not merged by the export (plain LoRA is): export with --adapters peft (an "
+            f"adapter folder beside the base model), or merge_and_unload in the module before saving."
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -317,6 +419,7 @@ def export_checkpoint(
     ema: bool = False,
     prefix: Optional[str] = None,
     config: Optional[PathLike] = None,
+    adapters: str = "merge",
     weights_only: Optional[bool] = True,
 ) -> Path:
     """Write the weights of ``checkpoint`` (a file or a sharded directory of the pack) as a Hugging Face folder
@@ -329,16 +432,35 @@ def export_checkpoint(
             one Hugging Face model the checkpoint recorded, else ``""`` (every name as saved).
         config: a ``config.json`` (or its folder) for ``format="hf"``; default: the configuration recorded in the
             checkpoint.
+        adapters: a model with ``peft`` LoRA adapters: ``"merge"`` writes the base model with the adapters merged
+            into its weights (what peft's ``merge_and_unload`` gives); ``"peft"`` writes the base model unmerged
+            and the adapter beside it (``adapter_config.json``, ``adapter_model.safetensors``:
+            ``PeftModel.from_pretrained(AutoModel...from_pretrained(DIR), DIR)``).
         weights_only: ``torch.load``'s; ``False`` only for a checkpoint you trust.
     """
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is unknown: use 'hf' (a from_pretrained folder) or 'torch' (one file).")
+    if adapters not in ADAPTERS:
+        raise ValueError(
+            f"adapters={adapters!r} is unknown: use 'merge' (merged weights) or 'peft' (an adapter folder)."
+        )
     source, final = Path(checkpoint), Path(output)
     if final.exists():
         raise FileExistsError(f"{final} exists: choose a new name (the export never overwrites), or remove it first.")
     meta, groups = _open(source, weights_only)
-    prefix, hf_config, model_class = _choose_model(meta, prefix, config, source)
+    prefix, hf_config, model_class, recorded = _choose_model(meta, prefix, config, source)
     tensors = _select(groups, ema, prefix, source)
+    adapter: Optional[tuple[dict[str, Any], dict[str, _Tensor]]] = None
+    if recorded is not None and "peft" in recorded:
+        name, peft_config = _adapter_config(recorded, source)
+        base, pairs, saved = _split_peft(tensors, name, source)
+        if adapters == "merge":
+            _check_lora(peft_config)
+            tensors = {n: _merged(t, pairs[n], peft_config) if n in pairs else t for n, t in base.items()}
+        elif format == "torch":
+            raise ValueError("adapters='peft' writes a folder (the base model and the adapter): use format='hf'.")
+        else:
+            tensors, adapter = base, (peft_config, saved)
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging(final)
     if staging.exists():  # a killed export of this process id
@@ -360,6 +482,10 @@ def export_checkpoint(
                 hf_config["dtype"] = dtype
             (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
             write_safetensors(staging / "model.safetensors", tensors)
+            if adapter is not None:
+                peft_config, saved = adapter
+                (staging / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, sort_keys=True) + "\n")
+                write_safetensors(staging / "adapter_model.safetensors", saved)
         os.replace(staging, final)
     except BaseException:
         if staging.is_dir():
@@ -394,6 +520,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--prefix", help="the LightningModule attribute holding the model (default: the recorded one)")
     parser.add_argument("--config", help="config.json (or its folder) when the checkpoint records none")
     parser.add_argument(
+        "--adapters",
+        choices=ADAPTERS,
+        default="merge",
+        help="peft LoRA adapters: merge them into the weights (default), or write them as a peft adapter folder",
+    )
+    parser.add_argument(
         "--trust-checkpoint",
         action="store_true",
         help="load with weights_only=False (only for a checkpoint you trust: unpickling may run code)",
@@ -402,7 +534,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         out = export_checkpoint(
             args.checkpoint, args.output, format=args.format, ema=args.ema, prefix=args.prefix, config=args.config,
-            weights_only=False if args.trust_checkpoint else True,
+            adapters=args.adapters, weights_only=False if args.trust_checkpoint else True,
         )  # fmt: skip
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
         parser.exit(2, f"lightning-mgpu export: error: {err}\n")

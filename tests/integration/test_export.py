@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
 import torch
 
@@ -101,3 +102,59 @@ def test_export_sharded_and_one_file_checkpoints_to_from_pretrained_bit_for_bit(
     assert proc.returncode == 0, proc.stderr[-3000:]
     torch.testing.assert_close(torch.load(single, weights_only=True), expected, rtol=0, atol=0)
     assert HF_MODELS_KEY in torch.load(path, weights_only=True, mmap=True)
+
+
+class LoraGPT2(HFGPT2):
+    """The GPT-2 of the corpus with peft LoRA adapters on its attention projections (the base frozen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+        self.model = get_peft_model(self.model, config)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+
+
+def test_export_peft_adapters_merged_or_as_an_adapter_folder(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ema = EMA(decay=0.8)
+    path = str(tmp_path / "saved.ckpt")
+    records = fit(
+        LoraGPT2().double(), MGPUShardedStrategy(stage=3, checkpoint="sharded", start_method="fork"), tmp_path,
+        dataset=token_data(16), batch_size=2, max_epochs=1, callbacks=[ema, SaveAtEnd(path, ema, tmp_path)],
+    )  # fmt: skip
+    trained = _stripped(records[0]["state"])  # peft's names: base_model.model.transformer...
+    average = _stripped(torch.load(tmp_path / "average.pt", weights_only=True))
+    assert average and all(".lora_" in name for name in average)  # only the adapters are trainable
+
+    def merged_by_peft(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        module = LoraGPT2().double()
+        module.model.load_state_dict(state)
+        return module.model.merge_and_unload().state_dict()
+
+    # merged: what peft's merge_and_unload gives, from the trained adapters and from their average
+    for ema_flag, state in ((False, trained), (True, {**trained, **average})):
+        folder = tmp_path / f"merged{int(ema_flag)}"
+        export_checkpoint(path, folder, format="hf", ema=ema_flag)
+        loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        expected = merged_by_peft(state)
+        assert sorted(loaded) == sorted(expected)
+        torch.testing.assert_close(loaded, expected, rtol=0, atol=0)  # the same operations: bit for bit
+    with pytest.raises(AssertionError):  # negative control: the unmerged base is told apart
+        base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in trained.items()}
+        torch.testing.assert_close(loaded, {k: base[k] for k in loaded})
+    # the adapter folder: the base model unmerged plus the adapter, loaded to the trained tensors exactly, by
+    # transformers (which attaches the adapter it finds in the folder) and by peft onto a base model
+    assert main([path, "--format", "hf", str(tmp_path / "adapter"), "--adapters", "peft"]) == 0
+    attached = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter").state_dict()
+    own = {k.removeprefix("base_model.model."): v for k, v in trained.items()}
+    torch.testing.assert_close(attached, own, rtol=0, atol=0)
+    base_model = HFGPT2().double().model  # a GPT-2 of the same configuration
+    model = PeftModel.from_pretrained(base_model, tmp_path / "adapter")
+    lora = {k: v for k, v in trained.items() if ".lora_" in k}
+    torch.testing.assert_close({k: v for k, v in model.state_dict().items() if ".lora_" in k}, lora, rtol=0, atol=0)

@@ -91,3 +91,49 @@ def test_never_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert (tmp_path / "out.pt").read_text() == "mine"
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export_checkpoint(tmp_path / "missing.ckpt", tmp_path / "x")
+
+
+def _lora_checkpoint(tmp_path: Path, **adapter: object) -> tuple[Path, dict[str, torch.Tensor]]:
+    from lightning_mgpu.export import HF_MODELS_KEY
+
+    root = "model.base_model.model.lin"
+    state = {
+        f"{root}.base_layer.weight": torch.randn(3, 4, dtype=torch.float64),
+        f"{root}.base_layer.bias": torch.randn(3, dtype=torch.float64),
+        f"{root}.lora_A.default.weight": torch.randn(2, 4, dtype=torch.float64),
+        f"{root}.lora_B.default.weight": torch.randn(3, 2, dtype=torch.float64),
+    }
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 6, "fan_in_fan_out": False, **adapter}
+    record = {"class": "Toy", "config": json.dumps({"model_type": "toy"}), "peft": json.dumps({"default": config})}
+    path = tmp_path / "lora.ckpt"
+    torch.save({"state_dict": state, HF_MODELS_KEY: {"model": record}}, path)
+    return path, state
+
+
+def test_lora_merge_is_w_plus_scaled_b_times_a(tmp_path: Path) -> None:
+    path, state = _lora_checkpoint(tmp_path)
+    export_checkpoint(path, tmp_path / "merged.pt", format="torch")
+    merged = torch.load(tmp_path / "merged.pt", weights_only=True)
+    root = "model.base_model.model.lin"
+    w, a, b = (state[f"{root}.{k}.weight"] for k in ("base_layer", "lora_A.default", "lora_B.default"))
+    assert sorted(merged) == ["lin.bias", "lin.weight"]
+    torch.testing.assert_close(merged["lin.weight"], w + (b @ a) * (6 / 2))
+    with pytest.raises(AssertionError):  # negative control: the base alone is told apart
+        torch.testing.assert_close(merged["lin.weight"], w)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "kwargs", "fragments"),
+    [
+        ({"use_dora": True}, {}, ["use_dora", "--adapters peft"]),
+        ({}, {"adapters": "peft", "format": "torch"}, ["adapters='peft'", "format='hf'"]),
+        ({}, {"adapters": "unmerged"}, ["adapters='unmerged'", "'merge'", "'peft'"]),
+    ],
+    ids=["dora-is-not-merged", "adapter-folder-needs-hf", "unknown-adapters"],
+)
+def test_adapter_refusals_name_the_fix(tmp_path: Path, adapter: dict, kwargs: dict, fragments: list[str]) -> None:
+    path, _ = _lora_checkpoint(tmp_path, **adapter)
+    with pytest.raises(ValueError) as raised:
+        export_checkpoint(path, tmp_path / "out", **kwargs)
+    for fragment in fragments:
+        assert fragment in str(raised.value)
