@@ -43,13 +43,24 @@ class SaveAtEnd(pl.Callback):
             torch.save(average, self.out / "average.pt")
 
 
-def _train(tmp: Path, layout: str) -> tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    out = tmp / layout
+#: label -> the strategy that writes the checkpoint (a sharded directory, or one file)
+WRITERS: dict[str, Any] = {
+    "zero3_sharded_dir": lambda: MGPUShardedStrategy(stage=3, checkpoint="sharded", start_method="fork"),
+    "hsdp_sharded_dir": lambda: MGPUShardedStrategy(
+        stage=3, mesh="hybrid", shard_size=1, checkpoint="sharded", start_method="fork"
+    ),
+    "zero3_one_file": lambda: MGPUShardedStrategy(stage=3, checkpoint="consolidated", start_method="fork"),
+    "ddp_one_file": lambda: "mgpu_ddp_fork",
+}
+
+
+def _train(tmp: Path, label: str) -> tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    out = tmp / label
     out.mkdir()
     ema = EMA(decay=0.8)
     path = str(out / "saved.ckpt")
     records = fit(
-        HFGPT2().double(), MGPUShardedStrategy(stage=3, checkpoint=layout, start_method="fork"), out,
+        HFGPT2().double(), WRITERS[label](), out,
         dataset=token_data(16), batch_size=2, max_epochs=1, callbacks=[ema, SaveAtEnd(path, ema, out)],
     )  # fmt: skip
     return path, records[0]["state"], torch.load(out / "average.pt", weights_only=True)
@@ -71,9 +82,9 @@ def _loaded(folder: Path) -> dict[str, torch.Tensor]:
 def test_export_sharded_and_one_file_checkpoints_to_from_pretrained_bit_for_bit(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    for layout in ("sharded", "consolidated"):
+    for layout in WRITERS:
         path, trained, average = _train(tmp_path, layout)
-        assert Path(path).is_dir() == (layout == "sharded")
+        assert Path(path).is_dir() == layout.endswith("_dir")
         expected = _stripped(trained)
         # the function: the trained weights
         folder = export_checkpoint(path, tmp_path / f"hf_{layout}", format="hf")
@@ -93,7 +104,7 @@ def test_export_sharded_and_one_file_checkpoints_to_from_pretrained_bit_for_bit(
         # the safetensors file holds the model's own names, every tensor of the checkpoint's model
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
             assert sorted(f.keys()) == sorted(expected)
-    # one torch.save file, through the console command as a user runs it (the last layout: one file)
+    # one torch.save file, through the console command as a user runs it (the last writer's one file)
     single = tmp_path / "weights.pt"
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_mgpu", "export", path, "--format", "torch", str(single)],
