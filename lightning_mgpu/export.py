@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import mmap
 import os
@@ -54,6 +55,8 @@ from lightning_mgpu.plugins.checkpoint_io import (
 __all__ = ["HF_MODELS_KEY", "export_checkpoint", "hf_models", "main"]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+log = logging.getLogger(__name__)
 
 HF_MODELS_KEY = "mgpu_hf_models"
 """The checkpoint entry the strategies write: attribute path -> ``{"class": ..., "config": <config.json text>}``
@@ -94,12 +97,16 @@ def hf_models(module: nn.Module) -> dict[str, dict[str, str]]:
             continue
         config = getattr(sub, "config", None)
         if callable(getattr(sub, "save_pretrained", None)) and callable(getattr(config, "to_json_string", None)):
-            entry = {"class": type(sub).__name__, "config": config.to_json_string()}  # type: ignore[union-attr]
-            adapters = getattr(sub, "peft_config", None)
-            base = getattr(sub, "get_base_model", None)
-            if isinstance(adapters, dict) and callable(base):  # a peft model: its base's class, its adapters
-                entry["class"] = type(base()).__name__
-                entry["peft"] = json.dumps({k: _plain(v.to_dict()) for k, v in adapters.items()}, sort_keys=True)
+            try:
+                entry = {"class": type(sub).__name__, "config": config.to_json_string()}  # type: ignore[union-attr]
+                adapters = getattr(sub, "peft_config", None)
+                base = getattr(sub, "get_base_model", None)
+                if isinstance(adapters, dict) and callable(base):  # a peft model: its base's class, its adapters
+                    entry["class"] = type(base()).__name__
+                    entry["peft"] = json.dumps({k: _plain(v.to_dict()) for k, v in adapters.items()}, sort_keys=True)
+            except Exception as err:  # never fail a save over what only the export uses
+                log.warning("%s (%s): its configuration is not recorded for export: %s", name, type(sub).__name__, err)
+                continue
             found[name] = entry
     return found
 

@@ -137,3 +137,23 @@ def test_adapter_refusals_name_the_fix(tmp_path: Path, adapter: dict, kwargs: di
         export_checkpoint(path, tmp_path / "out", **kwargs)
     for fragment in fragments:
         assert fragment in str(raised.value)
+
+
+def test_a_configuration_that_cannot_be_written_never_fails_a_save(caplog: pytest.LogCaptureFixture) -> None:
+    from torch import nn
+
+    from lightning_mgpu.export import hf_models
+
+    class Broken:
+        def to_json_string(self) -> str:
+            raise TypeError("not serialisable")
+
+    class Model(nn.Linear):
+        config = Broken()
+
+        def save_pretrained(self, folder: str) -> None: ...
+
+    holder = nn.Module()
+    holder.model = Model(2, 2)
+    assert hf_models(holder) == {}
+    assert "is not recorded for export" in caplog.text and "not serialisable" in caplog.text
