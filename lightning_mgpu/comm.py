@@ -735,8 +735,8 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole of a ``DTensor`` on every rank (an all-gather over its mesh: a collective, every rank calls it);
-    a plain tensor itself."""
+    """The whole of ``tensor``: a ``DTensor`` shard is all-gathered over its mesh (a collective: every rank of the
+    mesh calls it), a plain tensor is returned as is."""
     gather = getattr(tensor, "full_tensor", None)
     return gather() if callable(gather) else tensor
 
