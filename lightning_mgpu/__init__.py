@@ -22,9 +22,10 @@ if __name__ == "lightning_mgpu":  # not in the `lightning` copy, which is this f
     _namespace.setup_namespaces(__name__, _os.path.dirname(__file__))
 
 from lightning_mgpu import distributed
-from lightning_mgpu.callbacks import DeviceMonitor, ScaleLR
+from lightning_mgpu.callbacks import EMA, DeviceMonitor, ScaleLR
 from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
 from lightning_mgpu.distributed import effective_batch_size
+from lightning_mgpu.export import export_checkpoint
 from lightning_mgpu.migration import RemovedTrainerArgument, guard_trainer
 from lightning_mgpu.parts.accumulation import ManualAccumulation
 from lightning_mgpu.parts.activation_checkpointing import (
@@ -55,6 +56,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "COMM_HOOKS",
+    "EMA",
     "PRESETS",
     "AtomicCheckpointIO",
     "CheckpointWriteError",
@@ -81,6 +83,7 @@ __all__ = [
     "checkpointed_modules",
     "distributed",
     "effective_batch_size",
+    "export_checkpoint",
     "plan",
     "preset_table",
     "register_presets",

@@ -309,6 +309,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lightning_mgpu.strategies.launchers import release_process_group
 
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["export"]:  # a checkpoint as a Hugging Face folder or one file: lightning_mgpu/export.py
+        from lightning_mgpu.export import main as export_main
+
+        return export_main(args[1:])
     if __name__ == "lightning_mgpu.cli" and _namespace.two_namespaces() and _model_namespace(args) == "lightning":
         # a model written against `import lightning as L`: the same CLI, from the `lightning` copy of the pack
         from lightning_mgpu.lightning.cli import main as lightning_main
@@ -328,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"{(lightning_mgpu.__doc__ or '').strip()}\n\n"
         "Lightning's LightningCLI with the pack imported: `lightning-mgpu fit --config configs/ddp.yaml`. "
         "`lightning-mgpu --list` prints the presets, `--version` the version, `lightning-mgpu plan --help` the "
-        "memory planner."
+        "memory planner, `lightning-mgpu export --help` the export of a checkpoint for Hugging Face."
     )
     # args=None lets LightningCLI read sys.argv itself (it warns when given both)
     MGPUCLI(

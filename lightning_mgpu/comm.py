@@ -24,6 +24,7 @@ Example::
     print(strategy.comm_stats)  # all-reduce calls, bytes, optimizer steps, ring lower bound
 """
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -659,14 +660,22 @@ def save_sharded(state: dict[str, Any], path: str, group: Optional[Any] = None) 
 
 
 def load_sharded(
-    template: dict[str, Any], path: str, group: Optional[Any] = None, planner: Optional[Any] = None
+    template: dict[str, Any],
+    path: str,
+    group: Optional[Any] = None,
+    planner: Optional[Any] = None,
+    *,
+    local: bool = False,
 ) -> None:
     """``torch.distributed.checkpoint.load`` into ``template`` in place: a collective over ``group`` (every rank
     reads the slices it owns now, whatever the world size at save time); ``planner``: a ``LoadPlanner`` (default:
-    torch's)."""
+    torch's). ``local``: this process alone reads whole tensors, no collective even where a process group is up."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(template, checkpoint_id=path, process_group=group, planner=planner)
+    with warnings.catch_warnings():
+        if local:  # torch warns that it assumes one process: here that is what was asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(template, checkpoint_id=path, process_group=group, planner=planner, no_dist=local)
 
 
 def _is_mean(reduce_op: Any) -> bool:

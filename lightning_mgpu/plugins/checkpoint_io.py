@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "mgpu_complete.json"
 """Written last, by rank 0, into a sharded checkpoint directory once every rank has written its part."""
+EMA_STATE_KEY = "ema_state_dict"
+"""The checkpoint entry of the :class:`~lightning_mgpu.EMA` average: parameter name -> tensor (a ``DTensor`` shard
+in a sharded directory, where it is written beside ``state_dict``)."""
 _TMP = ".tmp-"  # a save in progress (or killed): .<name>.tmp-<pid>
 _OLD = ".old-"  # the previous directory, set aside for the instant of the swap: .<name>.old-<pid>
 _DEL = ".del-"  # a directory being removed: .<name>.del-<pid>
@@ -395,10 +398,11 @@ def load_file(
     weights_only: Optional[bool] = None,
     map_location: Any = None,
     ckpt_path: Optional[PathLike] = None,
+    mmap: bool = False,
 ) -> Any:
     """``torch.load(path, weights_only=weights_only)`` of a local checkpoint file (``ckpt_path``, what the user
     passed, defaults to ``path``); refused with :func:`refusal_message` (a ``pickle.UnpicklingError``) unless
-    ``weights_only=False``.
+    ``weights_only=False``. ``mmap``: the tensors are mapped from the file, read when used.
 
     Example:
 
@@ -409,7 +413,7 @@ def load_file(
         3
     """
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as err:
         if weights_only is False:
             raise

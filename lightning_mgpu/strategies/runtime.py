@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu import _compat, comm
 from lightning_mgpu.comm import CommStats, Ledger, attached_trainer, check_backend, group_is_up
+from lightning_mgpu.export import record_hf_models
 from lightning_mgpu.parts import rendezvous
 from lightning_mgpu.parts.accumulation import check_accumulate_grad_batches, check_manual_accumulation
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointing
@@ -672,13 +673,15 @@ class Runtime:
     # --- checkpoints and mid-epoch resume ---------------------------------------------------------------------
     def before_save(self, checkpoint: dict[str, Any]) -> None:
         """What every save does first, once: refuse a save that could not resume, wait for the previous background
-        write (or raise its error), and put the mid-epoch position into the checkpoint."""
+        write (or raise its error), and put the mid-epoch position and the Hugging Face models' configurations
+        into the checkpoint."""
         self._refuse_main_process_save()
         self.settle_async_writes()
         self.resume.before_save(checkpoint, self._attached())
         module = self.strategy.lightning_module
         if module is not None and saves_trainable_only(module, self.settings.checkpoint_params):
             trainable_only(checkpoint, module)  # checkpoint_params: the frozen base out, its fingerprint in
+        record_hf_models(checkpoint, self.strategy.lightning_module)  # what `lightning-mgpu export` writes out
 
     def _refuse_main_process_save(self) -> None:
         """Plain Lightning writes a checkpoint with empty optimizer states (and the main process's loop

@@ -61,6 +61,7 @@ from lightning_mgpu.parts.sharding import (
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism
 from lightning_mgpu.plugins.async_checkpoint import sharded_directory_write
 from lightning_mgpu.plugins.checkpoint_io import (
+    EMA_STATE_KEY,
     PathLike,
     begin_dir,
     check_complete,
@@ -135,6 +136,7 @@ class ShardMemory:
 
 _METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint (Lightning's ModelParallelStrategy name)
 _OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
+_EMA_NAMES = "mgpu_sharded_ema"  # the parameter names of the EMA average saved beside state_dict (or absent)
 
 
 @document_options(
@@ -554,6 +556,10 @@ class MGPUShardedStrategy(ParallelStrategy):
             tensors[f"optimizer_{i}"] = state
         # None: saved with weights only (Lightning then refuses to resume training from it, as for a file)
         checkpoint[_OPTIMIZER_COUNT] = None if optimizer_states is None else len(optimizer_states)
+        ema = checkpoint.pop(EMA_STATE_KEY, None)
+        if ema is not None:  # the EMA callback's average: each rank's shards, as the weights
+            tensors[EMA_STATE_KEY] = ema
+            checkpoint[_EMA_NAMES] = sorted(ema)
         # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
         # does rank 0 mark it complete and swap it in under `path`. A save killed or failing on any rank
         # leaves the previous checkpoint under `path` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
@@ -639,8 +645,11 @@ class MGPUShardedStrategy(ParallelStrategy):
         checkpoint: dict[str, Any] = load_file(path / _METADATA, weights_only, map_location="cpu", ckpt_path=path)
         saved_optimizers = checkpoint.pop(_OPTIMIZER_COUNT, None)
         left_out = self._runtime.frozen_left_out(checkpoint)  # adapter-only: refused now on another base
+        ema_names = checkpoint.pop(_EMA_NAMES, None)
         weights = {k: v for k, v in module.state_dict().items() if k not in (left_out or ())}
         template: dict[str, Any] = {"state_dict": weights}
+        if ema_names is not None:  # shaped and sharded as the parameters they average
+            template[EMA_STATE_KEY] = {name: torch.empty_like(weights[name]) for name in ema_names}
         load_optimizers = bool(self.lightning_restore_optimizer and self.optimizers and saved_optimizers is not None)
         if load_optimizers:
             if saved_optimizers != len(self.optimizers):
@@ -654,6 +663,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         load_sharded_dir(template, path, self._process_group(), weights_only)
         # adapter-only: the frozen base stays as built (DCP found every key of the template in the checkpoint)
         module.load_state_dict(template["state_dict"], strict=module.strict_loading and left_out is None)
+        if ema_names is not None:
+            checkpoint[EMA_STATE_KEY] = template[EMA_STATE_KEY]
         if load_optimizers:
             for i, opt in enumerate(self.optimizers):
                 self._sharding.finish_optimizer_load(opt, template[f"optimizer_{i}"])

@@ -21,6 +21,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_mgpu import (
+    EMA,
     DeviceMonitor,
     EveryNth,
     ManualAccumulation,
@@ -598,6 +599,19 @@ CASES = [
         ValueError,
         ["batch_size=-1", "int >= 1"],
         id="scale-lr-negative-batch-size",
+    ),
+    pytest.param(lambda: EMA(decay=1.0), ValueError, ["EMA(decay=1.0)", "[0, 1)", "EMA(decay=0.999)"], id="ema-decay"),
+    pytest.param(
+        lambda: EMA(update_every_n_steps=0),
+        ValueError,
+        ["update_every_n_steps=0", "positive integer"],
+        id="ema-update-every-n-steps-must-be-positive",
+    ),
+    pytest.param(
+        lambda: EMA(update_starting_at_step=-1),
+        ValueError,
+        ["update_starting_at_step=-1", ">= 0"],
+        id="ema-start-step-must-be-non-negative",
     ),
     # --- EveryNth and activation-checkpointing targets ---------------------------------------------------------
     pytest.param(lambda: EveryNth(0), ValueError, ["EveryNth(n=0)", "EveryNth(2)"], id="every-nth-n-must-be-positive"),

@@ -1,0 +1,170 @@
+"""The export in one process: the streamed safetensors and torch.save writers against the libraries' own readers
+(every dtype, a 0-d and an empty tensor), a checkpoint without a recorded configuration (``--config``,
+``--prefix``), and the refusals, each naming the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mgpu.export import _Tensor, export_checkpoint, main, write_safetensors, write_torch
+
+TENSORS = {
+    "a.weight": torch.randn(3, 5, dtype=torch.float64),
+    "b": torch.randn(7).to(torch.bfloat16),
+    "c": torch.tensor(3.5, dtype=torch.float16),
+    "d": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    "e": torch.tensor([True, False, True]),
+    "f": torch.empty(0, 4),
+    "g": torch.randn(4, 4).t(),  # not contiguous
+}
+
+
+def _entries(tensors: dict[str, torch.Tensor]) -> dict[str, _Tensor]:
+    return {n: _Tensor(t.dtype, tuple(t.shape), (lambda t=t: t)) for n, t in tensors.items()}
+
+
+def test_streamed_safetensors_reads_back_bit_for_bit(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    write_safetensors(tmp_path / "m.safetensors", _entries(TENSORS))
+    loaded = load_file(tmp_path / "m.safetensors")
+    assert sorted(loaded) == sorted(TENSORS)
+    for name, t in TENSORS.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    with pytest.raises(AssertionError):  # negative control: a changed tensor is seen
+        torch.testing.assert_close(loaded["a.weight"], TENSORS["a.weight"] + 1e-12, rtol=0, atol=0)
+
+
+def test_torch_file_laid_out_then_filled_reads_back_bit_for_bit(tmp_path: Path) -> None:
+    write_torch(tmp_path / "w.pt", _entries(TENSORS))
+    loaded = torch.load(tmp_path / "w.pt", weights_only=True)
+    torch.testing.assert_close(loaded, TENSORS, rtol=0, atol=0)
+
+
+def _plain_checkpoint(tmp_path: Path, **extra: object) -> Path:
+    path = tmp_path / "plain.ckpt"
+    state = {"net.lin.weight": torch.randn(2, 2), "net.lin.bias": torch.randn(2), "head.w": torch.randn(1)}
+    torch.save({"state_dict": state, "epoch": 1, **extra}, path)
+    return path
+
+
+def test_a_checkpoint_without_a_recorded_config_takes_config_and_prefix(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    path = _plain_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="Pass --config"):
+        export_checkpoint(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing half-written is left
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "toy"}))
+    assert main([str(path), "--format", "hf", str(tmp_path / "out"), "--config", str(tmp_path), "--prefix", "net"]) == 0
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == ["lin.bias", "lin.weight"]
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"model_type": "toy", "dtype": "float32"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragments"),
+    [
+        ({"ema": True}, ValueError, ["no EMA average", "lightning_mgpu.EMA"]),
+        ({"prefix": "model", "format": "torch"}, ValueError, ["prefix 'model'", "['head', 'net']", "--prefix"]),
+        ({"format": "onnx"}, ValueError, ["format='onnx'", "'hf'", "'torch'"]),
+    ],
+    ids=["ema-without-average", "unknown-prefix", "unknown-format"],
+)
+def test_refusals_name_the_fix(tmp_path: Path, kwargs: dict, error: type, fragments: list[str]) -> None:
+    path = _plain_checkpoint(tmp_path)
+    with pytest.raises(error) as raised:
+        export_checkpoint(path, tmp_path / "out", **kwargs)
+    for fragment in fragments:
+        assert fragment in str(raised.value)
+
+
+def test_never_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _plain_checkpoint(tmp_path)
+    (tmp_path / "out.pt").write_text("mine")
+    with pytest.raises(SystemExit) as raised:
+        main([str(path), "--format", "torch", str(tmp_path / "out.pt")])
+    assert raised.value.code == 2 and "never overwrites" in capsys.readouterr().err
+    assert (tmp_path / "out.pt").read_text() == "mine"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        export_checkpoint(tmp_path / "missing.ckpt", tmp_path / "x")
+
+
+def _lora_checkpoint(tmp_path: Path, **adapter: object) -> tuple[Path, dict[str, torch.Tensor]]:
+    from lightning_mgpu.export import HF_MODELS_KEY
+
+    root = "model.base_model.model.lin"
+    state = {
+        f"{root}.base_layer.weight": torch.randn(3, 4, dtype=torch.float64),
+        f"{root}.base_layer.bias": torch.randn(3, dtype=torch.float64),
+        f"{root}.lora_A.default.weight": torch.randn(2, 4, dtype=torch.float64),
+        f"{root}.lora_B.default.weight": torch.randn(3, 2, dtype=torch.float64),
+    }
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 6, "fan_in_fan_out": False, **adapter}
+    record = {"class": "Toy", "config": json.dumps({"model_type": "toy"}), "peft": json.dumps({"default": config})}
+    path = tmp_path / "lora.ckpt"
+    torch.save({"state_dict": state, HF_MODELS_KEY: {"model": record}}, path)
+    return path, state
+
+
+def test_lora_merge_is_w_plus_scaled_b_times_a(tmp_path: Path) -> None:
+    path, state = _lora_checkpoint(tmp_path)
+    export_checkpoint(path, tmp_path / "merged.pt", format="torch")
+    merged = torch.load(tmp_path / "merged.pt", weights_only=True)
+    root = "model.base_model.model.lin"
+    w, a, b = (state[f"{root}.{k}.weight"] for k in ("base_layer", "lora_A.default", "lora_B.default"))
+    assert sorted(merged) == ["lin.bias", "lin.weight"]
+    torch.testing.assert_close(merged["lin.weight"], w + (b @ a) * (6 / 2))
+    with pytest.raises(AssertionError):  # negative control: the base alone is told apart
+        torch.testing.assert_close(merged["lin.weight"], w)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "kwargs", "fragments"),
+    [
+        ({"use_dora": True}, {}, ["use_dora", "--adapters peft"]),
+        ({}, {"adapters": "peft", "format": "torch"}, ["adapters='peft'", "format='hf'"]),
+        ({}, {"adapters": "unmerged"}, ["adapters='unmerged'", "'merge'", "'peft'"]),
+    ],
+    ids=["dora-is-not-merged", "adapter-folder-needs-hf", "unknown-adapters"],
+)
+def test_adapter_refusals_name_the_fix(tmp_path: Path, adapter: dict, kwargs: dict, fragments: list[str]) -> None:
+    path, _ = _lora_checkpoint(tmp_path, **adapter)
+    with pytest.raises(ValueError) as raised:
+        export_checkpoint(path, tmp_path / "out", **kwargs)
+    for fragment in fragments:
+        assert fragment in str(raised.value)
+
+
+def test_a_configuration_that_cannot_be_written_never_fails_a_save(caplog: pytest.LogCaptureFixture) -> None:
+    from torch import nn
+
+    from lightning_mgpu.export import hf_models
+
+    class Broken:
+        def to_json_string(self) -> str:
+            raise TypeError("not serialisable")
+
+    class Model(nn.Linear):
+        config = Broken()
+
+        def save_pretrained(self, folder: str) -> None: ...
+
+    holder = nn.Module()
+    holder.model = Model(2, 2)
+    assert hf_models(holder) == {}
+    assert "is not recorded for export" in caplog.text and "not serialisable" in caplog.text
+
+
+def test_an_adapter_only_checkpoint_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    from lightning_mgpu.parts.trainable_state import KEY
+
+    path = _plain_checkpoint(tmp_path, **{KEY: {"frozen": {}}})
+    with pytest.raises(ValueError, match=r"adapter-only checkpoint.*checkpoint_params='all'"):
+        export_checkpoint(path, tmp_path / "out", format="torch")
+    assert not (tmp_path / "out").exists()
+    export_checkpoint(_plain_checkpoint(tmp_path), tmp_path / "full.pt", format="torch")  # control: a full one exports
+    assert (tmp_path / "full.pt").is_file()
