@@ -36,7 +36,7 @@ from lightning_mgpu.parts.activation_checkpointing import (
 from lightning_mgpu.parts.evaluation import EvenBatchSampler
 from lightning_mgpu.parts.resume import ResumableDistributedSampler
 from lightning_mgpu.parts.uneven_inputs import UnevenInputsError
-from lightning_mgpu.planning import plan
+from lightning_mgpu.planning import plan, plan_layouts
 from lightning_mgpu.plugins.async_checkpoint import CheckpointWriteError
 from lightning_mgpu.plugins.checkpoint_io import AtomicCheckpointIO, IncompleteCheckpointError
 from lightning_mgpu.plugins.precision import MGPUPrecision
@@ -82,6 +82,7 @@ __all__ = [
     "distributed",
     "effective_batch_size",
     "plan",
+    "plan_layouts",
     "preset_table",
     "register_presets",
     "remove_activation_checkpointing",

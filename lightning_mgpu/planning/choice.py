@@ -7,10 +7,11 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_mgpu.planning.candidates import Plan
+from lightning_mgpu.planning.candidates import Plan, no_fit
+from lightning_mgpu.planning.layouts import LayoutPlan
 from lightning_mgpu.planning.request import PRECISIONS, PlanError, format_bytes, parse_memory
 
-__all__ = ["AutoDecision", "decide", "device_memory_bytes", "fallback", "planner_precision"]
+__all__ = ["AutoDecision", "decide", "decide_layout", "device_memory_bytes", "fallback", "planner_precision"]
 
 #: the arguments that build each candidate from :class:`~lightning_mgpu.MGPUShardedStrategy` (None: mgpu_ddp)
 STAGES: dict[str, Optional[int]] = {
@@ -36,6 +37,12 @@ class AutoDecision:
     """One paragraph: what was chosen, its predicted peak, and the faster candidates that do not fit."""
     table: str = ""
     """The whole plan (markdown), as ``lightning-mgpu plan`` prints it."""
+    tensor_parallel_size: int = 1
+    """Above 1: the chosen layout splits each block over this many ranks (no data-parallel candidate fit)."""
+    pipeline_parallel_size: int = 1
+    """Above 1: the chosen layout runs the model as this many pipeline stages."""
+    pipeline_microbatches: Optional[int] = None
+    pipeline_schedule: Optional[str] = None
 
     @property
     def stage(self) -> Optional[int]:
@@ -78,6 +85,62 @@ def decide(plan: Plan) -> AutoDecision:
         usable_bytes=usable,
         reason=reason,
         table=plan.table(),
+    )
+
+
+def decide_layout(layouts: LayoutPlan, tensor: bool, pipeline: bool) -> AutoDecision:
+    """The decision of a plan whose data-parallel candidates all miss: the fastest layout that fits among those the
+    sharded strategy can build (``tensor``/``pipeline``: whether it takes ``tensor_parallel_size`` /
+    ``pipeline_parallel_size``). A layout with DDP-style replicas is built as ZeRO-1 (the same bytes sent, no more
+    memory per rank). Raises the memory plan's :class:`~lightning_mgpu.planning.NoPlanFits` when none fits, with
+    the layout that would fit and the option the strategy lacks, in one line, where there is one."""
+    memory = layouts.memory
+    assert memory is not None, "plan_layouts sets the memory plan"
+    if memory.recommended is not None:
+        return decide(memory)
+    buildable = [
+        x
+        for x in layouts.layouts
+        if x.fits and x.model_parallel and (tensor or x.tensor == 1) and (pipeline or x.pipeline == 1)
+    ]
+    if not buildable:
+        err = no_fit(memory)
+        other = next((x for x in layouts.layouts if x.fits and x.model_parallel), None)
+        if other is not None:
+            sizes = (
+                ("tensor_parallel_size", tensor, other.tensor),
+                ("pipeline_parallel_size", pipeline, other.pipeline),
+            )
+            missing = [name for name, ok, size in sizes if size > 1 and not ok]
+            err.args = (
+                f"{err.args[0]} The layout {other.name} would fit, but MGPUShardedStrategy here takes no "
+                f"{' or '.join(missing)}: mgpu_auto chose among the data-parallel layouts only.",
+            )
+        raise err
+    best = buildable[0]
+    strategy = "mgpu_zero1" if best.strategy == "mgpu_ddp" else best.strategy
+    usable = memory.request.usable_bytes
+    smallest = min(memory.rows, key=lambda r: r.predicted_peak_bytes_per_rank)
+    reason = (
+        f"mgpu_auto chose the layout {best.name} ({strategy} over the data ranks, precision {best.precision}, "
+        f"activation checkpointing {'on' if best.activation_checkpointing else 'off'}): predicted peak "
+        f"{format_bytes(best.predicted_peak_bytes_per_rank)} per rank of {format_bytes(usable)} usable; no "
+        f"data-parallel candidate fits (the smallest, {smallest.strategy}, needs "
+        f"{format_bytes(smallest.predicted_peak_bytes_per_rank)}). It is the fastest of {len(buildable)} layouts "
+        f"that fit (estimated {best.samples_per_second:.3g} samples/s)."
+    )
+    return AutoDecision(
+        strategy=strategy,
+        activation_checkpointing=best.activation_checkpointing,
+        precision=best.precision,
+        predicted_peak_bytes_per_rank=best.predicted_peak_bytes_per_rank,
+        usable_bytes=usable,
+        reason=reason,
+        table=memory.table() + "\n\n" + layouts.table(),
+        tensor_parallel_size=best.tensor,
+        pipeline_parallel_size=best.pipeline,
+        pipeline_microbatches=best.microbatches if best.pipeline > 1 else None,
+        pipeline_schedule=best.schedule if best.pipeline > 1 else None,
     )
 
 

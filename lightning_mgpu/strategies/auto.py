@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -36,8 +37,8 @@ from typing_extensions import override
 
 from lightning_mgpu import _compat
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
-from lightning_mgpu.planning import NoPlanFits, PlanError, plan
-from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, fallback, planner_precision
+from lightning_mgpu.planning import NoPlanFits, PlanError, plan_layouts
+from lightning_mgpu.planning.choice import AutoDecision, decide_layout, device_memory_bytes, fallback, planner_precision
 from lightning_mgpu.planning.request import parse_memory
 from lightning_mgpu.planning.source import default_policy
 from lightning_mgpu.planning.stand_in import stand_in_factory
@@ -169,7 +170,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             ) from None
         # the module itself: the planner steps a stand-in of it (its module tree with fake tensors), never a copy
         policy = self._auto["policy"] or default_policy(stand_in_factory(module))
-        result = plan(
+        result = plan_layouts(
             module,
             devices=self.world_size,
             num_nodes=self.num_nodes,
@@ -180,7 +181,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             strategies=self._auto["settings"].strategies,
             activation_checkpointing=policy,
         )
-        decision = decide(result)
+        accepted = layout_keywords()
+        decision = decide_layout(result, "tensor_parallel_size" in accepted, "pipeline_parallel_size" in accepted)
         # a policy given by the user is on every rank already (and may not pickle); the default one pickles
         return {"decision": decision, "policy": None if self._auto["policy"] else policy}
 
@@ -208,6 +210,11 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         if decision.activation_checkpointing:
             kwargs["activation_checkpointing"] = auto["policy"] or policy
         target: type
+        accepted = layout_keywords()
+        for name in accepted:  # the layout's tensor/pipeline sizes, where the plan chose a split of the model
+            value = getattr(decision, name)
+            if value is not None and value != 1:
+                kwargs[name] = value
         if decision.stage is None:
             target = MGPUDDPStrategy
         else:
@@ -231,3 +238,10 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         assert module is not None
         self.connect(module)
         self.auto_decision = decision
+
+
+def layout_keywords() -> set[str]:
+    """The layout options :class:`~lightning_mgpu.MGPUShardedStrategy` takes in this installation (read from its
+    signature, so that ``mgpu_auto`` proposes a tensor or pipeline split only where the strategy builds one)."""
+    names = ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_microbatches", "pipeline_schedule")
+    return set(names) & set(inspect.signature(MGPUShardedStrategy.__init__).parameters)
