@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional, Union
 
 from lightning_mgpu.planning.candidates import PRECISION_RANK, STRATEGY_RANK, Plan, candidate_row
@@ -288,13 +288,12 @@ def _split_request(request: PlanRequest, strategy: str, data: int, replicas: int
 def _piece(states: ModelStates, trace: StepTrace, split: int, activations: float) -> tuple[ModelStates, StepTrace]:
     """What one rank of a model split ``split`` ways holds: ``1/split`` of the states and gradients, and the
     activations scaled by ``activations``."""
-    piece = replace(
-        states,
-        parameters={k: v // split for k, v in states.parameters.items()},
-        buffers=states.buffers // split,
-        optimizer_state=states.optimizer_state // split,
-        optimizer_transient=states.optimizer_transient // split,
-    )
+    sizes = {  # every byte count of the states (the counts of parameters stay the model's)
+        f.name: getattr(states, f.name) // split
+        for f in fields(states)
+        if f.name.endswith("_bytes") or f.name in ("buffers", "optimizer_state", "optimizer_transient")
+    }
+    piece = replace(states, parameters={k: v // split for k, v in states.parameters.items()}, **sizes)
     timeline = tuple((int(a * activations), g // split) for a, g in trace.timeline)
     scaled = replace(
         trace,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Optional
 
 import pytest
@@ -23,7 +23,10 @@ from lightning_mgpu.planning.trace import ModelStates, StepTrace
 
 # A model of 2,000 FP32 parameters (8,000 bytes), Adam (16,000 bytes of state), 4 blocks of 8 heads whose output is
 # 100 bytes for the loader's batch of 4, 1,000 bytes of activations, 3 TFLOP per step.
-STATES = ModelStates({"float32": 8000}, 2000, 2000, 0, 16000, 0, ("Adam",))
+_GIVEN = {"parameters": {"float32": 8000}, "parameter_count": 2000, "trainable_count": 2000, "trainable_bytes": 8000,
+          "optimized_bytes": 8000, "buffers": 0, "optimizer_state": 16000, "optimizer_transient": 0,
+          "optimizer_names": ("Adam",)}  # fmt: skip
+STATES = ModelStates(**{f.name: _GIVEN[f.name] for f in fields(ModelStates)})
 TRACE = StepTrace(
     "32-true", False, 8000, 8000, 1000, (), ((1000, 8000),), flops=3 * 10**12, blocks=4, block_output_bytes=100,
     attention_heads=8,
@@ -260,35 +263,57 @@ def test_the_command_proposes_a_pipeline_when_no_data_parallel_candidate_fits(ca
     assert exit_.value.code == 2 and "no candidate fits" in capsys.readouterr().err
 
 
-def test_mgpu_auto_splits_the_model_only_when_no_data_parallel_candidate_fits_and_the_strategy_can():
-    roomy = decide_layout(_plan(), tensor=True, pipeline=True)
+def _sizes(layout: Layout) -> Optional[dict[str, Any]]:
+    """Builds every layout (a strategy that takes every option)."""
+    return {
+        "stage": layout.stage or 1,
+        "tensor_parallel_size": layout.tensor,
+        "pipeline_parallel_size": layout.pipeline,
+    }
+
+
+def test_mgpu_auto_splits_the_model_only_when_no_data_parallel_candidate_fits_and_the_strategy_builds_it():
+    roomy = decide_layout(_plan(), _sizes)
     assert (roomy.strategy, roomy.tensor_parallel_size, roomy.pipeline_parallel_size) == ("mgpu_ddp", 1, 1)
+    assert roomy.strategy_arguments == {}
     tight = replace(TRACE, activations=10**6, timeline=((10**6, 8000),))
-    both = decide_layout(_plan(tight, memory=700_000), tensor=True, pipeline=True)
+    both = decide_layout(_plan(tight, memory=700_000), _sizes)
     assert both.tensor_parallel_size > 1 or both.pipeline_parallel_size > 1
     assert both.stage is not None and "no data-parallel candidate fits" in both.reason
-    pipeline = decide_layout(_plan(tight, memory=700_000), tensor=False, pipeline=True)
+    assert both.strategy_arguments["tensor_parallel_size"] == both.tensor_parallel_size
+
+    def pipelines_only(layout: Layout) -> Optional[dict[str, Any]]:
+        return _sizes(layout) if layout.tensor == 1 else None
+
+    pipeline = decide_layout(_plan(tight, memory=700_000), pipelines_only)
     # 2 stages fit (1F1B: 2 of the 4 micro-batches in flight, a quarter of the activations) with less bubble than 4
     assert (pipeline.tensor_parallel_size, pipeline.pipeline_parallel_size) == (1, 2)
-    assert pipeline.pipeline_schedule == "1f1b" and pipeline.pipeline_microbatches == 4
-    with pytest.raises(NoPlanFits, match=r"would fit, but MGPUShardedStrategy here takes no tensor_parallel_size"):
-        decide_layout(_plan(tight, memory=700_000), tensor=False, pipeline=False)
+    with pytest.raises(NoPlanFits, match=r"would fit, but MGPUShardedStrategy here cannot build it"):
+        decide_layout(_plan(tight, memory=700_000), lambda layout: None)
 
 
-def test_mgpu_auto_reads_the_layout_options_from_the_sharded_strategy(monkeypatch):
+def test_mgpu_auto_builds_a_layout_only_with_the_options_the_sharded_strategy_takes_and_accepts(monkeypatch):
     import lightning_mgpu.strategies.auto as auto
 
     class WithTensor:
-        def __init__(self, stage: int = 3, tensor_parallel_size: int = 1) -> None: ...
+        def __init__(self, stage: int = 3, tensor_parallel_size: int = 1) -> None:
+            if stage == 1 and tensor_parallel_size > 2:
+                raise ValueError("refused")
 
     monkeypatch.setattr(auto, "MGPUShardedStrategy", WithTensor)
     assert auto.layout_keywords() == {"tensor_parallel_size"}
+    result = _plan()
+    tensor2 = _find(result, "mgpu_zero3", 1, 4, 2, 1)
+    assert auto.layout_arguments(tensor2) == {"stage": 3, "tensor_parallel_size": 2}
+    assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 4, 2, 1)) == {"stage": 1, "tensor_parallel_size": 2}
+    assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 2, 4, 1)) is None  # the strategy refuses it
+    assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 4, 1, 2, "1f1b")) is None  # no pipeline option
 
     class Without:
         def __init__(self, stage: int = 3) -> None: ...
 
     monkeypatch.setattr(auto, "MGPUShardedStrategy", Without)
-    assert auto.layout_keywords() == set()
+    assert auto.layout_keywords() == set() and auto.layout_arguments(tensor2) is None
 
 
 def test_flops_of_a_traced_step_count_the_matrix_products_and_the_recomputation():
