@@ -37,7 +37,7 @@ from lightning_mgpu.parts.activation_checkpointing import (
 from lightning_mgpu.parts.evaluation import EvenBatchSampler
 from lightning_mgpu.parts.resume import ResumableDistributedSampler
 from lightning_mgpu.parts.uneven_inputs import UnevenInputsError
-from lightning_mgpu.planning import plan
+from lightning_mgpu.planning import plan, plan_layouts
 from lightning_mgpu.plugins.async_checkpoint import CheckpointWriteError
 from lightning_mgpu.plugins.checkpoint_io import AtomicCheckpointIO, IncompleteCheckpointError
 from lightning_mgpu.plugins.precision import MGPUPrecision
@@ -85,6 +85,7 @@ __all__ = [
     "effective_batch_size",
     "export_checkpoint",
     "plan",
+    "plan_layouts",
     "preset_table",
     "register_presets",
     "remove_activation_checkpointing",

@@ -28,7 +28,17 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_mgpu._compat import tree_map_tensors
 from lightning_mgpu.planning.candidates import ORDER, NoPlanFits, Plan, PlanRow, estimate
+from lightning_mgpu.planning.layouts import (
+    DEFAULT_DEVICE_TFLOPS,
+    LINK_SPEEDS,
+    SCHEDULES,
+    Layout,
+    LayoutPlan,
+    Links,
+    estimate_layouts,
+)
 from lightning_mgpu.planning.request import (
     DEFAULT_PRECISIONS,
     PRECISIONS,
@@ -39,13 +49,17 @@ from lightning_mgpu.planning.request import (
     parse_memory,
 )
 from lightning_mgpu.planning.source import default_policy, resolve_source
-from lightning_mgpu.planning.trace import count_model_states, trace_step, unit_fractions
+from lightning_mgpu.planning.trace import ModelStates, StepTrace, count_model_states, trace_step, unit_fractions
 
 __all__ = [
     "DEFAULT_PRECISIONS",
+    "LINK_SPEEDS",
     "ORDER",
     "PRECISIONS",
     "STRATEGIES",
+    "Layout",
+    "LayoutPlan",
+    "Links",
     "NoPlanFits",
     "Plan",
     "PlanError",
@@ -54,6 +68,7 @@ __all__ = [
     "format_bytes",
     "parse_memory",
     "plan",
+    "plan_layouts",
 ]
 
 
@@ -115,6 +130,24 @@ def plan(
         num_nodes=num_nodes,
     )
     start = time.perf_counter()
+    source, states, traces, units = _traced(model_or_config, request, batch, datamodule, activation_checkpointing)
+    return estimate(
+        source.name,
+        request,
+        states,
+        traces,
+        units,
+        seconds=time.perf_counter() - start,
+        require_fit=require_fit,
+        built=source.how_built,
+    )
+
+
+def _traced(
+    model_or_config: Any, request: PlanRequest, batch: Any, datamodule: Any, activation_checkpointing: Any
+) -> tuple[Any, ModelStates, list[StepTrace], tuple[float, float]]:
+    """The model's source, its counted states, one traced step per precision (with and without activation
+    checkpointing) and its FSDP units: what the memory plan and the layout plan combine."""
     with torch.random.fork_rng(devices=[]):  # the model's initialisation under fake tensors draws nothing real
         source = resolve_source(model_or_config, batch=batch, datamodule=datamodule)
         try:
@@ -145,13 +178,92 @@ def plan(
                     "yourself (mgpu_auto takes mgpu_ddp)."
                 )
             raise PlanError(f"{source.name} could not be stepped on fake tensors ({why}): {hint}") from err
-    return estimate(
+    return source, states, traces, units
+
+
+def plan_layouts(
+    model_or_config: Any,
+    devices: int,
+    device_memory: Union[str, int],
+    num_nodes: int = 1,
+    batch: Any = None,
+    datamodule: Any = None,
+    headroom: float = 0.10,
+    precisions: Optional[tuple[str, ...]] = None,
+    strategies: Optional[tuple[str, ...]] = None,
+    activation_checkpointing: Any = None,
+    bucket_cap_mb: float = 25.0,
+    intra_node_link: Union[str, float] = "nvlink",
+    inter_node_link: Union[str, float] = "infiniband",
+    device_tflops: float = DEFAULT_DEVICE_TFLOPS,
+    pipeline_microbatches: Optional[int] = None,
+    pipeline_schedules: tuple[str, ...] = SCHEDULES,
+    tensor_across_machines: bool = False,
+) -> LayoutPlan:
+    """Every layout (data replicate x data shard x tensor x pipeline, with the data dimension's ZeRO stage) of
+    ``model_or_config`` on ``devices`` ranks over ``num_nodes`` machines, with memory per rank by component,
+    communication per step on each link and an estimated step time; those that fit first, fastest first
+    (:mod:`~lightning_mgpu.planning.layouts`).
+
+    Args:
+        model_or_config, devices, device_memory, num_nodes, batch, datamodule, headroom, precisions, strategies,
+            activation_checkpointing, bucket_cap_mb: as :func:`plan` (``batch``: the loader's batch of one
+            data-parallel rank).
+        intra_node_link, inter_node_link: a link name of :data:`~lightning_mgpu.planning.layouts.LINK_SPEEDS`
+            (``"nvlink"``, ``"pcie"``, ``"infiniband"``, ``"ethernet"``) or GB/s per device in each direction.
+        device_tflops: the rate one device sustains (TFLOP/s).
+        pipeline_microbatches: micro-batches per batch (default: the batch size).
+        pipeline_schedules: of ``("1f1b", "gpipe")``.
+        tensor_across_machines: allow tensor groups wider than one machine (default no).
+
+    Example:
+
+        >>> import torch
+        >>> from lightning_mgpu import plan_layouts
+        >>> from lightning_mgpu.planning.lm import TransformerLM
+        >>> tokens = torch.zeros(4, 64, dtype=torch.long)
+        >>> p = plan_layouts(lambda: TransformerLM(vocab=256, d_model=32, heads=4, layers=4), devices=4,
+        ...                  device_memory="1GiB", batch=(tokens, tokens), precisions=("32-true",))
+        >>> p.best.name, p.best.fits
+        ('ddp 4', True)
+        >>> p.memory.recommended.strategy  # the memory plan of the data-parallel candidates, from the same trace
+        'mgpu_ddp'
+    """
+    links = Links.of(intra_node_link, inter_node_link)
+    request = PlanRequest(
+        devices=devices,
+        device_memory=device_memory,
+        headroom=headroom,
+        precisions=precisions if precisions is not None else DEFAULT_PRECISIONS,
+        strategies=strategies if strategies is not None else STRATEGIES,
+        activation_checkpointing=activation_checkpointing,
+        bucket_cap_mb=bucket_cap_mb,
+        num_nodes=num_nodes,
+    )
+    start = time.perf_counter()
+    source, states, traces, units = _traced(model_or_config, request, batch, datamodule, activation_checkpointing)
+    result = estimate_layouts(
         source.name,
         request,
         states,
         traces,
         units,
-        seconds=time.perf_counter() - start,
-        require_fit=require_fit,
-        built=source.how_built,
+        batch_size=batch_rows(source.batch),
+        links=links,
+        device_tflops=device_tflops,
+        microbatches=pipeline_microbatches,
+        schedules=tuple(pipeline_schedules),
+        tensor_across_machines=tensor_across_machines,
     )
+    seconds = time.perf_counter() - start
+    result.memory = estimate(
+        source.name, request, states, traces, units, seconds=seconds, require_fit=False, built=source.how_built
+    )
+    return result
+
+
+def batch_rows(batch: Any) -> int:
+    """The rows of a batch: the first dimension of its first tensor (1 when it holds none)."""
+    found: list[torch.Tensor] = []
+    tree_map_tensors(found.append, batch)
+    return int(found[0].shape[0]) if found and found[0].dim() else 1

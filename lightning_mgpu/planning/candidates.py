@@ -35,10 +35,10 @@ from typing import Optional
 from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes
 from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelStates, StepTrace
 
-__all__ = ["ORDER", "NoPlanFits", "Plan", "PlanRow", "estimate"]
+__all__ = ["ORDER", "NoPlanFits", "Plan", "PlanRow", "candidate_row", "estimate", "no_fit"]
 
-_STRATEGY_RANK = {"mgpu_ddp": 0, "mgpu_zero1": 1, "mgpu_sharded": 2, "mgpu_hsdp": 3, "mgpu_zero3": 4}
-_PRECISION_RANK = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 2, "bf16-master": 3, "16-master": 4}
+STRATEGY_RANK = {"mgpu_ddp": 0, "mgpu_zero1": 1, "mgpu_sharded": 2, "mgpu_hsdp": 3, "mgpu_zero3": 4}
+PRECISION_RANK = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 2, "bf16-master": 3, "16-master": 4}
 ORDER = (
     "precision first (32-true, bf16-mixed, 16-mixed, bf16-master, 16-master: a plan never changes the numerics "
     "when the model fits without), then no activation checkpointing before checkpointing (it costs a second "
@@ -81,7 +81,7 @@ class PlanRow:
 
     @property
     def sort_key(self) -> tuple[int, int, int]:
-        return (_PRECISION_RANK[self.precision], int(self.activation_checkpointing), _STRATEGY_RANK[self.strategy])
+        return (PRECISION_RANK[self.precision], int(self.activation_checkpointing), STRATEGY_RANK[self.strategy])
 
 
 _BUILT = {
@@ -99,7 +99,7 @@ class NoPlanFits(PlanError):
         self.plan = plan
 
 
-def _row(
+def candidate_row(
     strategy: str,
     states: ModelStates,
     trace: StepTrace,
@@ -107,6 +107,8 @@ def _row(
     request: PlanRequest,
     usable: int,
 ) -> PlanRow:
+    """The predicted peak per rank of ``strategy`` over ``request.devices`` ranks (the table above); the layout plan
+    calls it with the piece of the model one rank of a tensor/pipeline split holds."""
     # mgpu_hsdp: the states are sharded over the ranks of one machine only (the replicas hold the same shards)
     n = request.shard_size if strategy == "mgpu_hsdp" else request.devices
     _, _, master = PRECISION_LAYOUT[trace.precision]
@@ -240,7 +242,7 @@ def estimate(
     """Combine the counted states and traces into one row per candidate and pick the recommendation."""
     usable = request.usable_bytes
     rows = sorted(
-        (_row(s, states, t, units, request, usable) for t in traces for s in request.candidates()),
+        (candidate_row(s, states, t, units, request, usable) for t in traces for s in request.candidates()),
         key=lambda r: r.sort_key,
     )
     best = next((r for r in rows if r.fits), None)
@@ -248,15 +250,22 @@ def estimate(
     checkpointed = next((t.checkpointed for t in traces if t.checkpointed), ())
     result = Plan(name, request, states, rows, seconds, checkpointed, built)
     if best is None and require_fit:
-        smallest = min(rows, key=lambda r: r.predicted_peak_bytes_per_rank)
-        miss = smallest.predicted_peak_bytes_per_rank - usable
-        raise NoPlanFits(
-            f"no candidate fits device_memory={request.device_memory!r} with {request.headroom:.0%} headroom "
-            f"({format_bytes(usable)} usable per rank) on {request.devices} ranks. The smallest plan, "
-            f"strategy={smallest.strategy!r} precision={smallest.precision!r} activation_checkpointing="
-            f"{smallest.activation_checkpointing}, needs {format_bytes(smallest.predicted_peak_bytes_per_rank)} per "
-            f"rank and misses by {format_bytes(miss)}. Use more devices (sharded states shrink with --devices), a "
-            f"smaller micro-batch, or devices with more memory.",
-            result,
-        )
+        raise no_fit(result)
     return result
+
+
+def no_fit(result: Plan) -> NoPlanFits:
+    """The error of a plan where nothing fits: the smallest candidate and its shortfall."""
+    request, usable = result.request, result.request.usable_bytes
+    smallest = min(result.rows, key=lambda r: r.predicted_peak_bytes_per_rank)
+    miss = smallest.predicted_peak_bytes_per_rank - usable
+    return NoPlanFits(
+        f"no candidate fits device_memory={request.device_memory!r} with {request.headroom:.0%} headroom "
+        f"({format_bytes(usable)} usable per rank) on {request.devices} ranks. The smallest plan, "
+        f"strategy={smallest.strategy!r} precision={smallest.precision!r} activation_checkpointing="
+        f"{smallest.activation_checkpointing}, needs {format_bytes(smallest.predicted_peak_bytes_per_rank)} per "
+        f"rank and misses by {format_bytes(miss)}. Use more devices (sharded states shrink with --devices), a "
+        f"smaller micro-batch, devices with more memory, or a layout that splits the model (lightning-mgpu plan "
+        f"lists them: tensor and pipeline splits).",
+        result,
+    )

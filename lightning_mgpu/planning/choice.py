@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_mgpu.planning.candidates import Plan
+from lightning_mgpu.planning.candidates import Plan, no_fit
+from lightning_mgpu.planning.layouts import Layout, LayoutPlan
 from lightning_mgpu.planning.request import PRECISIONS, PlanError, format_bytes, parse_memory
 
-__all__ = ["AutoDecision", "decide", "device_memory_bytes", "fallback", "planner_precision"]
+__all__ = ["AutoDecision", "decide", "decide_layout", "device_memory_bytes", "fallback", "planner_precision"]
 
 #: the arguments that build each candidate from :class:`~lightning_mgpu.MGPUShardedStrategy` (None: mgpu_ddp)
 STAGES: dict[str, Optional[int]] = {
@@ -36,11 +37,18 @@ class AutoDecision:
     """One paragraph: what was chosen, its predicted peak, and the faster candidates that do not fit."""
     table: str = ""
     """The whole plan (markdown), as ``lightning-mgpu plan`` prints it."""
+    tensor_parallel_size: int = 1
+    """Above 1: the chosen layout splits each block over this many ranks (no data-parallel candidate fit)."""
+    pipeline_parallel_size: int = 1
+    """Above 1: the chosen layout runs the model as this many pipeline stages."""
+    strategy_arguments: dict[str, Any] = field(default_factory=dict)
+    """A chosen layout's keywords for :class:`~lightning_mgpu.MGPUShardedStrategy` (``stage``, the sizes, the
+    pipeline's micro-batches and schedule); empty for a data-parallel candidate."""
 
     @property
     def stage(self) -> Optional[int]:
         """The ZeRO stage (None: mgpu_ddp)."""
-        return STAGES[self.strategy]
+        return self.strategy_arguments.get("stage", STAGES[self.strategy])
 
     @property
     def mesh(self) -> str:
@@ -78,6 +86,52 @@ def decide(plan: Plan) -> AutoDecision:
         usable_bytes=usable,
         reason=reason,
         table=plan.table(),
+    )
+
+
+def decide_layout(layouts: LayoutPlan, build: Callable[[Layout], Optional[dict[str, Any]]]) -> AutoDecision:
+    """The memory plan's decision when a data-parallel candidate fits; else the fastest layout that fits among those
+    ``build`` can build (it returns the sharded strategy's keywords for a layout, or None). Raises the memory plan's
+    :class:`~lightning_mgpu.planning.NoPlanFits` when none fits, naming in one line the layout that would fit where
+    the strategy cannot build it."""
+    memory = layouts.memory
+    assert memory is not None, "plan_layouts sets the memory plan"
+    if memory.recommended is not None:
+        return decide(memory)
+    fitting = [x for x in layouts.layouts if x.fits and x.model_parallel]
+    best, arguments = next(((x, a) for x in fitting for a in (build(x),) if a is not None), (None, None))
+    if best is None or arguments is None:
+        err = no_fit(memory)
+        if fitting:
+            err.args = (
+                f"{err.args[0]} The layout {fitting[0].name} would fit, but MGPUShardedStrategy here cannot build it "
+                f"(no tensor_parallel_size/pipeline_parallel_size option, or not in that combination): mgpu_auto "
+                f"chose among the layouts it builds, the data-parallel ones.",
+            )
+        raise err
+    usable = memory.request.usable_bytes
+    smallest = min(memory.rows, key=lambda r: r.predicted_peak_bytes_per_rank)
+    strategy = {1: "mgpu_zero1", 2: "mgpu_sharded"}.get(arguments.get("stage", 3), best.strategy)
+    call = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
+    reason = (
+        f"mgpu_auto chose the layout {best.name} (MGPUShardedStrategy({call}), "
+        f"precision {best.precision}, activation checkpointing {'on' if best.activation_checkpointing else 'off'}): "
+        f"predicted peak {format_bytes(best.predicted_peak_bytes_per_rank)} per rank of {format_bytes(usable)} "
+        f"usable; no data-parallel candidate fits (the smallest, {smallest.strategy}, needs "
+        f"{format_bytes(smallest.predicted_peak_bytes_per_rank)}). It is the fastest of {len(fitting)} layouts that "
+        f"fit (estimated {best.samples_per_second:.3g} samples/s) that this strategy builds."
+    )
+    return AutoDecision(
+        strategy=strategy,
+        activation_checkpointing=best.activation_checkpointing,
+        precision=best.precision,
+        predicted_peak_bytes_per_rank=best.predicted_peak_bytes_per_rank,
+        usable_bytes=usable,
+        reason=reason,
+        table=memory.table() + "\n\n" + layouts.table(),
+        tensor_parallel_size=best.tensor,
+        pipeline_parallel_size=best.pipeline,
+        strategy_arguments=arguments,
     )
 
 

@@ -4,6 +4,10 @@ lightning-mgpu plan --config configs/transformer.yaml --devices 8 --device-memor
 lightning-mgpu plan --config configs/transformer.yaml --devices 8 --device-memory 80GiB --json
 lightning-mgpu plan --config configs/transformer.yaml --devices 16 --num-nodes 2 --device-memory 80GiB
 lightning-mgpu plan --config configs/auto.yaml     # devices, nodes, precision and device memory from the config
+lightning-mgpu plan --config lm.yaml --devices 64 --num-nodes 8 --device-memory 80GiB --inter-node-link ethernet
+
+The memory plan of the data-parallel candidates comes first, then the layouts (data replicate x data shard x
+tensor x pipeline) that fit, fastest first (``--layouts --json``: every layout as JSON).
 
 ``--devices``, ``--num-nodes`` and ``--precisions`` default to the config's ``trainer.devices`` (times
 ``trainer.num_nodes``: the world), ``trainer.num_nodes`` and ``trainer.precision``; ``--device-memory`` and
@@ -14,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
+from typing import Optional, Union
 
+from lightning_mgpu.planning.layouts import DEFAULT_DEVICE_TFLOPS, LINK_SPEEDS
 from lightning_mgpu.planning.request import DEFAULT_PRECISIONS, PRECISIONS, STRATEGIES, PlanError
 
 __all__ = ["main"]
@@ -23,7 +28,8 @@ __all__ = ["main"]
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the plan (markdown table, or ``--json`` rows); exit 2 with the reason on bad input or no fit."""
-    from lightning_mgpu.planning import NoPlanFits, plan
+    from lightning_mgpu.planning import NoPlanFits, plan_layouts
+    from lightning_mgpu.planning.candidates import no_fit
 
     parser = argparse.ArgumentParser(prog="lightning-mgpu plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config", "-c", required=True, help="a `lightning-mgpu fit` YAML config (model and data)")
@@ -44,6 +50,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--layouts", action="store_true", help="with --json: print the layouts instead of the rows")
+    parser.add_argument("--top", type=int, default=20, help="layouts shown in the table (default 20)")
+    links = ", ".join(LINK_SPEEDS)
+    parser.add_argument(
+        "--intra-node-link", default="nvlink", help=f"{links}, or GB/s per device each way (default nvlink)"
+    )
+    parser.add_argument(
+        "--inter-node-link", default="infiniband", help=f"{links}, or GB/s per device each way (default infiniband)"
+    )
+    parser.add_argument(
+        "--device-tflops",
+        type=float,
+        default=DEFAULT_DEVICE_TFLOPS,
+        help=f"the rate one device sustains, TFLOP/s (default {DEFAULT_DEVICE_TFLOPS:g}, an assumption)",
+    )
+    parser.add_argument("--pipeline-microbatches", type=int, help="micro-batches per batch (default: the batch size)")
+    parser.add_argument(
+        "--tensor-across-machines", action="store_true", help="allow tensor groups wider than one machine"
+    )
     args = parser.parse_args(argv)
     try:
         from lightning_mgpu.planning.source import config_trainer
@@ -65,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         assert devices is not None and memory is not None
         precision = config.get("precision")
         precisions = tuple(args.precisions) if args.precisions else (precision,) if precision else DEFAULT_PRECISIONS
-        result = plan(
+        layouts = plan_layouts(
             args.config,
             devices=devices,
             device_memory=memory,
@@ -74,11 +99,39 @@ def main(argv: Optional[list[str]] = None) -> int:
             strategies=tuple(args.strategies or config.get("strategies") or ()) or None,
             bucket_cap_mb=args.bucket_cap_mb,
             num_nodes=num_nodes,
+            intra_node_link=_link(args.intra_node_link),
+            inter_node_link=_link(args.inter_node_link),
+            device_tflops=args.device_tflops,
+            pipeline_microbatches=args.pipeline_microbatches,
+            tensor_across_machines=args.tensor_across_machines,
         )
+        result = layouts.memory
+        assert result is not None
+        best = layouts.best
+        if result.recommended is None and (best is None or (args.json and not args.layouts)):
+            raise no_fit(result)
     except NoPlanFits as err:
         print(err.plan.to_json() if args.json else err.plan.table(), file=sys.stderr)
         parser.exit(2, f"lightning-mgpu plan: error: {err}\n")
     except PlanError as err:
         parser.exit(2, f"lightning-mgpu plan: error: {err}\n")
-    print(result.to_json() if args.json else result.table())
+    if args.json:
+        print(layouts.to_json() if args.layouts else result.to_json())
+        return 0
+    print(result.table())
+    print("\nLayouts (data replicate x data shard x tensor x pipeline) that fit, fastest first:\n")
+    print(layouts.table(args.top))
+    if result.recommended is None and best is not None:
+        print(
+            f"\nNo data-parallel candidate fits; the fastest layout that fits is {best.name} ({best.strategy}, "
+            f"precision {best.precision}, activation checkpointing {'on' if best.activation_checkpointing else 'off'})."
+        )
     return 0
+
+
+def _link(value: str) -> Union[str, float]:
+    """A link name, or a number of GB/s."""
+    try:
+        return float(value)
+    except ValueError:
+        return value

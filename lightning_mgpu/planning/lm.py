@@ -28,16 +28,27 @@ class TransformerLM(pl.LightningModule):
 
     Args:
         vocab: vocabulary size. d_model: width. heads: attention heads. layers: depth. lr: AdamW learning rate.
+        ffn: the feed-forward width (default ``4 d_model``); a model with another attention and MLP (grouped
+            keys and values, a gated MLP) is stood in for at its parameter count with ``ffn`` = its parameters per
+            layer less ``4 d_model**2``, over ``2 d_model``.
     """
 
     def __init__(
-        self, vocab: int = 32000, d_model: int = 768, heads: int = 12, layers: int = 12, lr: float = 3e-4
+        self,
+        vocab: int = 32000,
+        d_model: int = 768,
+        heads: int = 12,
+        layers: int = 12,
+        lr: float = 3e-4,
+        ffn: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab, d_model)
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
+            nn.TransformerEncoderLayer(
+                d_model, heads, ffn or 4 * d_model, dropout=0.0, batch_first=True, norm_first=True
+            )
             for _ in range(layers)
         )
         self.norm = nn.LayerNorm(d_model)

@@ -13,7 +13,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from lightning_mgpu._compat import fake_tensor_mode, mem_tracker, timeline_mem_t
 from lightning_mgpu.parts.sharding import fsdp_unit_roots
 from lightning_mgpu.planning.request import PlanError
 
-__all__ = ["ModelStates", "StepTrace", "count_model_states", "trace_step"]
+__all__ = ["ModelStates", "StepTrace", "count_model_states", "pipeline_blocks", "trace_step"]
 
 #: precision -> (dtype the weights and activations are stored in, autocast dtype or None, FP32 master copy)
 PRECISION_LAYOUT: dict[str, tuple[torch.dtype, Optional[torch.dtype], bool]] = {
@@ -184,6 +184,16 @@ class StepTrace:
     checkpointed: tuple[str, ...]
     timeline: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     """(activations + temporaries, gradients) after every op of the step."""
+    flops: int = 0
+    """Floating-point operations of the step (forward, backward and any recomputation), counted by torch's
+    ``FlopCounterMode`` (attention's fused kernels included)."""
+    blocks: int = 0
+    """The model's blocks (:func:`pipeline_blocks`): what a pipeline splits into stages, a tensor split splits."""
+    block_output_bytes: int = 0
+    """The largest output of one block for this micro-batch: what a pipeline stage sends to the next, and the
+    activation a tensor-parallel block all-reduces."""
+    attention_heads: int = 0
+    """The fewest attention heads of a block (0: no attention found, so no tensor split is proposed)."""
 
     def peak_with_gradients(self, fraction: float) -> int:
         """The largest ``activations(t) + fraction * gradients(t)``: a rank that keeps ``fraction`` of each
@@ -242,14 +252,23 @@ def trace_step(
         if dtype != torch.float32:
             _cast(module, dtype)
         module.train()
+        blocks = pipeline_blocks(module)
+        outputs: dict[int, int] = {}  # a block's first call (a checkpointed block runs again in backward)
+
+        def record(block: nn.Module, inputs: Any, out: Any) -> None:
+            outputs.setdefault(id(block), _tensor_bytes(out))
+
+        handles = [block.register_forward_hook(record) for block in blocks]
         checkpointed = tuple(apply_activation_checkpointing(module, policy)) if policy is not None else ()
         fake = _fake_batch(batch, mode, dtype if dtype != torch.float32 else None)
         tracker = timeline_mem_tracker()
         tracker.track_external(module)
-        with tracker:
+        with tracker, flop_counter() as flops:
             with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
                 loss = _loss(module, fake, forward)
             loss.backward()
+        for handle in handles:
+            handle.remove()
         params = list(module.parameters())
         return StepTrace(
             precision=precision,
@@ -259,7 +278,81 @@ def trace_step(
             activations=max((a for a, _ in tracker.timeline), default=0),
             checkpointed=checkpointed,
             timeline=tuple(tracker.timeline),
+            flops=int(flops.get_total_flops()),
+            blocks=len(blocks),
+            block_output_bytes=max(outputs.values(), default=0),
+            attention_heads=min((h for h in map(_heads, blocks) if h), default=0),
         )
+
+
+def pipeline_blocks(module: nn.Module) -> list[nn.Module]:
+    """The blocks of ``module`` a pipeline splits into stages (and a tensor split splits): its transformer layers
+    when it has any (``nn.TransformerEncoderLayer``/``DecoderLayer``), else the children of its outermost
+    ``nn.Sequential``/``nn.ModuleList`` (the blocks activation checkpointing's ``EveryNth(1)`` selects); none for a
+    model whose layers are plain attributes."""
+    from lightning_mgpu.parts.activation_checkpointing import EveryNth, select_modules
+
+    layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    found: list[nn.Module] = [m for m in module.modules() if isinstance(m, layers)]
+    if found:
+        return found
+    try:
+        return [block for _, block in select_modules(module, EveryNth(1))]
+    except ValueError:
+        return []
+
+
+def _heads(block: nn.Module) -> int:
+    """Attention heads of ``block`` (``nn.MultiheadAttention``'s ``num_heads``, or a Hugging Face attention's
+    ``num_heads``/``num_attention_heads``/``n_head``); 0 when it has no attention."""
+    for m in block.modules():
+        for name in ("num_heads", "num_attention_heads", "n_head"):
+            value = getattr(m, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return 0
+
+
+def _tensor_bytes(out: Any) -> int:
+    tensors: list[torch.Tensor] = []
+    tree_map_tensors(tensors.append, out)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def flop_counter() -> Any:
+    """torch's ``FlopCounterMode`` (quiet), taught the fused attention kernel torch runs on CPU (the planner traces on
+    CPU; on CUDA the flash and memory-efficient kernels are counted by torch itself) with torch's own formulas."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+
+    def forward(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return int(fc.sdpa_flop_count(query, key, value))
+
+    def backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return int(fc.sdpa_backward_flop_count(grad, query, key, value))
+
+    mapping: dict[Any, Callable[..., int]] = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu] = forward
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = backward
+    counter = fc.FlopCounterMode(display=False, custom_mapping=mapping)
+    # its module tracker (for counts per module, which the planner does not read) hooks every module's outputs for
+    # backward and so keeps alive the activations activation checkpointing frees: count the whole step only
+    counter.mod_tracker = _WholeStep()  # type: ignore[assignment]  # the counter only enters it and reads parents
+    return counter
+
+
+class _WholeStep:
+    """Stands in for ``FlopCounterMode``'s module tracker: every operation counts towards the whole step."""
+
+    parents: ClassVar[set[str]] = {"Global"}
+
+    def __enter__(self) -> _WholeStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def _cast(module: nn.Module, dtype: torch.dtype) -> None:

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -36,8 +37,9 @@ from typing_extensions import override
 
 from lightning_mgpu import _compat
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
-from lightning_mgpu.planning import NoPlanFits, PlanError, plan
-from lightning_mgpu.planning.choice import AutoDecision, decide, device_memory_bytes, fallback, planner_precision
+from lightning_mgpu.planning import NoPlanFits, PlanError, plan_layouts
+from lightning_mgpu.planning.choice import AutoDecision, decide_layout, device_memory_bytes, fallback, planner_precision
+from lightning_mgpu.planning.layouts import Layout
 from lightning_mgpu.planning.request import parse_memory
 from lightning_mgpu.planning.source import default_policy
 from lightning_mgpu.planning.stand_in import stand_in_factory
@@ -171,7 +173,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             ) from None
         # the module itself: the planner steps a stand-in of it (its module tree with fake tensors), never a copy
         policy = self._auto["policy"] or default_policy(stand_in_factory(module))
-        result = plan(
+        result = plan_layouts(
             module,
             devices=self.world_size,
             num_nodes=self.num_nodes,
@@ -182,7 +184,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             strategies=self._auto["settings"].strategies,
             activation_checkpointing=policy,
         )
-        decision = decide(result)
+        decision = decide_layout(result, layout_arguments)
         # a policy given by the user is on every rank already (and may not pickle); the default one pickles
         return {"decision": decision, "policy": None if self._auto["policy"] else policy}
 
@@ -210,6 +212,7 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         if decision.activation_checkpointing:
             kwargs["activation_checkpointing"] = auto["policy"] or policy
         target: type
+        kwargs.update(decision.strategy_arguments)  # a split of the model: the layout's stage and sizes
         if decision.stage is None:
             target = MGPUDDPStrategy
         else:
@@ -233,3 +236,42 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         assert module is not None
         self.connect(module)
         self.auto_decision = decision
+
+
+def layout_keywords() -> set[str]:
+    """The layout options :class:`~lightning_mgpu.MGPUShardedStrategy` takes in this installation (read from its
+    signature, so that ``mgpu_auto`` proposes a tensor or pipeline split only where the strategy builds one)."""
+    names = ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_microbatches", "pipeline_schedule")
+    return set(names) & set(inspect.signature(MGPUShardedStrategy.__init__).parameters)
+
+
+def layout_arguments(layout: Layout) -> Optional[dict[str, Any]]:
+    """The keywords that build ``layout`` with :class:`~lightning_mgpu.MGPUShardedStrategy`, or None where the
+    strategy of this installation takes no such option or refuses the combination (constructing it checks: nothing
+    starts). With pipeline stages only the layouts whose data dimension holds whole replicas of each stage (DDP's
+    memory, the most a data rank holds) are built, at the strategy's default stage; DDP-style replicas without
+    stages are built as ZeRO-1 (the same bytes sent, no more memory per rank)."""
+    if layout.pipeline > 1 and layout.strategy != "mgpu_ddp":
+        return None
+    sizes: dict[str, Any] = {}
+    if layout.tensor > 1:
+        sizes["tensor_parallel_size"] = layout.tensor
+    if layout.pipeline > 1:
+        sizes.update(
+            pipeline_parallel_size=layout.pipeline,
+            pipeline_microbatches=layout.microbatches,
+            pipeline_schedule=layout.schedule,
+        )
+    if not set(sizes) <= layout_keywords():
+        return None
+    stage = {"mgpu_zero1": 1, "mgpu_sharded": 2}.get(layout.strategy, 3)
+    if layout.strategy == "mgpu_ddp":
+        stage = 2 if layout.pipeline > 1 else 1
+    arguments: dict[str, Any] = {"stage": stage, **sizes}
+    if layout.strategy == "mgpu_hsdp":
+        arguments["mesh"] = "hybrid"
+    try:
+        MGPUShardedStrategy(**arguments)
+    except (TypeError, ValueError):
+        return None
+    return arguments

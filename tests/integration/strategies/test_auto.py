@@ -297,3 +297,45 @@ def test_mgpu_auto_plans_a_lightning_module_that_keeps_its_datasets_and_plan_agr
     assert "FirstHour" in decision.table
     planned = mgpu_lightning.plan(model, devices=WORLD, device_memory="1GiB", precisions=("32-true",))
     assert planned.recommended.predicted_peak_bytes_per_rank == decision.predicted_peak_bytes_per_rank > 0
+
+
+def test_mgpu_auto_splits_the_model_when_no_data_parallel_candidate_fits_where_the_strategy_builds_it(tmp_path):
+    """Device memory between the smallest split layout's peak and the smallest data-parallel one's: mgpu_auto trains
+    the fastest split layout MGPUShardedStrategy builds (its stage and sizes passed on), or, where this strategy
+    takes no tensor/pipeline option, every rank refuses naming the layout that would fit."""
+    from lightning_mgpu import plan_layouts
+    from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
+    from lightning_mgpu.strategies.auto import layout_arguments
+
+    def model() -> TransformerLM:
+        return TransformerLM(vocab=256, d_model=32, heads=4, layers=4)
+
+    def data() -> RandomTokens:
+        return RandomTokens(batch_size=4, seq_len=16, vocab=256, samples=64)
+
+    sample = data()
+    sample.setup("fit")
+    planned = plan_layouts(model, devices=2, device_memory="8GiB", batch=next(iter(sample.train_dataloader())),
+                           precisions=("32-true",))  # fmt: skip
+    assert planned.memory is not None
+    data_parallel = min(r.predicted_peak_bytes_per_rank for r in planned.memory.rows)
+    split = [x for x in planned.layouts if x.model_parallel]
+    smallest = min(x.predicted_peak_bytes_per_rank for x in split)
+    assert smallest < data_parallel
+    memory = int((smallest + data_parallel) / 2 / 0.9)  # 10% headroom
+    built = [x for x in split if x.predicted_peak_bytes_per_rank <= memory * 0.9 and layout_arguments(x) is not None]
+    strategy = MGPUAutoStrategy(device_memory=memory, start_method="fork")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    if not built:  # this MGPUShardedStrategy takes no tensor/pipeline option
+        with pytest.raises(Exception, match=r"would fit, but MGPUShardedStrategy here cannot build it"):
+            trainer.fit(model(), data())
+        return
+    trainer.fit(model(), data())
+    decision = trainer.strategy.auto_decision
+    assert decision.tensor_parallel_size * decision.pipeline_parallel_size > 1
+    assert decision.strategy_arguments == layout_arguments(built[0])
+    assert decision.predicted_peak_bytes_per_rank == built[0].predicted_peak_bytes_per_rank
+    assert "no data-parallel candidate fits" in decision.reason

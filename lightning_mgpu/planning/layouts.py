@@ -1,0 +1,500 @@
+"""The layout plan: every way to lay a model over ``devices`` ranks, data replicate x data shard x tensor x pipeline
+(with the ZeRO stage of the data dimension), with its memory per rank, its communication per step on each link,
+an estimated step time, and the ones that fit, fastest first.
+
+The memory per rank is the memory plan's (:mod:`~lightning_mgpu.planning.candidates`), applied to the piece of
+the model one rank holds: a tensor split of ``T`` and a pipeline of ``P`` stages leave ``1 / (T P)`` of the
+parameters, gradients and optimizer state on a rank, which the data dimension then shards or replicates as its
+strategy does. Activations (traced for the loader's batch ``b`` of one data-parallel rank) are split the same way
+(tensor parallelism with sequence parallelism splits every activation of a block; a stage holds ``1 / P`` of the
+blocks), and a pipeline of ``m`` micro-batches keeps ``k`` of them in flight on its first stage: ``k = m`` under
+GPipe (every forward before any backward), ``k = min(P, m)`` under 1F1B. Per rank::
+
+    activations = A * k / (m P T)
+
+Communication per optimizer step, bytes one rank sends (ring collectives over ``n`` ranks: an all-reduce of ``S``
+bytes sends ``2 (n-1)/n S``, an all-gather or a reduce-scatter ``(n-1)/n S``; ``W`` and ``G`` the parameter and
+gradient bytes of the rank's model piece, ``X`` one block's output for the batch ``b``, ``L`` the blocks):
+
+====================  ======================================================================================
+data, mgpu_ddp        all-reduce of ``G`` over the ``D`` data ranks
+data, mgpu_zero1      reduce-scatter of ``G`` + all-gather of ``W`` (the updated shards)
+data, mgpu_sharded    all-gather of ``W`` once (kept from forward to backward) + reduce-scatter of ``G``
+data, mgpu_zero3      all-gather of ``W`` in forward and again in backward + reduce-scatter of ``G``
+data, mgpu_hsdp       mgpu_zero3 over the ``S`` ranks of a machine + all-reduce of ``G / S`` over the replicas
+tensor                per block and micro-batch, two all-reduces of its activation in forward and two in
+                      backward (attention and MLP: one each; a block without attention, one), a third forward's
+                      with activation checkpointing: ``L / P * (4 or 6) * 2 (T-1)/T * X`` per step
+pipeline              per micro-batch, a stage sends its output forward and its input's gradient backward:
+                      ``2 X`` per step (each of the ``T`` ranks of a stage sends it)
+====================  ======================================================================================
+
+Each group's link: the ranks are laid out pipeline (outermost), data replicate, data shard, tensor (innermost,
+consecutive ranks), as the mesh builds them; a group whose ranks fit in one machine uses the link within a machine,
+any other the link across machines. The step time: ``F`` the traced floating-point operations for the batch ``b``
+(recomputation included), ``R`` the device's rate::
+
+    compute = F / (T P R)                            bubble = (P-1) / (m+P-1)
+    step = (compute + tensor + pipeline) / (1 - bubble) + max(0, data - compute)
+
+(the data dimension's collectives overlap the compute, the tensor all-reduces and the stage sends do not). The
+layouts that fit are ranked by samples per second, ``b D / step``: each data-parallel rank's loader yields ``b``
+samples, so a layout with fewer data ranks trains with a smaller global batch, and the rate is what compares.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Optional, Union
+
+from lightning_mgpu.planning.candidates import PRECISION_RANK, STRATEGY_RANK, Plan, candidate_row
+from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes
+from lightning_mgpu.planning.trace import ModelStates, StepTrace
+
+__all__ = [
+    "DEFAULT_DEVICE_TFLOPS",
+    "LINK_SPEEDS",
+    "SCHEDULES",
+    "Layout",
+    "LayoutPlan",
+    "Links",
+    "estimate_layouts",
+    "group_link",
+]
+
+#: Nominal bandwidth one device gets on a link, GB/s in each direction (decimal: 1 GB = 10**9 bytes)
+LINK_SPEEDS: dict[str, float] = {
+    "nvlink": 450.0,  # NVLink 4 (H100 SXM): 900 GB/s per GPU both directions together
+    "pcie": 32.0,  # PCIe 4.0 x16
+    "infiniband": 50.0,  # 400 Gb/s per GPU (one NDR port per GPU)
+    "ethernet": 12.5,  # 100 Gb/s
+}
+#: The rate a device sustains, TFLOP/s: an assumption (about a third of a current data-centre GPU's dense
+#: half-precision peak); pass the one you measure (``device_tflops``)
+DEFAULT_DEVICE_TFLOPS = 300.0
+#: Pipeline schedules, as the sharded strategy names them: the first stage keeps ``m`` (GPipe) or ``min(P, m)``
+#: (1F1B) micro-batches' activations
+SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+
+
+def _speed(value: Union[str, float, int], name: str) -> float:
+    if isinstance(value, str):
+        if value.lower() not in LINK_SPEEDS:
+            raise PlanError(
+                f"{name}={value!r} is not a known link: use one of {', '.join(map(repr, LINK_SPEEDS))} or a number "
+                f"of GB/s per device in each direction, e.g. {name}=25."
+            )
+        return LINK_SPEEDS[value.lower()]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise PlanError(f"{name}={value!r} must be a link name ({', '.join(LINK_SPEEDS)}) or a positive GB/s.")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Links:
+    """The bandwidth one device gets within a machine and across machines, GB/s in each direction.
+
+    >>> Links.of("pcie", "ethernet")
+    Links(intra=32.0, inter=12.5)
+    """
+
+    intra: float = LINK_SPEEDS["nvlink"]
+    inter: float = LINK_SPEEDS["infiniband"]
+
+    @classmethod
+    def of(cls, intra: Union[str, float] = "nvlink", inter: Union[str, float] = "infiniband") -> Links:
+        """From link names (:data:`LINK_SPEEDS`) or GB/s."""
+        return cls(_speed(intra, "intra_node_link"), _speed(inter, "inter_node_link"))
+
+    def speed(self, link: str) -> float:
+        """Bytes per second on ``"intra"`` or ``"inter"``."""
+        return (self.intra if link == "intra" else self.inter) * 1e9
+
+
+def group_link(stride: int, size: int, per_node: int) -> str:
+    """``"intra"`` when a group of ``size`` ranks spaced ``stride`` apart fits in one machine of ``per_node``
+    ranks, else ``"inter"`` (a ring over ranks of several machines runs at the speed of the link between them).
+
+    >>> group_link(1, 8, 8), group_link(8, 4, 8), group_link(2, 4, 8)
+    ('intra', 'inter', 'intra')
+    """
+    return "intra" if size == 1 or stride * size <= per_node else "inter"
+
+
+def _all_reduce(nbytes: float, n: int) -> float:
+    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def _gather(nbytes: float, n: int) -> float:
+    """An all-gather or a reduce-scatter of ``nbytes`` (the whole) over ``n`` ranks."""
+    return (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout: its sizes, its predicted peak per rank by component, its communication per step and its
+    estimated step time."""
+
+    data_replicate: int
+    data_shard: int
+    tensor: int
+    pipeline: int
+    strategy: str
+    """The data dimension's strategy (``mgpu_ddp``, ``mgpu_zero1``, ``mgpu_sharded``, ``mgpu_zero3``, ``mgpu_hsdp``)."""
+    precision: str
+    activation_checkpointing: bool
+    microbatches: int
+    """Pipeline micro-batches per loader batch (1 without a pipeline)."""
+    schedule: str
+    """``"1f1b"`` or ``"gpipe"`` (``"-"`` without a pipeline)."""
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_state_bytes: int
+    activations_bytes: int
+    """Activations and temporaries, the pipeline's in-flight micro-batches included."""
+    communication_bytes: int
+    """Communication buffers (a DDP bucket, FSDP's gathered units)."""
+    predicted_peak_bytes_per_rank: int
+    fits: bool
+    data_bytes: int
+    """Bytes one rank sends per step for the data dimension (all-reduce, all-gather, reduce-scatter)."""
+    tensor_bytes: int
+    pipeline_bytes: int
+    data_link: str
+    """``"intra"`` or ``"inter"`` (mgpu_hsdp: the replicas' all-reduce; its shards' collectives stay in a machine)."""
+    tensor_link: str
+    pipeline_link: str
+    intra_bytes: int
+    """Per step, sent within a machine."""
+    inter_bytes: int
+    """Per step, sent across machines."""
+    compute_seconds: float
+    communication_seconds: float
+    """Exposed: the tensor and pipeline sends, and the data collectives beyond the compute they overlap."""
+    bubble: float
+    """``(P-1)/(m+P-1)``: the fraction of the step a stage idles (0 without a pipeline)."""
+    step_seconds: float
+    samples_per_second: float
+    """The loader batch times the data ranks, per step second: what the layouts are ranked by."""
+
+    @property
+    def data_parallel(self) -> int:
+        return self.data_replicate * self.data_shard
+
+    @property
+    def stage(self) -> Optional[int]:
+        """The ZeRO stage of the data dimension (None: DDP)."""
+        return {"mgpu_ddp": None, "mgpu_zero1": 1, "mgpu_sharded": 2}.get(self.strategy, 3)
+
+    @property
+    def name(self) -> str:
+        """``"dp 2 x fsdp 4 x tp 8 x pp 8"``: the sizes above 1 (``dp``: replicas, ``fsdp``: shards)."""
+        shard = {"mgpu_ddp": "ddp", "mgpu_zero1": "zero1", "mgpu_sharded": "zero2"}.get(self.strategy, "zero3")
+        parts = [f"dp {self.data_replicate}"] if self.data_replicate > 1 else []
+        parts += [f"{shard} {self.data_shard}"] if self.data_shard > 1 else []
+        parts += [f"tp {self.tensor}"] if self.tensor > 1 else []
+        parts += [f"pp {self.pipeline} {self.schedule} m={self.microbatches}"] if self.pipeline > 1 else []
+        return " x ".join(parts) or "one rank"
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether the layout splits the model (tensor or pipeline above 1)."""
+        return self.tensor > 1 or self.pipeline > 1
+
+
+@dataclass
+class LayoutPlan:
+    """Every layout for one model and request: those that fit, fastest first, then those that do not."""
+
+    model: str
+    devices: int
+    num_nodes: int
+    usable_bytes: int
+    links: Links
+    device_tflops: float
+    batch_size: int
+    layouts: list[Layout]
+    memory: Optional[Plan] = None
+    """The memory plan of the data-parallel candidates (:func:`~lightning_mgpu.planning.plan`), from the same
+    trace (set by :func:`~lightning_mgpu.planning.plan_layouts`)."""
+
+    @property
+    def best(self) -> Optional[Layout]:
+        """The fastest layout that fits."""
+        return next((layout for layout in self.layouts if layout.fits), None)
+
+    def best_where(self, data_parallel_only: bool) -> Optional[Layout]:
+        """The fastest that fits, among the pure data-parallel layouts when ``data_parallel_only``."""
+        return next((x for x in self.layouts if x.fits and not (data_parallel_only and x.model_parallel)), None)
+
+    def to_json(self) -> str:
+        return json.dumps([{**asdict(x), "name": x.name} for x in self.layouts], indent=2)
+
+    def table(self, top: int = 20) -> str:
+        """A markdown table of the ``top`` fastest layouts that fit (all when none fits: the smallest first)."""
+        fitting = [x for x in self.layouts if x.fits]
+        shown = fitting[:top] if fitting else sorted(self.layouts, key=lambda x: x.predicted_peak_bytes_per_rank)[:top]
+        head = (
+            "| # | layout | precision | AC | params | grads | optimizer | activations | comm buf | peak/rank | "
+            "intra/step | inter/step | bubble | step (s) | samples/s | fits |"
+        )
+        lines = [head, "|" + "---|" * 16]
+        for i, x in enumerate(shown, 1):
+            cells = [str(i), x.name, x.precision, "yes" if x.activation_checkpointing else "no"]
+            cells += [
+                format_bytes(v)
+                for v in (
+                    x.parameters_bytes,
+                    x.gradients_bytes,
+                    x.optimizer_state_bytes,
+                    x.activations_bytes,
+                    x.communication_bytes,
+                    x.predicted_peak_bytes_per_rank,
+                    x.intra_bytes,
+                    x.inter_bytes,
+                )
+            ]
+            cells += [f"{x.bubble:.1%}", f"{x.step_seconds:.3g}", f"{x.samples_per_second:.4g}"]
+            cells.append("yes" if x.fits else "no")
+            lines.append("| " + " | ".join(cells) + " |")
+        per_node = self.devices // self.num_nodes
+        lines.append("")
+        lines.append(
+            f"{self.model}: {len(fitting)} of {len(self.layouts)} layouts fit {self.devices} ranks ({self.num_nodes} "
+            f"machine(s) of {per_node}) x {format_bytes(self.usable_bytes)} usable; links {self.links.intra:g} GB/s "
+            f"within a machine, {self.links.inter:g} GB/s across; {self.device_tflops:g} TFLOP/s per device; loader "
+            f"batch {self.batch_size} per data-parallel rank. Step times are estimates from bytes and FLOPs "
+            f"(not measured)."
+        )
+        return "\n".join(lines)
+
+
+def _split_request(request: PlanRequest, strategy: str, data: int, replicas: int) -> PlanRequest:
+    """The memory plan's request for the data dimension of a layout: ``data`` ranks, ``replicas`` machines' worth
+    of replicas for mgpu_hsdp."""
+    return PlanRequest(
+        devices=data,
+        device_memory=request.device_memory_bytes,
+        headroom=request.headroom,
+        precisions=request.precisions,
+        strategies=(strategy,),
+        bucket_cap_mb=request.bucket_cap_mb,
+        num_nodes=replicas,
+    )
+
+
+def _piece(states: ModelStates, trace: StepTrace, split: int, activations: float) -> tuple[ModelStates, StepTrace]:
+    """What one rank of a model split ``split`` ways holds: ``1/split`` of the states and gradients, and the
+    activations scaled by ``activations``."""
+    sizes = {  # every byte count of the states (the counts of parameters stay the model's)
+        f.name: getattr(states, f.name) // split
+        for f in fields(states)
+        if f.name.endswith("_bytes") or f.name in ("buffers", "optimizer_state", "optimizer_transient")
+    }
+    piece = replace(states, parameters={k: v // split for k, v in states.parameters.items()}, **sizes)
+    timeline = tuple((int(a * activations), g // split) for a, g in trace.timeline)
+    scaled = replace(
+        trace,
+        parameters=trace.parameters // split,
+        gradients=trace.gradients // split,
+        activations=int(trace.activations * activations),
+        timeline=timeline,
+    )
+    return piece, scaled
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def estimate_layouts(
+    name: str,
+    request: PlanRequest,
+    states: ModelStates,
+    traces: list[StepTrace],
+    units: tuple[float, float],
+    batch_size: int,
+    links: Optional[Links] = None,
+    device_tflops: float = DEFAULT_DEVICE_TFLOPS,
+    microbatches: Optional[int] = None,
+    schedules: tuple[str, ...] = SCHEDULES,
+    tensor_across_machines: bool = False,
+    max_tensor: Optional[int] = None,
+    max_pipeline: Optional[int] = None,
+) -> LayoutPlan:
+    """Every layout of ``request.devices`` ranks over ``request.num_nodes`` machines, from the counted states and
+    traced steps of the memory plan (:func:`lightning_mgpu.planning.plan`'s inputs).
+
+    ``batch_size``: the loader's batch per data-parallel rank (the traced batch). ``microbatches``: the pipeline's
+    micro-batches per batch (default: the batch size, micro-batches of one sample; a count that does not divide the
+    batch is skipped). ``tensor_across_machines``: allow tensor groups wider than a machine (default no: a tensor
+    group all-reduces every block's activations, which only the link within a machine carries well).
+    ``max_tensor``/``max_pipeline`` cap the sizes tried."""
+    links = links or Links()
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise PlanError(f"batch_size={batch_size!r} must be the loader's batch per rank, a whole number >= 1.")
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad or not schedules:
+        raise PlanError(f"schedules={schedules!r}: {bad or 'none given'}; choose from {SCHEDULES}.")
+    if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)):
+        raise PlanError(f"microbatches={microbatches!r} must be a whole number >= 1 that divides the batch.")
+    n, per_node = request.devices, request.devices // request.num_nodes
+    usable = request.usable_bytes
+    layouts: list[Layout] = []
+    for trace in traces:
+        blocks, heads = trace.blocks, trace.attention_heads
+        tensor_sizes = [
+            t
+            for t in _divisors(n if tensor_across_machines else math.gcd(n, per_node))
+            if t == 1 or (heads and heads % t == 0 and (max_tensor is None or t <= max_tensor))
+        ]
+        for t in tensor_sizes:
+            for p in _divisors(n // t):
+                if p > 1 and (p > blocks or (max_pipeline is not None and p > max_pipeline)):
+                    continue
+                d = n // (t * p)
+                # one data rank: the strategies are the same (no data dimension); mgpu_ddp stands for them
+                flat = [s for s in request.strategies if s != "mgpu_hsdp"][:1]
+                for strategy in request.strategies if d > 1 else flat:
+                    replicas = _replicas(strategy, d, t, per_node)
+                    if replicas is None:
+                        continue
+                    for schedule in schedules if p > 1 else ("-",):
+                        m = 1 if p == 1 else (microbatches or batch_size)
+                        if m > batch_size or batch_size % m or (schedule == "1f1b" and m < p):
+                            continue
+                        sizes = (replicas, d, t, p, m, schedule, per_node, usable)
+                        layouts.append(
+                            _layout(strategy, trace, states, units, request, links, device_tflops, batch_size, *sizes)
+                        )
+    layouts.sort(
+        key=lambda x: (
+            not x.fits,
+            -float(f"{x.samples_per_second:.6g}"),  # equal to 6 digits: the cheaper first
+            PRECISION_RANK[x.precision],
+            x.activation_checkpointing,
+            STRATEGY_RANK[x.strategy],
+            x.predicted_peak_bytes_per_rank,
+        )
+    )
+    return LayoutPlan(name, n, request.num_nodes, usable, links, device_tflops, batch_size, layouts)
+
+
+def _replicas(strategy: str, data: int, tensor: int, per_node: int) -> Optional[int]:
+    """The replicas of the data dimension: 1 for a flat one; mgpu_hsdp's machines' worth (shards of the data
+    ranks in one machine), or None where it has no replica or no shard to split."""
+    if strategy != "mgpu_hsdp":
+        return 1
+    shard = math.gcd(data, max(per_node // tensor, 1))
+    if shard < 2 or data // shard < 2:
+        return None
+    return data // shard
+
+
+def _layout(
+    strategy: str,
+    trace: StepTrace,
+    states: ModelStates,
+    units: tuple[float, float],
+    request: PlanRequest,
+    links: Links,
+    device_tflops: float,
+    batch: int,
+    replicas: int,
+    d: int,
+    t: int,
+    p: int,
+    m: int,
+    schedule: str,
+    per_node: int,
+    usable: int,
+) -> Layout:
+    in_flight = m if schedule == "gpipe" else min(p, m)
+    piece_states, piece_trace = _piece(states, trace, t * p, in_flight / (m * p * t))
+    largest, root = units
+    piece_units = (min(1.0, largest * p), min(1.0, root * p))
+    data_request = _split_request(request, strategy, d, replicas)
+    # the memory plan's row for the data dimension, on the rank's piece of the model
+    row = candidate_row(strategy, piece_states, piece_trace, piece_units, data_request, usable)
+    w, g = piece_trace.parameters, piece_trace.gradients
+    shard = d // replicas
+    # Under a pipeline of several micro-batches, torch's pipelining keeps each FSDP unit gathered and its gradients
+    # unsharded from the first micro-batch to the last (one reduce-scatter per step): ZeRO-3 holds what ZeRO-2 holds
+    # over its shard group, plus the stage's whole gradients.
+    pipelined_fsdp = p > 1 and m > 1 and strategy in ("mgpu_sharded", "mgpu_zero3", "mgpu_hsdp")
+    if pipelined_fsdp:
+        over_shards = _split_request(request, "mgpu_sharded", shard, 1)
+        kept = candidate_row("mgpu_sharded", piece_states, piece_trace, piece_units, over_shards, usable)
+        extra = max(0, g - kept.gradients_bytes) if kept.phase == "forward/backward" else 0
+        peak = kept.predicted_peak_bytes_per_rank + extra
+        row = replace(kept, gradients_bytes=kept.gradients_bytes + extra, predicted_peak_bytes_per_rank=peak)
+        row = replace(row, fits=peak <= usable)
+    # communication per step, bytes one rank sends
+    if strategy == "mgpu_ddp":
+        data_bytes, shard_bytes = _all_reduce(g, d), 0.0
+    elif strategy == "mgpu_zero1":
+        data_bytes, shard_bytes = _gather(g, d) + _gather(w, d), 0.0
+    elif strategy == "mgpu_sharded" or (pipelined_fsdp and strategy == "mgpu_zero3"):
+        data_bytes, shard_bytes = _gather(w, d) + _gather(g, d), 0.0
+    elif strategy == "mgpu_zero3":
+        data_bytes, shard_bytes = 2 * _gather(w, d) + _gather(g, d), 0.0
+    else:  # mgpu_hsdp: ZeRO-3 within the shard group, the shards' all-reduce across the replicas
+        shard_bytes = (1 if pipelined_fsdp else 2) * _gather(w, shard) + _gather(g, shard)
+        data_bytes = _all_reduce(g / shard, replicas)
+    # all-reduces per block and micro-batch: forward (attention, MLP), backward (the same), the recomputed forward
+    per_block = (2 if trace.attention_heads else 1) * (3 if trace.activation_checkpointing else 2)
+    tensor_bytes = trace.blocks / p * per_block * _all_reduce(trace.block_output_bytes, t) if t > 1 else 0.0
+    pipeline_bytes = 2.0 * trace.block_output_bytes if p > 1 else 0.0
+    tensor_link = group_link(1, t, per_node)
+    shard_link = group_link(t, shard if strategy == "mgpu_hsdp" else d, per_node)
+    data_link = group_link(t * shard, replicas, per_node) if strategy == "mgpu_hsdp" else shard_link
+    pipeline_link = group_link(t * d, p, per_node)
+    intra = inter = 0.0
+    for nbytes, link in (
+        (data_bytes, data_link),
+        (shard_bytes, shard_link),
+        (tensor_bytes, tensor_link),
+        (pipeline_bytes, pipeline_link),
+    ):
+        if link == "intra":
+            intra += nbytes
+        else:
+            inter += nbytes
+    compute = trace.flops / (t * p) / (device_tflops * 1e12)
+    data_seconds = data_bytes / links.speed(data_link) + shard_bytes / links.speed(shard_link)
+    exposed = tensor_bytes / links.speed(tensor_link) + pipeline_bytes / links.speed(pipeline_link)
+    bubble = (p - 1) / (m + p - 1)
+    step = (compute + exposed) / (1 - bubble) + max(0.0, data_seconds - compute)
+    return Layout(
+        data_replicate=replicas,
+        data_shard=shard,
+        tensor=t,
+        pipeline=p,
+        strategy=strategy,
+        precision=trace.precision,
+        activation_checkpointing=trace.activation_checkpointing,
+        microbatches=m,
+        schedule=schedule,
+        parameters_bytes=row.parameters_bytes,
+        gradients_bytes=row.gradients_bytes,
+        optimizer_state_bytes=row.optimizer_state_bytes,
+        activations_bytes=row.activations_bytes,
+        communication_bytes=row.communication_bytes,
+        predicted_peak_bytes_per_rank=row.predicted_peak_bytes_per_rank,
+        fits=row.fits,
+        data_bytes=int(data_bytes + shard_bytes),
+        tensor_bytes=int(tensor_bytes),
+        pipeline_bytes=int(pipeline_bytes),
+        data_link=data_link,
+        tensor_link=tensor_link,
+        pipeline_link=pipeline_link,
+        intra_bytes=int(intra),
+        inter_bytes=int(inter),
+        compute_seconds=compute,
+        communication_seconds=(step - compute / (1 - bubble)),
+        bubble=bubble,
+        step_seconds=step,
+        samples_per_second=batch * d / step if step > 0 else math.inf,
+    )

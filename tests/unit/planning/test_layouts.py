@@ -1,0 +1,327 @@
+"""The layout plan (``lightning_mgpu.plan_layouts``, the layouts ``lightning-mgpu plan`` lists, ``mgpu_auto``'s
+split of the model): communication per link and step times against hand-computed values, memory per rank against
+the memory plan and against a model actually split into stages and tensor shards, and the choice."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import fields, replace
+from typing import Any, Optional
+
+import pytest
+from torch import nn
+
+from lightning_mgpu.cli import main as cli_main
+from lightning_mgpu.planning import NoPlanFits, PlanError, PlanRequest, plan_layouts
+from lightning_mgpu.planning.candidates import estimate
+from lightning_mgpu.planning.choice import decide_layout
+from lightning_mgpu.planning.layouts import Layout, LayoutPlan, Links, estimate_layouts, group_link
+from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
+from lightning_mgpu.planning.measure import fake_process_group
+from lightning_mgpu.planning.trace import ModelStates, StepTrace
+
+# A model of 2,000 FP32 parameters (8,000 bytes), Adam (16,000 bytes of state), 4 blocks of 8 heads whose output is
+# 100 bytes for the loader's batch of 4, 1,000 bytes of activations, 3 TFLOP per step.
+_GIVEN = {"parameters": {"float32": 8000}, "parameter_count": 2000, "trainable_count": 2000, "trainable_bytes": 8000,
+          "optimized_bytes": 8000, "buffers": 0, "optimizer_state": 16000, "optimizer_transient": 0,
+          "optimizer_names": ("Adam",)}  # fmt: skip
+STATES = ModelStates(**{f.name: _GIVEN[f.name] for f in fields(ModelStates)})
+TRACE = StepTrace(
+    "32-true", False, 8000, 8000, 1000, (), ((1000, 8000),), flops=3 * 10**12, blocks=4, block_output_bytes=100,
+    attention_heads=8,
+)  # fmt: skip
+UNITS = (0.25, 0.0)
+LINKS = Links(intra=100.0, inter=10.0)  # GB/s
+
+
+def _plan(trace: StepTrace = TRACE, memory: Any = "1GiB", microbatches: Optional[int] = 4, **kwargs: Any) -> LayoutPlan:
+    request = PlanRequest(devices=8, device_memory=memory, num_nodes=2, precisions=("32-true",))
+    result = estimate_layouts(
+        "hand", request, STATES, [trace], UNITS, batch_size=4, links=LINKS, device_tflops=1.0,
+        microbatches=microbatches, **kwargs,
+    )  # fmt: skip
+    result.memory = estimate("hand", request, STATES, [trace], UNITS, require_fit=False)
+    return result
+
+
+def _find(result: LayoutPlan, strategy: str, r: int, s: int, t: int, p: int, schedule: str = "-") -> Layout:
+    return next(
+        x
+        for x in result.layouts
+        if (x.strategy, x.data_replicate, x.data_shard, x.tensor, x.pipeline, x.schedule)
+        == (strategy, r, s, t, p, schedule)
+    )
+
+
+# --- communication and step time: hand-computed ----------------------------------------------------------------
+
+
+def test_ddp_over_two_machines_all_reduces_the_gradients_across_them():
+    x = _find(_plan(), "mgpu_ddp", 1, 8, 1, 1)
+    assert x.data_bytes == 14000  # 2 (8-1)/8 * 8000
+    assert (x.data_link, x.intra_bytes, x.inter_bytes) == ("inter", 0, 14000)
+    assert x.compute_seconds == pytest.approx(3.0)  # 3e12 FLOP at 1 TFLOP/s
+    assert x.step_seconds == pytest.approx(3.0)  # the all-reduce (1.4 us at 10 GB/s) hides behind the compute
+    assert x.samples_per_second == pytest.approx(4 * 8 / 3.0)
+
+
+def test_zero3_gathers_twice_and_hsdp_keeps_its_shards_within_a_machine():
+    flat = _find(_plan(), "mgpu_zero3", 1, 8, 1, 1)
+    assert flat.data_bytes == 21000  # 2 * 7/8 * 8000 (forward and backward all-gathers) + 7/8 * 8000 (reduce-scatter)
+    assert flat.inter_bytes == 21000
+    hsdp = _find(_plan(), "mgpu_hsdp", 2, 4, 1, 1)
+    assert (hsdp.intra_bytes, hsdp.inter_bytes) == (18000, 2000)  # 2*3/4*8000 + 3/4*8000 | 2*1/2*(8000/4)
+    assert hsdp.data_link == "inter"
+
+
+def test_a_tensor_and_pipeline_layout_sends_what_the_formulas_say_on_each_link():
+    x = _find(_plan(), "mgpu_ddp", 1, 2, 2, 2, "1f1b")
+    assert x.data_bytes == 2000  # all-reduce of the rank's quarter of the gradients over 2 data ranks: 2*1/2*2000
+    assert x.tensor_bytes == 800  # 4 blocks / 2 stages * 4 all-reduces * 2*1/2*100
+    assert x.pipeline_bytes == 200  # the activation forward and its gradient back: 2 * 100
+    # ranks: tensor innermost (stride 1), data stride 2, pipeline stride 4: machines of 4
+    assert (x.tensor_link, x.data_link, x.pipeline_link) == ("intra", "intra", "inter")
+    assert (x.intra_bytes, x.inter_bytes) == (2800, 200)
+    assert x.bubble == pytest.approx(1 / 5)  # (P-1)/(m+P-1), P=2, m=4
+    compute = 3.0 / 4
+    assert x.compute_seconds == pytest.approx(compute)
+    assert x.step_seconds == pytest.approx((compute + 800 / 100e9 + 200 / 10e9) / (1 - 1 / 5))
+    assert x.samples_per_second == pytest.approx(4 * 2 / x.step_seconds)
+
+
+def test_activation_checkpointing_recomputes_the_tensor_all_reduces_of_the_forward():
+    plain = _find(_plan(), "mgpu_ddp", 1, 2, 4, 1)
+    ac = _find(_plan(replace(TRACE, activation_checkpointing=True)), "mgpu_ddp", 1, 2, 4, 1)
+    assert plain.tensor_bytes == 2400  # 4 blocks * 4 * 2*3/4*100
+    assert ac.tensor_bytes == 3600  # 6 per block
+    no_attention = _find(_plan(replace(TRACE, attention_heads=0)), "mgpu_ddp", 1, 8, 1, 1)
+    assert no_attention.tensor == 1
+    assert all(x.tensor == 1 for x in _plan(replace(TRACE, attention_heads=0)).layouts)  # nothing to split
+
+
+def test_the_bubble_and_in_flight_activations_of_1f1b_and_gpipe():
+    result = _plan()
+    one = _find(result, "mgpu_ddp", 1, 2, 2, 2, "1f1b")
+    gpipe = _find(result, "mgpu_ddp", 1, 2, 2, 2, "gpipe")
+    assert one.bubble == gpipe.bubble == pytest.approx(1 / 5)
+    # A * k / (m P T): 1F1B keeps min(P, m) = 2 micro-batches in flight on the first stage, GPipe all m = 4
+    assert (one.activations_bytes, gpipe.activations_bytes) == (125, 250)
+    # the rest of the peak is the memory plan's mgpu_ddp row on a quarter of the model (2,000 bytes of weights)
+    assert (one.parameters_bytes, one.gradients_bytes, one.optimizer_state_bytes) == (2000, 2000, 4000)
+    assert one.predicted_peak_bytes_per_rank == 2000 + 2000 + 4000 + 125 + 2000  # + one bucket of the gradients
+    four = _find(result, "mgpu_ddp", 1, 2, 1, 4, "gpipe")
+    assert four.bubble == pytest.approx(3 / 7)
+
+
+def test_fsdp_under_a_pipeline_keeps_its_units_gathered_and_its_gradients_whole_until_the_last_micro_batch():
+    x = _find(_plan(), "mgpu_zero3", 1, 4, 1, 2, "1f1b")
+    # the rank's half of the model: 4,000 bytes of weights and of gradients, over 4 shards; ZeRO-2's memory (the
+    # shard 1,000 + the gathered 4,000; optimizer 16,000 / 2 / 4; activations 1,000 * 2 / (4 * 2); the largest
+    # unit's reduce-scatter, half the piece: 2,000 + 500) and the whole 4,000 bytes of gradients
+    assert (x.parameters_bytes, x.gradients_bytes, x.optimizer_state_bytes) == (5000, 4000, 2000)
+    assert (x.activations_bytes, x.communication_bytes) == (250, 2500)
+    assert x.predicted_peak_bytes_per_rank == 5000 + 4000 + 2000 + 250 + 2500
+    assert x.data_bytes == 3000 + 3000  # one all-gather of the weights and one reduce-scatter per step
+
+
+def test_sizes_are_kept_to_what_the_model_and_the_machines_allow():
+    layouts = _plan().layouts
+    assert max(x.tensor for x in layouts) == 4  # machines of 4: tensor stays within one
+    assert max(x.pipeline for x in layouts) == 4  # 4 blocks
+    assert max(x.tensor for x in _plan(tensor_across_machines=True).layouts) == 8
+    short = _plan(microbatches=2).layouts
+    assert not [x for x in short if x.pipeline == 4 and x.schedule == "1f1b"]  # 1F1B needs m >= P
+    assert [x for x in short if x.pipeline == 4 and x.schedule == "gpipe"]
+    assert group_link(4, 2, 8) == "intra" and group_link(4, 4, 8) == "inter"
+
+
+def test_layouts_that_fit_come_first_fastest_first():
+    result = _plan(memory=700_000)
+    fits = [x.fits for x in result.layouts]
+    assert fits == sorted(fits, reverse=True)
+    speeds = [x.samples_per_second for x in result.layouts if x.fits]
+    assert all(a >= b * (1 - 1e-5) for a, b in zip(speeds, speeds[1:]))  # ties (to 6 digits): the cheaper first
+    assert result.best is result.layouts[0]
+
+
+def test_link_names_and_speeds_are_checked():
+    assert Links.of("pcie", 25) == Links(32.0, 25.0)
+    with pytest.raises(PlanError, match=r"intra_node_link='nvlnk' is not a known link.*'nvlink'"):
+        Links.of("nvlnk")
+    with pytest.raises(PlanError, match=r"schedules=\('zb',\)"):
+        _plan(schedules=("zb",))
+
+
+# --- memory: the memory plan's rows, and a model actually split ------------------------------------------------
+
+
+def _lm() -> TransformerLM:
+    return TransformerLM(vocab=512, d_model=64, heads=4, layers=4)
+
+
+def _batch() -> Any:
+    data = RandomTokens(batch_size=4, seq_len=32, vocab=512)
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+_LM: dict[str, LayoutPlan] = {}
+
+
+def _lm_plan() -> LayoutPlan:
+    if "plan" not in _LM:
+        _LM["plan"] = plan_layouts(_lm, devices=2, device_memory="8GiB", batch=_batch(), precisions=("32-true",))
+    return _LM["plan"]
+
+
+def test_without_a_split_each_layout_is_the_memory_plans_row():
+    result = _lm_plan()
+    assert result.memory is not None
+    for strategy in ("mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_zero3"):
+        for ac in (False, True):
+            row = result.memory.row(strategy, "32-true", ac)
+            x = next(
+                x
+                for x in result.layouts
+                if (x.strategy, x.activation_checkpointing, x.tensor, x.pipeline) == (strategy, ac, 1, 1)
+            )
+            assert x.predicted_peak_bytes_per_rank == row.predicted_peak_bytes_per_rank
+            assert x.activations_bytes == row.activations_bytes
+
+
+def _bytes(params: Any) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
+
+
+def test_a_pipeline_stage_holds_the_parameters_the_plan_gives_a_rank():
+    x = next(x for x in _lm_plan().layouts if (x.tensor, x.pipeline, x.activation_checkpointing) == (1, 2, False))
+    model = _lm()
+    stages = [
+        [*model.embed.parameters(), *model.blocks[:2].parameters()],
+        [*model.blocks[2:].parameters(), *model.norm.parameters(), *model.head.parameters()],
+    ]
+    measured = max(_bytes(stage) for stage in stages)
+    assert abs(x.parameters_bytes - measured) <= 0.01 * measured, (x.parameters_bytes, measured)
+    # negative control: the whole model on the stage misses by half
+    assert abs(_bytes(model.parameters()) - measured) > 0.15 * measured
+
+
+def test_a_tensor_split_leaves_a_rank_the_parameters_the_plan_gives_it():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    x = next(x for x in _lm_plan().layouts if (x.tensor, x.pipeline, x.activation_checkpointing) == (2, 1, False))
+    with fake_process_group(world_size=2):
+        mesh = init_device_mesh("cpu", (2,))
+        model = _lm()
+        tp_plan: dict[str, Any] = {"embed": RowwiseParallel(), "head": ColwiseParallel()}
+        for i in range(len(model.blocks)):
+            tp_plan[f"blocks.{i}.linear1"] = ColwiseParallel()
+            tp_plan[f"blocks.{i}.linear2"] = RowwiseParallel()
+            tp_plan[f"blocks.{i}.self_attn.out_proj"] = RowwiseParallel()
+        parallelize_module(model, mesh, tp_plan)
+        for block in model.blocks:  # the packed query/key/value projection, split by heads
+            attention = block.self_attn
+            for name in ("in_proj_weight", "in_proj_bias"):
+                value = getattr(attention, name).detach()
+                setattr(attention, name, nn.Parameter(distribute_tensor(value, mesh, [Shard(0)])))
+        measured = _bytes(model.parameters())
+    whole = _bytes(_lm().parameters())
+    # the norms and the row-wise layers' biases stay replicated: the plan's even split is a little under
+    assert abs(x.parameters_bytes - measured) <= 0.02 * measured, (x.parameters_bytes, measured)
+    assert abs(whole - measured) > 0.15 * measured  # negative control: no split
+
+
+# --- the table, the command and mgpu_auto's choice --------------------------------------------------------------
+
+
+def test_the_command_lists_the_layouts_after_the_memory_plan(capsys):
+    assert cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "4", "--device-memory", "1GiB",
+                     "--precisions", "32-true", "--top", "3"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| mgpu_ddp |" in out and "Layouts (data replicate x data shard x tensor x pipeline)" in out
+    assert "| 1 | " in out and "| 4 | " not in out  # --top 3
+    assert cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "4", "--device-memory", "1GiB",
+                     "--precisions", "32-true", "--layouts", "--json"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["tensor"], r["pipeline"]) for r in rows} >= {(1, 1), (1, 2), (1, 4)}  # no attention: no tensor split
+    assert {"intra_bytes", "inter_bytes", "bubble", "step_seconds", "activations_bytes", "name"} <= set(rows[0])
+
+
+def test_the_command_proposes_a_pipeline_when_no_data_parallel_candidate_fits(capsys):
+    assert cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "4", "--device-memory", "3MiB",
+                     "--precisions", "32-true"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "No data-parallel candidate fits; the fastest layout that fits is" in out and " x pp " in out
+    with pytest.raises(SystemExit) as exit_:  # nothing fits at all: the memory plan's error, as before
+        cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "4", "--device-memory", "64KiB",
+                  "--precisions", "32-true"])  # fmt: skip
+    assert exit_.value.code == 2 and "no candidate fits" in capsys.readouterr().err
+
+
+def _sizes(layout: Layout) -> Optional[dict[str, Any]]:
+    """Builds every layout (a strategy that takes every option)."""
+    return {
+        "stage": layout.stage or 1,
+        "tensor_parallel_size": layout.tensor,
+        "pipeline_parallel_size": layout.pipeline,
+    }
+
+
+def test_mgpu_auto_splits_the_model_only_when_no_data_parallel_candidate_fits_and_the_strategy_builds_it():
+    roomy = decide_layout(_plan(), _sizes)
+    assert (roomy.strategy, roomy.tensor_parallel_size, roomy.pipeline_parallel_size) == ("mgpu_ddp", 1, 1)
+    assert roomy.strategy_arguments == {}
+    tight = replace(TRACE, activations=10**6, timeline=((10**6, 8000),))
+    both = decide_layout(_plan(tight, memory=700_000), _sizes)
+    assert both.tensor_parallel_size > 1 or both.pipeline_parallel_size > 1
+    assert both.stage is not None and "no data-parallel candidate fits" in both.reason
+    assert both.strategy_arguments["tensor_parallel_size"] == both.tensor_parallel_size
+
+    def pipelines_only(layout: Layout) -> Optional[dict[str, Any]]:
+        return _sizes(layout) if layout.tensor == 1 else None
+
+    pipeline = decide_layout(_plan(tight, memory=700_000), pipelines_only)
+    # 2 stages fit (1F1B: 2 of the 4 micro-batches in flight, a quarter of the activations) with less bubble than 4
+    assert (pipeline.tensor_parallel_size, pipeline.pipeline_parallel_size) == (1, 2)
+    with pytest.raises(NoPlanFits, match=r"would fit, but MGPUShardedStrategy here cannot build it"):
+        decide_layout(_plan(tight, memory=700_000), lambda layout: None)
+
+
+def test_mgpu_auto_builds_a_layout_only_with_the_options_the_sharded_strategy_takes_and_accepts(monkeypatch):
+    import lightning_mgpu.strategies.auto as auto
+
+    class WithTensor:
+        def __init__(self, stage: int = 3, tensor_parallel_size: int = 1) -> None:
+            if stage == 1 and tensor_parallel_size > 2:
+                raise ValueError("refused")
+
+    monkeypatch.setattr(auto, "MGPUShardedStrategy", WithTensor)
+    assert auto.layout_keywords() == {"tensor_parallel_size"}
+    result = _plan()
+    tensor2 = _find(result, "mgpu_zero3", 1, 4, 2, 1)
+    assert auto.layout_arguments(tensor2) == {"stage": 3, "tensor_parallel_size": 2}
+    assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 4, 2, 1)) == {"stage": 1, "tensor_parallel_size": 2}
+    assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 2, 4, 1)) is None  # the strategy refuses it
+    assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 4, 1, 2, "1f1b")) is None  # no pipeline option
+
+    class Without:
+        def __init__(self, stage: int = 3) -> None: ...
+
+    monkeypatch.setattr(auto, "MGPUShardedStrategy", Without)
+    assert auto.layout_keywords() == set() and auto.layout_arguments(tensor2) is None
+
+
+def test_flops_of_a_traced_step_count_the_matrix_products_and_the_recomputation():
+    result = _lm_plan()
+    traced = {x.activation_checkpointing: x for x in result.layouts if (x.tensor, x.pipeline) == (1, 1)}
+    n = sum(p.numel() for name, p in _lm().named_parameters() if not name.startswith("embed"))
+    tokens = 4 * 32
+    flops = traced[False].compute_seconds * result.device_tflops * 1e12
+    assert 6 * n * tokens <= flops <= 1.2 * 6 * n * tokens  # 6 N per token, plus attention's products
+    assert traced[True].compute_seconds > traced[False].compute_seconds  # the recomputed forward
+    assert math.isclose(result.batch_size, 4)
