@@ -205,12 +205,15 @@ def plan_layouts(
     communication per step on each link and an estimated step time; those that fit first, fastest first
     (:mod:`~lightning_mgpu.planning.layouts`).
 
+    ``model_or_config``, ``devices``, ``device_memory``, ``num_nodes``, ``batch``, ``datamodule``, ``headroom``,
+    ``precisions``, ``strategies``, ``activation_checkpointing`` and ``bucket_cap_mb`` are as in :func:`plan`
+    (``batch``: the loader's batch of one data-parallel rank).
+
     Args:
-        model_or_config, devices, device_memory, num_nodes, batch, datamodule, headroom, precisions, strategies,
-            activation_checkpointing, bucket_cap_mb: as :func:`plan` (``batch``: the loader's batch of one
-            data-parallel rank).
-        intra_node_link, inter_node_link: a link name of :data:`~lightning_mgpu.planning.layouts.LINK_SPEEDS`
-            (``"nvlink"``, ``"pcie"``, ``"infiniband"``, ``"ethernet"``) or GB/s per device in each direction.
+        intra_node_link: the link within a machine: a name of
+            :data:`~lightning_mgpu.planning.layouts.LINK_SPEEDS` (``"nvlink"``, ``"pcie"``, ``"infiniband"``,
+            ``"ethernet"``) or GB/s per device in each direction.
+        inter_node_link: the link across machines, likewise.
         device_tflops: the rate one device sustains (TFLOP/s).
         pipeline_microbatches: micro-batches per batch (default: the batch size).
         pipeline_schedules: of ``("1f1b", "gpipe")``.
