@@ -560,12 +560,13 @@ def _dcp_metadata_global(module: str, found: Any) -> bool:
       storage entries, the memory-format enum): the description of every saved entry;
     * ``torch.Size`` and the ``torch`` dtypes: each tensor's shape and dtype;
     * ``torch.serialization._get_layout`` (``_compat.torch_layout_decoder``): each tensor's layout, by name;
-    * the ``pathlib`` path classes: ``StorageMeta.checkpoint_id``, the directory it was saved to.
+    * the ``pathlib`` path classes (``pathlib._local`` on Python 3.13): ``StorageMeta.checkpoint_id``, the directory it
+      was saved to.
     """
     if isinstance(found, type):
         if module.startswith("torch.distributed.checkpoint."):
             return dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)
-        if module == "pathlib":
+        if module in _PATHLIB_MODULES:
             return issubclass(found, pathlib.PurePath)
         return found is torch.Size
     if isinstance(found, torch.dtype):
@@ -574,7 +575,9 @@ def _dcp_metadata_global(module: str, found: Any) -> bool:
     return decoder is not None and found is decoder
 
 
-_DCP_METADATA_MODULES = ("torch", "torch.serialization", "pathlib")
+# Python 3.13 defines the path classes in pathlib._local, and pickles name them there
+_PATHLIB_MODULES = ("pathlib", "pathlib._local")
+_DCP_METADATA_MODULES = ("torch", "torch.serialization", *_PATHLIB_MODULES)
 
 
 class _DCPMetadataUnpickler(pickle.Unpickler):
