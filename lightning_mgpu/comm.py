@@ -35,7 +35,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from lightning_mgpu._compat import patch_batched_powersgd, sync_ddp_if_available, sync_module_states
+from lightning_mgpu._compat import (
+    dcp_fsspec_storage,
+    patch_batched_powersgd,
+    sync_ddp_if_available,
+    sync_module_states,
+)
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -651,12 +656,23 @@ def barrier(group: Optional[Any] = None, device: Optional[torch.device] = None) 
         dist.barrier(group=group)
 
 
+def _fsspec_storage(path: str, reader: bool) -> Any:
+    """torch.distributed.checkpoint's fsspec reader or writer for a URL (``s3://...``), ``None`` for a local path
+    (its default file system storage)."""
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(url_to_fs(path)[0], LocalFileSystem):
+        return None
+    return dcp_fsspec_storage(path, reader)
+
+
 def save_sharded(state: dict[str, Any], path: str, group: Optional[Any] = None) -> None:
-    """``torch.distributed.checkpoint.save`` of ``state`` into the directory ``path``: a collective over ``group``
-    (every rank writes its shards; the ranks agree on one save plan first)."""
+    """``torch.distributed.checkpoint.save`` of ``state`` into the directory ``path`` (local, or an fsspec URL):
+    a collective over ``group`` (every rank writes its shards; the ranks agree on one save plan first)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=path, process_group=group)
+    dcp.save(state, checkpoint_id=path, storage_writer=_fsspec_storage(path, reader=False), process_group=group)
 
 
 def load_sharded(
@@ -667,15 +683,19 @@ def load_sharded(
     *,
     local: bool = False,
 ) -> None:
-    """``torch.distributed.checkpoint.load`` into ``template`` in place: a collective over ``group`` (every rank
-    reads the slices it owns now, whatever the world size at save time); ``planner``: a ``LoadPlanner`` (default:
-    torch's). ``local``: this process alone reads whole tensors, no collective even where a process group is up."""
+    """``torch.distributed.checkpoint.load`` into ``template`` in place, from ``path`` (local, or an fsspec URL): a
+    collective over ``group`` (every rank reads the slices it owns now, whatever the world size at save time);
+    ``planner``: a ``LoadPlanner`` (default: torch's). ``local``: this process alone reads whole tensors, no
+    collective even where a process group is up."""
     import torch.distributed.checkpoint as dcp
 
+    reader = _fsspec_storage(path, reader=True)
     with warnings.catch_warnings():
         if local:  # torch warns that it assumes one process: here that is what was asked
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(template, checkpoint_id=path, process_group=group, planner=planner, no_dist=local)
+        dcp.load(
+            template, checkpoint_id=path, storage_reader=reader, process_group=group, planner=planner, no_dist=local
+        )
 
 
 def _is_mean(reduce_op: Any) -> bool:

@@ -43,6 +43,7 @@ __all__ = [
     "Compilation",
     "compile_forward",
     "compiled_modules",
+    "log_eagerly",
     "remove_compilation",
     "user_compiled_message",
     "user_compiled_sharded_message",
@@ -70,6 +71,32 @@ class _CompiledForward:
         return (_CompiledForward, (self.module, self.previous, self.options))
 
 
+class _EagerLog:
+    """Instance ``log`` of a LightningModule whose code the strategy compiles: Lightning's ``log``, run outside any
+    compiled graph (``torch.compiler.disable``). Logging is bookkeeping in Python; since torch 2.12 dynamo traces into
+    the signature check inside ``LightningModule.log`` (``inspect.getfullargspec`` of ``training_step``) and fails
+    with "'method' object has no attribute '__dict__'" where an earlier torch broke the graph there (Lightning's
+    own fix, on its master branch, disables compilation of ``log`` the same way). A copy of the module gets its
+    own."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.eager = torch.compiler.disable(functools.partial(type(module).log, module))  # type: ignore[attr-defined]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.eager(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_EagerLog, (self.module,))
+
+
+def log_eagerly(module: nn.Module) -> None:
+    """``self.log`` of the LightningModule ``module`` runs eagerly, also when called inside compiled code (a
+    compiled ``forward`` or ``training_step``); :func:`remove_compilation` puts Lightning's back."""
+    if isinstance(module, LightningModule) and not isinstance(module.__dict__.get("log"), _EagerLog):
+        module.__dict__["log"] = _EagerLog(module)
+
+
 def compile_forward(module: nn.Module, options: dict[str, Any]) -> bool:
     """Compile ``module.forward`` in place with ``torch.compile(**options)``; False if it was compiled already.
 
@@ -91,7 +118,10 @@ def compile_forward(module: nn.Module, options: dict[str, Any]) -> bool:
 
 
 def remove_compilation(module: nn.Module) -> int:
-    """Put back the ``forward`` of every compiled module of ``module``; returns how many were restored."""
+    """Put back the ``forward`` of every compiled module of ``module`` (and Lightning's ``log``, see
+    :func:`log_eagerly`); returns how many forwards were restored."""
+    if isinstance(module.__dict__.get("log"), _EagerLog):
+        del module.__dict__["log"]
     restored = 0
     for m in module.modules():
         patched = m.__dict__.get("forward")
@@ -172,6 +202,7 @@ class Compilation:
         blocks (:meth:`compile_blocks`). Returns the names compiled."""
         if module is None or self.options is None:
             return []
+        log_eagerly(module)
         if defines_forward(module):
             compile_forward(module, self.options)
             return compiled_modules(module)
@@ -184,6 +215,7 @@ class Compilation:
         Returns the names compiled."""
         if module is None or self.options is None:
             return []
+        log_eagerly(module)
         for unit in fsdp_unit_roots(module, wrap_modules):
             compile_forward(unit, self.options)
         return compiled_modules(module)

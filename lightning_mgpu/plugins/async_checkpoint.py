@@ -39,7 +39,6 @@ import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -263,16 +262,16 @@ def _lower_priority() -> None:
 
 def sharded_directory_write(
     tensors: dict[str, Any],
-    staging: Path,
+    staging: str,
     group: Any,
     write_meta: Optional[Callable[[], None]] = None,
     commit: Optional[Callable[[], None]] = None,
 ) -> Callable[[], None]:
     """The background half of an asynchronous sharded save, run on every rank: write this rank's staged
-    ``tensors`` into ``staging`` with ``torch.distributed.checkpoint`` (its collectives on ``group``, a group of
-    its own: they must not interleave with training's), then ``write_meta()``; the ranks agree that every part
-    is on disk (or that one failed: then nobody marks it), and only then ``commit()`` (rank 0: the marker and the
-    swap). Give ``write_meta`` and ``commit`` on rank 0 only."""
+    ``tensors`` into ``staging`` (a local directory or an fsspec URL) with ``torch.distributed.checkpoint`` (its
+    collectives on ``group``, a group of its own: they must not interleave with training's), then ``write_meta()``;
+    the ranks agree that every part is written (or that one failed: then nobody marks it), and only then
+    ``commit()`` (rank 0: the marker and the swap). Give ``write_meta`` and ``commit`` on rank 0 only."""
 
     def write() -> None:
         failed = torch.zeros(1)

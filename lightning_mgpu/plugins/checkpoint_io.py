@@ -7,7 +7,8 @@ previous checkpoint under its name, complete and loadable.
 * A directory (``MGPUShardedStrategy(checkpoint="sharded")``): every rank writes into a hidden sibling
   ``.<name>.tmp-<pid>``; once all have written, rank 0 puts a completion marker (:data:`COMPLETE_MARKER`) in it
   and swaps it in place of the old directory (:func:`commit_dir`). A directory without the marker is refused
-  on load (:class:`IncompleteCheckpointError`).
+  on load (:class:`IncompleteCheckpointError`). At an fsspec URL (``s3://bucket/ckpts/last.ckpt``, ``gs://``, ...)
+  the same protocol runs on the object store, which has no rename: see :func:`commit_dir`.
 
 Every read takes the checkpoint for data, wherever it came from (a download, a colleague's directory, object
 storage): files are read with the user's ``weights_only`` (``Trainer.fit(..., weights_only=...)``; not given, torch's
@@ -37,6 +38,7 @@ import logging
 import os
 import pathlib
 import pickle
+import posixpath
 import re
 import shutil
 from collections.abc import Iterable
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional, Union
 
 import torch
+from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from lightning_fabric.plugins import CheckpointIO
@@ -93,6 +96,36 @@ def local_path(path: PathLike) -> Optional[str]:
     """``path`` on the local filesystem (``file://`` stripped), or ``None`` for a remote fsspec URL."""
     fs, urlpath = url_to_fs(str(path))
     return urlpath if isinstance(fs, LocalFileSystem) else None
+
+
+def join_path(path: PathLike, name: str) -> str:
+    """``name`` inside the checkpoint directory ``path``, a local path or an fsspec URL."""
+    text = os.fspath(path)
+    return os.path.join(text, name) if local_path(text) is not None else f"{text.rstrip('/')}/{name}"
+
+
+def checkpoint_kind(path: PathLike) -> Optional[str]:
+    """``"dir"`` (a sharded checkpoint), ``"file"`` or ``None`` (nothing) at ``path``, a local path or an fsspec
+    URL (read afresh: fsspec's listing cache may predate another rank's writes)."""
+    local = local_path(path)
+    if local is not None:
+        return "dir" if os.path.isdir(local) else "file" if os.path.exists(local) else None
+    fs, root = _remote(path)
+    fs.invalidate_cache(root)
+    if fs.isdir(root):
+        return "dir"
+    return "file" if fs.exists(root) else None
+
+
+def write_checkpoint_file(path: PathLike, write: Callable[[IO[bytes]], object]) -> None:
+    """A file of a checkpoint: atomic and durable on a local filesystem (:func:`write_file_atomic`); at an fsspec
+    URL one upload, which an object store publishes only once it is complete."""
+    if (local := local_path(path)) is not None:
+        write_file_atomic(local, write)
+        return
+    fs, file = _remote(path)
+    with fs.open(file, "wb") as f:
+        write(f)
 
 
 def _sibling(path: Path, kind: str) -> Path:
@@ -233,21 +266,32 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 # new one in.
 
 
-def begin_dir(path: PathLike) -> Path:
+def begin_dir(path: PathLike) -> str:
     """Rank 0, before a sharded save to ``path``: finish an interrupted swap, remove leftovers of killed saves
-    of this name, and create the empty staging directory every rank writes into."""
+    of this name, and create the empty staging directory every rank writes into (returned)."""
+    if local_path(path) is None:
+        return _remote_begin(path)
     final = Path(path)
     recover_dir(final)
     for stale in _siblings(final, (_TMP, _OLD, _DEL)):
         _remove(stale)
     staging = _sibling(final, _TMP)
     staging.mkdir(parents=True)
-    return staging
+    return str(staging)
 
 
-def commit_dir(staging: Path, path: PathLike, info: dict[str, Any]) -> None:
+def commit_dir(staging: PathLike, path: PathLike, info: dict[str, Any]) -> None:
     """Rank 0, once every rank has written into ``staging``: mark it complete (``info`` and the list of its
-    files go into the marker) and swap it in under ``path``; the previous directory is then removed."""
+    files go into the marker) and swap it in under ``path``; the previous directory is then removed.
+
+    At an fsspec URL (an object store: no rename, no fsync) the swap is a copy: the old checkpoint's marker goes
+    first (a partial directory is never taken for complete), then its files; the staging's files are copied under
+    the name, the marker last, and the staging goes. A save killed during the copy leaves the complete staging,
+    which the next save or load of the name copies in (:func:`recover_dir`)."""
+    if local_path(path) is None:
+        _remote_commit(staging, path, info)
+        return
+    staging = Path(staging)
     final = Path(path)
     fsync_dir(staging)  # torch.distributed.checkpoint fsyncs each rank's files; this syncs their names
     marker = {**info, "files": sorted(p.name for p in staging.iterdir())}
@@ -266,6 +310,8 @@ def commit_dir(staging: Path, path: PathLike, info: dict[str, Any]) -> None:
 def recover_dir(path: PathLike) -> Optional[Path]:
     """If ``path`` is missing because a save was killed in the middle of its swap, rename the complete new
     directory in (or, failing that, the old one back); returns what was renamed in."""
+    if local_path(path) is None:
+        return _remote_recover(path)
     final = Path(path)
     if final.exists() or final.is_symlink():
         return None
@@ -283,6 +329,8 @@ def recover_dir(path: PathLike) -> Optional[Path]:
 def check_complete(path: PathLike) -> dict[str, Any]:
     """The marker of sharded checkpoint directory ``path``; raises :class:`IncompleteCheckpointError` if the
     save that wrote it did not finish."""
+    if local_path(path) is None:
+        return _remote_check_complete(path)
     final = Path(path)
     fix = _previous_checkpoints(final)
     marker_path = final / COMPLETE_MARKER
@@ -316,6 +364,91 @@ def _previous_checkpoints(final: Path) -> str:
     found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     names = ", ".join(str(p) for p in found[:5])
     return f"Resume from the previous checkpoint instead: ckpt_path='{found[0]}' (beside it, newest first: {names})."
+
+
+# --- the same protocol at an fsspec URL (an object store) ---------------------------------------------
+
+
+def _remote(path: PathLike) -> tuple[AbstractFileSystem, str]:
+    fs, root = url_to_fs(os.fspath(path))
+    return fs, root.rstrip("/")
+
+
+def _remote_children(fs: AbstractFileSystem, root: str) -> list[str]:
+    """The names in the directory (prefix) ``root``, read afresh."""
+    fs.invalidate_cache(root)
+    try:
+        return sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def _remote_siblings(fs: AbstractFileSystem, root: str, kinds: Iterable[str]) -> list[str]:
+    parent, name = posixpath.split(root)
+    prefixes = tuple(f".{name}{kind}" for kind in kinds)
+    return [f"{parent}/{n}" for n in _remote_children(fs, parent) if n.startswith(prefixes)]
+
+
+def _remote_begin(path: PathLike) -> str:
+    fs, root = _remote(path)
+    _remote_recover(path)
+    for stale in _remote_siblings(fs, root, (_TMP,)):
+        fs.rm(stale, recursive=True)
+    parent, name = posixpath.split(root)
+    staging = f"{parent}/.{name}{_TMP}{os.getpid()}"
+    fs.makedirs(staging, exist_ok=True)  # nothing to make on an object store; a directory elsewhere
+    return str(fs.unstrip_protocol(staging))
+
+
+def _remote_commit(staging_url: PathLike, path: PathLike, info: dict[str, Any]) -> None:
+    fs, staging = _remote(staging_url)
+    files = [n for n in _remote_children(fs, staging) if n != COMPLETE_MARKER]
+    marker = {**info, "files": files}
+    fs.pipe_file(f"{staging}/{COMPLETE_MARKER}", json.dumps(marker, indent=1).encode())
+    _remote_replace(fs, staging, _remote(path)[1], files)
+
+
+def _remote_replace(fs: AbstractFileSystem, staging: str, final: str, files: list[str]) -> None:
+    """Copy the complete ``staging`` under ``final`` (see :func:`commit_dir`), then remove it."""
+    if COMPLETE_MARKER in _remote_children(fs, final):
+        fs.rm_file(f"{final}/{COMPLETE_MARKER}")
+    if _remote_children(fs, final):
+        fs.rm(final, recursive=True)
+    for name in files:
+        fs.copy(f"{staging}/{name}", f"{final}/{name}")
+    fs.copy(f"{staging}/{COMPLETE_MARKER}", f"{final}/{COMPLETE_MARKER}")
+    fs.rm(staging, recursive=True)
+    fs.invalidate_cache(posixpath.dirname(final))
+
+
+def _remote_recover(path: PathLike) -> Optional[Path]:
+    fs, final = _remote(path)
+    if COMPLETE_MARKER in _remote_children(fs, final):
+        return None
+    for staging in _remote_siblings(fs, final, (_TMP,)):
+        names = _remote_children(fs, staging)
+        if COMPLETE_MARKER in names:
+            _remote_replace(fs, staging, final, [n for n in names if n != COMPLETE_MARKER])
+            log.warning(f"{path} was incomplete after an interrupted save; recovered it from {staging}.")
+            return Path(staging)
+    return None
+
+
+def _remote_check_complete(path: PathLike) -> dict[str, Any]:
+    fs, final = _remote(path)
+    names = _remote_children(fs, final)
+    fix = "Resume from an earlier checkpoint, or start without ckpt_path, and delete this directory."
+    if COMPLETE_MARKER not in names:
+        raise IncompleteCheckpointError(
+            f"{path} is not a complete sharded checkpoint: it has no {COMPLETE_MARKER}, which lightning_mgpu "
+            f"writes only after every rank has saved its part. Its save was interrupted (a process was killed or "
+            f"a rank failed), or another program wrote it. {fix}"
+        )
+    marker: dict[str, Any] = json.loads(fs.cat_file(f"{final}/{COMPLETE_MARKER}"))
+    missing = sorted(set(marker.get("files", [])) - set(names))
+    if missing:
+        raise IncompleteCheckpointError(f"{path} is damaged: {missing}, listed in {COMPLETE_MARKER}, are gone. {fix}")
+    return marker
 
 
 def remove_dir(path: PathLike) -> None:
@@ -400,9 +533,10 @@ def load_file(
     ckpt_path: Optional[PathLike] = None,
     mmap: bool = False,
 ) -> Any:
-    """``torch.load(path, weights_only=weights_only)`` of a local checkpoint file (``ckpt_path``, what the user
-    passed, defaults to ``path``); refused with :func:`refusal_message` (a ``pickle.UnpicklingError``) unless
-    ``weights_only=False``. ``mmap``: the tensors are mapped from the file, read when used.
+    """``torch.load(path, weights_only=weights_only)`` of a checkpoint file, local or at an fsspec URL
+    (``ckpt_path``, what the user passed, defaults to ``path``); refused with :func:`refusal_message` (a
+    ``pickle.UnpicklingError``) unless ``weights_only=False``. ``mmap`` (a local file): the tensors are mapped from
+    the file, read when used.
 
     Example:
 
@@ -413,7 +547,10 @@ def load_file(
         3
     """
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        if local_path(path) is not None:
+            return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        fs, file = _remote(path)
+        return torch.load(io.BytesIO(fs.cat_file(file)), map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         if weights_only is False:
             raise
@@ -428,12 +565,13 @@ def _dcp_metadata_global(module: str, found: Any) -> bool:
       storage entries, the memory-format enum): the description of every saved entry;
     * ``torch.Size`` and the ``torch`` dtypes: each tensor's shape and dtype;
     * ``torch.serialization._get_layout`` (``_compat.torch_layout_decoder``): each tensor's layout, by name;
-    * the ``pathlib`` path classes: ``StorageMeta.checkpoint_id``, the directory it was saved to.
+    * the ``pathlib`` path classes (``pathlib._local`` on Python 3.13): ``StorageMeta.checkpoint_id``, the directory it
+      was saved to.
     """
     if isinstance(found, type):
         if module.startswith("torch.distributed.checkpoint."):
             return dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)
-        if module == "pathlib":
+        if module in _PATHLIB_MODULES:
             return issubclass(found, pathlib.PurePath)
         return found is torch.Size
     if isinstance(found, torch.dtype):
@@ -442,7 +580,9 @@ def _dcp_metadata_global(module: str, found: Any) -> bool:
     return decoder is not None and found is decoder
 
 
-_DCP_METADATA_MODULES = ("torch", "torch.serialization", "pathlib")
+# Python 3.13 defines the path classes in pathlib._local, and pickles name them there
+_PATHLIB_MODULES = ("pathlib", "pathlib._local")
+_DCP_METADATA_MODULES = ("torch", "torch.serialization", *_PATHLIB_MODULES)
 
 
 class _DCPMetadataUnpickler(pickle.Unpickler):
@@ -464,6 +604,14 @@ def check_sharded_metadata(path: PathLike, weights_only: Optional[bool] = None) 
     file in it (``.metadata``, or a rank's ``__<rank>.metadata``) names anything but :func:`_dcp_metadata_global`.
     Every rank checks before loading, so all refuse alike (no rank waits in a collective)."""
     if weights_only is False:
+        return
+    if local_path(path) is None:
+        fs, root = _remote(path)
+        for name in (n for n in _remote_children(fs, root) if n.endswith(".metadata")):
+            try:
+                _DCPMetadataUnpickler(io.BytesIO(fs.cat_file(f"{root}/{name}"))).load()
+            except pickle.UnpicklingError as err:
+                raise pickle.UnpicklingError(refusal_message(join_path(path, name), path, err)) from err
         return
     final = Path(path)
     for file in sorted(p for p in final.iterdir() if p.name.endswith(".metadata") and p.is_file()):
@@ -511,8 +659,9 @@ def _unpickling_cause(error: BaseException) -> Optional[BaseException]:
 def load_sharded_dir(template: dict[str, Any], path: PathLike, group: Any, weights_only: Optional[bool] = None) -> None:
     """Read the tensors of the sharded checkpoint directory ``path`` into ``template`` in place (every rank the
     slices it owns: a collective over ``group``), its metadata and non-tensor entries as data unless
-    ``weights_only=False`` (:func:`check_sharded_metadata`); refused with :func:`refusal_message`."""
-    final = Path(path)
+    ``weights_only=False`` (:func:`check_sharded_metadata`); refused with :func:`refusal_message`. ``path``: a local
+    directory or an fsspec URL."""
+    final = Path(path) if local_path(path) is not None else os.fspath(path)
     check_sharded_metadata(final, weights_only)
     planner = None if weights_only is False else _data_only_load_planner()
     try:

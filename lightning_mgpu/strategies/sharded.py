@@ -65,13 +65,15 @@ from lightning_mgpu.plugins.checkpoint_io import (
     PathLike,
     begin_dir,
     check_complete,
+    checkpoint_kind,
     commit_dir,
+    join_path,
     load_file,
     load_sharded_dir,
     local_path,
     recover_dir,
     remove_dir,
-    write_file_atomic,
+    write_checkpoint_file,
 )
 from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
 from lightning_mgpu.settings import (
@@ -539,15 +541,11 @@ class MGPUShardedStrategy(ParallelStrategy):
             return
         if storage_options is not None:
             raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
-        if local is None:
-            raise ValueError(
-                f"checkpoint='sharded' writes to a local or mounted filesystem; {filepath} is remote. Save to a "
-                f"local path, or use checkpoint='consolidated' (one file, which Lightning uploads)."
-            )
-        path = Path(local)
-        if path.is_file():
+        # a local directory, or a prefix at an fsspec URL (s3://bucket/ckpts/last.ckpt)
+        target = local if local is not None else str(filepath)
+        if checkpoint_kind(target) == "file":
             raise FileExistsError(
-                f"{path} is a file (a consolidated checkpoint?); a sharded checkpoint is a directory. Choose another "
+                f"{target} is a file (a consolidated checkpoint?); a sharded checkpoint is a directory. Choose another "
                 f"name, or save with MGPUShardedStrategy(checkpoint='consolidated')."
             )
         tensors = {"state_dict": checkpoint.pop("state_dict")}
@@ -561,18 +559,18 @@ class MGPUShardedStrategy(ParallelStrategy):
             tensors[EMA_STATE_KEY] = ema
             checkpoint[_EMA_NAMES] = sorted(ema)
         # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
-        # does rank 0 mark it complete and swap it in under `path`. A save killed or failing on any rank
-        # leaves the previous checkpoint under `path` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
-        staging = Path(self.broadcast(str(begin_dir(path)) if self.is_global_zero else ""))
+        # does rank 0 mark it complete and swap it in under `target`. A save killed or failing on any rank
+        # leaves the previous checkpoint under `target` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
+        staging = self.broadcast(begin_dir(target) if self.is_global_zero else "")
         if self._runtime.saves_async():
-            self._save_sharded_async(tensors, checkpoint, staging, path)
+            self._save_sharded_async(tensors, checkpoint, staging, target)
             return
-        comm.save_sharded(tensors, str(staging), self._process_group())
+        comm.save_sharded(tensors, staging, self._process_group())
         if self.is_global_zero:
-            write_file_atomic(staging / _METADATA, lambda f: torch.save(checkpoint, f))
-        self.barrier("mgpu_sharded_save_written")  # every rank's shards are on disk
+            write_checkpoint_file(join_path(staging, _METADATA), lambda f: torch.save(checkpoint, f))
+        self.barrier("mgpu_sharded_save_written")  # every rank's shards are written
         if self.is_global_zero:
-            commit_dir(staging, path, self._marker_info(checkpoint))
+            commit_dir(staging, target, self._marker_info(checkpoint))
         self.barrier("mgpu_sharded_save_done")
 
     def _marker_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -588,9 +586,7 @@ class MGPUShardedStrategy(ParallelStrategy):
             "global_step": checkpoint.get("global_step"),
         }
 
-    def _save_sharded_async(
-        self, tensors: dict[str, Any], checkpoint: dict[str, Any], staging: Path, path: Path
-    ) -> None:
+    def _save_sharded_async(self, tensors: dict[str, Any], checkpoint: dict[str, Any], staging: str, path: str) -> None:
         """The sharded layout with ``async_checkpoint=True``: every rank stages its shards now; the background
         write marks the directory complete only once every rank's part is on disk (``plugins/async_checkpoint.py``)."""
         writes = self._runtime.writes
@@ -603,7 +599,9 @@ class MGPUShardedStrategy(ParallelStrategy):
             staged["tensors"],
             staging,
             writes.group(),
-            write_meta=(lambda: write_file_atomic(staging / _METADATA, lambda f: torch.save(staged["meta"], f)))
+            write_meta=(
+                lambda: write_checkpoint_file(join_path(staging, _METADATA), lambda f: torch.save(staged["meta"], f))
+            )
             if rank0
             else None,
             commit=(lambda: commit_dir(staging, path, info)) if rank0 else None,
@@ -624,25 +622,27 @@ class MGPUShardedStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if weights_only is None:  # Lightning drops the user's for strategies that restore after set-up
             weights_only = launched_weights_only(self.launcher)
-        if self.is_global_zero and (local := local_path(checkpoint_path)) is not None:
-            recover_dir(local)  # a save killed in the instant of its swap; the broadcast below waits for it
-        checkpoint_path = self.broadcast(str(checkpoint_path))
+        if self.is_global_zero:
+            recover_dir(local_path(checkpoint_path) or checkpoint_path)  # a save killed in the instant of its swap
+        checkpoint_path = self.broadcast(str(checkpoint_path))  # the broadcast waits for the recovery
         local = local_path(checkpoint_path)
-        if local is None or not os.path.isdir(local):
+        path: Union[Path, str] = Path(local) if local is not None else str(checkpoint_path)  # a URL stays a string
+        if checkpoint_kind(path) != "dir":
             self._loaded_sharded = False
             return self._runtime.after_load(
                 super().load_checkpoint(os.fspath(checkpoint_path), weights_only=weights_only)
             )
-        path = Path(local)
         check_complete(path)  # never load half a checkpoint
-        if not (path / _METADATA).is_file():
+        if checkpoint_kind(join_path(path, _METADATA)) != "file":
             raise FileNotFoundError(
                 f"{path} is a directory without {_METADATA}: not a sharded checkpoint of mgpu_sharded. Pass the "
                 f"checkpoint directory written by trainer.save_checkpoint."
             )
         module = self.lightning_module
         assert module is not None
-        checkpoint: dict[str, Any] = load_file(path / _METADATA, weights_only, map_location="cpu", ckpt_path=path)
+        checkpoint: dict[str, Any] = load_file(
+            join_path(path, _METADATA), weights_only, map_location="cpu", ckpt_path=path
+        )
         saved_optimizers = checkpoint.pop(_OPTIMIZER_COUNT, None)
         left_out = self._runtime.frozen_left_out(checkpoint)  # adapter-only: refused now on another base
         ema_names = checkpoint.pop(_EMA_NAMES, None)

@@ -128,3 +128,22 @@ def test_lightning_cli_parses_compile_options():
     cfg = parser.parse_args(["--strategy.stage=3", '--strategy.compile={"backend": "aot_eager"}'])
     assert cfg.strategy.compile == {"backend": "aot_eager"}
     assert parser.parse_args(["--strategy.compile=true"]).strategy.compile is True
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("value", [True, False])
+def test_an_explicit_buffer_flag_reaches_ddp_as_given_on_the_installed_torch(value):
+    """What ``MGPULocalSGDStrategy`` and ``MGPUDiLoCoStrategy`` hand the installed torch's DDP for
+    ``broadcast_buffers=value``, a keyword left out read as DDP's own default, is ``value`` (torch 2.11's DDP defaults
+    it to True, 2.13's to None: a True dropped there would reach DDP as None). Left out, it is False: the periodic
+    sync averages the buffers instead."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_mgpu import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
+    from lightning_mgpu._compat import strategy_ddp_kwargs
+
+    default = inspect.signature(DistributedDataParallel.__init__).parameters["broadcast_buffers"].default
+    for cls in (MGPULocalSGDStrategy, MGPUDiLoCoStrategy):
+        assert strategy_ddp_kwargs(cls(broadcast_buffers=value)).get("broadcast_buffers", default) is value
+        left_out = strategy_ddp_kwargs(cls())
+        assert False in (left_out.get("broadcast_buffers"), left_out.get("forward_sync_buffers"))

@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import errno
 import functools
+import io
 import json
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Optional
@@ -412,8 +414,18 @@ def test_remote_paths_are_saved_by_lightnings_code(tmp_path, monkeypatch):
     assert _entries(tmp_path) == []  # nothing written locally (a Path() would have made "memory:/ckpts")
     for name in ("last.ckpt", "zero3.ckpt"):
         io.remove_checkpoint(f"memory://ckpts/{name}")
-    with pytest.raises(ValueError, match="remote"):
-        _sharded().save_checkpoint({"state_dict": {}}, "memory://ckpts/sharded.ckpt")
+    # the sharded layout too (through torch.distributed.checkpoint's fsspec writer): the files, then the marker
+    import fsspec
+
+    _sharded().save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 0}, "memory://ckpts/sharded.ckpt")
+    memory = fsspec.filesystem("memory")
+    marker = json.loads(memory.cat_file(f"/ckpts/sharded.ckpt/{COMPLETE_MARKER}"))
+    assert sorted(p.rsplit("/", 1)[1] for p in memory.ls("/ckpts/sharded.ckpt", detail=False)) == sorted(
+        [*marker["files"], COMPLETE_MARKER]
+    )
+    assert memory.ls("/ckpts", detail=False) == ["/ckpts/sharded.ckpt"]  # no staging left beside it
+    assert _entries(tmp_path) == []
+    memory.rm("/ckpts", recursive=True)
 
 
 @pytest.mark.parametrize("strategy", ["mgpu_ddp_fork", "mgpu_sharded_notebook", "mgpu_zero1", "mgpu_zero3"])
@@ -660,3 +672,149 @@ def test_a_poisoned_checkpoint_is_refused_in_the_lightning_namespace(tmp_path, l
         assert not marker.exists()
     fit(tmp_path / "resume-False", ckpt_path=ckpt, weights_only=False)  # negative control
     assert marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoints at an fsspec URL: a real S3 protocol server on loopback (moto's, in this process), s3fs
+# ---------------------------------------------------------------------------------------------------------
+
+_S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}}
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``s3://bucket`` on an S3 server on a free loopback port, started for this test and always stopped; every
+    process of the test reaches it (fork launches inherit fsspec's configuration and the environment)."""
+    import fsspec
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint, "config_kwargs": _S3_TIMEOUTS})
+        # moto keeps its buckets in this process: an earlier test's server left its own
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30)
+        s3fs.S3FileSystem.clear_instance_cache()
+        fsspec.filesystem("s3").mkdir("bucket")
+        yield "s3://bucket"
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+class _FinalWeights(Callback):
+    """Every rank gathers the weights at the end of fit (a collective under FSDP2); rank 0 saves them to ``out``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from tests.helpers import full
+
+        state = {k: full(v).detach().clone() for k, v in pl_module.state_dict().items()}
+        if trainer.is_global_zero:
+            torch.save(state, self.out)
+
+
+def _fit_remote(strategy: Any, dirpath: str, max_epochs: int, out: Path, ckpt_path: Optional[str] = None) -> Any:
+    """Fit Adam (its state matters) on 2 fork-launched ranks, ModelCheckpoint saving ``last.ckpt`` under the URL
+    ``dirpath`` after every epoch; returns the final weights."""
+    from tests.models import OptRegressor
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=max_epochs,
+        callbacks=[
+            ModelCheckpoint(dirpath=dirpath, filename="last", enable_version_counter=False),
+            _FinalWeights(out),
+        ],
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(OptRegressor("adam").double(), datamodule=RankData(make_data(n=16), 4), ckpt_path=ckpt_path)
+    return torch.load(out, weights_only=True)
+
+
+_REMOTE_LAYOUTS = {
+    # name: (layout, async_checkpoint)
+    "sharded-sync": ("sharded", False),
+    "sharded-async": ("sharded", True),
+    "consolidated-sync": ("consolidated", False),
+    "consolidated-async": ("consolidated", True),
+}
+
+
+def test_checkpoints_at_an_s3_url_resume_exactly_in_every_layout(tmp_path, s3_bucket):
+    """Sharded (a torch.distributed.checkpoint directory under the prefix) and consolidated (one object) checkpoints,
+    written synchronously and in the background, at ``s3://bucket/<layout>/last.ckpt``: the fit resumed from there
+    for its second epoch ends with exactly the weights of the uninterrupted two-epoch fit. Nothing is written
+    locally but the test's own weight files; the sharded prefix holds what the marker lists, and no staging prefix
+    is left. Negative control: the resumed fit's weights differ from the checkpoint's (the comparison can fail)."""
+    import fsspec
+
+    def strategy(layout: str, async_checkpoint: bool) -> MGPUShardedStrategy:
+        return MGPUShardedStrategy(  # type: ignore[arg-type]
+            stage=3, start_method="fork", checkpoint=layout, async_checkpoint=async_checkpoint
+        )
+
+    reference = _fit_remote(strategy("sharded", False), f"{s3_bucket}/reference", 2, tmp_path / "reference.pt")
+    fs = fsspec.filesystem("s3")
+    for name, (layout, async_checkpoint) in _REMOTE_LAYOUTS.items():
+        url = f"{s3_bucket}/{name}"
+        first = _fit_remote(strategy(layout, async_checkpoint), url, 1, tmp_path / f"{name}-first.pt")
+        fs.invalidate_cache()
+        if layout == "sharded":
+            marker = json.loads(fs.cat_file(f"bucket/{name}/last.ckpt/{COMPLETE_MARKER}"))
+            assert sorted(marker["files"]) == sorted(
+                p.rsplit("/", 1)[1] for p in fs.ls(f"bucket/{name}/last.ckpt") if not p.endswith(COMPLETE_MARKER)
+            )
+            assert {"meta.pt", ".metadata"} <= set(marker["files"]) and marker["global_step"] == STEPS_PER_EPOCH
+        else:
+            assert fs.isfile(f"bucket/{name}/last.ckpt")
+        assert fs.ls(f"bucket/{name}", detail=False) == [f"bucket/{name}/last.ckpt"], "a staging prefix was left"
+        resumed = _fit_remote(
+            strategy(layout, async_checkpoint), url, 2, tmp_path / f"{name}-resumed.pt", ckpt_path=f"{url}/last.ckpt"
+        )
+        for key, value in reference.items():
+            torch.testing.assert_close(resumed[key], value, msg=lambda m, k=f"{name} {key}": f"{k}: {m}")
+        with pytest.raises(AssertionError):  # negative control: the second epoch moved the weights
+            torch.testing.assert_close(first["net.0.weight"], resumed["net.0.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{n}-{k}.pt" for n in _REMOTE_LAYOUTS for k in ("first", "resumed")] + ["reference.pt"]
+    )
+
+
+def test_a_sharded_checkpoint_at_an_s3_url_is_read_as_data_and_refused_incomplete(tmp_path, s3_bucket):
+    """The safety checks of the sharded loader hold at a URL: a poisoned ``meta.pt`` is refused under
+    ``weights_only=None`` naming the file and the call that loads it once trusted; a prefix without the completion
+    marker is refused as incomplete (no rank waits in a collective: every rank raises)."""
+    import fsspec
+
+    url = f"{s3_bucket}/ckpt"
+    strategy = lambda: MGPUShardedStrategy(stage=3, start_method="fork", checkpoint="sharded")  # noqa: E731
+    _fit_remote(strategy(), url, 1, tmp_path / "first.pt")
+    fs, ckpt = fsspec.filesystem("s3"), f"{url}/last.ckpt"
+    meta = torch.load(io.BytesIO(fs.cat_file(f"{ckpt}/meta.pt")), weights_only=True)
+    meta["extra"] = Poison(tmp_path / "poison-ran")
+    poisoned = io.BytesIO()
+    torch.save(meta, poisoned)
+    fs.pipe_file(f"{ckpt}/meta.pt", poisoned.getvalue())
+    with pytest.raises(Exception, match="UnpicklingError") as err:
+        _fit_remote(strategy(), url, 2, tmp_path / "resumed.pt", ckpt_path=ckpt)
+    _assert_names(str(err.value), f"{ckpt}/meta.pt", ckpt)  # type: ignore[arg-type]
+    assert not (tmp_path / "poison-ran").exists()
+    fs.rm_file(f"{ckpt}/{COMPLETE_MARKER}")
+    with pytest.raises(Exception, match="IncompleteCheckpointError"):
+        _fit_remote(strategy(), url, 2, tmp_path / "resumed.pt", ckpt_path=ckpt)

@@ -622,3 +622,74 @@ def test_gan_sample_trains_with_master_weights_from_a_cli_config(tmp_path: Path)
     trained = float(line.split(":")[1].split()[0])
     assert math.isfinite(trained)
     assert "optimizer steps 40" in proc.stdout  # 2 epochs x 20 accumulated steps
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bf16 with a fused optimizer under gradient clipping
+# ---------------------------------------------------------------------------------------------------------
+
+
+class FusedAdamW(Regressor):
+    """AdamW with ``fused=True`` (one kernel per step, on CPU too) or torch's default (the comparison)."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.fused = fused
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, fused=self.fused)
+
+
+def test_bf16_with_a_fused_optimizer_clips_and_steps_as_the_unfused_one():
+    """bf16 (``precision="bf16-mixed"``; ``MGPUPrecision("bf16-master")`` under ZeRO-1) with ``AdamW(fused=True)``
+    and ``gradient_clip_val``: on 2 ranks under mgpu_ddp, mgpu_zero3 and mgpu_zero1 the fit clips and steps to the
+    weights of the same fit with the unfused AdamW (float32 tolerance; bf16 only in the autocast compute). Lightning
+    2.6.6's own mixed-precision plugin refuses the combination ("does not allow for gradient clipping because it
+    performs unscaling of gradients internally"), as if bf16 had a loss scaler: shown with Lightning's DDPStrategy.
+    The negative control: without clipping the weights differ (the clipping is active)."""
+    from pytorch_lightning.strategies import DDPStrategy
+
+    from tests.numerics_harness import fit_job, run_jobs
+
+    def data() -> pl.LightningDataModule:
+        from tests.models import RankData
+
+        return RankData(make_data(n=32, dtype=torch.float32), 4)
+
+    flags = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "max_steps": 4,
+        "use_distributed_sampler": False,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    families = {
+        "ddp": (lambda: MGPUDDPStrategy(), {"precision": "bf16-mixed"}),
+        "zero3": (lambda: MGPUShardedStrategy(stage=3), {"precision": "bf16-mixed"}),
+        "zero1": (lambda: MGPUShardedStrategy(stage=1), {"plugins": [MGPUPrecision("bf16-master")]}),
+    }
+    jobs = []
+    for make_strategy, precision in families.values():
+        for fused, clip in ((True, 0.05), (False, 0.05)):
+            kwargs = {**flags, **precision, "gradient_clip_val": clip}
+            jobs.append(fit_job(lambda fused=fused: FusedAdamW(fused), make_strategy, data, kwargs))
+    jobs.append(fit_job(lambda: FusedAdamW(True), families["ddp"][0], data, {**flags, "precision": "bf16-mixed"}))
+    records = run_jobs(jobs)
+    for i, name in enumerate(families):
+        fused, unfused = records[2 * i], records[2 * i + 1]
+        assert fused["global_step"] == unfused["global_step"] == 4, name
+        torch.testing.assert_close(fused["weights"], unfused["weights"], msg=lambda m, n=name: f"{n}: {m}")
+    with pytest.raises(AssertionError):  # negative control: the same fit unclipped
+        torch.testing.assert_close(records[-1]["weights"], records[0]["weights"])
+    lightnings = pl.Trainer(
+        **{**flags, "devices": 1}, strategy=DDPStrategy(), precision="bf16-mixed", gradient_clip_val=0.05
+    )
+    try:
+        with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+            lightnings.fit(FusedAdamW(True), datamodule=data())
+    finally:  # Lightning's one-process group, left up by the failed fit
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

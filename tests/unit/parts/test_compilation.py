@@ -140,3 +140,23 @@ def test_a_copy_of_a_compiled_model_runs_its_own_weights_compiled():
         assert compiled_modules(clone) == ["0"]
         torch.testing.assert_close(clone(x), x @ clone[0].weight.T + clone[0].bias)
         assert not torch.allclose(clone(x), net(x))
+
+
+def test_the_compile_option_runs_self_log_eagerly_and_teardown_restores_lightnings(monkeypatch):
+    """With ``compile=...`` the LightningModule's ``log`` is Lightning's, run outside compiled graphs: the call reaches
+    Lightning's method with its arguments, a copy of the module logs through its own ``log``, and teardown puts
+    Lightning's back. ``compile=False`` leaves ``log`` alone (the negative control)."""
+    calls: list[tuple[int, str, float]] = []
+    monkeypatch.setattr(Regressor, "log", lambda self, name, value, **kw: calls.append((id(self), name, value)))
+    module = Regressor().double()
+    Compilation(False).compile_model(module)
+    assert "log" not in module.__dict__
+    part = Compilation(FAST)
+    part.compile_model(module)
+    assert "log" in module.__dict__
+    module.log("loss", 1.5)
+    twin = copy.deepcopy(module)
+    twin.log("loss", 2.5)
+    assert calls == [(id(module), "loss", 1.5), (id(twin), "loss", 2.5)]
+    part.remove(module)
+    assert "log" not in module.__dict__ and compiled_modules(module) == []
