@@ -881,7 +881,8 @@ class PipelineBackend(ShardingBackend):
 
     def load_full_model_state(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
         """One process's state dict: every rank loads the whole of it, or, while the other stages' blocks are
-        freed, its own blocks and the parameters outside the blocks (the others' are checked, not kept)."""
+        freed, its own blocks and the parameters outside the blocks (the others' keys are checked, their values
+        not kept)."""
         if not self._freed:
             module.load_state_dict(state, strict=strict)
             return
