@@ -15,11 +15,15 @@ the same global batch. ``self.log`` calls made in ``training_step`` on the last 
 micro-batch, combined with their ``reduce_fx`` (the mean of equal micro-batches: the value of the whole batch),
 and logged once on every rank of the pipeline.
 
-Every rank holds the whole module; it trains the blocks of its stages and the parameters outside the blocks
-(their gradients are summed over the stages, which handles weights tied between the embedding and the head).
-Before evaluation, a checkpoint and the end of fit, each block's weights are broadcast from the stage that trains
+Each rank trains the blocks of its stages and the parameters outside the blocks (their gradients are summed over
+the stages, which handles weights tied between the embedding and the head). During training it holds only those:
+at the first training step (and again after each evaluation) the storage of the other stages' blocks' parameters
+and buffers is freed (each keeps its Parameter object, dtype and device, with an empty tensor in place of its
+values), so they have no gradient and no optimizer state. Before evaluation, a consolidated checkpoint and the end
+of fit, the freed tensors are allocated again and each block's weights are broadcast from the stage that trains
 them, so that every rank holds the trained model: evaluation then runs the whole model on every rank,
-data-parallel over all ranks.
+data-parallel over all ranks. MGPUPrecision's master modes keep every block (the plugin's FP32 masters of the
+other stages are copied into the model after each step).
 
 Example::
 
@@ -395,6 +399,9 @@ class PipelineBackend(ShardingBackend):
         self._scale = 1.0
         self._pending: list[tuple[nn.Parameter, Tensor]] = []
         self._stale = False  # the stages trained since the blocks were last gathered
+        self.free_others = True  # free the other stages' blocks during training (not in master modes)
+        self._freed: list[tuple[Tensor, torch.Size]] = []  # the freed tensors, with their shapes
+        self._held_optimizers: list[Optimizer] = []
         self._boundaries: dict[Any, list[tuple[torch.Size, torch.dtype]]] = {}
         self._loss_meta: dict[Any, tuple[torch.Size, torch.dtype]] = {}
         self._tuple_outputs: dict[int, int] = {}
@@ -403,9 +410,23 @@ class PipelineBackend(ShardingBackend):
         self.last_stats: Optional[PipelineStats] = None
 
     # --- before launch ------------------------------------------------------------------------------------
-    def check_model(self, module: nn.Module, precision_plugin: Any, clip_by_norm: bool) -> None:
-        """Before any process starts: the split against the model, the clipping against the precision plugin (the
-        sizes against the world size: the settings, at Trainer construction)."""
+    def check_model(
+        self, module: nn.Module, precision_plugin: Any, clip_by_norm: bool, callbacks: Sequence[Any] = ()
+    ) -> None:
+        """Before any process starts: the split against the model, the clipping against the precision plugin, the
+        callbacks that need every weight on every rank (the sizes against the world size: the settings, at Trainer
+        construction)."""
+        averaging = [
+            type(c).__name__
+            for c in callbacks
+            if {k.__name__ for k in type(c).__mro__} & {"WeightAveraging", "StochasticWeightAveraging"}
+        ]
+        if averaging:
+            raise PipelineError(
+                f"{averaging[0]} under pipeline parallelism: during training each rank holds only the blocks of its "
+                f"own stages, and the callback averages every weight of the model on every rank. Remove "
+                f"{averaging[0]} from the Trainer's callbacks, or train without pipeline_parallel_size."
+            )
         plan = check_stage_count(module, self.split, self.stages)
         blocks = len(plan.names)
         if blocks < self.stages:
@@ -436,7 +457,12 @@ class PipelineBackend(ShardingBackend):
         self._local = [s for s in range(self.stages) if s % self.size == self.pipeline_index]
         self._schedules.clear()
         self._stale = False
+        self._held_optimizers = []  # (the freed tensors' shapes stay: a fit that ended in an error leaves them freed)
         return None
+
+    def wrap_optimizer(self, optimizer: Optimizer, group: Any) -> Optimizer:
+        self._held_optimizers.append(optimizer)  # its state for the freed blocks is dropped (a loaded checkpoint's)
+        return optimizer
 
     def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
         self.ledger = ledger
@@ -465,6 +491,52 @@ class PipelineBackend(ShardingBackend):
         in_blocks = {id(p) for b in self._blocks for p in b.parameters()}
         return [p for p in self.module.parameters() if p.requires_grad and id(p) not in in_blocks]
 
+    def _block_tensors(self, stages: Sequence[int]) -> list[Tensor]:
+        """The parameters and buffers of the blocks of ``stages``, each once."""
+        seen: set[int] = set()
+        out = []
+        for s in stages:
+            for b in self._stage_blocks(s):
+                for t in [*b.parameters(), *b.buffers()]:
+                    if id(t) not in seen:
+                        seen.add(id(t))
+                        out.append(t)
+        return out
+
+    def _kept_ids(self) -> set[int]:
+        """The tensors this rank trains or uses: its stages' blocks' and those held outside the blocks."""
+        assert self.module is not None
+        in_blocks = {id(m) for b in self._blocks for m in b.modules()}
+        outside = [
+            t
+            for m in self.module.modules()
+            if id(m) not in in_blocks
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        ]
+        return {id(t) for t in [*self._block_tensors(self._local), *outside]}
+
+    @torch.no_grad()
+    def free_blocks(self) -> None:
+        """Free the storage of the other stages' blocks' parameters and buffers (and any gradient or optimizer
+        state of theirs): this rank then holds its own blocks and the parameters outside the blocks only. Undone by
+        :meth:`gather_blocks`."""
+        if self._freed or not self.free_others or self.plan is None:
+            return
+        kept = self._kept_ids()
+        others = [s for s in range(self.stages) if s not in self._local]
+        freed = [t for t in self._block_tensors(others) if id(t) not in kept]
+        for t in freed:
+            self._freed.append((t, t.shape))
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            if isinstance(t, nn.Parameter):
+                t.grad = None
+            for opt in self._held_optimizers:
+                opt.state.pop(t, None)
+
+    def freed_bytes(self) -> int:
+        """The bytes of the freed tensors (0 while every rank holds the whole model)."""
+        return sum(math.prod(shape) * t.element_size() for t, shape in self._freed)
+
     def _owner(self, stage: int) -> int:
         """The global rank that trains ``stage`` in this rank's pipeline."""
         assert self.dims is not None
@@ -483,7 +555,8 @@ class PipelineBackend(ShardingBackend):
         self._micro, self._step_batch_index = micro, batch_idx
         self._logged, self._losses = {}, {}
         self._scale = 1.0 / m
-        schedule = self._schedule_for(module, key)
+        schedule = self._schedule_for(module, key)  # a new shape: its probe runs the whole model
+        self.free_blocks()  # this rank's stages only, from the first step and after each evaluation
         self._stale = True
         device = self._module_device(module)
         first = 0 in self._local
@@ -674,6 +747,8 @@ class PipelineBackend(ShardingBackend):
 
             handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(block.register_forward_hook(post))
+        refree = bool(self._freed)  # a new shape after the first step: the whole model for one forward
+        self.gather_blocks()
         training = module.training
         module.eval()
         try:
@@ -683,6 +758,8 @@ class PipelineBackend(ShardingBackend):
             module.train(training)
             for h in handles:
                 h.remove()
+            if refree:
+                self.free_blocks()
         self._logged = {}
         names = self.plan.names
         if calls != list(range(len(self._blocks))):
@@ -762,29 +839,72 @@ class PipelineBackend(ShardingBackend):
     # --- the whole model on every rank ------------------------------------------------------------------------
     @torch.no_grad()
     def gather_blocks(self) -> None:
-        """Broadcast each block's weights and buffers from the rank that trains it to the other ranks of its
-        pipeline: every rank then holds the trained model (a collective of the pipeline's ranks)."""
-        if not self._stale or self.plan is None or self.dims is None or not comm.group_is_up():
+        """Allocate the freed tensors again and broadcast each block's weights and buffers from the rank that
+        trains it to the other ranks of its pipeline: every rank then holds the trained model (a collective of the
+        pipeline's ranks)."""
+        if not (self._stale or self._freed) or self.plan is None or self.dims is None or not comm.group_is_up():
             return  # nothing trained since the last gather (validate/test/predict outside fit: rank 0's weights)
-        self._stale = False
+        shapes = {id(t): shape for t, shape in self._freed}
+        self._stale, self._freed = False, []
         for s in range(self.stages):
-            tensors = [t for b in self._stage_blocks(s) for t in [*b.parameters(), *b.buffers()]]
+            tensors = self._block_tensors([s])
+            for t in tensors:
+                if id(t) in shapes:
+                    t.data = torch.empty(shapes[id(t)], dtype=t.dtype, device=t.device)
+            owner = self._owner(s)
             for dtype in sorted({t.dtype for t in tensors}, key=str):
                 group = [t for t in tensors if t.dtype == dtype]
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                comm.broadcast(flat, src=self._owner(s), group=self.pipeline_group)
+                if self.rank == owner:
+                    flat = torch.cat([t.detach().reshape(-1) for t in group])
+                else:
+                    flat = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=group[0].device)
+                comm.broadcast(flat, src=owner, group=self.pipeline_group)
+                if self.rank == owner:
+                    continue
                 offset = 0
                 for t in group:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
 
     def before_evaluation(self, model: nn.Module) -> None:
-        self.gather_blocks()
+        self.gather_blocks()  # freed again by the next training step
 
     def full_model_state(self, module: nn.Module, keys: Optional[set[str]] = None) -> dict[str, Any]:
+        """The whole module's state on every rank; during training the other stages' blocks are freed again
+        right after (the state keeps their gathered values until it is dropped)."""
+        refree = bool(self._freed)
         self.gather_blocks()
         state = module.state_dict()
+        if refree:
+            self.free_blocks()
         return state if keys is None else {k: v for k, v in state.items() if k in keys}
+
+    def load_full_model_state(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
+        """One process's state dict: every rank loads the whole of it, or, while the other stages' blocks are
+        freed, its own blocks and the parameters outside the blocks (the others' keys are checked, their values
+        not kept)."""
+        if not self._freed:
+            module.load_state_dict(state, strict=strict)
+            return
+        freed = {id(t) for t, _ in self._freed}
+        names = {
+            name
+            for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+            if id(t) in freed
+        }
+        result = module.load_state_dict({k: v for k, v in state.items() if k not in names}, strict=False)
+        missing = [k for k in result.missing_keys if k not in names] + sorted(names - state.keys())
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}, unexpected "
+                f"keys {result.unexpected_keys}. Load a checkpoint of this model, or pass strict=False."
+            )
+
+    def load_full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        """One process's optimizer state: this rank keeps the state of what it trains."""
+        super().load_full_optimizer_state(module, optimizer, state)
+        for t, _ in self._freed:
+            optimizer.state.pop(t, None)
 
     def full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
         """One process's ``optimizer.state_dict()``: each parameter's state from the stage that trains it."""

@@ -759,7 +759,8 @@ class MGPUShardedStrategy(ParallelStrategy):
                 f"gradient_clip_algorithm='value', or strategy='mgpu_sharded' (FSDP2)."
             )
         if self._pipeline is not None:
-            self._pipeline.check_model(model, self.precision_plugin, bool(clip_by_norm))
+            callbacks = getattr(trainer, "callbacks", ())  # set by Lightning's callback connector
+            self._pipeline.check_model(model, self.precision_plugin, bool(clip_by_norm), callbacks)
         if not model.automatic_optimization:
             raise MisconfigurationException(
                 f"{type(model).__name__} uses manual optimization, which MGPUShardedStrategy does not support yet "
@@ -813,6 +814,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         if self._runtime.ddp is not None:
             self.model = self._runtime.wrap_ddp(module)  # as mgpu_ddp: checkpointing, wrap, hooks, compilation
             return
+        if self._pipeline is not None:  # master modes copy FP32 masters of every block into the model
+            self._pipeline.free_others = not getattr(self.precision_plugin, "master", False)
         self._tensor.apply(module, self._built_mesh().tensor)  # tensor parallelism first (torchtitan's order)
         self._runtime.checkpointing.apply(module)
         mesh = self._sharding.shard_mesh(self._built_mesh())

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import StochasticWeightAveraging
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -725,6 +726,16 @@ CASES = [
         ValueError,
         ["gradient_clip_val by norm", "DoublePrecision", "precision='32-true'", "gradient_clip_algorithm='value'"],
         id="pipeline-norm-clipping-needs-mgpu-precision",
+    ),
+    pytest.param(
+        lambda: fit(
+            Regressor(),
+            MGPUShardedStrategy(pipeline_parallel_size=2, start_method="fork"),
+            callbacks=[StochasticWeightAveraging(swa_lrs=0.1)],
+        ),
+        ValueError,
+        ["StochasticWeightAveraging under pipeline parallelism", "only the blocks of its own stages", "Remove"],
+        id="pipeline-weight-averaging-callbacks",
     ),
     pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=2, stage=3),

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_mgpu import MGPUShardedStrategy
-from lightning_mgpu.parts.pipeline import PipelineBackend
+from lightning_mgpu.parts.pipeline import PipelineBackend, plan_stages
 
 WORLD = 4
 GLOBAL_BATCH = 8
@@ -171,12 +171,19 @@ class Record(pl.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.norms: list[float] = []
+        self.memory: list[Any] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
         squares = [p.grad.pow(2).sum() for p in module.parameters() if p.grad is not None]
         self.norms.append(float(torch.stack(squares).sum().sqrt()) if squares else 0.0)
+        if hasattr(trainer.strategy, "memory_report"):  # this rank's parameter, gradient, optimizer-state bytes
+            self.memory.append(trainer.strategy.memory_report())
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self.memory:
+            full = sum(p.numel() * p.element_size() for p in module.parameters())  # gathered at the end of fit
+            self.out.mkdir(parents=True, exist_ok=True)
+            torch.save({"steps": self.memory, "full": full}, self.out / f"memory{trainer.global_rank}.pt")
         state = trainer.strategy.lightning_module_state_dict()
         trainer.save_checkpoint(self.out / "last.ckpt")
         if trainer.global_rank == 0:
@@ -256,6 +263,33 @@ def pipelined(
     return record
 
 
+def assert_holds_its_stages(out: Path, name: str, pipeline: int, schedule: str) -> None:
+    """During training every rank holds (parameters, gradients and optimizer state) only the blocks of its stages
+    and the parameters outside the blocks; after fit it holds the whole model again."""
+    model = make_model(name)
+    stages = pipeline * (2 if schedule == "interleaved_1f1b" else 1)
+    plan = plan_stages(model, "auto", stages)
+    modules = dict(model.named_modules())
+
+    def ids(names: Any) -> set[int]:
+        return {id(p) for n in names for p in modules[n].parameters()}
+
+    in_blocks = ids(plan.names)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    for rank in range(WORLD):
+        index = rank // (WORLD // pipeline)  # the rank's coordinate on the pipeline dimension
+        owned = ids(n for s, (a, b) in enumerate(plan.bounds) if s % pipeline == index for n in plan.names[a:b])
+        want = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in owned or id(p) not in in_blocks)
+        assert want < full
+        record = torch.load(out / f"memory{rank}.pt", weights_only=False)
+        assert record["full"] == full
+        for step, report in enumerate(record["steps"]):
+            assert report.parameters == want, (rank, step)
+            assert report.gradients == want, (rank, step)  # every parameter it holds has its gradient
+            if step:  # SGD's momentum exists after the first step: one buffer per parameter held, none other
+                assert report.optimizer_state == want, (rank, step)
+
+
 def assert_one_process(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert want["norms"] and max(want["norms"]) > CLIP, "the clipping must bite for the comparison to mean anything"
     assert got["state"].keys() == want["state"].keys()
@@ -294,6 +328,7 @@ def test_pipeline_trains_as_one_process(
         tmp_path / "pipeline", model, pipeline, schedule, accumulate, predict=model == "sequential", **options
     )
     assert_one_process(got, want)
+    assert_holds_its_stages(tmp_path / "pipeline", model, pipeline, schedule)
     # the checkpoint the pipeline wrote is one process's: it resumes on one device and continues as an
     # uninterrupted run (its optimizer state, gathered from the stages, included)
     epochs = (2 if accumulate == 1 else 4) if model == "sequential" else 0
@@ -322,6 +357,7 @@ def test_pipeline_trains_as_one_process(
             ckpt=tmp_path / "reference" / "last.ckpt",
             epochs=epochs,
         )
+        assert_holds_its_stages(tmp_path / "into_pipeline", model, pipeline, schedule)  # the loaded state too
         for key in uninterrupted["state"]:
             torch.testing.assert_close(resumed["state"][key], uninterrupted["state"][key], msg=key)
             torch.testing.assert_close(into_pipeline["state"][key], uninterrupted["state"][key], msg=key)
@@ -334,6 +370,7 @@ def test_pipeline_matrix(tmp_path: Path, model: str, pipeline: int, schedule: st
         pipelined(tmp_path / "pipeline", model, pipeline, schedule, accumulate),
         reference(model, accumulate, tmp_path / "reference"),
     )
+    assert_holds_its_stages(tmp_path / "pipeline", model, pipeline, schedule)
 
 
 class UnsyncedReplicas(PipelineBackend):
@@ -363,7 +400,8 @@ def test_negative_control_the_comparison_fails_for_a_wrong_pipeline(tmp_path: Pa
 def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_path: Path) -> None:
     """``import lightning as L`` with ``lightning_mgpu.lightning``: pipeline 2 on 2 processes, 1F1B, a model whose
     forward iterates a ``ModuleList``, its loader sharded by Lightning's automatic sampler (one data replica: both
-    stages see every batch)."""
+    stages see every batch). Batches of 10, 10, 10, 10, 8, 10: the batch of a new shape is checked with the other
+    stage's blocks freed (gathered for that one forward, freed again)."""
     import lightning as L
 
     import lightning_mgpu.lightning as mgpu
@@ -388,10 +426,10 @@ def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_p
 
         def train_dataloader(self) -> DataLoader:
             if self.trainer.world_size > 1:  # Lightning's automatic sampler, shuffling: one data replica of 2 stages
-                return DataLoader(data, batch_size=GLOBAL_BATCH)
+                return DataLoader(data, batch_size=10)
             # one process: the same order (torch's shuffle of epoch 0 with Lightning's seed 0, one replica)
             sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-            return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler)
+            return DataLoader(data, batch_size=10, sampler=sampler)
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -402,7 +440,7 @@ def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_p
             if trainer.global_rank == 0:
                 torch.save(state, tmp_path / f"{trainer.world_size}.pt")
 
-    flags: dict[str, Any] = {"accelerator": "cpu", "max_steps": 4, "logger": False, "enable_checkpointing": False}
+    flags: dict[str, Any] = {"accelerator": "cpu", "max_steps": 6, "logger": False, "enable_checkpointing": False}
     flags.update(enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()])
     L.Trainer(devices=1, **flags).fit(Net())
     strategy = mgpu.MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, start_method="fork")

@@ -106,3 +106,49 @@ def test_a_forward_that_changes_the_activation_at_a_boundary_is_refused_naming_t
     _probed(Stack(between=True), ["blocks.3"])  # the change is inside stage 0: fine
     with pytest.raises(PipelineError, match=r"before 'blocks\.2'.*Choose other split points"):
         _probed(Stack(between=True), ["blocks.2"])
+
+
+def _stage0_of_two(module: pl.LightningModule) -> PipelineBackend:
+    backend = PipelineBackend(2, "1f1b", 2, "auto")
+    backend.module = module
+    backend.plan = plan_stages(module, "auto", 2)
+    modules = dict(module.named_modules())
+    backend._blocks = [modules[n] for n in backend.plan.names]
+    backend._local = [0]  # this rank runs stage 0: blocks.0 and blocks.1
+    return backend
+
+
+def test_the_other_stages_blocks_are_freed_with_their_optimizer_state_and_a_whole_checkpoint_still_loads():
+    module, saved = Stack(), Stack().state_dict()
+    saved = {k: v + 1 for k, v in saved.items()}  # not the module's values
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    h = module.embed(torch.randn(4, 3))
+    for block in module.blocks:
+        h = block(h)
+    module.head(h).pow(2).mean().backward()
+    optimizer.step()  # momentum for every parameter
+    backend = _stage0_of_two(module)
+    backend.wrap_optimizer(optimizer, None)
+    shapes = {n: p.shape for n, p in module.named_parameters()}
+    backend.free_blocks()
+    freed = {n for n, p in module.named_parameters() if p.numel() == 0}
+    assert freed == {f"blocks.{i}.{w}" for i in (2, 3) for w in ("weight", "bias")}
+    assert all(module.get_parameter(n).grad is None and module.get_parameter(n) not in optimizer.state for n in freed)
+    assert len(optimizer.state) == len(shapes) - len(freed)  # the kept parameters keep their momentum
+    assert backend.freed_bytes() == sum(shapes[n].numel() * 4 for n in freed)
+    # a whole (one process's) checkpoint: this rank keeps its own blocks and what lies outside them
+    backend.load_full_model_state(module, saved, strict=True)
+    for name, p in module.named_parameters():
+        want = torch.empty(0) if name in freed else saved[name]
+        torch.testing.assert_close(p.detach(), want, msg=name)
+    with pytest.raises(RuntimeError, match=r"missing keys \['blocks\.3\.bias'\]"):
+        backend.load_full_model_state(module, {k: v for k, v in saved.items() if k != "blocks.3.bias"}, strict=True)
+    backend.load_full_optimizer_state(module, optimizer, optimizer.state_dict())
+    assert all(module.get_parameter(n) not in optimizer.state for n in freed)
+
+
+def test_weight_averaging_callbacks_are_refused_before_launch_with_the_fix():
+    from pytorch_lightning.callbacks import StochasticWeightAveraging
+
+    with pytest.raises(PipelineError, match=r"StochasticWeightAveraging under pipeline.*Remove"):
+        _stage0_of_two(Stack()).check_model(Stack(), None, False, [StochasticWeightAveraging(swa_lrs=0.1)])
