@@ -419,7 +419,9 @@ class PipelineBackend(ShardingBackend):
         averaging = [
             type(c).__name__
             for c in callbacks
-            if {k.__name__ for k in type(c).__mro__} & {"WeightAveraging", "StochasticWeightAveraging"}
+            # Lightning's averaging callbacks, and the pack's EMA (lightning_mgpu.callbacks.ema, by name: parts do not
+            # import callbacks), which averages what each rank holds and would average freed blocks
+            if {k.__name__ for k in type(c).__mro__} & {"WeightAveraging", "StochasticWeightAveraging", "EMA"}
         ]
         if averaging:
             raise PipelineError(

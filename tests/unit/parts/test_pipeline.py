@@ -152,3 +152,7 @@ def test_weight_averaging_callbacks_are_refused_before_launch_with_the_fix():
 
     with pytest.raises(PipelineError, match=r"StochasticWeightAveraging under pipeline.*Remove"):
         _stage0_of_two(Stack()).check_model(Stack(), None, False, [StochasticWeightAveraging(swa_lrs=0.1)])
+    from lightning_mgpu import EMA
+
+    with pytest.raises(PipelineError, match=r"EMA under pipeline.*Remove"):
+        _stage0_of_two(Stack()).check_model(Stack(), None, False, [EMA()])
