@@ -29,7 +29,7 @@ def errors(nb: nbformat.NotebookNode) -> list[str]:
 
 def test_the_quickstart_and_one_notebook_per_capability_ship():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"quickstart", "sharded_memory", "activation_checkpointing", "gan_accumulation", "precision"} <= names
+    assert {"quickstart", "sharded_memory", "activation_checkpointing", "gan_accumulation", "precision", "fine_tuning"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
