@@ -14,9 +14,11 @@ STAMP := $(VENV)/.installed
 # The compatibility tiers (`make test-compat`): the `-m compat` subset (parity of every preset at k=1, 2, manual
 # accumulation, sharded resume at another world size, CLI round trip; each also from the `lightning` copy of
 # the tests) in a venv of its own per tier. Oldest declared Lightning, both distributions, on the CPU wheel;
-# the newest declared Lightning on torch's CUDA wheel (which installs and runs without a GPU).
+# the newest declared Lightning on the newest declared torch (.ci/requirements-newest.txt: its CUDA wheel, which
+# installs and runs without a GPU, about 5 GB downloaded) and the newest declared Python (pyenv's 3.13, else
+# python3.13).
 OLDEST_LIGHTNING ?= 2.6.0
-CUDA_TORCH ?= torch==2.14.1
+NEWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/python3.13) python3.13)
 # The oldest declared torch, on another Python, as on the lent GPU machines: Python 3.12 (pyenv's, else python3.12)
 # with torch 2.11's wheel (downloaded: about 3 GB with its CUDA libraries, which install without a GPU) and without
 # the optional packages (no jsonargparse, no fairscale, no transformers): the pack is installed with --no-deps.
@@ -82,15 +84,15 @@ test-compat-oldest: .venv-oldest/.installed
 		print('compat tier: lightning', lightning.__version__, 'pytorch_lightning', pytorch_lightning.__version__, 'torch', torch.__version__)"
 	.venv-oldest/bin/python -m pytest -m compat -p no:cacheprovider
 
-.venv-cuda/.installed: pyproject.toml Makefile
-	$(PYTHON) -m venv .venv-cuda
-	.venv-cuda/bin/python -m pip install -q "$(CUDA_TORCH)"
+.venv-cuda/.installed: pyproject.toml Makefile .ci/requirements-newest.txt
+	$(NEWEST_PYTHON) -m venv .venv-cuda
+	.venv-cuda/bin/python -m pip install -q -r .ci/requirements-newest.txt
 	.venv-cuda/bin/python -m pip install -q -e ".[test]"
 	touch $@
 
 test-compat-cuda: .venv-cuda/.installed
-	.venv-cuda/bin/python -c "import lightning, torch; \
-		print('compat tier: lightning', lightning.__version__, 'torch', torch.__version__, 'CUDA build', torch.version.cuda)"
+	.venv-cuda/bin/python -c "import sys, lightning, torch; \
+		print('compat tier: python', sys.version.split()[0], 'lightning', lightning.__version__, 'torch', torch.__version__, 'CUDA build', torch.version.cuda)"
 	.venv-cuda/bin/python -m pytest -m compat -p no:cacheprovider
 
 # The required dependencies only (pyproject.toml's `dependencies` less jsonargparse, which only the `lightning-mgpu`
@@ -132,8 +134,8 @@ test-install: $(STAMP)
 # benchmarks/results/; then hybrid against flat sharding (printed; needs 4 GPUs, else a message). Both use the
 # package from this checkout (PYTHONPATH) with an interpreter
 # that already has a CUDA torch and Lightning (GPU_PYTHON, default python3, as on GPU images without network access);
-# where that interpreter lacks them, .venv-cuda (torch's CUDA wheel, CUDA_TORCH) is built and used. Each test case runs in a
-# fresh interpreter (tests/gpu/worker.py), six at a time on the one GPU where pytest-xdist is installed; the tier
+# where that interpreter lacks them, .venv-cuda (the newest declared torch's CUDA wheel, .ci/requirements-newest.txt)
+# is built and used. Each test case runs in a fresh interpreter (tests/gpu/worker.py), six at a time on the one GPU where pytest-xdist is installed; the tier
 # and the benchmarks together are estimated at about 11 minutes on an H100 (docs/gpu.md: each part's estimate).
 GPU_PYTHON ?= python3
 GPU_PY = $$($(GPU_PYTHON) -c "import torch, pytorch_lightning, lightning" 2>/dev/null && echo $(GPU_PYTHON) || \
