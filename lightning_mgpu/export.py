@@ -292,10 +292,11 @@ def _adapter_config(recorded: dict[str, Any], path: Path) -> tuple[str, dict[str
 
 
 def _split_peft(
-    tensors: dict[str, _Tensor], adapter: str, path: Path
+    tensors: dict[str, _Tensor], adapter: str, path: Path, with_base: bool = True
 ) -> tuple[dict[str, _Tensor], dict[str, dict[str, _Tensor]], dict[str, _Tensor]]:
     """(base weights by the model's own names, the LoRA pair of each adapted layer by its weight's name, the
-    adapter's tensors by peft's saved names)."""
+    adapter's tensors by peft's saved names). ``with_base=False``: an adapter-only checkpoint, whose adapted
+    layers' base weights are not in ``tensors``."""
     base: dict[str, _Tensor] = {}
     pairs: dict[str, dict[str, _Tensor]] = {}
     saved: dict[str, _Tensor] = {}
@@ -320,7 +321,7 @@ def _split_peft(
                 )
             base[own.replace(".base_layer.", ".")] = t
     for weight, pair in pairs.items():
-        if set(pair) != {"lora_A", "lora_B"} or weight not in base:
+        if set(pair) != {"lora_A", "lora_B"} or (with_base and weight not in base):
             raise ValueError(f"{path}: the LoRA pair of {weight} is incomplete ({sorted(pair)}).")
     return base, pairs, saved
 
@@ -443,7 +444,9 @@ def export_checkpoint(
         adapters: a model with ``peft`` LoRA adapters: ``"merge"`` writes the base model with the adapters merged
             into its weights (what peft's ``merge_and_unload`` gives); ``"peft"`` writes the base model unmerged
             and the adapter beside it (``adapter_config.json``, ``adapter_model.safetensors``:
-            ``PeftModel.from_pretrained(AutoModel...from_pretrained(DIR), DIR)``).
+            ``PeftModel.from_pretrained(AutoModel...from_pretrained(DIR), DIR)``). An adapter-only checkpoint
+            (``checkpoint_params="trainable"``) holds no base: ``"peft"`` writes the adapter folder alone
+            (``PeftModel.from_pretrained(base_model, DIR)``); anything else is refused.
         weights_only: ``torch.load``'s; ``False`` only for a checkpoint you trust.
     """
     if format not in FORMATS:
@@ -456,21 +459,30 @@ def export_checkpoint(
     if final.exists():
         raise FileExistsError(f"{final} exists: choose a new name (the export never overwrites), or remove it first.")
     meta, groups = _open(source, weights_only)
-    if FROZEN_BASE_KEY in meta:
-        raise ValueError(
-            f"{source} is an adapter-only checkpoint (checkpoint_params='trainable'): it holds the trainable "
-            f"parameters and a fingerprint of the frozen base, not the base's weights, so an exported model would "
-            f"lack them. Load it onto the base in your LightningModule (trainer.validate(model, ckpt_path=...)) and "
-            f"save a full checkpoint (checkpoint_params='all') to export, or export the adapters alone with "
-            f"--adapters peft from a full checkpoint."
-        )
     prefix, hf_config, model_class, recorded = _choose_model(meta, prefix, config, source)
     tensors = _select(groups, ema, prefix, source)
     adapter: Optional[tuple[dict[str, Any], dict[str, _Tensor]]] = None
+    has_peft = recorded is not None and "peft" in recorded
+    adapter_only = FROZEN_BASE_KEY in meta  # checkpoint_params="trainable": no base weights in it
+    if adapter_only and not (has_peft and adapters == "peft" and format == "hf"):
+        raise ValueError(
+            f"{source} is an adapter-only checkpoint (checkpoint_params='trainable'): it holds the trainable "
+            f"parameters and a fingerprint of the frozen base, not the base's weights. "
+            + (
+                "Export its peft adapter alone with --adapters peft --format hf (load it with "
+                "PeftModel.from_pretrained(base_model, DIR)); a merged model or a torch file needs the base: "
+                if has_peft
+                else "The export needs the base: "
+            )
+            + "load the checkpoint onto the base in your LightningModule (trainer.validate(model, ckpt_path=...)) "
+            "and save a full checkpoint (checkpoint_params='all')."
+        )
     if recorded is not None and "peft" in recorded:
         name, peft_config = _adapter_config(recorded, source)
-        base, pairs, saved = _split_peft(tensors, name, source)
-        if adapters == "merge":
+        base, pairs, saved = _split_peft(tensors, name, source, with_base=not adapter_only)
+        if adapter_only:
+            tensors, adapter = {}, (peft_config, saved)
+        elif adapters == "merge":
             _check_lora(peft_config)
             tensors = {n: _merged(t, pairs[n], peft_config) if n in pairs else t for n, t in base.items()}
         elif format == "torch":
@@ -485,19 +497,20 @@ def export_checkpoint(
         if format == "torch":
             write_torch(staging, tensors)
         else:
-            if hf_config is None:
+            if hf_config is None and not adapter_only:
                 raise ValueError(
                     f"{source} records no Hugging Face model configuration (saved by another strategy, or the "
                     f"LightningModule holds no transformers model). Pass --config with the model's config.json (or "
                     f"its folder) and --prefix with the attribute that holds the model, or use --format torch."
                 )
             staging.mkdir()
-            if model_class is not None and not hf_config.get("architectures"):
-                hf_config["architectures"] = [model_class]
-            if (dtype := _dtype_name(tensors)) is not None:
-                hf_config["dtype"] = dtype
-            (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-            write_safetensors(staging / "model.safetensors", tensors)
+            if hf_config is not None and not adapter_only:  # an adapter-only export: the adapter folder alone
+                if model_class is not None and not hf_config.get("architectures"):
+                    hf_config["architectures"] = [model_class]
+                if (dtype := _dtype_name(tensors)) is not None:
+                    hf_config["dtype"] = dtype
+                (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+                write_safetensors(staging / "model.safetensors", tensors)
             if adapter is not None:
                 peft_config, saved = adapter
                 (staging / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, sort_keys=True) + "\n")

@@ -159,12 +159,33 @@ def test_a_configuration_that_cannot_be_written_never_fails_a_save(caplog: pytes
     assert "is not recorded for export" in caplog.text and "not serialisable" in caplog.text
 
 
-def test_an_adapter_only_checkpoint_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    from lightning_mgpu.parts.trainable_state import KEY
+def test_an_adapter_only_checkpoint_exports_its_peft_adapter_folder_alone(tmp_path: Path) -> None:
+    from peft import PeftModel
 
-    path = _plain_checkpoint(tmp_path, **{KEY: {"frozen": {}}})
-    with pytest.raises(ValueError, match=r"adapter-only checkpoint.*checkpoint_params='all'"):
-        export_checkpoint(path, tmp_path / "out", format="torch")
-    assert not (tmp_path / "out").exists()
-    export_checkpoint(_plain_checkpoint(tmp_path), tmp_path / "full.pt", format="torch")  # control: a full one exports
-    assert (tmp_path / "full.pt").is_file()
+    from lightning_mgpu.export import record_hf_models
+    from lightning_mgpu.parts.trainable_state import KEY
+    from tests.corpus import HFGPT2, LoRAGPT2
+
+    module = LoRAGPT2()
+    with torch.no_grad():  # "trained" adapters: unlike any fresh initialisation
+        for p in module.model.parameters():
+            if p.requires_grad:
+                p.add_(0.5)
+    trainable = {f"model.{n}": p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
+    checkpoint: dict = {"state_dict": trainable, KEY: {"frozen": {}}}  # as checkpoint_params="trainable" saves
+    record_hf_models(checkpoint, module)
+    torch.save(checkpoint, tmp_path / "adapters.ckpt")
+    assert main([str(tmp_path / "adapters.ckpt"), "--format", "hf", str(tmp_path / "out"), "--adapters", "peft"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    loaded = PeftModel.from_pretrained(HFGPT2().model, tmp_path / "out")  # onto the base, as the user loads it
+    lora = {f"model.{n}": v for n, v in loaded.state_dict().items() if ".lora_" in n}
+    assert sorted(lora) == sorted(trainable)
+    torch.testing.assert_close(lora, trainable, rtol=0, atol=0)
+    fresh = {f"model.{n}": p.detach() for n, p in LoRAGPT2().model.named_parameters() if p.requires_grad}
+    with pytest.raises(AssertionError):  # negative control: the untrained adapters are told apart
+        torch.testing.assert_close(lora, fresh)
+    # a merged model or a torch file needs the base, which the checkpoint does not hold
+    for kwargs in ({"adapters": "merge"}, {"adapters": "peft", "format": "torch"}):
+        with pytest.raises(ValueError, match=r"adapter-only checkpoint.*--adapters peft --format hf"):
+            export_checkpoint(tmp_path / "adapters.ckpt", tmp_path / "refused", **kwargs)
+        assert not (tmp_path / "refused").exists()
