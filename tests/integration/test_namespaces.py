@@ -49,6 +49,7 @@ def _public_instances(mgpu: ModuleType) -> dict[str, Any]:
         "AtomicCheckpointIO": mgpu.AtomicCheckpointIO(),
         "DeviceMonitor": mgpu.DeviceMonitor(),
         "ScaleLR": mgpu.ScaleLR(base_batch_size=32),
+        "EMA": mgpu.EMA(decay=0.9),
     }
 
 
@@ -85,13 +86,13 @@ def test_every_public_plugin_is_accepted_by_the_namespaces_trainer(namespace):
             devices=2,
             strategy=instances[strategy],
             plugins=[instances["MGPUPrecision"], instances["AtomicCheckpointIO"]],
-            callbacks=[instances["DeviceMonitor"], instances["ScaleLR"]],
+            callbacks=[instances["DeviceMonitor"], instances["ScaleLR"], instances["EMA"]],
             logger=False,
         )
         assert trainer.strategy is instances[strategy]
         assert trainer.precision_plugin is instances["MGPUPrecision"]
         assert trainer.strategy.checkpoint_io is instances["AtomicCheckpointIO"]
-        assert instances["DeviceMonitor"] in trainer.callbacks and instances["ScaleLR"] in trainer.callbacks
+        assert all(instances[c] in trainer.callbacks for c in ("DeviceMonitor", "ScaleLR", "EMA"))
 
 
 def test_a_strategy_of_the_other_namespace_is_refused_by_lightning():
