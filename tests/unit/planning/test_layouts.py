@@ -12,7 +12,6 @@ from typing import Any, Optional
 import pytest
 from torch import nn
 
-from lightning_mgpu.cli import main as cli_main
 from lightning_mgpu.planning import NoPlanFits, PlanError, PlanRequest, plan_layouts
 from lightning_mgpu.planning.candidates import estimate
 from lightning_mgpu.planning.choice import decide_layout
@@ -240,6 +239,9 @@ def test_a_tensor_split_leaves_a_rank_the_parameters_the_plan_gives_it():
 
 
 def test_the_command_lists_the_layouts_after_the_memory_plan(capsys):
+    pytest.importorskip("jsonargparse")  # the command's parser (installed with the package; absent on a bare tier)
+    from lightning_mgpu.cli import main as cli_main
+
     assert cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "4", "--device-memory", "1GiB",
                      "--precisions", "32-true", "--top", "3"]) == 0  # fmt: skip
     out = capsys.readouterr().out
@@ -253,6 +255,9 @@ def test_the_command_lists_the_layouts_after_the_memory_plan(capsys):
 
 
 def test_the_command_proposes_a_pipeline_when_no_data_parallel_candidate_fits(capsys):
+    pytest.importorskip("jsonargparse")
+    from lightning_mgpu.cli import main as cli_main
+
     assert cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "4", "--device-memory", "3MiB",
                      "--precisions", "32-true"]) == 0  # fmt: skip
     out = capsys.readouterr().out
