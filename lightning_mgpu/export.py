@@ -448,6 +448,19 @@ def export_checkpoint(
             (``checkpoint_params="trainable"``) holds no base: ``"peft"`` writes the adapter folder alone
             (``PeftModel.from_pretrained(base_model, DIR)``); anything else is refused.
         weights_only: ``torch.load``'s; ``False`` only for a checkpoint you trust.
+
+    Example (a checkpoint without a recorded Hugging Face model, as one ``torch.save`` file of its weights):
+
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> import torch
+        >>> from lightning_mgpu import export_checkpoint
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> torch.save({"state_dict": {"net.weight": torch.ones(2, 2), "net.bias": torch.zeros(2)}}, folder / "a.ckpt")
+        >>> export_checkpoint(folder / "a.ckpt", folder / "weights.pt", format="torch", prefix="net").name
+        'weights.pt'
+        >>> sorted(torch.load(folder / "weights.pt", weights_only=True))  # the names without the attribute path
+        ['bias', 'weight']
     """
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is unknown: use 'hf' (a from_pretrained folder) or 'torch' (one file).")

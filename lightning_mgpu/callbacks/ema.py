@@ -61,6 +61,28 @@ class EMA(MGPUCallback):
     one-file checkpoint, ``DTensor`` shards in a sharded directory (``MGPUShardedStrategy(checkpoint="sharded")``),
     so that resuming restores it exactly, at another world size too. ``lightning-mgpu export --ema`` writes these
     weights for Hugging Face.
+
+    Example (the same under every ``mgpu_*`` strategy, each rank averaging its own shard):
+
+        >>> import pytorch_lightning as pl
+        >>> import torch
+        >>> from lightning_mgpu import EMA
+        >>> from lightning_mgpu.examples import DigitsCNN, DigitsDataModule
+        >>> ema = EMA(decay=0.9, update_every_n_steps=2)
+        >>> [ema.should_update(step) for step in range(4)]
+        [True, False, True, False]
+        >>> model = DigitsCNN()
+        >>> trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, limit_val_batches=0, callbacks=[ema],
+        ...                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        ...                      enable_model_summary=False)
+        >>> trainer.fit(model, DigitsDataModule())
+        >>> trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+        >>> ema.swap(model)  # the average into the parameters, in place
+        >>> any(not torch.equal(p, trained[n]) for n, p in model.named_parameters())
+        True
+        >>> ema.swap(model)  # and the trained weights back
+        >>> all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
+        True
     """
 
     def __init__(
