@@ -576,7 +576,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         out = export_checkpoint(
             args.checkpoint, args.output, format=args.format, ema=args.ema, prefix=args.prefix, config=args.config,
-            adapters=args.adapters, weights_only=False if args.trust_checkpoint else True,
+            adapters=args.adapters, weights_only=not args.trust_checkpoint,
         )  # fmt: skip
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
         parser.exit(2, f"lightning-mgpu export: error: {err}\n")

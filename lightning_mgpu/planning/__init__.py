@@ -119,15 +119,8 @@ def plan(
         >>> p.recommended.strategy, p.recommended.activation_checkpointing
         ('mgpu_ddp', False)
     """
-    request = PlanRequest(
-        devices=devices,
-        device_memory=device_memory,
-        headroom=headroom,
-        precisions=precisions if precisions is not None else DEFAULT_PRECISIONS,
-        strategies=strategies if strategies is not None else STRATEGIES,
-        activation_checkpointing=activation_checkpointing,
-        bucket_cap_mb=bucket_cap_mb,
-        num_nodes=num_nodes,
+    request = _request(
+        devices, device_memory, num_nodes, headroom, precisions, strategies, activation_checkpointing, bucket_cap_mb
     )
     start = time.perf_counter()
     source, states, traces, units = _traced(model_or_config, request, batch, datamodule, activation_checkpointing)
@@ -233,15 +226,8 @@ def plan_layouts(
         'mgpu_ddp'
     """
     links = Links.of(intra_node_link, inter_node_link)
-    request = PlanRequest(
-        devices=devices,
-        device_memory=device_memory,
-        headroom=headroom,
-        precisions=precisions if precisions is not None else DEFAULT_PRECISIONS,
-        strategies=strategies if strategies is not None else STRATEGIES,
-        activation_checkpointing=activation_checkpointing,
-        bucket_cap_mb=bucket_cap_mb,
-        num_nodes=num_nodes,
+    request = _request(
+        devices, device_memory, num_nodes, headroom, precisions, strategies, activation_checkpointing, bucket_cap_mb
     )
     start = time.perf_counter()
     source, states, traces, units = _traced(model_or_config, request, batch, datamodule, activation_checkpointing)
@@ -270,3 +256,26 @@ def batch_rows(batch: Any) -> int:
     found: list[torch.Tensor] = []
     tree_map_tensors(found.append, batch)
     return int(found[0].shape[0]) if found and found[0].dim() else 1
+
+
+def _request(
+    devices: int,
+    device_memory: Union[str, int],
+    num_nodes: int,
+    headroom: float,
+    precisions: Optional[tuple[str, ...]],
+    strategies: Optional[tuple[str, ...]],
+    activation_checkpointing: Any,
+    bucket_cap_mb: float,
+) -> PlanRequest:
+    """The request :func:`plan` and :func:`plan_layouts` share, with the default precisions and strategies."""
+    return PlanRequest(
+        devices=devices,
+        device_memory=device_memory,
+        headroom=headroom,
+        precisions=precisions if precisions is not None else DEFAULT_PRECISIONS,
+        strategies=strategies if strategies is not None else STRATEGIES,
+        activation_checkpointing=activation_checkpointing,
+        bucket_cap_mb=bucket_cap_mb,
+        num_nodes=num_nodes,
+    )
