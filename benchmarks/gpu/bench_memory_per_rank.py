@@ -17,6 +17,12 @@ and reports, per rank:
 * the ZeRO paper's mixed-precision Adam figures (16P; 4P + 12P/N; 2P + 14P/N; 16P/N) for reference: the same
   16 bytes per parameter, split 2 + 2 + 12 instead of 4 + 4 + 8.
 
+``tp2_zero3`` is the tensor-parallel layout (``mgpu_tensor_parallel``): a 2-D mesh of data N/2 x tensor 2, the pack's
+auto tensor-parallel plan applied over the tensor dimension (``TensorParallelism``: here it splits each layer's MLP;
+the packed attention, the norms, the embedding and the head stay replicated), then ``fully_shard`` over the data
+dimension. Its formula: 16 bytes per split parameter over all N ranks, 16 per replicated parameter over the N/2
+data ranks of its tensor group.
+
 FSDP2's stage 2 (``reshard_after_forward=False``) keeps the full parameters from the forward to the end of the
 backward only: after the step a rank holds its shard of them, so its ``states`` are stage 3's (16P/N) and the
 difference from stage 3 is in ``peak`` (no re-gather in the backward). The ZeRO paper's stage 2 keeps the full
@@ -43,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from env import environment
 
 from lightning_mgpu.parts.sharding import local_bytes
+from lightning_mgpu.parts.tensor_parallel import TensorParallelism
 from lightning_mgpu.planning.lm import TransformerLM
 from lightning_mgpu.planning.measure import fake_process_group
 
@@ -79,12 +86,31 @@ _fake_allreduce.__annotations__ = {
 }
 
 
+def tensor_split(model: nn.Module) -> int:
+    """The parameters the auto tensor-parallel plan splits over 2 ranks (counted before it is applied)."""
+    styles = TensorParallelism(size=2).plan_for(model).styles
+    return sum(p.numel() for name in styles for p in model.get_submodule(name).parameters())
+
+
 def build(kind: str, model: nn.Module, device: str) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], int]]:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     params = list(model.parameters())
-    if kind in ("ddp", "zero1"):
+    if kind == "tp2_zero3":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(
+            device, (dist.get_world_size() // 2, 2), mesh_dim_names=("data_parallel", "tensor_parallel")
+        )
+        TensorParallelism(size=2).apply(model, mesh["tensor_parallel"])
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh["data_parallel"])
+        fully_shard(model, mesh=mesh["data_parallel"])
+        wrapped, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        local = opt
+    elif kind in ("ddp", "zero1"):
         wrapped: nn.Module = DDP(model, gradient_as_bucket_view=True, device_ids=None)
         wrapped.register_comm_hook(None, _fake_allreduce)
         opt: torch.optim.Optimizer = (
@@ -124,6 +150,7 @@ def measure(kind: str, n: int, args: argparse.Namespace, device: str) -> dict[st
         with torch.device(device):  # initialised on the device: fast
             model = TransformerLM(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers)
         p = sum(x.numel() for x in model.parameters())
+        split = tensor_split(model) if kind == "tp2_zero3" else 0
         wrapped, opt, counted = build(kind, model, device)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
         for step in range(2):
@@ -143,6 +170,16 @@ def measure(kind: str, n: int, args: argparse.Namespace, device: str) -> dict[st
                     states, peak = counted(), float("nan")
             opt.zero_grad(set_to_none=kind not in ("ddp", "zero1"))  # bucket views stay allocated in DDP
         del wrapped, opt, model
+    if kind == "tp2_zero3":  # split parameters over all n ranks, replicated ones over the n/2 data ranks
+        formula = 16 * split / n + 16 * (p - split) / (n // 2)
+        return {
+            "params": p,
+            "split_params": split,
+            "states_bytes": states,
+            "peak_bytes": peak,
+            "fp32_formula_bytes": formula,
+            "paper_mixed_formula_bytes": formula,
+        }
     return {
         "params": p,
         "states_bytes": states,
@@ -167,18 +204,19 @@ def main() -> None:
     env = environment()
     rows = []
     for n in args.worlds:
-        for kind in STRATEGIES:
+        for kind in STRATEGIES + (("tp2_zero3",) if n >= 2 and n % 2 == 0 else ()):
             rows.append({"world": n, "strategy": kind, **measure(kind, n, args, device)})
     gib = 2**30
     p = rows[0]["params"]
     print(f"model-state memory per rank, {p / 1e6:.0f}M parameters, FP32 AdamW, on {env['device']}")
     print(
-        f"{'N':>2} {'strategy':<8}{'states GiB':>11}{'fp32 formula':>13}{'ratio':>7}{'peak GiB':>10}{'paper mixed':>12}"
+        f"{'N':>2} {'strategy':<10}{'states GiB':>11}{'fp32 formula':>13}{'ratio':>7}"
+        f"{'peak GiB':>10}{'paper mixed':>12}"
     )
     for r in rows:
         ratio = r["states_bytes"] / r["fp32_formula_bytes"]
         print(
-            f"{r['world']:>2} {r['strategy']:<8}{r['states_bytes'] / gib:>11.3f}{r['fp32_formula_bytes'] / gib:>13.3f}"
+            f"{r['world']:>2} {r['strategy']:<10}{r['states_bytes'] / gib:>11.3f}{r['fp32_formula_bytes'] / gib:>13.3f}"
             f"{ratio:>7.3f}{r['peak_bytes'] / gib:>10.3f}{r['paper_mixed_formula_bytes'] / gib:>12.3f}"
         )
     if device != "cuda":

@@ -14,7 +14,7 @@ Exit status: 0 when every part started passed, else 1.
 The parts, most valuable first (estimates: docs/gpu.md):
 
 1. ``env``: device, driver and versions.
-2. ``tier``: ``tests/gpu`` (every CUDA path through ``Trainer.fit`` on NCCL; a fresh interpreter per case, eight at a
+2. ``tier``: ``tests/gpu`` (every CUDA path through ``Trainer.fit`` on NCCL; a fresh interpreter per case, twelve at a
    time with pytest-xdist), results also as JUnit XML (``gpu_tier.xml``).
 3. ``throughput``: tokens/s and MFU of ``mgpu_ddp``/``mgpu_sharded``/``mgpu_zero3`` against a plain torch loop and
    Lightning's ``ddp`` and ``FSDPStrategy`` (one round of 10 timed steps).
@@ -54,12 +54,12 @@ class Part:
 
 def parts(out: Path, xdist: bool) -> list[Part]:
     py = sys.executable
-    workers = ("-n", "8") if xdist else ()
+    workers = ("-n", "12") if xdist else ()
     return [
-        Part("env", 30, (py, "benchmarks/gpu/env.py")),
+        Part("env", 20, (py, "benchmarks/gpu/env.py")),
         Part(
             "tier",
-            210,
+            215,
             (
                 py,
                 "-m",
@@ -78,7 +78,7 @@ def parts(out: Path, xdist: bool) -> list[Part]:
         ),
         Part(
             "throughput",
-            75,
+            60,
             (
                 py,
                 "benchmarks/gpu/bench_throughput.py",
@@ -94,7 +94,7 @@ def parts(out: Path, xdist: bool) -> list[Part]:
         ),
         Part(
             "compile",
-            75,
+            70,
             (
                 py,
                 "benchmarks/bench_compile.py",
@@ -108,9 +108,9 @@ def parts(out: Path, xdist: bool) -> list[Part]:
                 str(out),
             ),
         ),
-        Part("planner", 40, (py, "benchmarks/gpu/bench_planner_vs_allocator.py", "--out", str(out))),
+        Part("planner", 45, (py, "benchmarks/gpu/bench_planner_vs_allocator.py", "--out", str(out))),
         Part("checkpoint", 30, (py, "benchmarks/gpu/bench_checkpoint_blocking.py", "--out", str(out))),
-        Part("memory", 20, (py, "benchmarks/gpu/bench_memory_per_rank.py", "--out", str(out))),
+        Part("memory", 40, (py, "benchmarks/gpu/bench_memory_per_rank.py", "--out", str(out))),
     ]
 
 

@@ -20,6 +20,7 @@ from lightning_mgpu import PRESETS
 from tests.gpu.worker import DEVICE
 
 ROOT = Path(__file__).resolve().parents[2]
+SPLIT_SIZES = ("tensor_parallel_size", "pipeline_parallel_size")
 ON_CUDA = DEVICE == "cuda"
 
 #: a test that only CUDA hardware can answer (the allocator's bytes, NVML, pinned memory, CUDA before a fork):
@@ -31,6 +32,7 @@ needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs CUDA hardware (MGPU_T
 CPU_ALSO = (
     "test_every_preset_fits_on_nccl[mgpu_ddp_spawn]",
     "test_every_preset_fits_on_nccl[mgpu_ddp_fork]",
+    "test_a_split_layout_preset_on_one_gpu_names_the_size_and_the_fix_before_launch[mgpu_tensor_parallel]",
     "test_precisions_train_on_cuda[16-master-mgpu_ddp]",
     "test_precisions_train_on_cuda[bf16-master-mgpu_zero3]",
 )
@@ -59,7 +61,11 @@ def _needs(preset_name: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name", [p.name for p in PRESETS])
+#: the presets whose layout splits the model over several ranks (tensor or pipeline): one GPU cannot hold them
+SPLIT = {p.name: p.init_params for p in PRESETS if any(p.init_params.get(k, 1) > 1 for k in SPLIT_SIZES)}
+
+
+@pytest.mark.parametrize("name", [p.name for p in PRESETS if p.name not in SPLIT])
 def test_every_preset_fits_on_nccl(name: str) -> None:
     reason = _needs(name)
     if reason:
@@ -68,6 +74,18 @@ def test_every_preset_fits_on_nccl(name: str) -> None:
     assert r["backend"] == ("nccl" if ON_CUDA else "gloo"), r
     assert r["device"].startswith(DEVICE), r
     assert r["steps"] == 4 and r["finite"] and r["moved"] > 0, r
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT))
+def test_a_split_layout_preset_on_one_gpu_names_the_size_and_the_fix_before_launch(name: str) -> None:
+    """``mgpu_tensor_parallel`` and ``mgpu_pipeline`` need 2 ranks per group: on one device the Trainer's
+    construction refuses, naming the size, the world size and both fixes, and no process is started."""
+    r = run("preset_refused", name=name)
+    key = next(k for k in SPLIT_SIZES if SPLIT[name].get(k, 1) > 1)
+    assert r["raised"] == "ValueError" and r["at"] == "Trainer", r
+    message = r["message"]
+    assert f"{key}={SPLIT[name][key]}" in message and "world size 1" in message, message
+    assert f"{key}=1" in message and f"multiple of {SPLIT[name][key]}" in message, message
 
 
 @needs_cuda

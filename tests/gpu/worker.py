@@ -117,6 +117,20 @@ def preset(name: str) -> dict[str, Any]:
 
 
 @case
+def preset_refused(name: str) -> dict[str, Any]:
+    """A preset whose layout one device cannot hold: where it is refused (``Trainer(...)`` or ``fit``) and why."""
+    try:
+        trainer = _trainer(name)
+    except Exception as err:
+        return {"at": "Trainer", "raised": type(err).__name__, "message": str(err)}
+    try:
+        trainer.fit(DigitsCNN(), DigitsDataModule())
+    except Exception as err:
+        return {"at": "fit", "raised": type(err).__name__, "message": str(err)}
+    return {"at": None, "raised": None, "message": ""}
+
+
+@case
 def fork_after_cuda(name: str) -> dict[str, Any]:
     """A fork preset when this process has already initialised CUDA: the error a notebook user sees."""
     torch.zeros(1, device=DEVICE)
