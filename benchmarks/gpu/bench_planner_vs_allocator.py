@@ -9,11 +9,12 @@ through ``Trainer(strategy=...).fit`` on one GPU (NCCL, world size 1) in this pr
 ``torch.cuda.max_memory_allocated`` over the second step (the first creates the optimizer state), less what the
 allocator held before the model was built (cuBLAS's workspaces, warmed up first: the plan does not count them).
 
-Compared: for ``mgpu_ddp`` / ``mgpu_zero1`` the prediction less its communication buffers (a single rank's
-gradients are DDP's buckets: there is no separate buffer), for the FSDP stages the whole predicted peak (the
-all-gather and reduce-scatter buffers are real allocations at world size 1 too): ``PlanRow.measurable_bytes``,
-as the CPU benchmark (``benchmarks/bench_planner.py``) compares. The GPU tier holds the ratio within 15%
-(``tests/gpu/test_gpu_features.py``). The result is saved as JSON under ``--out``.
+Compared: ``PlanRow.one_device_bytes``: for ``mgpu_ddp`` / ``mgpu_zero1`` the model states and activations plus
+the first gradient buckets, which DDP may still hold while it rebuilds its buckets at the start of the second step
+(a single rank's gradients are DDP's buckets: no bucket in flight beside them); for the FSDP stages the whole
+predicted peak (the all-gather and reduce-scatter buffers are real allocations at world size 1 too). The CPU
+benchmark (``benchmarks/bench_planner.py``) checks ``measurable_bytes``, without DDP's reducer. The GPU tier
+holds the ratio within 15% (``tests/gpu/test_gpu_features.py``). The result is saved as JSON under ``--out``.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def main() -> None:
         for strategy, precision, ac in ROWS:
             predicted = plans[precision].row(strategy, precision, ac)
             measured = measure(model_args, data, strategy, precision, ac)
-            ratio = measured / predicted.measurable_bytes if measured > 0 else None
+            ratio = measured / predicted.one_device_bytes if measured > 0 else None
             rows.append(
                 {
                     "model": "TransformerLM",
@@ -162,6 +163,7 @@ def main() -> None:
                     "activation_checkpointing": ac,
                     "predicted_peak_bytes": predicted.predicted_peak_bytes_per_rank,
                     "predicted_measurable_bytes": predicted.measurable_bytes,
+                    "predicted_one_device_bytes": predicted.one_device_bytes,
                     "measured_bytes": measured,
                     "ratio": ratio,
                 }
@@ -169,7 +171,7 @@ def main() -> None:
             shown = format_bytes(measured) if measured > 0 else "not measured (no CUDA)"
             print(
                 f"| {seq} | {strategy} | {precision} | {'yes' if ac else 'no'} | "
-                f"{format_bytes(predicted.measurable_bytes)} | {shown} | {f'{ratio:.3f}' if ratio else '-'} |"
+                f"{format_bytes(predicted.one_device_bytes)} | {shown} | {f'{ratio:.3f}' if ratio else '-'} |"
             )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,9 @@ root unit's):
 ==============  ==========================  ==================  =========  =====================================
 strategy        parameters                  gradients           optimizer  communication buffers
 ==============  ==========================  ==================  =========  =====================================
-mgpu_ddp        P                           G (bucket views)    O          one gradient bucket (bucket_cap_mb)
-mgpu_zero1      P                           G                   O / N      one gradient bucket
+mgpu_ddp        P                           G (bucket views)    O          one gradient bucket (bucket_cap_mb),
+                                                                           and G while the buckets are rebuilt
+mgpu_zero1      P                           G                   O / N      likewise
 mgpu_sharded    P / N + P (all gathered     G(t) / N            O / N      reduce-scatter of the largest unit
                 from forward to backward)                                  (U G (1 + 1/N))
 mgpu_zero3      P / N + R P (root stays     G(t) / N            O / N      max(all-gather of two units, 2 U P
@@ -19,6 +20,12 @@ mgpu_hsdp       as mgpu_zero3 with N the    G(t) / S            O / S      as mg
                 shard group S (the ranks                                   all-reduce across machines reuses the
                 of one machine)                                            reduce-scatter's output)
 ==============  ==========================  ==================  =========  =====================================
+
+DDP's reducer counts G once more: it rebuilds its buckets once, in the order the first backward produced the
+gradients, at the start of the second step, and may allocate the new buckets before the first ones are freed
+(PyTorch's reducer says so where it does it). On one H100 the CUDA allocator's peak over the second step was one G
+above the model states and activations in all five DDP rows of the planner benchmark, and in one of three runs of
+the same row it was not; from the third step on one G is held.
 
 plus ``A(t)`` in forward/backward (the sharded rows take the largest ``A(t) + G(t) / N``). The optimizer step
 is a second phase (no activations, but the step's own temporaries); the peak is the larger phase. Master-weight
@@ -80,6 +87,16 @@ class PlanRow:
         return self.predicted_peak_bytes_per_rank
 
     @property
+    def one_device_bytes(self) -> int:
+        """What the CUDA allocator can show on one device (DDP at world size 1): for mgpu_ddp / mgpu_zero1 the
+        model states and activations plus the first buckets held while DDP rebuilds them on the second step (a
+        single rank's gradients are its buckets: no bucket in flight beside them); for the FSDP stages the whole
+        peak."""
+        if self.strategy in ("mgpu_ddp", "mgpu_zero1") and self.phase == "forward/backward":
+            return self.model_states_and_activations + self.gradients_bytes
+        return self.predicted_peak_bytes_per_rank
+
+    @property
     def sort_key(self) -> tuple[int, int, int]:
         return (PRECISION_RANK[self.precision], int(self.activation_checkpointing), STRATEGY_RANK[self.strategy])
 
@@ -106,9 +123,11 @@ def candidate_row(
     units: tuple[float, float],
     request: PlanRequest,
     usable: int,
+    rebuilt_buckets: bool = True,
 ) -> PlanRow:
     """The predicted peak per rank of ``strategy`` over ``request.devices`` ranks (the table above); the layout plan
-    calls it with the piece of the model one rank of a tensor/pipeline split holds."""
+    calls it with the piece of the model one rank of a tensor/pipeline split holds. ``rebuilt_buckets``: the data
+    dimension is DDP's reducer, which rebuilds its buckets on the second step (a pipeline's replicas are not)."""
     # mgpu_hsdp: the states are sharded over the ranks of one machine only (the replicas hold the same shards)
     n = request.shard_size if strategy == "mgpu_hsdp" else request.devices
     _, _, master = PRECISION_LAYOUT[trace.precision]
@@ -124,8 +143,9 @@ def candidate_row(
         o = opt if strategy == "mgpu_ddp" else opt // n
         tmp = opt_tmp if strategy == "mgpu_ddp" else opt_tmp // n
         params = p_c + (states.optimized_bytes if master else 0) + b  # masters of the optimizers' parameters
-        # gradient_as_bucket_view (mgpu_ddp's default): every gradient lives in its bucket from the first step on
-        fb = (params, g, o, a, bucket)
+        # gradient_as_bucket_view (mgpu_ddp's default): every gradient lives in its bucket from the first step on;
+        # the second step rebuilds the buckets and may hold the first ones beside the new (the docstring above)
+        fb = (params, g, o, a, bucket + (g if rebuilt_buckets else 0))
         # the step: FP32 gradients of the masters (master modes) and the optimizer's temporaries, no activations
         step = (params, g + g_m, o + tmp, 0, 0)
     else:

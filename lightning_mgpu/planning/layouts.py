@@ -417,7 +417,7 @@ def _layout(
     piece_units = (min(1.0, largest * p), min(1.0, root * p))
     data_request = _split_request(request, strategy, d, replicas)
     # the memory plan's row for the data dimension, on the rank's piece of the model
-    row = candidate_row(strategy, piece_states, piece_trace, piece_units, data_request, usable)
+    row = candidate_row(strategy, piece_states, piece_trace, piece_units, data_request, usable, rebuilt_buckets=p == 1)
     w, g = piece_trace.parameters, piece_trace.gradients
     shard = d // replicas
     # Under a pipeline of several micro-batches, torch's pipelining keeps each FSDP unit gathered and its gradients

@@ -469,9 +469,10 @@ def planner_vs_allocator(
     seq: int = 128,
 ) -> dict[str, Any]:
     """The plan's peak per rank against ``torch.cuda.max_memory_allocated`` of the second step of a real fit on
-    CUDA (a ~117M-parameter ``TransformerLM``, AdamW): for mgpu_ddp the model states and activations (a single
-    rank holds no separate communication buffer: its gradients are DDP's buckets), for the FSDP stages the whole
-    peak. The allocator's figure is given with and without cuBLAS's workspaces, which the plan does not count."""
+    CUDA (a ~117M-parameter ``TransformerLM``, AdamW): ``PlanRow.one_device_bytes`` (for mgpu_ddp the model
+    states and activations and the first buckets DDP may hold while it rebuilds them on the second step; for the
+    FSDP stages the whole peak). The allocator's figure is given with and without cuBLAS's workspaces, which the
+    plan does not count."""
     from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
 
     data = RandomTokens(batch_size=batch, seq_len=seq, vocab=vocab, samples=4 * batch)
@@ -492,11 +493,11 @@ def planner_vs_allocator(
     measured = peak.peak - workspaces if peak.peak >= 0 else -1
     return {
         "predicted_peak_bytes": predicted.predicted_peak_bytes_per_rank,
-        "predicted_measurable_bytes": predicted.measurable_bytes,
+        "predicted_measurable_bytes": predicted.one_device_bytes,
         "measured_peak_bytes": peak.peak,
         "cublas_workspace_bytes": workspaces,
         "measured_less_workspaces": measured,
-        "ratio": measured / predicted.measurable_bytes if measured > 0 else -1.0,
+        "ratio": measured / predicted.one_device_bytes if measured > 0 else -1.0,
         "steps": trainer.global_step,
     }
 
