@@ -103,8 +103,8 @@ def _between(low: int, high: int) -> int:
             ("MGPUShardedStrategy", 2, "mgpu_sharded", False),
         ),
         (
-            lambda rows: _between(rows["mgpu_ddp", True], min(v for (_, ac), v in rows.items() if not ac)),
-            None,
+            lambda rows: _between(rows["mgpu_ddp", True], rows["mgpu_ddp", False]),
+            ("mgpu_ddp",),
             ("MGPUDDPStrategy", None, "mgpu_ddp", True),
         ),
     ],
