@@ -1,7 +1,8 @@
 """Pipeline parallelism through ``Trainer.fit`` on 4 gloo processes (pipeline 2 x data 2, and pipeline 4), float64:
 the weights equal one process with the same global batch for each schedule, with ``accumulate_grad_batches`` and
 global-norm clipping that bites; the logged training loss and the validation loss are the one-process values; a
-consolidated checkpoint written by the pipeline resumes in one process and continues as an uninterrupted run. Two
+consolidated checkpoint written by the pipeline resumes in one process and continues as an uninterrupted run, and
+one written mid-epoch moves through ZeRO-3 over the 4 ranks to one process as one uninterrupted run. Two
 models as users write them: an ``nn.Sequential`` stack and a GPT-style model whose forward iterates a
 ``ModuleList`` (embeddings and a causal mask before the blocks, a norm and a head tied to the embedding after)."""
 
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_mgpu import MGPUShardedStrategy
 from lightning_mgpu.parts.pipeline import PipelineBackend, plan_stages
+from lightning_mgpu.parts.resume import POSITION_KEY
 
 WORLD = 4
 GLOBAL_BATCH = 8
@@ -150,12 +152,17 @@ class Data(pl.LightningDataModule):
     """Training batches from the strategy's sampler arguments (every stage of a pipeline gets its replica's
     batch); validation through Lightning's automatic sampler (exact evaluation)."""
 
-    def __init__(self, data: TensorDataset, batch_size: int) -> None:
+    def __init__(self, data: TensorDataset, batch_size: int, automatic: bool = False) -> None:
         super().__init__()
-        self.data, self.batch_size = data, batch_size
+        self.data, self.batch_size, self.automatic = data, batch_size, automatic
 
     def train_dataloader(self) -> DataLoader:
         distributed = torch.distributed.is_initialized()
+        if self.automatic and distributed:  # Lightning's automatic sampler, shuffling (the pack's resumable one)
+            return DataLoader(self.data, batch_size=self.batch_size)
+        if self.automatic:  # one process: the same order (torch's shuffle with Lightning's seed 0, one replica)
+            sampler = DistributedSampler(self.data, num_replicas=1, rank=0, shuffle=True, seed=0)
+            return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
         kwargs = self.trainer.strategy.distributed_sampler_kwargs if distributed else {"num_replicas": 1, "rank": 0}
         sampler = DistributedSampler(self.data, shuffle=False, **kwargs)
         return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
@@ -194,6 +201,19 @@ class Record(pl.Callback):
             torch.save(record, self.out / "record.pt")
 
 
+class SaveAfterStep(pl.Callback):
+    """A checkpoint right after optimizer step ``step`` (where ``ModelCheckpoint(every_n_train_steps=...)`` saves:
+    a mid-epoch resume there is exact)."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step, self.saved = path, step, False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and not self.saved:  # the batch of the step
+            trainer.save_checkpoint(self.path)
+            self.saved = True
+
+
 def trainer_kwargs(out: Path, accumulate: int, **kwargs: Any) -> dict[str, Any]:
     return {
         "accelerator": "cpu",
@@ -219,14 +239,17 @@ def make_model(name: str) -> pl.LightningModule:
     return TinyGPT(blocks=8 if name == "gpt8" else 4) if name.startswith("gpt") else SequentialNet()
 
 
-def reference(name: str, accumulate: int, out: Path, ckpt: Optional[Path] = None, epochs: int = 0) -> dict[str, Any]:
-    """One process, the global batch: plain Lightning on one device."""
+def reference(
+    name: str, accumulate: int, out: Path, ckpt: Optional[Path] = None, epochs: int = 0, automatic: bool = False
+) -> dict[str, Any]:
+    """One process, the global batch: plain Lightning on one device (``automatic``: the order of Lightning's
+    automatic sampler)."""
     out.mkdir(parents=True, exist_ok=True)
     kwargs = trainer_kwargs(out, accumulate, devices=1)
     if epochs:
         kwargs["max_epochs"] = epochs
     trainer = pl.Trainer(**kwargs)
-    trainer.fit(make_model(name), Data(dataset(name), GLOBAL_BATCH), ckpt_path=ckpt)
+    trainer.fit(make_model(name), Data(dataset(name), GLOBAL_BATCH, automatic), ckpt_path=ckpt)
     return torch.load(out / "record.pt", weights_only=False)
 
 
@@ -361,6 +384,60 @@ def test_pipeline_trains_as_one_process(
         for key in uninterrupted["state"]:
             torch.testing.assert_close(resumed["state"][key], uninterrupted["state"][key], msg=key)
             torch.testing.assert_close(into_pipeline["state"][key], uninterrupted["state"][key], msg=key)
+        if pipeline == 2:  # pipeline 2 x data 2 -> data 4 (ZeRO-3) -> one process: one uninterrupted run
+            assert_layout_chain(tmp_path, model, accumulate, epochs)
+
+
+def assert_layout_chain(tmp: Path, name: str, accumulate: int, epochs: int) -> None:
+    """Pipeline 2 x data 2 -> ZeRO-3 over 4 data replicas -> one process, one uninterrupted run: the pipeline stops
+    mid-epoch (its loader's position, counted in the epoch's global order, goes into the checkpoint), ZeRO-3
+    resumes there (the optimizer state split across the 4 ranks, each taking its half of the pipeline replica's
+    samples) and stops at the end of the next epoch; one process resumes that for the last epoch: the weights are
+    those of the uninterrupted one-process run. Negative controls: the last leg without the optimizer state (its
+    momentum dropped from the checkpoint), and the middle leg without the loader's position, do not give them."""
+    want = reference(name, accumulate, tmp / "shuffled", epochs=epochs, automatic=True)
+    steps_per_epoch = SAMPLES // GLOBAL_BATCH // accumulate
+    stop = (epochs - 2) * steps_per_epoch + 1  # one optimizer step into the second-to-last epoch
+    strategy = MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_microbatches=4, start_method="fork")
+    first = tmp / "chain_pipeline" / "mid_epoch.ckpt"
+    kwargs = trainer_kwargs(tmp / "chain_pipeline", accumulate, devices=WORLD, strategy=strategy, max_steps=stop)
+    kwargs["callbacks"].append(SaveAfterStep(first, stop))
+    pl.Trainer(**{**kwargs, "max_epochs": -1}).fit(make_model(name), Data(dataset(name), GLOBAL_BATCH // 2, True))
+    position = torch.load(first, weights_only=False)[POSITION_KEY]
+    assert (position["consumed"], position["complete"]) == (accumulate * GLOBAL_BATCH, False)
+
+    def zero3(out: Path, ckpt: Path) -> Path:
+        strategy = MGPUShardedStrategy(stage=3, start_method="fork")
+        kwargs = trainer_kwargs(out, accumulate, devices=WORLD, strategy=strategy, max_epochs=epochs - 1)
+        pl.Trainer(**kwargs).fit(make_model(name), Data(dataset(name), GLOBAL_BATCH // WORLD, True), ckpt_path=ckpt)
+        return out / "last.ckpt"
+
+    middle = zero3(tmp / "zero3", first)
+    saved = torch.load(middle, weights_only=False)
+    assert (saved["epoch"], saved["global_step"]) == (epochs - 1, (epochs - 1) * steps_per_epoch)
+    assert saved["optimizer_states"][0]["state"], "the momentum travels through the data-parallel layout"
+    final = reference(name, accumulate, tmp / "final", ckpt=middle, epochs=epochs, automatic=True)
+    assert_same_weights(final, want)
+    for state in saved["optimizer_states"]:
+        state["state"] = {}
+    torch.save(saved, tmp / "no_momentum.ckpt")
+    control = reference(
+        name, accumulate, tmp / "no_momentum", ckpt=tmp / "no_momentum.ckpt", epochs=epochs, automatic=True
+    )
+    with pytest.raises(AssertionError):
+        assert_same_weights(control, want)
+    unplaced = torch.load(first, weights_only=False)  # Lightning's replay: the epoch's first batches again
+    del unplaced[POSITION_KEY]
+    torch.save(unplaced, tmp / "no_position.ckpt")
+    replayed_middle = zero3(tmp / "no_position", tmp / "no_position.ckpt")
+    replayed = reference(name, accumulate, tmp / "replayed", ckpt=replayed_middle, epochs=epochs, automatic=True)
+    with pytest.raises(AssertionError):
+        assert_same_weights(replayed, want)
+
+
+def assert_same_weights(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for key in want["state"]:
+        torch.testing.assert_close(got["state"][key], want["state"][key], msg=key)
 
 
 @pytest.mark.slow
