@@ -18,15 +18,20 @@ import torch.multiprocessing as mp
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_mgpu import MGPUShardedStrategy
 from lightning_mgpu.parts.tensor_parallel import is_tensor_parallel
 from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
+    SEQ,
+    VOCAB,
     Block,
     HFModule,
     Llama3,
+    TinyLlama,
     TPModule,
+    global_batches,
     indexed_data,
     lm_loss,
     reference,
@@ -52,6 +57,24 @@ class Report(Callback):
 
     def __init__(self, out: Path, save: Optional[Path] = None) -> None:
         self.out, self.save = Path(out), save
+        self.layouts: dict[str, set[tuple[str, int]]] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        # what each norm takes in and what the head hands out on this rank: (placement, local length of the dim)
+        model = pl_module.model
+        if not isinstance(model, TinyLlama):
+            return
+        norms = {
+            f"layers.{i}.{n}": getattr(b, n) for i, b in enumerate(model.layers) for n in ("attention_norm", "ffn_norm")
+        }
+        for name, norm in {**norms, "norm": model.norm}.items():
+            norm.register_forward_pre_hook(lambda m, args, name=name: self._seen(name, args[0], 1))
+        model.output.register_forward_hook(lambda m, args, out: self._seen("output", out, -1))
+
+    def _seen(self, name: str, x: Any, dim: int) -> None:
+        placement = str(x.placements[0]) if hasattr(x, "placements") else "local"
+        local = x.to_local() if hasattr(x, "to_local") else x
+        self.layouts.setdefault(name, set()).add((placement, local.shape[dim]))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         record = {
@@ -59,6 +82,7 @@ class Report(Callback):
             "seen": list(pl_module.seen),
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
+            "layouts": self.layouts,
         }
         torch.save(record, self.out / f"report{trainer.global_rank}.pt")
         if self.save is not None:
@@ -110,6 +134,9 @@ def test_tensor2_data2_equals_one_process_evaluates_each_sample_once_and_resumes
     expected, _ = reference(TPModule(), token_data(), data_ranks=[2])
     _assert_weights(first, expected)
     assert all(r["split"] for r in first)
+    # the auto plan alone: the norms see the whole sequence, the head hands out whole logits
+    assert all(set(r["layouts"]["norm"]) == {("local", SEQ)} for r in first)
+    assert all(set(r["layouts"]["output"]) == {("local", VOCAB)} for r in first)
     # negative control: had the tensor-parallel ranks taken different batches (4 data ranks), the weights differ
     assert _differs(first, reference(TPModule(), token_data(), data_ranks=[4])[0])
     # the data is split over the 2 data ranks; both ranks of a tensor-parallel group see the same batches
@@ -174,6 +201,56 @@ def test_accumulation_clipping_token_loss_and_a_plan_of_your_own_on_the_hybrid_m
                    ckpt_path=str(tmp_path / "sharded.ckpt"), **train)  # fmt: skip
     both, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2, 4], accumulate=3, clip=clip)
     _assert_weights(resumed, both)
+
+
+def test_sequence_parallel_norms_and_the_loss_over_the_sharded_vocabulary_equal_one_process(tmp_path: Path):
+    # tensor 2 x data 2, "auto+sequence": the norms on sequence shards, the head split by vocabulary and the user's
+    # unchanged F.cross_entropy computing the loss over the vocabulary shards; k = 3 with clipping that bites
+    strategy = MGPUShardedStrategy(
+        stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", start_method="fork"
+    )  # fmt: skip
+    clip = 0.1
+    train = {"accumulate_grad_batches": 3, "gradient_clip_val": clip}
+    records = _fit(tmp_path, WORLD, strategy, epochs=1, **train)
+    expected, norms = reference(TPModule(), token_data(), data_ranks=[2], accumulate=3, clip=clip)
+    assert records[0]["global_step"] == 2 and min(norms) > 2 * clip  # every step is clipped
+    _assert_weights(records, expected)
+    assert all(r["split"] for r in records)
+    # every norm took its rank's half of the sequence, and the head handed out its half of the vocabulary
+    for r in records:
+        assert set(r["layouts"]) == {"layers.0.attention_norm", "layers.0.ffn_norm", "layers.1.attention_norm",
+                                     "layers.1.ffn_norm", "norm", "output"}  # fmt: skip
+        assert all(v == {("S(1)", SEQ // 2)} for k, v in r["layouts"].items() if k != "output")  # Shard(1)
+        assert r["layouts"]["output"] == {("S(2)", VOCAB // 2)}
+    # exact evaluation through the same sharded loss
+    model = TPModule().model
+    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
+    with torch.no_grad():
+        one_process = float(lm_loss(model, indexed_data().tensors[0]))
+    assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in records)
+    # negative control: without the clipping the weights differ
+    assert _differs(records, reference(TPModule(), token_data(), data_ranks=[2], accumulate=3)[0])
+
+    # k = 1 with activation checkpointing of every block, the loss logged from the step (synced over the ranks)
+    strategy = MGPUShardedStrategy(
+        stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", activation_checkpointing=Block,
+        start_method="fork",
+    )  # fmt: skip
+    records = _fit(tmp_path / "k1", WORLD, strategy, epochs=1, module=LoggedLoss(), limit_val_batches=0)
+    _assert_weights(records, reference(TPModule(), token_data(), data_ranks=[2])[0])
+    before_last, _ = reference(TPModule(), token_data(), data_ranks=[2], limit=5)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in before_last.items()})
+    with torch.no_grad():
+        last = float(lm_loss(model, global_batches(token_data(), 2, 2, epoch=0)[5]))
+    assert all(r["metrics"]["train_loss"] == pytest.approx(last, rel=1e-12) for r in records)
+
+
+class LoggedLoss(TPModule):
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
 
 
 @pytest.mark.parametrize(("kind", "stage"), [("llama", 3), ("bert", 2), ("gpt2", 3)])
