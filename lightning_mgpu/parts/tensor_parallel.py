@@ -33,7 +33,9 @@ split by vocabulary row and hands out its sequence shard, each norm runs on its 
 attention and the MLP gather the sequence at their input (``PrepareModuleInput``) and their row-wise projection
 reduce-scatters it back (``output_layouts=Shard(1)``); the head is split by vocabulary column and its logits stay a
 ``DTensor`` sharded on the vocabulary, so the loss is computed over the sharded vocabulary (the strategy runs each
-step and backward under torch's ``loss_parallel``). A model of another shape is refused with what did not match.
+step and backward under torch's ``loss_parallel``). A Hugging Face Llama is recognised too: its base model computes
+the positions and the causal mask from the embedding's output, so that stays whole and the first decoder layer cuts
+the sequence. A model of another shape is refused with what did not match.
 
 Example::
 
@@ -376,6 +378,26 @@ def _llama_root(module: nn.Module) -> Optional[tuple[str, str, str, str, str]]:
     return None
 
 
+def _hf_llama_root(module: nn.Module) -> Optional[tuple[str, str, str, str, str]]:
+    """The same names for a Hugging Face Llama (``config.model_type == "llama"``): its base model holds the
+    embedding, the decoder layers and the norm (and the rotary table, used before the sequence is cut), the causal LM
+    the head."""
+    for name, outer in module.named_modules():
+        config = getattr(outer, "config", None)
+        prefix = getattr(outer, "base_model_prefix", None)
+        if getattr(config, "model_type", None) != "llama" or not isinstance(prefix, str):
+            continue
+        children = _children_with_params(outer)
+        head = getattr(outer, "lm_head", None)
+        base = children.get(prefix)
+        if base is None or not isinstance(head, nn.Linear) or set(children) != {prefix, "lm_head"}:
+            continue
+        inner = _children_with_params(base)
+        if set(inner) == {"embed_tokens", "layers", "norm"} and isinstance(inner["embed_tokens"], nn.Embedding):
+            return name, f"{prefix}.embed_tokens", f"{prefix}.layers", f"{prefix}.norm", "lm_head"
+    return None
+
+
 def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> TensorParallelPlan:
     """The auto plan with sequence parallelism between the blocks and the head split by vocabulary (torchtitan's
     Llama plan), or a ``ValueError`` naming what does not match."""
@@ -388,7 +410,8 @@ def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> Te
     )
 
     fix = "tensor_parallel_plan='auto' (no sequence parallelism), or a plan of your own / configure_model"
-    found = _llama_root(module)
+    hugging_face = _hf_llama_root(module)
+    found = hugging_face or _llama_root(module)
     if found is None:
         raise ValueError(
             f"tensor_parallel_plan='auto+sequence' needs a Llama-style model: one module whose only children with "
@@ -398,7 +421,7 @@ def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> Te
     root = module.get_submodule(found[0]) if found[0] else module
     embedding, blocks, norm, head = (f"{found[0]}.{n}" if found[0] else n for n in found[1:])
     tables = [n for n, c in root.named_children() if not any(True for _ in c.parameters()) and any(c.buffers())]
-    if any(True for _ in root.buffers(recurse=False)) or tables:
+    if hugging_face is None and (any(True for _ in root.buffers(recurse=False)) or tables):
         raise ValueError(
             f"tensor_parallel_plan='auto+sequence': {found[0] or type(module).__name__} holds buffers "
             f"({tables or 'its own'}; a position table, for instance) that its forward could apply to the sequence "
@@ -417,6 +440,10 @@ def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> Te
             f"tensor_parallel_size={size}. Pad the vocabulary to a multiple of {size}, or use {fix}."
         )
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    # Hugging Face's decoder layer passes the hidden states to its attention as a keyword
+    sharded: dict[str, Any] = {"hidden_states": Shard(1)}
+    whole: dict[str, Any] = {"hidden_states": Replicate()}
+    gather_keyword = PrepareModuleInput(input_kwarg_layouts=sharded, desired_input_kwarg_layouts=whole)
     for index, block in module.get_submodule(blocks).named_children():
         prefix = f"{blocks}.{index}"
         children = _children_with_params(block)
@@ -430,13 +457,19 @@ def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> Te
                 f"MLP module the auto plan splits whole; it holds {sorted(children)}, of which the plan splits "
                 f"{sorted(split)}{' (' + '; '.join(plan.skipped) + ')' if plan.skipped else ''}. Use {fix}."
             )
-        for name in split:
-            styles[f"{prefix}.{name}"] = gather  # the sequence gathered at the block's input
+        for name in split:  # the sequence gathered at the attention's and the MLP's input
+            styles[f"{prefix}.{name}"] = gather_keyword if hugging_face and name == "self_attn" else gather
         for name in norms:
             styles[f"{prefix}.{name}"] = SequenceParallel()
         for name in rows:
             styles[name] = RowwiseParallel(output_layouts=Shard(1))  # reduce-scattered along the sequence
-    styles[embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if hugging_face is None:
+        styles[embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    else:  # the positions and the causal mask are computed from the whole embedding; the first layer cuts it
+        styles[embedding] = RowwiseParallel(input_layouts=Replicate())
+        first = f"{blocks}.{next(iter(dict(module.get_submodule(blocks).named_children())))}"
+        cut = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+        styles[first] = cut
     styles[norm] = SequenceParallel()
     styles[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     source = "auto plan with sequence parallelism"

@@ -29,7 +29,6 @@ from tests.tensor_parallel_models import (
     Block,
     HFModule,
     Llama3,
-    TinyLlama,
     TPModule,
     global_batches,
     indexed_data,
@@ -61,15 +60,11 @@ class Report(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         # what each norm takes in and what the head hands out on this rank: (placement, local length of the dim)
-        model = pl_module.model
-        if not isinstance(model, TinyLlama):
-            return
-        norms = {
-            f"layers.{i}.{n}": getattr(b, n) for i, b in enumerate(model.layers) for n in ("attention_norm", "ffn_norm")
-        }
-        for name, norm in {**norms, "norm": model.norm}.items():
-            norm.register_forward_pre_hook(lambda m, args, name=name: self._seen(name, args[0], 1))
-        model.output.register_forward_hook(lambda m, args, out: self._seen("output", out, -1))
+        for name, module in pl_module.model.named_modules():
+            if name.endswith("norm") and not name.endswith("embeddings.LayerNorm"):
+                module.register_forward_pre_hook(lambda m, args, name=name: self._seen(name, args[0], 1))
+            if name in ("output", "lm_head"):
+                module.register_forward_hook(lambda m, args, out, name=name: self._seen(name, out, -1))
 
     def _seen(self, name: str, x: Any, dim: int) -> None:
         placement = str(x.placements[0]) if hasattr(x, "placements") else "local"
@@ -251,6 +246,34 @@ class LoggedLoss(TPModule):
         loss = super().training_step(batch, batch_idx)
         self.log("train_loss", loss, sync_dist=True)
         return loss
+
+
+class LlamaOnEvenSequences(HFModule):
+    """Hugging Face's Llama on the first ``SEQ`` tokens of each sample (a length the tensor size divides)."""
+
+    def __init__(self) -> None:
+        super().__init__("llama")
+
+    @staticmethod
+    def compute(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=tokens[:, :SEQ], labels=tokens[:, :SEQ]).loss
+
+
+def test_sequence_parallel_hugging_face_llama_equals_one_process(tmp_path: Path):
+    pytest.importorskip("transformers")
+    strategy = MGPUShardedStrategy(
+        stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", start_method="fork"
+    )  # fmt: skip
+    records = _fit(tmp_path, WORLD, strategy, epochs=1, module=LlamaOnEvenSequences(), limit_train_batches=4,
+                   limit_val_batches=0)  # fmt: skip
+    expected, _ = reference(LlamaOnEvenSequences(), token_data(), data_ranks=[2], limit=4)
+    _assert_weights(records, expected)
+    # negative control: one micro-batch fewer, and the weights differ
+    assert _differs(records, reference(LlamaOnEvenSequences(), token_data(), data_ranks=[2], limit=3)[0])
+    for r in records:
+        norms = {k: v for k, v in r["layouts"].items() if k != "lm_head"}
+        assert len(norms) == 5 and all(v == {("S(1)", SEQ // 2)} for v in norms.values())  # 2 x 2 layers + final
+        assert r["layouts"]["lm_head"] == {("S(2)", VOCAB // 2)}
 
 
 @pytest.mark.parametrize(("kind", "stage"), [("llama", 3), ("bert", 2), ("gpt2", 3)])

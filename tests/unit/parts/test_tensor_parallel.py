@@ -163,3 +163,23 @@ def test_a_sequence_the_tensor_size_does_not_divide_is_refused_at_the_embedding(
     assert embedding(torch.zeros(3, 6, dtype=torch.long)).shape == (3, 6, 8)
     with pytest.raises(ValueError, match=r"sequence length is 7. Pad or crop the sequences to a multiple of 2"):
         embedding(torch.zeros(3, 7, dtype=torch.long))
+
+
+def test_auto_sequence_cuts_a_hugging_face_llama_after_its_positions_are_computed():
+    from torch.distributed.tensor import Replicate, Shard
+
+    t = _transformers()
+    config = t.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    plan = TensorParallelism(size=2, plan="auto+sequence").plan_for(t.LlamaForCausalLM(config))
+    assert plan.vocab_parallel and plan.sequence_entry == "model.embed_tokens" and plan.replicated == []
+    assert plan.styles["model.embed_tokens"].output_layouts == (Replicate(),)  # whole: positions and mask need it
+    cut = plan.styles["model.layers.0"]
+    assert cut.input_layouts == (Replicate(),) and cut.desired_input_layouts == (Shard(1),) and cut.use_local_output
+    attention = plan.styles["model.layers.1.self_attn"]  # called with hidden_states= as a keyword
+    assert attention.input_kwarg_layouts == {"hidden_states": Shard(1)}
+    assert plan.styles["model.layers.1.mlp"].input_layouts == (Shard(1),)
+    assert _kinds(plan)["model.layers.1.post_attention_layernorm"] == "SequenceParallel"
+    assert plan.styles["lm_head"].output_layouts == (Shard(-1),)
