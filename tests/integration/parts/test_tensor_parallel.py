@@ -29,6 +29,7 @@ from tests.tensor_parallel_models import (
     Block,
     HFModule,
     Llama3,
+    TinyLlama,
     TPModule,
     global_batches,
     indexed_data,
@@ -350,3 +351,35 @@ def test_the_lightning_namespace_trains_a_tensor_parallel_model():
         callbacks=[Check()], limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(DigitsTransformer(d_model=32, heads=4, layers=2), DigitsDataModule())
+
+    # "auto+sequence": the logits the step sees are sharded on the vocabulary, its F.cross_entropy runs unchanged
+    class LanguageModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.logits = TinyLlama().double(), ""
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            logits = self.model(batch[0][:, :-1])
+            self.logits = str(getattr(logits, "placements", "whole"))
+            return lm_loss_of(logits, batch[0])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(token_data(), batch_size=2)
+
+    class Sharded(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            assert pl_module.logits == "(Shard(dim=2),)" and trainer.global_step == 2
+
+    strategy = Strategy(stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", start_method="fork")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Sharded()],
+    )  # fmt: skip
+    trainer.fit(LanguageModel())
+
+
+def lm_loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
