@@ -47,6 +47,7 @@ Example::
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -71,6 +72,11 @@ _HEAD_COUNTS = (
     "n_local_heads",
     "n_local_kv_heads",
 )
+
+
+#: modules this process laid out with ``"auto+sequence"`` (their logits are sharded on the vocabulary): a later
+#: ``fit`` of the same module finds it tensor-parallel already and must still compute the loss over the shards
+_VOCAB_PARALLEL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 @dataclass
@@ -553,11 +559,13 @@ class TensorParallelism:
         self.size = size
         self.plan_setting = plan
         self.applied: Optional[TensorParallelPlan] = None
+        self._laid_out_before = False
 
     @property
     def vocab_parallel(self) -> bool:
-        """Whether the applied plan leaves the logits sharded on the vocabulary (``"auto+sequence"``)."""
-        return self.applied is not None and self.applied.vocab_parallel
+        """Whether the plan applied (by this part, or by an earlier ``fit`` of the same module in this process)
+        leaves the logits sharded on the vocabulary (``"auto+sequence"``)."""
+        return self._laid_out_before or (self.applied is not None and self.applied.vocab_parallel)
 
     @contextmanager
     def step_context(self) -> Generator[None, None, None]:
@@ -605,6 +613,7 @@ class TensorParallelism:
         if self.size <= 1:
             return None
         if is_tensor_parallel(module):
+            self._laid_out_before = module in _VOCAB_PARALLEL
             rank_zero_info(f"tensor parallelism over {self.size} ranks: applied by {type(module).__name__} itself")
             return None
         from torch.distributed.fsdp import FSDPModule
@@ -627,6 +636,7 @@ class TensorParallelism:
             parallelize_module(module, mesh, plan.styles)
         if plan.sequence_entry:
             guard_sequence_length(module.get_submodule(plan.sequence_entry), self.size)
+            _VOCAB_PARALLEL.add(module)
         rank_zero_info(plan.summary(self.size))
         self.applied = plan
         return plan

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_mgpu import MGPUShardedStrategy
-from lightning_mgpu.parts.tensor_parallel import is_tensor_parallel
+from lightning_mgpu.parts.tensor_parallel import TensorParallelism, is_tensor_parallel
 from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
     SEQ,
@@ -239,6 +239,33 @@ def test_sequence_parallel_norms_and_the_loss_over_the_sharded_vocabulary_equal_
     with torch.no_grad():
         last = float(lm_loss(model, global_batches(token_data(), 2, 2, epoch=0)[5]))
     assert all(r["metrics"]["train_loss"] == pytest.approx(last, rel=1e-12) for r in records)
+
+
+def _lay_out_twice(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        model = TinyLlama().double()
+        first, second = TensorParallelism(2, "auto+sequence"), TensorParallelism(2, "auto+sequence")
+        first.apply(model, mesh)
+        again = second.apply(model, mesh)  # a second fit of the same module in this process
+        tokens = token_data().tensors[0][:2]
+        with second.step_context():
+            loss = second.local_output(lm_loss(model, tokens))
+            loss.backward()
+        result = (first.vocab_parallel, again, second.vocab_parallel, type(loss).__name__)
+        torch.save(result, Path(out) / f"twice{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_module_laid_out_by_an_earlier_fit_keeps_its_loss_over_the_sharded_vocabulary(tmp_path: Path):
+    mp.start_processes(_lay_out_twice, nprocs=2, start_method="fork", args=(find_free_network_port(), str(tmp_path)))
+    for r in range(2):
+        assert torch.load(tmp_path / f"twice{r}.pt") == (True, None, True, "Tensor")
 
 
 class LoggedLoss(TPModule):
