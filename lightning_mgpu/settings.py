@@ -151,9 +151,9 @@ MicroBatchSetting = Union[int, Literal["auto"]]
 CompileSetting = Union[bool, dict[str, Any]]
 CheckpointParams = Literal["all", "trainable", "auto"]
 CHECKPOINT_PARAMS = ("all", "trainable", "auto")
-#: ``"auto"``, or module-name patterns (``"layers.*.attention.wq"``) -> a ``ParallelStyle`` of
+#: ``"auto"``, ``"auto+sequence"``, or module-name patterns (``"layers.*.attention.wq"``) -> a ``ParallelStyle`` of
 #: ``torch.distributed.tensor.parallel`` or its name (``"colwise"``, ``"rowwise"``, ``"sequence_parallel"``)
-TensorParallelPlanSetting = Union[Literal["auto"], dict[str, Any]]
+TensorParallelPlanSetting = Union[Literal["auto", "auto+sequence"], dict[str, Any]]
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 PipelineSplit = Union[Sequence[str], Literal["auto"]]
 
@@ -700,9 +700,11 @@ class ShardedSettings:
     1: no tensor parallelism."""
     tensor_parallel_plan: TensorParallelPlanSetting = "auto"
     """With ``tensor_parallel_size`` > 1: ``"auto"`` derives the plan for the attention and MLP blocks (the
-    model's own ``base_model_tp_plan`` where a Hugging Face model ships one), or a dict of module-name patterns
-    (``*`` for any one name) to ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` or a ``ParallelStyle``. A
-    ``configure_model`` that applies tensor parallelism itself overrides either."""
+    model's own ``base_model_tp_plan`` where a Hugging Face model ships one); ``"auto+sequence"`` adds, for a
+    Llama-style model, sequence parallelism of the norms and the head split by vocabulary with the loss computed over
+    the sharded vocabulary (the logits a step sees are a ``DTensor``; see the tensor-parallel guide); or a dict of
+    module-name patterns (``*`` for any one name) to ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` or a
+    ``ParallelStyle``. A ``configure_model`` that applies tensor parallelism itself overrides any of them."""
     pipeline_parallel_size: int = 1
     """Pipeline stages: the model's blocks are split into consecutive stages, each trained on its own ranks, the
     batch flowing through them in micro-batches (see the pipeline guide). Must divide the world size; the ranks
@@ -779,10 +781,18 @@ class ShardedSettings:
             )
         if plan == "auto":
             return
+        if plan == "auto+sequence":
+            if self.pipeline_parallel_size != 1:
+                raise ValueError(
+                    f"tensor_parallel_plan='auto+sequence' is not supported with pipeline_parallel_size="
+                    f"{self.pipeline_parallel_size} (a stage holds only some of the blocks). Use "
+                    f"tensor_parallel_plan='auto', or pipeline_parallel_size=1."
+                )
+            return
         if not isinstance(plan, Mapping) or not all(isinstance(k, str) for k in plan):
             raise ValueError(
-                f"tensor_parallel_plan={plan!r} must be 'auto' or a dict of module-name patterns to styles, e.g. "
-                f"{{'layers.*.attention.wq': 'colwise', 'layers.*.attention.wo': 'rowwise'}}."
+                f"tensor_parallel_plan={plan!r} must be 'auto', 'auto+sequence' or a dict of module-name patterns to "
+                f"styles, e.g. {{'layers.*.attention.wq': 'colwise', 'layers.*.attention.wo': 'rowwise'}}."
             )
         from torch.distributed.tensor.parallel import ParallelStyle
 

@@ -24,9 +24,18 @@ again over the data dimension.
 
 Anything not matched (embeddings, norms, the output head, the packed query/key/value projection of
 ``nn.MultiheadAttention`` and of GPT-2's ``c_attn``) stays replicated and is listed in one line at start-up.
-Sequence parallelism of the norms changes the layout of the residual stream between blocks, which only a plan that
-knows the model's forward can do safely: it is available through a plan of your own (``"sequence_parallel"``
-entries with the ``PrepareModuleInput`` styles around them) or your ``configure_model``, not derived.
+
+``tensor_parallel_plan="auto+sequence"`` adds sequence parallelism to that plan for a Llama-style model (torchtitan's
+plan): one module whose only children with parameters are an ``nn.Embedding``, a list of blocks, a norm and an
+``nn.Linear`` head as wide as the vocabulary, each block holding only norms and an attention and an MLP module the
+auto plan splits whole. Between the blocks the residual stream is cut along the sequence (dim 1): the embedding is
+split by vocabulary row and hands out its sequence shard, each norm runs on its shard (``SequenceParallel``), the
+attention and the MLP gather the sequence at their input (``PrepareModuleInput``) and their row-wise projection
+reduce-scatters it back (``output_layouts=Shard(1)``); the head is split by vocabulary column and its logits stay a
+``DTensor`` sharded on the vocabulary, so the loss is computed over the sharded vocabulary (the strategy runs each
+step and backward under torch's ``loss_parallel``). A Hugging Face Llama is recognised too: its base model computes
+the positions and the causal mask from the embedding's output, so that stays whole and the first decoder layer cuts
+the sequence. A model of another shape is refused with what did not match.
 
 Example::
 
@@ -38,9 +47,11 @@ Example::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -63,6 +74,11 @@ _HEAD_COUNTS = (
 )
 
 
+#: modules this process laid out with ``"auto+sequence"`` (their logits are sharded on the vocabulary): a later
+#: ``fit`` of the same module finds it tensor-parallel already and must still compute the loss over the shards
+_VOCAB_PARALLEL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 @dataclass
 class TensorParallelPlan:
     """A plan resolved against one model: module names (no patterns) to styles, the head counts to make local,
@@ -78,6 +94,10 @@ class TensorParallelPlan:
     """Modules holding parameters that no style splits."""
     skipped: list[str] = field(default_factory=list)
     """Blocks recognised but left replicated, each with the reason."""
+    vocab_parallel: bool = False
+    """Whether the head's logits are a ``DTensor`` sharded on the vocabulary (``"auto+sequence"``)."""
+    sequence_entry: str = ""
+    """``"auto+sequence"``: the embedding where the sequence is cut (its input length is checked there)."""
 
     def summary(self, tensor_size: int) -> str:
         """The one start-up line: what is split, how, and what stays replicated."""
@@ -93,6 +113,7 @@ class TensorParallelPlan:
 
 def _style_name(style: Any) -> str:
     names = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "SequenceParallel": "sequence_parallel"}
+    names["PrepareModuleInput"] = "input gathered"
     if type(style).__name__ == "Conv1DParallel":
         return "colwise" if "Colwise" in repr(style) else "rowwise"
     return names.get(type(style).__name__, type(style).__name__)
@@ -287,8 +308,11 @@ def _pairs(block: nn.Module) -> list[tuple[str, list[str], str]]:
     return found
 
 
-def derive_plan(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
-    """The auto plan for ``module`` at ``tensor_size`` ranks (see the module's documentation)."""
+def derive_plan(module: nn.Module, tensor_size: int, sequence: bool = False) -> TensorParallelPlan:
+    """The auto plan for ``module`` at ``tensor_size`` ranks; ``sequence``: with sequence parallelism and the head
+    split by vocabulary (``"auto+sequence"``; see the module's documentation)."""
+    if sequence:
+        return _with_sequence(module, _derive_blocks(module, tensor_size), tensor_size)
     hf = _hf_plan(module)
     if hf is not None:
         prefix, patterns = hf
@@ -298,6 +322,11 @@ def derive_plan(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
             f"{prefix}.{k} ({v!r}: a style this plan does not apply)" for k, v in patterns.items() if k not in supported
         ]
         return _checked(module, plan, tensor_size, attention_roots=_hf_attention_roots(module, plan))
+    return _derive_blocks(module, tensor_size)
+
+
+def _derive_blocks(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
+    """The attention and MLP blocks recognised by the names of their layers."""
     styles: dict[str, Any] = {}
     heads: list[tuple[str, str, int]] = []
     skipped: list[str] = []
@@ -323,6 +352,152 @@ def derive_plan(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
     plan = TensorParallelPlan(styles, "auto plan", heads=heads, replicated=_replicated(module, styles))
     plan.skipped = skipped
     return plan
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A norm: no children, and only 1-D parameters (a weight, perhaps a bias) - ``nn.LayerNorm``, ``nn.RMSNorm``
+    or one of the model's own, which ``SequenceParallel`` runs on each rank's sequence shard."""
+    params = list(module.parameters())
+    return not any(True for _ in module.children()) and bool(params) and all(p.dim() == 1 for p in params)
+
+
+def _children_with_params(module: nn.Module) -> dict[str, nn.Module]:
+    return {n: c for n, c in module.named_children() if any(True for _ in c.parameters())}
+
+
+def _llama_root(module: nn.Module) -> Optional[tuple[str, str, str, str, str]]:
+    """``(root, embedding, blocks, norm, head)`` names of the first module shaped as a Llama-style model: its only
+    children with parameters an ``nn.Embedding``, a list of blocks, a norm and an ``nn.Linear`` as wide as the
+    vocabulary, with no parameters of its own."""
+    for name, root in module.named_modules():
+        children = _children_with_params(root)
+        if len(children) != 4 or any(True for _ in root.parameters(recurse=False)):
+            continue
+        embeddings = [n for n, c in children.items() if isinstance(c, nn.Embedding)]
+        blocks = [n for n, c in children.items() if isinstance(c, (nn.ModuleList, nn.ModuleDict, nn.Sequential))]
+        norms = [n for n, c in children.items() if _is_norm(c)]
+        heads = [n for n, c in children.items() if isinstance(c, nn.Linear)]
+        if len(embeddings) == len(blocks) == len(norms) == len(heads) == 1:
+            head = children[heads[0]]
+            if isinstance(head, nn.Linear) and head.out_features == children[embeddings[0]].num_embeddings:
+                return name, embeddings[0], blocks[0], norms[0], heads[0]
+    return None
+
+
+def _hf_llama_root(module: nn.Module) -> Optional[tuple[str, str, str, str, str]]:
+    """The same names for a Hugging Face Llama (``config.model_type == "llama"``): its base model holds the
+    embedding, the decoder layers and the norm (and the rotary table, used before the sequence is cut), the causal LM
+    the head."""
+    for name, outer in module.named_modules():
+        config = getattr(outer, "config", None)
+        prefix = getattr(outer, "base_model_prefix", None)
+        if getattr(config, "model_type", None) != "llama" or not isinstance(prefix, str):
+            continue
+        children = _children_with_params(outer)
+        head = getattr(outer, "lm_head", None)
+        base = children.get(prefix)
+        if base is None or not isinstance(head, nn.Linear) or set(children) != {prefix, "lm_head"}:
+            continue
+        inner = _children_with_params(base)
+        if set(inner) == {"embed_tokens", "layers", "norm"} and isinstance(inner["embed_tokens"], nn.Embedding):
+            return name, f"{prefix}.embed_tokens", f"{prefix}.layers", f"{prefix}.norm", "lm_head"
+    return None
+
+
+def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> TensorParallelPlan:
+    """The auto plan with sequence parallelism between the blocks and the head split by vocabulary (torchtitan's
+    Llama plan), or a ``ValueError`` naming what does not match."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    fix = "tensor_parallel_plan='auto' (no sequence parallelism), or a plan of your own / configure_model"
+    hugging_face = _hf_llama_root(module)
+    found = hugging_face or _llama_root(module)
+    if found is None:
+        raise ValueError(
+            f"tensor_parallel_plan='auto+sequence' needs a Llama-style model: one module whose only children with "
+            f"parameters are an nn.Embedding, a list of blocks, a norm and an nn.Linear head as wide as the "
+            f"vocabulary; {type(module).__name__} has none. Use {fix}."
+        )
+    root = module.get_submodule(found[0]) if found[0] else module
+    embedding, blocks, norm, head = (f"{found[0]}.{n}" if found[0] else n for n in found[1:])
+    tables = [n for n, c in root.named_children() if not any(True for _ in c.parameters()) and any(c.buffers())]
+    if hugging_face is None and (any(True for _ in root.buffers(recurse=False)) or tables):
+        raise ValueError(
+            f"tensor_parallel_plan='auto+sequence': {found[0] or type(module).__name__} holds buffers "
+            f"({tables or 'its own'}; a position table, for instance) that its forward could apply to the sequence "
+            f"between the blocks, where each rank holds only its shard of the sequence. Use {fix}."
+        )
+    if module.get_submodule(head).weight is module.get_submodule(embedding).weight:
+        raise ValueError(
+            f"tensor_parallel_plan='auto+sequence': {head} shares its weight with {embedding} (tied), which would be "
+            f"split twice. Untie them, or use {fix}."
+        )
+    styles = dict(plan.styles)
+    vocab = int(cast(nn.Linear, module.get_submodule(head)).out_features)
+    if vocab % size:
+        raise ValueError(
+            f"tensor_parallel_plan='auto+sequence': the vocabulary {vocab} ({head}) is not divisible by "
+            f"tensor_parallel_size={size}. Pad the vocabulary to a multiple of {size}, or use {fix}."
+        )
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    # Hugging Face's decoder layer passes the hidden states to its attention as a keyword
+    sharded: dict[str, Any] = {"hidden_states": Shard(1)}
+    whole: dict[str, Any] = {"hidden_states": Replicate()}
+    gather_keyword = PrepareModuleInput(input_kwarg_layouts=sharded, desired_input_kwarg_layouts=whole)
+    for index, block in module.get_submodule(blocks).named_children():
+        prefix = f"{blocks}.{index}"
+        children = _children_with_params(block)
+        split = {n for n in children if any(s.startswith(f"{prefix}.{n}.") for s in plan.styles)}
+        norms = {n for n, c in children.items() if _is_norm(c)}
+        inner = [s for s in plan.styles if s.startswith(f"{prefix}.")]
+        rows = [s for s in inner if _style_name(plan.styles[s]) == "rowwise" and _linear(module, s) is not None]
+        if len(split) != 2 or set(children) != split | norms or len(rows) != 2:
+            raise ValueError(
+                f"tensor_parallel_plan='auto+sequence': block {prefix} must hold only norms and an attention and an "
+                f"MLP module the auto plan splits whole; it holds {sorted(children)}, of which the plan splits "
+                f"{sorted(split)}{' (' + '; '.join(plan.skipped) + ')' if plan.skipped else ''}. Use {fix}."
+            )
+        for name in split:  # the sequence gathered at the attention's and the MLP's input
+            styles[f"{prefix}.{name}"] = gather_keyword if hugging_face and name == "self_attn" else gather
+        for name in norms:
+            styles[f"{prefix}.{name}"] = SequenceParallel()
+        for name in rows:
+            styles[name] = RowwiseParallel(output_layouts=Shard(1))  # reduce-scattered along the sequence
+    if hugging_face is None:
+        styles[embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    else:  # the positions and the causal mask are computed from the whole embedding; the first layer cuts it
+        styles[embedding] = RowwiseParallel(input_layouts=Replicate())
+        first = f"{blocks}.{next(iter(dict(module.get_submodule(blocks).named_children())))}"
+        cut = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+        styles[first] = cut
+    styles[norm] = SequenceParallel()
+    styles[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    source = "auto plan with sequence parallelism"
+    done = TensorParallelPlan(styles, source, heads=plan.heads, replicated=_replicated(module, styles))
+    done.vocab_parallel, done.sequence_entry = True, embedding
+    return done
+
+
+def guard_sequence_length(embedding: nn.Module, size: int) -> Any:
+    """Refuse, before the embedding's output is cut along the sequence, a sequence length that ``size`` ranks cannot
+    share evenly (uneven shards would make the ranks' collectives disagree). Returns the hook's handle."""
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        length = args[0].shape[1] if args and getattr(args[0], "dim", lambda: 0)() >= 2 else None
+        if length is not None and length % size:
+            raise ValueError(
+                f"tensor_parallel_plan='auto+sequence' cuts the sequence into {size} equal shards, but this batch's "
+                f"sequence length is {length}. Pad or crop the sequences to a multiple of {size}, or use "
+                f"tensor_parallel_plan='auto'."
+            )
+
+    return embedding.register_forward_pre_hook(check)
 
 
 def _indivisible(block: nn.Module, fan_out: list[str], fan_in: str, size: int) -> str:
@@ -384,13 +559,53 @@ class TensorParallelism:
         self.size = size
         self.plan_setting = plan
         self.applied: Optional[TensorParallelPlan] = None
+        self._laid_out_before = False
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether the plan applied (by this part, or by an earlier ``fit`` of the same module in this process)
+        leaves the logits sharded on the vocabulary (``"auto+sequence"``)."""
+        return self._laid_out_before or (self.applied is not None and self.applied.vocab_parallel)
+
+    @contextmanager
+    def step_context(self) -> Generator[None, None, None]:
+        """Around each step and each backward: torch's ``loss_parallel`` where the logits are sharded on the
+        vocabulary (``F.cross_entropy`` on them then computes the loss over the shards), else nothing."""
+        if not self.vocab_parallel:
+            yield
+            return
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            yield
+
+    def local_output(self, output: Any) -> Any:
+        """A step's output with each replicated ``DTensor`` (the loss over the sharded vocabulary) as the plain
+        tensor Lightning expects; the autograd graph is kept (``to_local`` is differentiable)."""
+        if not self.vocab_parallel:
+            return output
+        from lightning_utilities.core.apply_func import apply_to_collection
+        from torch.distributed.tensor import DTensor
+
+        def local(t: DTensor) -> Any:
+            return t.to_local() if all(p.is_replicate() for p in t.placements) else t
+
+        return apply_to_collection(output, DTensor, local)
 
     def plan_for(self, module: nn.Module) -> TensorParallelPlan:
         """The plan this part applies to ``module`` (no communication)."""
-        if self.plan_setting == "auto":
-            return derive_plan(module, self.size)
+        if self.plan_setting in ("auto", "auto+sequence"):
+            return derive_plan(module, self.size, sequence=self.plan_setting == "auto+sequence")
         plan = plan_from_patterns(module, self.plan_setting, "your plan")
         return _checked(module, plan, self.size, attention_roots=[])
+
+    def check_before_launch(self, module: nn.Module) -> None:
+        """``"auto+sequence"``: refuse a model it cannot lay out before any process starts, where the model is
+        built already (no ``configure_model`` of its own that could build or split it later)."""
+        own = getattr(getattr(type(module), "configure_model", None), "__module__", "") or ""
+        lightnings = own.startswith(("pytorch_lightning.", "lightning.pytorch."))
+        if self.size > 1 and self.plan_setting == "auto+sequence" and (lightnings or not own):
+            self.plan_for(module)
 
     def apply(self, module: nn.Module, mesh: Any) -> Optional[TensorParallelPlan]:
         """Split ``module``'s layers over ``mesh`` (1-D, ``"tensor_parallel"``); None where there is nothing to do
@@ -398,6 +613,7 @@ class TensorParallelism:
         if self.size <= 1:
             return None
         if is_tensor_parallel(module):
+            self._laid_out_before = module in _VOCAB_PARALLEL
             rank_zero_info(f"tensor parallelism over {self.size} ranks: applied by {type(module).__name__} itself")
             return None
         from torch.distributed.fsdp import FSDPModule
@@ -418,6 +634,9 @@ class TensorParallelism:
             setattr(holder, attribute, count // self.size)
         if plan.styles:
             parallelize_module(module, mesh, plan.styles)
+        if plan.sequence_entry:
+            guard_sequence_length(module.get_submodule(plan.sequence_entry), self.size)
+            _VOCAB_PARALLEL.add(module)
         rank_zero_info(plan.summary(self.size))
         self.applied = plan
         return plan

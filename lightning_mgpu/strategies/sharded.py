@@ -486,7 +486,8 @@ class MGPUShardedStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Any:
-        return self._runtime.reduce(tensor, group, reduce_op)
+        # a value logged from the loss over the sharded vocabulary ("auto+sequence") is a replicated DTensor
+        return self._runtime.reduce(self._tensor.local_output(tensor), group, reduce_op)
 
     def _process_group(self) -> Any:
         return torch.distributed.group.WORLD if group_is_up() else None
@@ -758,6 +759,7 @@ class MGPUShardedStrategy(ParallelStrategy):
                 f"precision='32-true', '16-mixed' or 'bf16-mixed' (or plugins=[MGPUPrecision(...)]), "
                 f"gradient_clip_algorithm='value', or strategy='mgpu_sharded' (FSDP2)."
             )
+        self._tensor.check_before_launch(model)
         if self._pipeline is not None:
             callbacks = getattr(trainer, "callbacks", ())  # set by Lightning's callback connector
             self._pipeline.check_model(model, self.precision_plugin, bool(clip_by_norm), callbacks)
@@ -865,7 +867,13 @@ class MGPUShardedStrategy(ParallelStrategy):
                 trainer = attached_trainer(self.lightning_module)
                 accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
                 return self._pipeline.training_step(self.lightning_module, accumulate, *args, **kwargs)
-            return self._redirect("training_step", *args, **kwargs)
+            with self._tensor.step_context():  # the loss over the sharded vocabulary ("auto+sequence")
+                return self._tensor.local_output(self._redirect("training_step", *args, **kwargs))
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
+        with self._tensor.step_context():  # the loss over the sharded vocabulary differentiates under it too
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _stage1_ddp(self) -> Optional[DistributedDataParallel]:
         """Stage 1: the DDP model the runtime's DDP part drives; None at stages 2 and 3."""
@@ -873,18 +881,18 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._redirect("validation_step", *args, **kwargs)
+        with self.precision_plugin.val_step_context(), self._tensor.step_context():
+            return self._tensor.local_output(self._redirect("validation_step", *args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._redirect("test_step", *args, **kwargs)
+        with self.precision_plugin.test_step_context(), self._tensor.step_context():
+            return self._tensor.local_output(self._redirect("test_step", *args, **kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._redirect("predict_step", *args, **kwargs)
+        with self.precision_plugin.predict_step_context(), self._tensor.step_context():
+            return self._tensor.local_output(self._redirect("predict_step", *args, **kwargs))
 
     # --- evaluation whose ranks may run different numbers of batches (parts/evaluation.py) ---------------------
     def _current_evaluation_loop(self, trainer: pl.Trainer) -> Any:

@@ -408,6 +408,25 @@ CASES = [
         id="sharded-tensor_parallel_plan-unknown-style",
     ),
     pytest.param(
+        lambda: MGPUShardedStrategy(
+            stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", pipeline_parallel_size=2
+        ),
+        ValueError,
+        ["tensor_parallel_plan='auto+sequence'", "pipeline_parallel_size=2", "tensor_parallel_plan='auto'"],
+        id="sharded-auto-sequence-with-a-pipeline",
+    ),
+    pytest.param(
+        lambda: fit(
+            Regressor(),
+            MGPUShardedStrategy(
+                stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", start_method="fork"
+            ),
+        ),
+        ValueError,
+        ["tensor_parallel_plan='auto+sequence' needs a Llama-style model", "Regressor has none", "plan='auto'"],
+        id="sharded-auto-sequence-on-a-model-of-another-shape-is-refused-before-launch",
+    ),
+    pytest.param(
         lambda: MGPUShardedStrategy(stage=3, tensor_parallel_plan={"layers.*.w1": "colwise"}),
         ValueError,
         ["tensor_parallel_size=1", "tensor_parallel_size=2"],

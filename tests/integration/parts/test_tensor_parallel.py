@@ -18,15 +18,20 @@ import torch.multiprocessing as mp
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_mgpu import MGPUShardedStrategy
-from lightning_mgpu.parts.tensor_parallel import is_tensor_parallel
+from lightning_mgpu.parts.tensor_parallel import TensorParallelism, is_tensor_parallel
 from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
+    SEQ,
+    VOCAB,
     Block,
     HFModule,
     Llama3,
+    TinyLlama,
     TPModule,
+    global_batches,
     indexed_data,
     lm_loss,
     reference,
@@ -52,6 +57,20 @@ class Report(Callback):
 
     def __init__(self, out: Path, save: Optional[Path] = None) -> None:
         self.out, self.save = Path(out), save
+        self.layouts: dict[str, set[tuple[str, int]]] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        # what each norm takes in and what the head hands out on this rank: (placement, local length of the dim)
+        for name, module in pl_module.model.named_modules():
+            if name.endswith("norm") and not name.endswith("embeddings.LayerNorm"):
+                module.register_forward_pre_hook(lambda m, args, name=name: self._seen(name, args[0], 1))
+            if name in ("output", "lm_head"):
+                module.register_forward_hook(lambda m, args, out, name=name: self._seen(name, out, -1))
+
+    def _seen(self, name: str, x: Any, dim: int) -> None:
+        placement = str(x.placements[0]) if hasattr(x, "placements") else "local"
+        local = x.to_local() if hasattr(x, "to_local") else x
+        self.layouts.setdefault(name, set()).add((placement, local.shape[dim]))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         record = {
@@ -59,6 +78,7 @@ class Report(Callback):
             "seen": list(pl_module.seen),
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
+            "layouts": self.layouts,
         }
         torch.save(record, self.out / f"report{trainer.global_rank}.pt")
         if self.save is not None:
@@ -110,6 +130,9 @@ def test_tensor2_data2_equals_one_process_evaluates_each_sample_once_and_resumes
     expected, _ = reference(TPModule(), token_data(), data_ranks=[2])
     _assert_weights(first, expected)
     assert all(r["split"] for r in first)
+    # the auto plan alone: the norms see the whole sequence, the head hands out whole logits
+    assert all(set(r["layouts"]["norm"]) == {("local", SEQ)} for r in first)
+    assert all(set(r["layouts"]["output"]) == {("local", VOCAB)} for r in first)
     # negative control: had the tensor-parallel ranks taken different batches (4 data ranks), the weights differ
     assert _differs(first, reference(TPModule(), token_data(), data_ranks=[4])[0])
     # the data is split over the 2 data ranks; both ranks of a tensor-parallel group see the same batches
@@ -174,6 +197,111 @@ def test_accumulation_clipping_token_loss_and_a_plan_of_your_own_on_the_hybrid_m
                    ckpt_path=str(tmp_path / "sharded.ckpt"), **train)  # fmt: skip
     both, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2, 4], accumulate=3, clip=clip)
     _assert_weights(resumed, both)
+
+
+def test_sequence_parallel_norms_and_the_loss_over_the_sharded_vocabulary_equal_one_process(tmp_path: Path):
+    # tensor 2 x data 2, "auto+sequence": the norms on sequence shards, the head split by vocabulary and the user's
+    # unchanged F.cross_entropy computing the loss over the vocabulary shards; k = 3 with clipping that bites
+    strategy = MGPUShardedStrategy(
+        stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", start_method="fork"
+    )  # fmt: skip
+    clip = 0.1
+    train = {"accumulate_grad_batches": 3, "gradient_clip_val": clip}
+    records = _fit(tmp_path, WORLD, strategy, epochs=1, **train)
+    expected, norms = reference(TPModule(), token_data(), data_ranks=[2], accumulate=3, clip=clip)
+    assert records[0]["global_step"] == 2 and min(norms) > 2 * clip  # every step is clipped
+    _assert_weights(records, expected)
+    assert all(r["split"] for r in records)
+    # every norm took its rank's half of the sequence, and the head handed out its half of the vocabulary
+    for r in records:
+        assert set(r["layouts"]) == {"layers.0.attention_norm", "layers.0.ffn_norm", "layers.1.attention_norm",
+                                     "layers.1.ffn_norm", "norm", "output"}  # fmt: skip
+        assert all(v == {("S(1)", SEQ // 2)} for k, v in r["layouts"].items() if k != "output")  # Shard(1)
+        assert r["layouts"]["output"] == {("S(2)", VOCAB // 2)}
+    # exact evaluation through the same sharded loss
+    model = TPModule().model
+    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
+    with torch.no_grad():
+        one_process = float(lm_loss(model, indexed_data().tensors[0]))
+    assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in records)
+    # negative control: without the clipping the weights differ
+    assert _differs(records, reference(TPModule(), token_data(), data_ranks=[2], accumulate=3)[0])
+
+    # k = 1 with activation checkpointing of every block, the loss logged from the step (synced over the ranks)
+    strategy = MGPUShardedStrategy(
+        stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", activation_checkpointing=Block,
+        start_method="fork",
+    )  # fmt: skip
+    records = _fit(tmp_path / "k1", WORLD, strategy, epochs=1, module=LoggedLoss(), limit_val_batches=0)
+    _assert_weights(records, reference(TPModule(), token_data(), data_ranks=[2])[0])
+    before_last, _ = reference(TPModule(), token_data(), data_ranks=[2], limit=5)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in before_last.items()})
+    with torch.no_grad():
+        last = float(lm_loss(model, global_batches(token_data(), 2, 2, epoch=0)[5]))
+    assert all(r["metrics"]["train_loss"] == pytest.approx(last, rel=1e-12) for r in records)
+
+
+def _lay_out_twice(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        model = TinyLlama().double()
+        first, second = TensorParallelism(2, "auto+sequence"), TensorParallelism(2, "auto+sequence")
+        first.apply(model, mesh)
+        again = second.apply(model, mesh)  # a second fit of the same module in this process
+        tokens = token_data().tensors[0][:2]
+        with second.step_context():
+            loss = second.local_output(lm_loss(model, tokens))
+            loss.backward()
+        result = (first.vocab_parallel, again, second.vocab_parallel, type(loss).__name__)
+        torch.save(result, Path(out) / f"twice{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_module_laid_out_by_an_earlier_fit_keeps_its_loss_over_the_sharded_vocabulary(tmp_path: Path):
+    mp.start_processes(_lay_out_twice, nprocs=2, start_method="fork", args=(find_free_network_port(), str(tmp_path)))
+    for r in range(2):
+        assert torch.load(tmp_path / f"twice{r}.pt") == (True, None, True, "Tensor")
+
+
+class LoggedLoss(TPModule):
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+class LlamaOnEvenSequences(HFModule):
+    """Hugging Face's Llama on the first ``SEQ`` tokens of each sample (a length the tensor size divides)."""
+
+    def __init__(self) -> None:
+        super().__init__("llama")
+
+    @staticmethod
+    def compute(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=tokens[:, :SEQ], labels=tokens[:, :SEQ]).loss
+
+
+def test_sequence_parallel_hugging_face_llama_equals_one_process(tmp_path: Path):
+    pytest.importorskip("transformers")
+    strategy = MGPUShardedStrategy(
+        stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", start_method="fork"
+    )  # fmt: skip
+    records = _fit(tmp_path, WORLD, strategy, epochs=1, module=LlamaOnEvenSequences(), limit_train_batches=4,
+                   limit_val_batches=0)  # fmt: skip
+    expected, _ = reference(LlamaOnEvenSequences(), token_data(), data_ranks=[2], limit=4)
+    _assert_weights(records, expected)
+    # negative control: one micro-batch fewer, and the weights differ
+    assert _differs(records, reference(LlamaOnEvenSequences(), token_data(), data_ranks=[2], limit=3)[0])
+    for r in records:
+        norms = {k: v for k, v in r["layouts"].items() if k != "lm_head"}
+        assert len(norms) == 5 and all(v == {("S(1)", SEQ // 2)} for v in norms.values())  # 2 x 2 layers + final
+        assert r["layouts"]["lm_head"] == {("S(2)", VOCAB // 2)}
 
 
 @pytest.mark.parametrize(("kind", "stage"), [("llama", 3), ("bert", 2), ("gpt2", 3)])
@@ -250,3 +378,35 @@ def test_the_lightning_namespace_trains_a_tensor_parallel_model():
         callbacks=[Check()], limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(DigitsTransformer(d_model=32, heads=4, layers=2), DigitsDataModule())
+
+    # "auto+sequence": the logits the step sees are sharded on the vocabulary, its F.cross_entropy runs unchanged
+    class LanguageModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.logits = TinyLlama().double(), ""
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            logits = self.model(batch[0][:, :-1])
+            self.logits = str(getattr(logits, "placements", "whole"))
+            return lm_loss_of(logits, batch[0])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(token_data(), batch_size=2)
+
+    class Sharded(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            assert pl_module.logits == "(Shard(dim=2),)" and trainer.global_step == 2
+
+    strategy = Strategy(stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", start_method="fork")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Sharded()],
+    )  # fmt: skip
+    trainer.fit(LanguageModel())
+
+
+def lm_loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))

@@ -4,9 +4,16 @@ local, what stays replicated, and the refusals of a plan that cannot apply."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
-from lightning_mgpu.parts.tensor_parallel import TensorParallelism, derive_plan, is_tensor_parallel, matches
+from lightning_mgpu.parts.tensor_parallel import (
+    TensorParallelism,
+    derive_plan,
+    guard_sequence_length,
+    is_tensor_parallel,
+    matches,
+)
 from tests.tensor_parallel_models import TinyLlama
 
 
@@ -98,3 +105,81 @@ def test_gpt2s_conv1d_mlp_is_split_and_its_packed_attention_stays_whole():
     }
     line = plan.summary(2)
     assert "transformer.h.*.mlp.c_fc colwise" in line and "transformer.h.*.attn.c_attn" in line.split("replicated:")[1]
+
+
+def test_auto_sequence_adds_torchtitans_sequence_parallel_layout_to_a_llama_style_model():
+    from torch.distributed.tensor import Replicate, Shard
+
+    plan = TensorParallelism(size=2, plan="auto+sequence").plan_for(TinyLlama(layers=2))
+    kinds = _kinds(plan)
+    assert plan.vocab_parallel and plan.replicated == [] and plan.sequence_entry == "tok_embeddings"
+    assert kinds.pop("tok_embeddings") == "RowwiseParallel" and kinds.pop("output") == "ColwiseParallel"
+    assert kinds.pop("norm") == "SequenceParallel"
+    for i in range(2):
+        for name in ("attention_norm", "ffn_norm"):
+            assert kinds.pop(f"layers.{i}.{name}") == "SequenceParallel"
+        for name in ("attention", "feed_forward"):
+            assert kinds.pop(f"layers.{i}.{name}") == "PrepareModuleInput"
+            gather = plan.styles[f"layers.{i}.{name}"]
+            assert gather.input_layouts == (Shard(1),) and gather.desired_input_layouts == (Replicate(),)
+        for name in ("attention.wo", "feed_forward.w2"):
+            assert kinds.pop(f"layers.{i}.{name}") == "RowwiseParallel"
+            assert plan.styles[f"layers.{i}.{name}"].output_layouts == (Shard(1),)  # reduce-scattered
+    assert set(kinds.values()) == {"ColwiseParallel"} and len(kinds) == 10  # wq, wk, wv, w1, w3 of each block
+    assert plan.styles["tok_embeddings"].output_layouts == (Shard(1),)
+    head = plan.styles["output"]
+    assert head.input_layouts == (Shard(1),) and head.output_layouts == (Shard(-1),) and not head.use_local_output
+    assert ("layers.1.attention", "n_kv_heads", 2) in plan.heads
+    assert "sequence parallelism" in plan.summary(2) and "layers.*.ffn_norm sequence_parallel" in plan.summary(2)
+
+
+def test_auto_sequence_refuses_a_model_it_cannot_lay_out_naming_what_did_not_match():
+    tp = TensorParallelism(size=2, plan="auto+sequence")
+    with pytest.raises(
+        ValueError, match=r"needs a Llama-style model.*Sequential has none.*tensor_parallel_plan='auto'"
+    ):
+        tp.plan_for(nn.Sequential(nn.Linear(4, 4)))
+    tied = TinyLlama()
+    tied.output.weight = tied.tok_embeddings.weight
+    with pytest.raises(ValueError, match=r"output shares its weight with tok_embeddings \(tied\)"):
+        tp.plan_for(tied)
+    with pytest.raises(ValueError, match=r"block layers.0 must hold only norms.*n_kv_heads=2 not divisible by 4"):
+        TensorParallelism(size=4, plan="auto+sequence").plan_for(TinyLlama(layers=1))
+    table = TinyLlama()
+    table.register_buffer("positions", torch.zeros(6, 8))  # a position table the forward could add to the sequence
+    with pytest.raises(ValueError, match=r"holds buffers \(its own; a position table"):
+        tp.plan_for(table)
+    extra = TinyLlama(layers=1)
+    extra.layers[0].gate = nn.Linear(8, 8)  # a layer the plan does not know sits in the block
+    with pytest.raises(
+        ValueError, match=r"it holds \['attention', 'attention_norm', 'feed_forward', 'ffn_norm', 'gate'\]"
+    ):
+        tp.plan_for(extra)
+
+
+def test_a_sequence_the_tensor_size_does_not_divide_is_refused_at_the_embedding():
+    embedding = nn.Embedding(16, 8)
+    guard_sequence_length(embedding, 2)
+    assert embedding(torch.zeros(3, 6, dtype=torch.long)).shape == (3, 6, 8)
+    with pytest.raises(ValueError, match=r"sequence length is 7. Pad or crop the sequences to a multiple of 2"):
+        embedding(torch.zeros(3, 7, dtype=torch.long))
+
+
+def test_auto_sequence_cuts_a_hugging_face_llama_after_its_positions_are_computed():
+    from torch.distributed.tensor import Replicate, Shard
+
+    t = _transformers()
+    config = t.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    plan = TensorParallelism(size=2, plan="auto+sequence").plan_for(t.LlamaForCausalLM(config))
+    assert plan.vocab_parallel and plan.sequence_entry == "model.embed_tokens" and plan.replicated == []
+    assert plan.styles["model.embed_tokens"].output_layouts == (Replicate(),)  # whole: positions and mask need it
+    cut = plan.styles["model.layers.0"]
+    assert cut.input_layouts == (Replicate(),) and cut.desired_input_layouts == (Shard(1),) and cut.use_local_output
+    attention = plan.styles["model.layers.1.self_attn"]  # called with hidden_states= as a keyword
+    assert attention.input_kwarg_layouts == {"hidden_states": Shard(1)}
+    assert plan.styles["model.layers.1.mlp"].input_layouts == (Shard(1),)
+    assert _kinds(plan)["model.layers.1.post_attention_layernorm"] == "SequenceParallel"
+    assert plan.styles["lm_head"].output_layouts == (Shard(-1),)
