@@ -39,11 +39,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
+
+from lightning_mgpu.comm import CollectiveCounter, CommStats
 
 #: linear layers that fan out of the block's input (split by output column), and that fan back in (split by row)
 _ATTENTION_IN = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value")
@@ -78,6 +81,11 @@ class TensorParallelPlan:
     """Modules holding parameters that no style splits."""
     skipped: list[str] = field(default_factory=list)
     """Blocks recognised but left replicated, each with the reason."""
+
+    def kinds(self) -> dict[str, str]:
+        """Module name -> how it is split: ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` (or a style's
+        class name)."""
+        return {name: _style_name(style) for name, style in self.styles.items()}
 
     def summary(self, tensor_size: int) -> str:
         """The one start-up line: what is split, how, and what stays replicated."""
@@ -384,6 +392,16 @@ class TensorParallelism:
         self.size = size
         self.plan_setting = plan
         self.applied: Optional[TensorParallelPlan] = None
+        self.counter: Optional[CollectiveCounter] = None
+
+    def count_into(self, stats: CommStats, mesh: Any) -> None:
+        """From now on, :meth:`counting` blocks count the collectives over ``mesh``'s group (the tensor dimension)
+        into ``stats`` (``tensor_comm_stats=True``)."""
+        self.counter = CollectiveCounter(stats, mesh.get_group())
+
+    def counting(self) -> AbstractContextManager[None]:
+        """A block whose tensor-parallel collectives the ledger counts; nothing where no count was asked for."""
+        return self.counter.counting() if self.counter is not None else nullcontext()
 
     def plan_for(self, module: nn.Module) -> TensorParallelPlan:
         """The plan this part applies to ``module`` (no communication)."""

@@ -194,6 +194,16 @@ class StepTrace:
     activation a tensor-parallel block all-reduces."""
     attention_heads: int = 0
     """The fewest attention heads of a block (0: no attention found, so no tensor split is proposed)."""
+    rowwise_layers: int = 0
+    """Layers of the blocks that tensor parallelism's auto plan splits by input row (attention's output, the
+    MLP's down projection): each all-reduces its output, one block output's worth, in every forward."""
+    rowwise_recomputed: int = 0
+    """Those whose forward activation checkpointing runs again in backward (counted in the traced step: torch's
+    recomputation stops once every tensor the backward keeps is back, so a block's last row-wise layer, whose
+    output only the residual sum reads, is usually not run again)."""
+    colwise_layers: int = 0
+    """Layers of the blocks it splits by output column (query, key, value; the MLP's gate and up): each
+    all-reduces its input's gradient, one block output's worth, in every backward."""
 
     def peak_with_gradients(self, fraction: float) -> int:
         """The largest ``activations(t) + fraction * gradients(t)``: a rank that keeps ``fraction`` of each
@@ -259,6 +269,14 @@ def trace_step(
             outputs.setdefault(id(block), _tensor_bytes(out))
 
         handles = [block.register_forward_hook(record) for block in blocks]
+        rowwise, colwise = _split_layers(module, blocks)
+        rowwise_calls = {"forward": 0, "backward": 0}
+        phase = ["forward"]
+
+        def count(*_: Any) -> None:
+            rowwise_calls[phase[0]] += 1
+
+        handles += [layer.register_forward_hook(count) for layer in rowwise]
         checkpointed = tuple(apply_activation_checkpointing(module, policy)) if policy is not None else ()
         fake = _fake_batch(batch, mode, dtype if dtype != torch.float32 else None)
         tracker = timeline_mem_tracker()
@@ -266,6 +284,7 @@ def trace_step(
         with tracker, flop_counter() as flops:
             with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
                 loss = _loss(module, fake, forward)
+            phase[0] = "backward"
             loss.backward()
         for handle in handles:
             handle.remove()
@@ -282,7 +301,26 @@ def trace_step(
             blocks=len(blocks),
             block_output_bytes=max(outputs.values(), default=0),
             attention_heads=min((h for h in map(_heads, blocks) if h), default=0),
+            rowwise_layers=rowwise_calls["forward"],
+            rowwise_recomputed=rowwise_calls["backward"],
+            colwise_layers=colwise,
         )
+
+
+def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[nn.Module], int]:
+    """The row-wise layers within ``blocks`` of the auto plan tensor parallelism applies to ``module``
+    (:func:`~lightning_mgpu.parts.tensor_parallel.derive_plan`; shapes only, no communication), and the number of
+    column-wise ones."""
+    from lightning_mgpu.parts.tensor_parallel import derive_plan
+
+    try:
+        plan = derive_plan(module, tensor_size=1)
+    except ValueError:  # a model's own plan that names what this module does not have: no split
+        return [], 0
+    inside = {id(m) for block in blocks for m in block.modules()}
+    split = [(module.get_submodule(name), kind) for name, kind in plan.kinds().items()]
+    split = [(layer, kind) for layer, kind in split if id(layer) in inside]
+    return [layer for layer, kind in split if kind == "rowwise"], sum(kind == "colwise" for _, kind in split)
 
 
 def pipeline_blocks(module: nn.Module) -> list[nn.Module]:
@@ -303,10 +341,11 @@ def pipeline_blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def _heads(block: nn.Module) -> int:
-    """Attention heads of ``block`` (``nn.MultiheadAttention``'s ``num_heads``, or a Hugging Face attention's
-    ``num_heads``/``num_attention_heads``/``n_head``); 0 when it has no attention."""
+    """Attention heads of ``block`` (``nn.MultiheadAttention``'s ``num_heads``, a Hugging Face attention's
+    ``num_heads``/``num_attention_heads``/``n_head``, or a Llama-style one's ``n_heads``); 0 when it has no
+    attention."""
     for m in block.modules():
-        for name in ("num_heads", "num_attention_heads", "n_head"):
+        for name in ("num_heads", "num_attention_heads", "n_head", "n_heads"):
             value = getattr(m, name, None)
             if isinstance(value, int) and value > 0:
                 return value
