@@ -27,8 +27,9 @@ tensor                per micro-batch, torch's split layers (the auto plan's): e
                       activation checkpointing's recomputation runs it (counted in the traced step), each
                       column-wise layer (query, key, value; the MLP's gate and up) its input's gradient in
                       backward, one block output ``X`` each: ``(R + R' + C) / P * 2 (T-1)/T * X`` per step, ``R``,
-                      ``R'`` and ``C`` the row-wise, recomputed row-wise and column-wise layers of the blocks (a
-                      Llama block: ``R = 2``, ``R' = 1`` with checkpointing, ``C = 5``)
+                      ``R'`` and ``C`` the traced step's calls of the blocks' row-wise layers, of those recomputed
+                      and of the column-wise layers (a Llama block: ``R = 2``, ``R' = 1`` with checkpointing,
+                      ``C = 5``)
 pipeline              per micro-batch, a stage sends its output forward and its input's gradient backward:
                       ``2 X`` per step (each of the ``T`` ranks of a stage sends it)
 ====================  ======================================================================================

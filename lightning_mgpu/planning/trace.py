@@ -195,15 +195,16 @@ class StepTrace:
     attention_heads: int = 0
     """The fewest attention heads of a block (0: no attention found, so no tensor split is proposed)."""
     rowwise_layers: int = 0
-    """Layers of the blocks that tensor parallelism's auto plan splits by input row (attention's output, the
-    MLP's down projection): each all-reduces its output, one block output's worth, in every forward."""
+    """Calls, in the traced forward, of the layers of the blocks that tensor parallelism's auto plan splits by
+    input row (attention's output, the MLP's down projection): each all-reduces its output, one block output's
+    worth."""
     rowwise_recomputed: int = 0
-    """Those whose forward activation checkpointing runs again in backward (counted in the traced step: torch's
+    """Their calls that activation checkpointing runs again in backward (counted in the traced step: torch's
     recomputation stops once every tensor the backward keeps is back, so a block's last row-wise layer, whose
     output only the residual sum reads, is usually not run again)."""
     colwise_layers: int = 0
-    """Layers of the blocks it splits by output column (query, key, value; the MLP's gate and up): each
-    all-reduces its input's gradient, one block output's worth, in every backward."""
+    """Calls, in the traced forward, of the layers of the blocks it splits by output column (query, key, value; the
+    MLP's gate and up): each all-reduces its input's gradient, one block output's worth, in backward."""
 
     def peak_with_gradients(self, fraction: float) -> int:
         """The largest ``activations(t) + fraction * gradients(t)``: a rank that keeps ``fraction`` of each
@@ -269,14 +270,12 @@ def trace_step(
             outputs.setdefault(id(block), _tensor_bytes(out))
 
         handles = [block.register_forward_hook(record) for block in blocks]
-        rowwise, colwise = _split_layers(module, blocks)
-        rowwise_calls = {"forward": 0, "backward": 0}
+        # the split layers' calls: row-wise in forward and in the recomputation, column-wise in forward (each
+        # call's input gradient is all-reduced once in backward)
+        calls = {("rowwise", "forward"): 0, ("rowwise", "backward"): 0, ("colwise", "forward"): 0}
         phase = ["forward"]
-
-        def count(*_: Any) -> None:
-            rowwise_calls[phase[0]] += 1
-
-        handles += [layer.register_forward_hook(count) for layer in rowwise]
+        for layer, kind in _split_layers(module, blocks):
+            handles.append(layer.register_forward_hook(lambda *_, k=kind: _count(calls, (k, phase[0]))))
         checkpointed = tuple(apply_activation_checkpointing(module, policy)) if policy is not None else ()
         fake = _fake_batch(batch, mode, dtype if dtype != torch.float32 else None)
         tracker = timeline_mem_tracker()
@@ -301,26 +300,30 @@ def trace_step(
             blocks=len(blocks),
             block_output_bytes=max(outputs.values(), default=0),
             attention_heads=min((h for h in map(_heads, blocks) if h), default=0),
-            rowwise_layers=rowwise_calls["forward"],
-            rowwise_recomputed=rowwise_calls["backward"],
-            colwise_layers=colwise,
+            rowwise_layers=calls["rowwise", "forward"],
+            rowwise_recomputed=calls["rowwise", "backward"],
+            colwise_layers=calls["colwise", "forward"],
         )
 
 
-def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[nn.Module], int]:
-    """The row-wise layers within ``blocks`` of the auto plan tensor parallelism applies to ``module``
-    (:func:`~lightning_mgpu.parts.tensor_parallel.derive_plan`; shapes only, no communication), and the number of
-    column-wise ones."""
+def _count(calls: dict[tuple[str, str], int], key: tuple[str, str]) -> None:
+    if key in calls:
+        calls[key] += 1
+
+
+def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """The layers within ``blocks`` that the auto plan of tensor parallelism splits in ``module``, each with how
+    (``"rowwise"``, ``"colwise"``; :func:`~lightning_mgpu.parts.tensor_parallel.derive_plan`: shapes only, no
+    communication)."""
     from lightning_mgpu.parts.tensor_parallel import derive_plan
 
     try:
         plan = derive_plan(module, tensor_size=1)
     except ValueError:  # a model's own plan that names what this module does not have: no split
-        return [], 0
+        return []
     inside = {id(m) for block in blocks for m in block.modules()}
     split = [(module.get_submodule(name), kind) for name, kind in plan.kinds().items()]
-    split = [(layer, kind) for layer, kind in split if id(layer) in inside]
-    return [layer for layer, kind in split if kind == "rowwise"], sum(kind == "colwise" for _, kind in split)
+    return [(layer, kind) for layer, kind in split if id(layer) in inside]
 
 
 def pipeline_blocks(module: nn.Module) -> list[nn.Module]:
