@@ -643,3 +643,56 @@ def keep_predictions(loop: Any) -> None:
             "trainer.predict(..., return_predictions=False) and write predictions with a BasePredictionWriter."
         )
     loop._return_predictions = True
+
+
+# --- the ledger's count of the tensor dimension's collectives (lightning_mgpu/comm.py, CollectiveCounter) ----------
+# DTensor issues its collectives (a Partial placement made Replicate, a Shard gathered, ...) as torch's functional
+# collectives, the ops of the ``_c10d_functional`` namespace (and ``_dtensor.shard_dim_alltoall``), never through
+# the pack's comm.py. torch has no public hook on them; its own ``CommDebugMode``
+# (torch/distributed/tensor/debug/_comm_mode.py) counts them with a ``TorchDispatchMode`` of the private module
+# ``torch.utils._python_dispatch``, as this does (torch 2.13.0 checked: the ops' last argument is the group's
+# name). Imported when a strategy is asked to count them (``tensor_comm_stats=True``), never at package import.
+# Missing: the ImportError or AttributeError at set-up of such a strategy; training without the count is
+# unaffected.
+
+#: functional collective -> its kind, for the bytes one rank sends (see comm.CollectiveCounter)
+_FUNCTIONAL_COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+def collective_dispatch_mode(record: Any) -> Any:
+    """A ``TorchDispatchMode`` that calls ``record(kind, inputs, group_name)`` for every functional collective
+    dispatched while it is active (``kind``: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``,
+    ``"all_to_all"``, ``"broadcast"``; ``inputs``: the tensors handed to it), forward and backward alike. An op on
+    a ``DTensor`` is handed back to it (``NotImplemented``), which runs it as the plain ops and collectives this
+    mode then sees, as ``CommDebugMode`` does; other tensor subclasses run as they would without the mode."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    functional = torch.ops._c10d_functional
+    kinds = {getattr(functional, name): kind for name, kind in _FUNCTIONAL_COLLECTIVES.items()}
+    kinds[torch.ops._dtensor.shard_dim_alltoall] = "all_to_all"
+
+    class CollectiveMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return func(*args, **kwargs)
+            if any(t is DTensor for t in types):  # DTensor runs it: its collectives come back here
+                return NotImplemented
+            kind = kinds.get(func._overloadpacket)
+            if kind is not None:
+                inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+                record(kind, inputs, kwargs.get("group_name", args[-1]))
+            return func(*args, **kwargs)
+
+    return CollectiveMode()

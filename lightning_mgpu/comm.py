@@ -25,7 +25,8 @@ Example::
 """
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -36,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from lightning_mgpu._compat import (
+    collective_dispatch_mode,
     dcp_fsspec_storage,
     patch_batched_powersgd,
     sync_ddp_if_available,
@@ -87,6 +89,17 @@ class CommStats:
     gradient backward, per micro-batch and stage boundary)."""
     stage_bytes: int = 0
     """Their payload bytes, from the shapes of the tensors sent."""
+    tensor_calls: int = 0
+    """Tensor parallelism, counted where the strategy is asked to (``tensor_comm_stats=True``): collectives that
+    the split layers (``DTensor``) issued over this rank's tensor-parallel group during training steps (forward,
+    activation checkpointing's recomputation, backward, optimizer step), measured as they are dispatched."""
+    tensor_bytes: int = 0
+    """Their payload bytes: the bytes of the tensors handed to them, the convention of ``allreduce_bytes``."""
+    tensor_sent_bytes: float = 0.0
+    """The bytes this rank sends for them in ring collectives over the ``T`` ranks of the group, each from its own
+    kind and payload ``S``: an all-reduce ``2 (T-1)/T S``, an all-gather ``(T-1) S``, a reduce-scatter, an
+    all-to-all or a broadcast ``(T-1)/T S`` (the convention of ``ring_bytes_per_step`` and of the layout
+    planner's ``tensor_bytes``)."""
     replicas: int = 1
     """Hybrid sharding (HSDP): the number of replicas of each shard (the mesh's replicate dimension); 1 otherwise.
     Then each synchronised backward reduce-scatters the gradients (``allreduce_bytes``) within a shard group of
@@ -175,6 +188,23 @@ class CommStats:
         """Bytes this rank sends to other pipeline stages per optimizer step."""
         return self.stage_bytes / self.optimizer_steps if self.optimizer_steps else 0.0
 
+    def record_tensor(self, calls: int, nbytes: int, sent: float) -> None:
+        """Collectives of the tensor-parallel group: their payload and the bytes this rank sends for them."""
+        self.tensor_calls += calls
+        self.tensor_bytes += nbytes
+        self.tensor_sent_bytes += sent
+
+    @property
+    def tensor_bytes_per_step(self) -> float:
+        """Payload bytes of the tensor-parallel collectives per optimizer step."""
+        return self.tensor_bytes / self.optimizer_steps if self.optimizer_steps else 0.0
+
+    @property
+    def tensor_sent_bytes_per_step(self) -> float:
+        """Bytes this rank sends for the tensor-parallel collectives per optimizer step (ring collectives): what
+        the layout planner's ``tensor_bytes`` predicts."""
+        return self.tensor_sent_bytes / self.optimizer_steps if self.optimizer_steps else 0.0
+
     def record_round(self, bucket_bytes: list[int]) -> None:
         """One synchronised backward of DDP's built-in all-reduce: one call per bucket."""
         self.record(len(bucket_bytes), sum(bucket_bytes))
@@ -195,6 +225,15 @@ class CommStats:
             f"{prefix}ratio_to_lower_bound": self.ratio_to_lower_bound,
             **({f"{prefix}{k}": v for k, v in self.per_group().items()} if self.replicas > 1 else {}),
             **({f"{prefix}stage_bytes_per_step": self.stage_bytes_per_step} if self.stage_sends else {}),
+            **(
+                {
+                    f"{prefix}tensor_calls_per_step": self.tensor_calls / max(self.optimizer_steps, 1),
+                    f"{prefix}tensor_bytes_per_step": self.tensor_bytes_per_step,
+                    f"{prefix}tensor_sent_bytes_per_step": self.tensor_sent_bytes_per_step,
+                }
+                if self.tensor_calls
+                else {}
+            ),
         }
 
     def summary(self) -> str:
@@ -205,7 +244,18 @@ class CommStats:
             f"sync rounds {self.sync_rounds}, optimizer steps {self.optimizer_steps}; "
             f"ring traffic/step {self.ring_bytes_per_step:.0f} B vs lower bound "
             f"2(N-1)/N x {self.gradient_bytes} B = {self.ring_lower_bound_bytes:.0f} B "
-            f"(ratio {self.ratio_to_lower_bound:.2f}, N={self.world_size})" + self._hybrid_summary()
+            f"(ratio {self.ratio_to_lower_bound:.2f}, N={self.world_size})"
+            + self._hybrid_summary()
+            + self._tensor_summary()
+        )
+
+    def _tensor_summary(self) -> str:
+        if not self.tensor_calls:
+            return ""
+        steps = max(self.optimizer_steps, 1)
+        return (
+            f"; tensor parallelism: {self.tensor_calls} collectives ({self.tensor_calls / steps:.2f}/step), "
+            f"payload {self.tensor_bytes_per_step:.0f} B/step, sent {self.tensor_sent_bytes_per_step:.0f} B/step"
         )
 
     def _hybrid_summary(self) -> str:
@@ -785,6 +835,72 @@ def group_is_up() -> bool:
         world = dist.get_world_size() if group_is_up() else 1
     """
     return dist.is_available() and dist.is_initialized()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The tensor dimension's collectives: issued by DTensor (torch's functional collectives), not by this module, so
+# counted as they are dispatched, where a strategy is asked to (their count costs a Python call per op).
+
+
+def ring_sent_bytes(kind: str, nbytes: float, ranks: int) -> float:
+    """Bytes one rank sends in a ring collective of ``kind`` over ``ranks`` ranks, handed ``nbytes`` per rank:
+    an all-reduce ``2 (n-1)/n S``, an all-gather ``(n-1) S`` (its output is ``n S``), a reduce-scatter, an
+    all-to-all or a broadcast ``(n-1)/n S``.
+
+    >>> ring_sent_bytes("all_reduce", 768, 2), ring_sent_bytes("all_gather", 768, 4)
+    (768.0, 2304.0)
+    """
+    n = max(ranks, 1)
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * nbytes
+    if kind == "all_gather":
+        return float((n - 1) * nbytes)
+    return (n - 1) / n * nbytes
+
+
+class CollectiveCounter:
+    """Counts into ``stats`` (``tensor_calls``, ``tensor_bytes``, ``tensor_sent_bytes``) every functional
+    collective dispatched over ``group`` while :meth:`counting` is active; collectives of other groups (the data
+    dimension's, FSDP's) are left to their own counts. ``counting`` may nest: only the outermost counts, so that a
+    step wrapped whole and its parts wrapped again count once.
+
+    Example::
+
+        counter = CollectiveCounter(stats, mesh["tensor_parallel"].get_group())
+        with counter.counting():
+            loss = model(batch).sum()   # a row-wise split layer all-reduces its output: counted
+            loss.backward()             # a column-wise one all-reduces its input's gradient: counted
+    """
+
+    def __init__(self, stats: CommStats, group: Any) -> None:
+        self.stats = stats
+        self.group_name = group.group_name
+        self.ranks = dist.get_world_size(group)
+        self._depth = 0
+
+    def _record(self, kind: str, inputs: Sequence[torch.Tensor], group_name: Any) -> None:
+        name = getattr(group_name, "group_name", group_name)
+        if name != self.group_name:
+            return
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        self.stats.record_tensor(1, nbytes, ring_sent_bytes(kind, nbytes, self.ranks))
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count the group's collectives within this block (the outermost of nested blocks)."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._depth = 1
+        try:
+            with collective_dispatch_mode(self._record):
+                yield
+        finally:
+            self._depth = 0
 
 
 # ----------------------------------------------------------------------------------------------------

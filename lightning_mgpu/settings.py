@@ -705,6 +705,11 @@ class ShardedSettings:
     the sharded vocabulary (the logits a step sees are a ``DTensor``; see the tensor-parallel guide); or a dict of
     module-name patterns (``*`` for any one name) to ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` or a
     ``ParallelStyle``. A ``configure_model`` that applies tensor parallelism itself overrides any of them."""
+    tensor_comm_stats: bool = False
+    """Count in the ledger (``comm_stats.tensor_*``, logged as ``comm/tensor_*``) the collectives that tensor
+    parallelism issues over the ``"tensor_parallel"`` group in each training step, measured as they are dispatched:
+    their payload and the bytes this rank sends. Off by default: the count passes every operation of the step
+    through a Python call (a few microseconds each). With ``tensor_parallel_size=1`` the count stays 0."""
     pipeline_parallel_size: int = 1
     """Pipeline stages: the model's blocks are split into consecutive stages, each trained on its own ranks, the
     batch flowing through them in micro-batches (see the pipeline guide). Must divide the world size; the ranks
@@ -764,6 +769,7 @@ class ShardedSettings:
             )
         self._check_mesh()
         self._check_tensor_parallel()
+        _check_bool("tensor_comm_stats", self.tensor_comm_stats)
         self._check_pipeline()
 
     def _check_tensor_parallel(self) -> None:

@@ -49,12 +49,14 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Generator, Iterable, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional, cast
 
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
+
+from lightning_mgpu.comm import CollectiveCounter, CommStats
 
 #: linear layers that fan out of the block's input (split by output column), and that fan back in (split by row)
 _ATTENTION_IN = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value")
@@ -98,6 +100,11 @@ class TensorParallelPlan:
     """Whether the head's logits are a ``DTensor`` sharded on the vocabulary (``"auto+sequence"``)."""
     sequence_entry: str = ""
     """``"auto+sequence"``: the embedding where the sequence is cut (its input length is checked there)."""
+
+    def kinds(self) -> dict[str, str]:
+        """Module name -> how it is split: ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` (or a style's
+        class name)."""
+        return {name: _style_name(style) for name, style in self.styles.items()}
 
     def summary(self, tensor_size: int) -> str:
         """The one start-up line: what is split, how, and what stays replicated."""
@@ -560,6 +567,7 @@ class TensorParallelism:
         self.plan_setting = plan
         self.applied: Optional[TensorParallelPlan] = None
         self._laid_out_before = False
+        self.counter: Optional[CollectiveCounter] = None
 
     @property
     def vocab_parallel(self) -> bool:
@@ -591,6 +599,15 @@ class TensorParallelism:
             return t.to_local() if all(p.is_replicate() for p in t.placements) else t
 
         return apply_to_collection(output, DTensor, local)
+
+    def count_into(self, stats: CommStats, mesh: Any) -> None:
+        """From now on, :meth:`counting` blocks count the collectives over ``mesh``'s group (the tensor dimension)
+        into ``stats`` (``tensor_comm_stats=True``)."""
+        self.counter = CollectiveCounter(stats, mesh.get_group())
+
+    def counting(self) -> AbstractContextManager[None]:
+        """A block whose tensor-parallel collectives the ledger counts; nothing where no count was asked for."""
+        return self.counter.counting() if self.counter is not None else nullcontext()
 
     def plan_for(self, module: nn.Module) -> TensorParallelPlan:
         """The plan this part applies to ``module`` (no communication)."""

@@ -22,9 +22,14 @@ data, mgpu_zero1      reduce-scatter of ``G`` + all-gather of ``W`` (the updated
 data, mgpu_sharded    all-gather of ``W`` once (kept from forward to backward) + reduce-scatter of ``G``
 data, mgpu_zero3      all-gather of ``W`` in forward and again in backward + reduce-scatter of ``G``
 data, mgpu_hsdp       mgpu_zero3 over the ``S`` ranks of a machine + all-reduce of ``G / S`` over the replicas
-tensor                per block and micro-batch, two all-reduces of its activation in forward and two in
-                      backward (attention and MLP: one each; a block without attention, one), a third forward's
-                      with activation checkpointing: ``L / P * (4 or 6) * 2 (T-1)/T * X`` per step
+tensor                per micro-batch, torch's split layers (the auto plan's): each row-wise layer
+                      (attention's output, the MLP's down) all-reduces its output in forward, and again where
+                      activation checkpointing's recomputation runs it (counted in the traced step), each
+                      column-wise layer (query, key, value; the MLP's gate and up) its input's gradient in
+                      backward, one block output ``X`` each: ``(R + R' + C) / P * 2 (T-1)/T * X`` per step, ``R``,
+                      ``R'`` and ``C`` the traced step's calls of the blocks' row-wise layers, of those recomputed
+                      and of the column-wise layers (a Llama block: ``R = 2``, ``R' = 1`` with checkpointing,
+                      ``C = 5``)
 pipeline              per micro-batch, a stage sends its output forward and its input's gradient backward:
                       ``2 X`` per step (each of the ``T`` ranks of a stage sends it)
 ====================  ======================================================================================
@@ -443,9 +448,10 @@ def _layout(
     else:  # mgpu_hsdp: ZeRO-3 within the shard group, the shards' all-reduce across the replicas
         shard_bytes = (1 if pipelined_fsdp else 2) * _gather(w, shard) + _gather(g, shard)
         data_bytes = _all_reduce(g / shard, replicas)
-    # all-reduces per block and micro-batch: forward (attention, MLP), backward (the same), the recomputed forward
-    per_block = (2 if trace.attention_heads else 1) * (3 if trace.activation_checkpointing else 2)
-    tensor_bytes = trace.blocks / p * per_block * _all_reduce(trace.block_output_bytes, t) if t > 1 else 0.0
+    # all-reduces per micro-batch of the auto plan's split layers: each row-wise one's output in forward (and in the
+    # recomputed forward where it runs again), each column-wise one's input gradient in backward; a stage holds 1 / P
+    calls = (trace.rowwise_layers + trace.rowwise_recomputed + trace.colwise_layers) / p
+    tensor_bytes = calls * _all_reduce(trace.block_output_bytes, t) if t > 1 else 0.0
     pipeline_bytes = 2.0 * trace.block_output_bytes if p > 1 else 0.0
     tensor_link = group_link(1, t, per_node)
     shard_link = group_link(t, shard if strategy == "mgpu_hsdp" else d, per_node)

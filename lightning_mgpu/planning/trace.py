@@ -194,6 +194,17 @@ class StepTrace:
     activation a tensor-parallel block all-reduces."""
     attention_heads: int = 0
     """The fewest attention heads of a block (0: no attention found, so no tensor split is proposed)."""
+    rowwise_layers: int = 0
+    """Calls, in the traced forward, of the layers of the blocks that tensor parallelism's auto plan splits by
+    input row (attention's output, the MLP's down projection): each all-reduces its output, one block output's
+    worth."""
+    rowwise_recomputed: int = 0
+    """Their calls that activation checkpointing runs again in backward (counted in the traced step: torch's
+    recomputation stops once every tensor the backward keeps is back, so a block's last row-wise layer, whose
+    output only the residual sum reads, is usually not run again)."""
+    colwise_layers: int = 0
+    """Calls, in the traced forward, of the layers of the blocks it splits by output column (query, key, value; the
+    MLP's gate and up): each all-reduces its input's gradient, one block output's worth, in backward."""
 
     def peak_with_gradients(self, fraction: float) -> int:
         """The largest ``activations(t) + fraction * gradients(t)``: a rank that keeps ``fraction`` of each
@@ -259,6 +270,12 @@ def trace_step(
             outputs.setdefault(id(block), _tensor_bytes(out))
 
         handles = [block.register_forward_hook(record) for block in blocks]
+        # the split layers' calls: row-wise in forward and in the recomputation, column-wise in forward (each
+        # call's input gradient is all-reduced once in backward)
+        calls = {("rowwise", "forward"): 0, ("rowwise", "backward"): 0, ("colwise", "forward"): 0}
+        phase = ["forward"]
+        for layer, kind in _split_layers(module, blocks):
+            handles.append(layer.register_forward_hook(lambda *_, k=kind: _count(calls, (k, phase[0]))))
         checkpointed = tuple(apply_activation_checkpointing(module, policy)) if policy is not None else ()
         fake = _fake_batch(batch, mode, dtype if dtype != torch.float32 else None)
         tracker = timeline_mem_tracker()
@@ -266,6 +283,7 @@ def trace_step(
         with tracker, flop_counter() as flops:
             with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
                 loss = _loss(module, fake, forward)
+            phase[0] = "backward"
             loss.backward()
         for handle in handles:
             handle.remove()
@@ -282,7 +300,30 @@ def trace_step(
             blocks=len(blocks),
             block_output_bytes=max(outputs.values(), default=0),
             attention_heads=min((h for h in map(_heads, blocks) if h), default=0),
+            rowwise_layers=calls["rowwise", "forward"],
+            rowwise_recomputed=calls["rowwise", "backward"],
+            colwise_layers=calls["colwise", "forward"],
         )
+
+
+def _count(calls: dict[tuple[str, str], int], key: tuple[str, str]) -> None:
+    if key in calls:
+        calls[key] += 1
+
+
+def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """The layers within ``blocks`` that the auto plan of tensor parallelism splits in ``module``, each with how
+    (``"rowwise"``, ``"colwise"``; :func:`~lightning_mgpu.parts.tensor_parallel.derive_plan`: shapes only, no
+    communication)."""
+    from lightning_mgpu.parts.tensor_parallel import derive_plan
+
+    try:
+        plan = derive_plan(module, tensor_size=1)
+    except ValueError:  # a model's own plan that names what this module does not have: no split
+        return []
+    inside = {id(m) for block in blocks for m in block.modules()}
+    split = [(module.get_submodule(name), kind) for name, kind in plan.kinds().items()]
+    return [(layer, kind) for layer, kind in split if id(layer) in inside]
 
 
 def pipeline_blocks(module: nn.Module) -> list[nn.Module]:
@@ -303,10 +344,11 @@ def pipeline_blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def _heads(block: nn.Module) -> int:
-    """Attention heads of ``block`` (``nn.MultiheadAttention``'s ``num_heads``, or a Hugging Face attention's
-    ``num_heads``/``num_attention_heads``/``n_head``); 0 when it has no attention."""
+    """Attention heads of ``block`` (``nn.MultiheadAttention``'s ``num_heads``, a Hugging Face attention's
+    ``num_heads``/``num_attention_heads``/``n_head``, or a Llama-style one's ``n_heads``); 0 when it has no
+    attention."""
     for m in block.modules():
-        for name in ("num_heads", "num_attention_heads", "n_head"):
+        for name in ("num_heads", "num_attention_heads", "n_head", "n_heads"):
             value = getattr(m, name, None)
             if isinstance(value, int) and value > 0:
                 return value

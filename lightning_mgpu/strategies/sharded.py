@@ -222,6 +222,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         compile: CompileSetting = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlanSetting = "auto",
+        tensor_comm_stats: bool = False,
         pipeline_parallel_size: int = 1,
         pipeline_schedule: PipelineScheduleName = "1f1b",
         pipeline_microbatches: Optional[int] = None,
@@ -819,6 +820,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         if self._pipeline is not None:  # master modes copy FP32 masters of every block into the model
             self._pipeline.free_others = not getattr(self.precision_plugin, "master", False)
         self._tensor.apply(module, self._built_mesh().tensor)  # tensor parallelism first (torchtitan's order)
+        if self._sharded_settings.tensor_comm_stats:
+            self._tensor.count_into(self._runtime.ledger.stats, self._built_mesh().tensor)
         self._runtime.checkpointing.apply(module)
         mesh = self._sharding.shard_mesh(self._built_mesh())
         sharded = self._sharding.shard_model(module, mesh, policy)
@@ -862,18 +865,13 @@ class MGPUShardedStrategy(ParallelStrategy):
         return self._runtime.training_step(self._one_training_step, self._stage1_ddp(), *args, **kwargs)
 
     def _one_training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), self._tensor.counting():
             if self._pipeline is not None:  # every micro-batch's forward and backward, through the stages
                 trainer = attached_trainer(self.lightning_module)
                 accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
                 return self._pipeline.training_step(self.lightning_module, accumulate, *args, **kwargs)
             with self._tensor.step_context():  # the loss over the sharded vocabulary ("auto+sequence")
                 return self._tensor.local_output(self._redirect("training_step", *args, **kwargs))
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
-        with self._tensor.step_context():  # the loss over the sharded vocabulary differentiates under it too
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _stage1_ddp(self) -> Optional[DistributedDataParallel]:
         """Stage 1: the DDP model the runtime's DDP part drives; None at stages 2 and 3."""
@@ -967,6 +965,13 @@ class MGPUShardedStrategy(ParallelStrategy):
             self._sync_blocked = False
 
     @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
+        # the split layers' backward collectives (tensor_comm_stats=True); the loss over the sharded vocabulary
+        # ("auto+sequence") differentiates under loss_parallel too
+        with self._tensor.counting(), self._tensor.step_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
         trainer = attached_trainer(self.lightning_module)
@@ -988,7 +993,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         step = super().optimizer_step
         if self._pipeline is not None:
             closure = self._pipeline.after_closure(closure)  # the replicas' and the stages' gradient sync
-        return self._runtime.optimizer_step(optimizer, closure, lambda c: step(optimizer, c, model, **kwargs))
+        with self._tensor.counting():  # the step's own (clipping's norm of split gradients); the closure's once
+            return self._runtime.optimizer_step(optimizer, closure, lambda c: step(optimizer, c, model, **kwargs))
 
     # --- data -----------------------------------------------------------------------------------------
     @override

@@ -88,6 +88,7 @@ GIVEN: dict[str, Any] = {
     "shard_size": 2,
     "tensor_parallel_size": 2,
     "tensor_parallel_plan": {"layers.*.w1": "colwise", "layers.*.w2": "rowwise"},
+    "tensor_comm_stats": True,
     "pipeline_parallel_size": 2,
     "pipeline_schedule": "gpipe",
     "pipeline_microbatches": 4,
@@ -113,6 +114,7 @@ NEEDS: dict[str, dict[str, Any]] = {
     "mesh": {"stage": 3},
     "tensor_parallel_size": {"stage": 3},
     "tensor_parallel_plan": {"stage": 3, "tensor_parallel_size": 2},
+    "tensor_comm_stats": {"stage": 3},
 }
 
 

@@ -254,6 +254,12 @@ CASES = [
         id="ddp-log_comm_stats-must-be-a-bool",
     ),
     pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, tensor_comm_stats="yes"),  # type: ignore[arg-type]
+        TypeError,
+        ["tensor_comm_stats='yes'", "True or False"],
+        id="sharded-tensor_comm_stats-must-be-a-bool",
+    ),
+    pytest.param(
         lambda: MGPUShardedStrategy(stage=3, exact_evaluation="yes"),  # type: ignore[arg-type]
         TypeError,
         ["exact_evaluation='yes'", "True or False"],

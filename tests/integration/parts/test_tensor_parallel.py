@@ -5,6 +5,7 @@ trains to the same losses under ``MGPUShardedStrategy`` as under Lightning's ``M
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import traceback
@@ -20,7 +21,7 @@ from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu import MGPUShardedStrategy
+from lightning_mgpu import MGPUShardedStrategy, plan_layouts
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism, is_tensor_parallel
 from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
@@ -79,6 +80,7 @@ class Report(Callback):
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
             "layouts": self.layouts,
+            "ledger": dataclasses.replace(trainer.strategy.comm_stats),
         }
         torch.save(record, self.out / f"report{trainer.global_rank}.pt")
         if self.save is not None:
@@ -124,8 +126,10 @@ def _differs(records: list[dict[str, Any]], expected: dict[str, torch.Tensor]) -
 
 
 def test_tensor2_data2_equals_one_process_evaluates_each_sample_once_and_resumes_across_layouts(tmp_path: Path):
-    # tensor 2 x data 2, k = 1, activation checkpointing of every block, the auto plan
-    tp = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, activation_checkpointing=Block, start_method="fork")
+    # tensor 2 x data 2, k = 1, activation checkpointing of every block, the auto plan, the tensor dimension counted
+    tp = MGPUShardedStrategy(
+        stage=3, tensor_parallel_size=2, activation_checkpointing=Block, tensor_comm_stats=True, start_method="fork"
+    )
     first = _fit(tmp_path / "tp", WORLD, tp, epochs=1, save=tmp_path / "tp.ckpt")
     expected, _ = reference(TPModule(), token_data(), data_ranks=[2])
     _assert_weights(first, expected)
@@ -151,12 +155,18 @@ def test_tensor2_data2_equals_one_process_evaluates_each_sample_once_and_resumes
     for name, value in expected.items():
         torch.testing.assert_close(saved["state_dict"][name], value)
 
+    _assert_tensor_ledger(first)
+
     # resumed at data 4 (no tensor dimension), then on one process, then back at tensor 2 x data 2
     data4 = _fit(
-        tmp_path / "d4", WORLD, MGPUShardedStrategy(stage=3, start_method="fork"), epochs=2,
+        tmp_path / "d4", WORLD, MGPUShardedStrategy(stage=3, tensor_comm_stats=True, start_method="fork"), epochs=2,
         ckpt_path=str(tmp_path / "tp.ckpt"), save=tmp_path / "d4.ckpt",
     )  # fmt: skip
     _assert_weights(data4, reference(TPModule(), token_data(), data_ranks=[2, 4])[0])
+    # negative control: the same count over a tensor dimension of one rank finds nothing (the data dimension's
+    # collectives, FSDP's all-gathers and reduce-scatters, are not in it)
+    assert all(r["ledger"].tensor_calls == r["ledger"].tensor_bytes == 0 for r in data4)
+    assert data4[0]["ledger"].round_bytes > 0
     # one process in a child of its own: its process group must not outlive the fit in this process
     mp.start_processes(_one_process, args=(tmp_path,), nprocs=1, start_method="fork")
     one = load_ranks(tmp_path / "one", 1)
@@ -164,6 +174,35 @@ def test_tensor2_data2_equals_one_process_evaluates_each_sample_once_and_resumes
     back = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, start_method="fork")
     again = _fit(tmp_path / "back", WORLD, back, epochs=4, ckpt_path=str(tmp_path / "one.ckpt"))
     _assert_weights(again, reference(TPModule(), token_data(), data_ranks=[2, 4, 1, 2])[0])
+
+
+def _assert_tensor_ledger(records: list[dict[str, Any]]) -> None:
+    """The ledger's tensor-parallel count against what the split layers must send, from the shapes: each block's
+    output is the loader's batch 2 x 6 positions x width 8 in float64 = 768 bytes; of each of the 2 blocks the 2
+    row-wise layers (attention's wo, the MLP's w2) all-reduce their output in forward, the recomputed forward runs
+    wo's again but stops before w2's (torch's recomputation stops once every tensor the backward keeps is back, and
+    nothing keeps w2's output: the residual sum reads it), the 5 column-wise ones (wq, wk, wv, w1, w3) all-reduce
+    their input's gradient in backward; a ring all-reduce over 2 ranks sends 2 (2-1)/2 = 1x its payload. Then the
+    layout planner's figure for this layout."""
+    block_output = 2 * 6 * 8 * 8
+    calls = 2 * (2 + 1 + 5)
+    for record in records:
+        ledger = record["ledger"]
+        assert ledger.optimizer_steps == 6
+        assert ledger.tensor_calls == 6 * calls
+        assert ledger.tensor_bytes_per_step == calls * block_output == 12288
+        assert ledger.tensor_sent_bytes_per_step == 12288
+    tokens = token_data().tensors[0][:2]
+    layouts = plan_layouts(
+        TPModule, devices=WORLD, device_memory="1GiB", batch=[tokens], activation_checkpointing=Block,
+        strategies=("mgpu_zero3",), precisions=("32-true",),
+    ).layouts  # fmt: skip
+    wanted = (2, 2, 1, True)  # tensor 2 x data 2, no pipeline, checkpointed blocks
+    layout = next(x for x in layouts if (x.tensor, x.data_shard, x.pipeline, x.activation_checkpointing) == wanted)
+    assert layout.tensor_bytes == records[0]["ledger"].tensor_sent_bytes_per_step  # the planner's model is exact here
+    # negative control: the count a fused projection would give (one all-reduce per attention and MLP in each
+    # forward, recomputed one and backward: 6 per block) is not the one measured
+    assert 2 * 6 * block_output != records[0]["ledger"].tensor_sent_bytes_per_step
 
 
 def _one_process(_: int, tmp_path: Path) -> None:

@@ -183,3 +183,52 @@ def test_auto_sequence_cuts_a_hugging_face_llama_after_its_positions_are_compute
     assert plan.styles["model.layers.1.mlp"].input_layouts == (Shard(1),)
     assert _kinds(plan)["model.layers.1.post_attention_layernorm"] == "SequenceParallel"
     assert plan.styles["lm_head"].output_layouts == (Shard(-1),)
+
+
+def test_the_ledger_counts_the_collectives_of_the_split_layers_over_the_tensor_group_only():
+    # in a fresh interpreter: torch's DTensor caches would keep this case's fake groups for the multi-process tests
+    # that later fork from this one
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=_ledger_case)
+    process.start()
+    process.join(timeout=240)
+    assert process.exitcode == 0, f"the ledger case failed in its own interpreter (exit code {process.exitcode})"
+
+
+def _ledger_case() -> None:
+    # one process, torch's fake backend (a group of 4 ranks whose collectives talk to no one): tensor 2 x data 2
+    import torch
+    from torch.distributed._functional_collectives import all_reduce
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_mgpu.comm import CommStats
+    from lightning_mgpu.planning.measure import fake_process_group
+    from tests.tensor_parallel_models import Block
+
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        block = Block(8, n_heads=4, n_kv_heads=2, hidden=16).double()
+        tp = TensorParallelism(size=2)
+        tp.apply(block, mesh["tensor_parallel"])
+        x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
+        stats = CommStats()
+        tp.count_into(stats, mesh["tensor_parallel"])
+        with tp.counting():
+            out = block(x)
+            # forward: the row-wise wo and w2 all-reduce their outputs, 2 x 6 x 8 float64 = 768 bytes each
+            assert (stats.tensor_calls, stats.tensor_bytes) == (2, 2 * 768)
+            with tp.counting():  # nested: counted once
+                out.sum().backward()
+            # backward: the column-wise wq, wk, wv, w1, w3 all-reduce their input's gradient
+            assert (stats.tensor_calls, stats.tensor_bytes, stats.tensor_sent_bytes) == (7, 7 * 768, 7 * 768.0)
+            ones = torch.ones(3, dtype=torch.float64)
+            float(all_reduce(ones, "sum", mesh["data_parallel"].get_group()).sum())  # another group: not counted
+            float(all_reduce(ones, "sum", mesh["tensor_parallel"].get_group()).sum())  # this one: 24 bytes
+        assert (stats.tensor_calls, stats.tensor_bytes) == (8, 7 * 768 + 24)
+        block(x).sum().backward()  # outside the block: not counted
+        assert stats.tensor_calls == 8
+        stats.optimizer_steps = 2
+        assert stats.tensor_sent_bytes_per_step == (7 * 768 + 24) / 2
+        assert stats.as_metrics()["comm/tensor_calls_per_step"] == 4.0 and "tensor parallelism: 8" in stats.summary()
+        assert "comm/tensor_bytes_per_step" not in CommStats().as_metrics()  # nothing counted: no such metric

@@ -21,14 +21,15 @@ from lightning_mgpu.planning.measure import fake_process_group
 from lightning_mgpu.planning.trace import ModelStates, StepTrace
 
 # A model of 2,000 FP32 parameters (8,000 bytes), Adam (16,000 bytes of state), 4 blocks of 8 heads whose output is
-# 100 bytes for the loader's batch of 4, 1,000 bytes of activations, 3 TFLOP per step.
+# 100 bytes for the loader's batch of 4, split by tensor parallelism as a Llama block is (2 row-wise, 5 column-wise
+# layers each), 1,000 bytes of activations, 3 TFLOP per step.
 _GIVEN = {"parameters": {"float32": 8000}, "parameter_count": 2000, "trainable_count": 2000, "trainable_bytes": 8000,
           "optimized_bytes": 8000, "buffers": 0, "optimizer_state": 16000, "optimizer_transient": 0,
           "optimizer_names": ("Adam",)}  # fmt: skip
 STATES = ModelStates(**{f.name: _GIVEN[f.name] for f in fields(ModelStates)})
 TRACE = StepTrace(
     "32-true", False, 8000, 8000, 1000, (), ((1000, 8000),), flops=3 * 10**12, blocks=4, block_output_bytes=100,
-    attention_heads=8,
+    attention_heads=8, rowwise_layers=8, colwise_layers=20,
 )  # fmt: skip
 UNITS = (0.25, 0.0)
 LINKS = Links(intra=100.0, inter=10.0)  # GB/s
@@ -77,23 +78,23 @@ def test_zero3_gathers_twice_and_hsdp_keeps_its_shards_within_a_machine():
 def test_a_tensor_and_pipeline_layout_sends_what_the_formulas_say_on_each_link():
     x = _find(_plan(), "mgpu_ddp", 1, 2, 2, 2, "1f1b")
     assert x.data_bytes == 2000  # all-reduce of the rank's quarter of the gradients over 2 data ranks: 2*1/2*2000
-    assert x.tensor_bytes == 800  # 4 blocks / 2 stages * 4 all-reduces * 2*1/2*100
+    assert x.tensor_bytes == 1400  # (8 forward + 20 backward all-reduces) / 2 stages * 2*1/2*100
     assert x.pipeline_bytes == 200  # the activation forward and its gradient back: 2 * 100
     # ranks: tensor innermost (stride 1), data stride 2, pipeline stride 4: machines of 4
     assert (x.tensor_link, x.data_link, x.pipeline_link) == ("intra", "intra", "inter")
-    assert (x.intra_bytes, x.inter_bytes) == (2800, 200)
+    assert (x.intra_bytes, x.inter_bytes) == (3400, 200)
     assert x.bubble == pytest.approx(1 / 5)  # (P-1)/(m+P-1), P=2, m=4
     compute = 3.0 / 4
     assert x.compute_seconds == pytest.approx(compute)
-    assert x.step_seconds == pytest.approx((compute + 800 / 100e9 + 200 / 10e9) / (1 - 1 / 5))
+    assert x.step_seconds == pytest.approx((compute + 1400 / 100e9 + 200 / 10e9) / (1 - 1 / 5))
     assert x.samples_per_second == pytest.approx(4 * 2 / x.step_seconds)
 
 
 def test_activation_checkpointing_recomputes_the_tensor_all_reduces_of_the_forward():
     plain = _find(_plan(), "mgpu_ddp", 1, 2, 4, 1)
-    ac = _find(_plan(replace(TRACE, activation_checkpointing=True)), "mgpu_ddp", 1, 2, 4, 1)
-    assert plain.tensor_bytes == 2400  # 4 blocks * 4 * 2*3/4*100
-    assert ac.tensor_bytes == 3600  # 6 per block
+    ac = _find(_plan(replace(TRACE, activation_checkpointing=True, rowwise_recomputed=4)), "mgpu_ddp", 1, 2, 4, 1)
+    assert plain.tensor_bytes == 4200  # (8 + 20) all-reduces * 2*3/4*100
+    assert ac.tensor_bytes == 4800  # 4 of the 8 row-wise outputs recomputed (a block's last is not): (12 + 20) * 150
     no_attention = _find(_plan(replace(TRACE, attention_heads=0)), "mgpu_ddp", 1, 8, 1, 1)
     assert no_attention.tensor == 1
     assert all(x.tensor == 1 for x in _plan(replace(TRACE, attention_heads=0)).layouts)  # nothing to split
