@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 from lightning_mgpu import MGPUShardedStrategy
@@ -25,6 +26,7 @@ from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
     Block,
     HFModule,
+    ListTPModule,
     Llama3,
     TPModule,
     indexed_data,
@@ -59,6 +61,7 @@ class Report(Callback):
             "seen": list(pl_module.seen),
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
+            "units": [n for n, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
         }
         torch.save(record, self.out / f"report{trainer.global_rank}.pt")
         if self.save is not None:
@@ -184,6 +187,28 @@ def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: 
     expected, _ = reference(HFModule(kind), token_data(), data_ranks=[1], limit=4)
     _assert_weights(records, expected)
     assert all(r["split"] for r in records)
+
+
+@pytest.mark.parametrize(("stage", "tensor"), [(3, 1), (2, 2)])
+def test_blocks_in_a_bare_module_list_of_the_lightning_module_are_each_a_unit_and_equal_one_process(
+    tmp_path: Path, stage: int, tensor: int
+):
+    # the default FSDP units of a module whose blocks are a ModuleList attribute of the LightningModule itself: each
+    # block, never the list (it has no forward for FSDP's hooks); data 2, then tensor 2 x data 1, on 2 processes
+    strategy = MGPUShardedStrategy(stage=stage, tensor_parallel_size=tensor, start_method="fork")  # type: ignore[arg-type]
+    records = _fit(tmp_path, 2, strategy, epochs=1, module=ListTPModule(), limit_train_batches=3)
+    data = 2 // tensor
+
+    def expected(data_ranks: int) -> dict[str, torch.Tensor]:
+        state, _ = reference(ListTPModule(), token_data(), data_ranks=[data_ranks], limit=3)
+        return {k.removeprefix("model."): v for k, v in state.items()}
+
+    assert records[0]["global_step"] == 3
+    _assert_weights(records, expected(data))
+    assert _differs(records, expected(2 // data))  # negative control: the other split of the batch differs
+    for record in records:
+        assert record["units"] == ["", "tok_embeddings", "layers.0", "layers.1", "norm", "output"]
+        assert record["split"] == (tensor > 1)
 
 
 # --- Lightning's example, under ours and under Lightning's ModelParallelStrategy -----------------------------------
