@@ -20,7 +20,8 @@ from pytorch_lightning.callbacks import Callback
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
-from lightning_mgpu import MGPUShardedStrategy
+from lightning_mgpu import MGPUShardedStrategy, export_checkpoint
+from lightning_mgpu.comm import local_shard
 from lightning_mgpu.parts.tensor_parallel import is_tensor_parallel
 from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
@@ -62,6 +63,7 @@ class Report(Callback):
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
             "units": [n for n, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
+            "local": {n: tuple(local_shard(p).shape) for n, p in pl_module.named_parameters()},  # this rank's piece
         }
         torch.save(record, self.out / f"report{trainer.global_rank}.pt")
         if self.save is not None:
@@ -186,7 +188,44 @@ def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: 
     records = _fit(tmp_path, 2, strategy, epochs=1, module=HFModule(kind), limit_train_batches=4)
     expected, _ = reference(HFModule(kind), token_data(), data_ranks=[1], limit=4)
     _assert_weights(records, expected)
+    assert _differs(records, reference(HFModule(kind), token_data(), data_ranks=[2], limit=4)[0])
     assert all(r["split"] for r in records)
+    if kind == "gpt2":  # the packed query | key | value projection is split by heads, its output projection by rows
+        attn = "model.transformer.h.0.attn"
+        assert records[0]["local"][f"{attn}.c_attn.weight"] == (16, 24)  # of (16, 48): 2 of 4 heads' q, k, v
+        assert records[0]["local"][f"{attn}.c_attn.bias"] == (24,)
+        assert records[0]["local"][f"{attn}.c_proj.weight"] == (8, 16)
+
+
+def test_a_tensor_parallel_gpt2_saves_its_packed_attention_whole_and_resumes_from_either_layout(tmp_path: Path):
+    # the split c_attn keeps the unsplit layout in checkpoints: consolidated (gathered on rank 0), sharded (DCP,
+    # read back by the export, which knows nothing of the split), and both resume into the split model
+    pytest.importorskip("transformers")
+
+    def strategy(layout: str) -> MGPUShardedStrategy:
+        return MGPUShardedStrategy(stage=3, tensor_parallel_size=2, checkpoint=layout, start_method="fork")  # type: ignore[arg-type]
+
+    def expected(epochs: int) -> dict[str, torch.Tensor]:
+        return reference(HFModule("gpt2"), token_data(), data_ranks=[1] * epochs, limit=2)[0]
+
+    run: dict[str, Any] = {"module": HFModule("gpt2"), "limit_train_batches": 2}
+    _fit(tmp_path / "a", 2, strategy("consolidated"), epochs=1, save=tmp_path / "a.ckpt", **run)
+    saved = torch.load(tmp_path / "a.ckpt", weights_only=False)["state_dict"]
+    assert set(saved) == set(expected(1))
+    for name, value in expected(1).items():
+        torch.testing.assert_close(saved[name], value, msg=name)
+    run["module"] = HFModule("gpt2")
+    resumed = _fit(tmp_path / "b", 2, strategy("sharded"), epochs=2, save=tmp_path / "b.ckpt",
+                   ckpt_path=str(tmp_path / "a.ckpt"), **run)  # fmt: skip
+    _assert_weights(resumed, expected(2))
+    exported = torch.load(export_checkpoint(tmp_path / "b.ckpt", tmp_path / "b.pt", format="torch", prefix=""))
+    assert set(exported) == set(expected(2))
+    for name, value in expected(2).items():
+        torch.testing.assert_close(exported[name], value, msg=name)
+    run["module"] = HFModule("gpt2")
+    again = _fit(tmp_path / "c", 2, strategy("sharded"), epochs=3, ckpt_path=str(tmp_path / "b.ckpt"), **run)
+    _assert_weights(again, expected(3))
+    assert again[0]["local"]["model.transformer.h.1.attn.c_attn.weight"] == (16, 24)
 
 
 @pytest.mark.parametrize(("stage", "tensor"), [(3, 1), (2, 2)])
