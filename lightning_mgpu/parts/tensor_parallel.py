@@ -272,18 +272,20 @@ def conv1d_style(kind: str) -> Any:
 def packed_conv1d_style(chunks: int) -> Any:
     """A ``ParallelStyle`` splitting a transformers ``Conv1D`` that packs ``chunks`` projections side by side in its
     output (GPT-2's ``c_attn``: query | key | value) by output column within each chunk: rank ``r`` holds the
-    ``r``-th piece of every chunk (weight ``[in, chunks * width]`` as ``_StridedShard(1, split_factor=chunks)``, bias
-    likewise along dim 0), so its output is its heads' query, key and value, packed as the whole layer packs them;
-    the weights keep their unsplit layout (a gathered or saved tensor is the original one, in the original order).
-    The input's gradient is summed over the group, as ``ColwiseParallel`` sums it."""
-    from torch.distributed.tensor import distribute_module, distribute_tensor
+    ``r``-th piece of every chunk (weight ``[in, chunks * width]`` as ``_StridedShard(1, split_factor=chunks)``; the
+    bias, ``chunks * width`` numbers, whole on every rank, which adds its pieces), so its output is its heads' query,
+    key and value, packed as the whole layer packs them; the weight keeps its unsplit layout (a gathered or saved
+    tensor is the original one, in the original order). The gradients of the input and of the bias are summed over
+    the group, as ``ColwiseParallel`` sums the input's."""
+    from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
 
     from lightning_mgpu._compat import strided_shard
 
     def partition(name: str, module: nn.Module, mesh: Any) -> None:
         for pname, param in list(module.named_parameters(recurse=False)):
-            placement = strided_shard(1 if pname == "weight" else 0, chunks)
+            # the bias stays whole (FSDP2 shards dim 0 again, which a strided split of a 1-D tensor cannot share)
+            placement = strided_shard(1, chunks) if pname == "weight" else Replicate()
             module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement])))
 
     class PackedConv1DParallel(ParallelStyle):
@@ -307,13 +309,17 @@ def _packed_conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     weight = self.weight
     assert isinstance(weight, DTensor)
+    mesh = weight.device_mesh
     if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
     x = x.to_local(grad_placements=[Partial()])
     local = weight.to_local()
     out = x.reshape(-1, x.size(-1)) @ local
-    if isinstance(self.bias, DTensor):
-        out = out + self.bias.to_local()
+    bias = self.bias
+    if isinstance(bias, DTensor):  # whole on every rank: this rank's piece of each chunk, its gradient summed
+        chunks = int(weight.placements[0].split_factor)  # type: ignore[attr-defined]
+        pieces = bias.to_local(grad_placements=[Partial()]).view(chunks, mesh.size(), -1)[:, mesh.get_local_rank()]
+        out = out + pieces.reshape(-1)
     return out.view(*x.shape[:-1], local.shape[-1])
 
 

@@ -193,39 +193,40 @@ def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: 
     if kind == "gpt2":  # the packed query | key | value projection is split by heads, its output projection by rows
         attn = "model.transformer.h.0.attn"
         assert records[0]["local"][f"{attn}.c_attn.weight"] == (16, 24)  # of (16, 48): 2 of 4 heads' q, k, v
-        assert records[0]["local"][f"{attn}.c_attn.bias"] == (24,)
+        assert records[0]["local"][f"{attn}.c_attn.bias"] == (48,)  # whole: each rank adds its heads' pieces
         assert records[0]["local"][f"{attn}.c_proj.weight"] == (8, 16)
 
 
 def test_a_tensor_parallel_gpt2_saves_its_packed_attention_whole_and_resumes_from_either_layout(tmp_path: Path):
     # the split c_attn keeps the unsplit layout in checkpoints: consolidated (gathered on rank 0), sharded (DCP,
-    # read back by the export, which knows nothing of the split), and both resume into the split model
+    # read back by the export, which knows nothing of the split), and both resume into the split model at another
+    # data size: tensor 2 x data 2 -> tensor 2 x data 1 -> tensor 2 x data 2
     pytest.importorskip("transformers")
 
     def strategy(layout: str) -> MGPUShardedStrategy:
         return MGPUShardedStrategy(stage=3, tensor_parallel_size=2, checkpoint=layout, start_method="fork")  # type: ignore[arg-type]
 
-    def expected(epochs: int) -> dict[str, torch.Tensor]:
-        return reference(HFModule("gpt2"), token_data(), data_ranks=[1] * epochs, limit=2)[0]
+    def expected(data_ranks: list[int]) -> dict[str, torch.Tensor]:
+        return reference(HFModule("gpt2"), token_data(), data_ranks=data_ranks, limit=2)[0]
 
-    run: dict[str, Any] = {"module": HFModule("gpt2"), "limit_train_batches": 2}
-    _fit(tmp_path / "a", 2, strategy("consolidated"), epochs=1, save=tmp_path / "a.ckpt", **run)
+    first = _fit(tmp_path / "a", WORLD, strategy("consolidated"), epochs=1, module=HFModule("gpt2"),
+                 limit_train_batches=2, save=tmp_path / "a.ckpt")  # fmt: skip
+    _assert_weights(first, expected([2]))
+    assert first[0]["local"]["model.transformer.h.0.attn.c_attn.weight"] == (8, 24)  # data 2 rows x tensor 2 heads
     saved = torch.load(tmp_path / "a.ckpt", weights_only=False)["state_dict"]
-    assert set(saved) == set(expected(1))
-    for name, value in expected(1).items():
+    assert set(saved) == set(expected([2]))
+    for name, value in expected([2]).items():
         torch.testing.assert_close(saved[name], value, msg=name)
-    run["module"] = HFModule("gpt2")
-    resumed = _fit(tmp_path / "b", 2, strategy("sharded"), epochs=2, save=tmp_path / "b.ckpt",
-                   ckpt_path=str(tmp_path / "a.ckpt"), **run)  # fmt: skip
-    _assert_weights(resumed, expected(2))
+    resumed = _fit(tmp_path / "b", 2, strategy("sharded"), epochs=2, module=HFModule("gpt2"), limit_train_batches=2,
+                   save=tmp_path / "b.ckpt", ckpt_path=str(tmp_path / "a.ckpt"))  # fmt: skip
+    _assert_weights(resumed, expected([2, 1]))
     exported = torch.load(export_checkpoint(tmp_path / "b.ckpt", tmp_path / "b.pt", format="torch", prefix=""))
-    assert set(exported) == set(expected(2))
-    for name, value in expected(2).items():
+    assert set(exported) == set(expected([2, 1]))
+    for name, value in expected([2, 1]).items():
         torch.testing.assert_close(exported[name], value, msg=name)
-    run["module"] = HFModule("gpt2")
-    again = _fit(tmp_path / "c", 2, strategy("sharded"), epochs=3, ckpt_path=str(tmp_path / "b.ckpt"), **run)
-    _assert_weights(again, expected(3))
-    assert again[0]["local"]["model.transformer.h.1.attn.c_attn.weight"] == (16, 24)
+    again = _fit(tmp_path / "c", WORLD, strategy("sharded"), epochs=3, module=HFModule("gpt2"), limit_train_batches=2,
+                 ckpt_path=str(tmp_path / "b.ckpt"))  # fmt: skip
+    _assert_weights(again, expected([2, 1, 2]))
 
 
 @pytest.mark.parametrize(("stage", "tensor"), [(3, 1), (2, 2)])
