@@ -719,10 +719,61 @@ def _fsspec_storage(path: str, reader: bool) -> Any:
 
 def save_sharded(state: dict[str, Any], path: str, group: Optional[Any] = None) -> None:
     """``torch.distributed.checkpoint.save`` of ``state`` into the directory ``path`` (local, or an fsspec URL):
-    a collective over ``group`` (every rank writes its shards; the ranks agree on one save plan first)."""
+    a collective over ``group`` (every rank writes its shards; the ranks agree on one save plan first). ``state``
+    as :func:`dcp_layout` gives it."""
     import torch.distributed.checkpoint as dcp
 
     dcp.save(state, checkpoint_id=path, storage_writer=_fsspec_storage(path, reader=False), process_group=group)
+
+
+def _scattered_dims(tensor: Any) -> list[int]:
+    """The mesh dimensions over which ``tensor`` (a ``DTensor``) holds pieces that are no contiguous block of the
+    whole: a strided shard that no later mesh dimension shards again (a packed query/key/value projection's
+    ``_StridedShard(1, split_factor=3)``; FSDP2's strided shard under a tensor-parallel ``Shard(0)`` is contiguous).
+    ``torch.distributed.checkpoint`` writes a shard as one block, so these dimensions are saved replicated."""
+    from lightning_mgpu._compat import is_strided_shard
+
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return []
+    return [
+        i
+        for i, p in enumerate(placements)
+        if is_strided_shard(p) and not any(q.is_shard(p.dim) for q in placements[i + 1 :])
+    ]
+
+
+def _map_tensors(state: Any, fn: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: _map_tensors(v, fn) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_map_tensors(v, fn) for v in state]
+    return fn(state) if isinstance(state, torch.Tensor) else state
+
+
+def _any_scattered(state: Any) -> bool:
+    if isinstance(state, dict):
+        return any(_any_scattered(v) for v in state.values())
+    if isinstance(state, list):
+        return any(_any_scattered(v) for v in state)
+    return bool(_scattered_dims(state))
+
+
+def _blockwise(tensor: Any) -> Any:
+    from torch.distributed.tensor import Replicate
+
+    dims = _scattered_dims(tensor)
+    if not dims:
+        return tensor
+    placements = [Replicate() if i in dims else p for i, p in enumerate(tensor.placements)]
+    return tensor.redistribute(tensor.device_mesh, placements)
+
+
+def dcp_layout(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as ``torch.distributed.checkpoint`` can write it: each ``DTensor`` whose local pieces are no
+    contiguous block of the whole (a packed projection split by heads) replicated over those mesh dimensions (a
+    collective over them; call it on every rank, on the training thread); everything else as it is."""
+    return _map_tensors(state, _blockwise)
 
 
 def load_sharded(
@@ -743,9 +794,28 @@ def load_sharded(
     with warnings.catch_warnings():
         if local:  # torch warns that it assumes one process: here that is what was asked
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        # a tensor scattered over a mesh dimension is read replicated over it, then copied back into its layout
+        blockwise = dcp_layout(template) if _any_scattered(template) else template
         dcp.load(
-            template, checkpoint_id=path, storage_reader=reader, process_group=group, planner=planner, no_dist=local
+            blockwise, checkpoint_id=path, storage_reader=reader, process_group=group, planner=planner, no_dist=local
         )
+    if blockwise is not template:
+        _copy_back(template, blockwise)
+
+
+def _copy_back(template: Any, loaded: Any) -> None:
+    """What DCP read into ``loaded`` (:func:`dcp_layout` of ``template``) put into ``template``: each tensor read
+    replicated copied into the split layout, every other entry set as DCP set it."""
+    if isinstance(template, (dict, list)):
+        keys = list(loaded) if isinstance(loaded, dict) else range(len(loaded))
+        for k in keys:
+            if isinstance(template[k], (dict, list, torch.Tensor)):
+                _copy_back(template[k], loaded[k])
+            else:
+                template[k] = loaded[k]
+    elif loaded is not template:  # a DTensor read replicated over the dimensions it is scattered on
+        with torch.no_grad():
+            local_shard(template).copy_(local_shard(loaded.redistribute(template.device_mesh, template.placements)))
 
 
 def _is_mean(reduce_op: Any) -> bool:

@@ -685,7 +685,7 @@ class ShardedSettings:
     wrap_modules: Optional[Sequence[type[nn.Module]]] = None
     """Stages 2/3 torch: module classes that each become an FSDP unit (gathered one at a time); a single class is
     taken as ``[cls]``. Default: transformer layers if the model has any, else each direct child with
-    parameters."""
+    parameters (each member of an ``nn.ModuleList`` or ``nn.ModuleDict`` child, never the container)."""
     micro_batch_size: Optional[MicroBatchSetting] = None
     """Stage 1 only (as for :class:`~lightning_mgpu.MGPUDDPStrategy`); checked with the launch settings."""
     mesh: MeshLayout = "flat"

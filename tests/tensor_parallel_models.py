@@ -137,6 +137,29 @@ class TPModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class ListTPModule(TPModule):
+    """The tiny Llama's layers held by the LightningModule itself, its blocks in a bare ``nn.ModuleList`` that
+    ``forward`` iterates (as tutorials write a module): no container of the model's own around them. ``model`` is the
+    module itself (what :func:`reference` copies and :meth:`TPModule.compute` calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        tiny = self._modules.pop("model")
+        assert isinstance(tiny, TinyLlama)
+        self.tok_embeddings, self.layers = tiny.tok_embeddings, tiny.layers
+        self.norm, self.output = tiny.norm, tiny.output
+
+    @property
+    def model(self) -> nn.Module:  # type: ignore[override]
+        return self
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
 def global_batches(dataset: TensorDataset, data_ranks: int, batch_size: int, epoch: int) -> list[torch.Tensor]:
     """The global micro-batches of an epoch as Lightning's automatic sampler deals them (it shuffles a training
     loader, seed 0 + epoch): data rank ``r`` takes every ``data_ranks``-th index from ``r``, in batches of

@@ -382,23 +382,41 @@ def _fsdp_units(model: nn.Module) -> list[nn.Module]:
 
 def fsdp_unit_roots(module: nn.Module, wrap_modules: Optional[tuple[type[nn.Module], ...]] = None) -> list[nn.Module]:
     """The modules FSDP2 makes units of (the root, a unit too, holds the parameters left over): those of
-    ``wrap_modules``; by default every transformer layer when there are any, else each direct child with parameters.
-    The one rule, used by the strategy and by the planner. A module holding a tied parameter (one that a module
-    outside it uses too: an output projection that is the embedding) is no unit: ``fully_shard`` refuses a
-    parameter shared across units, so it stays in an enclosing unit (the root at the latest).
+    ``wrap_modules``; by default every transformer layer when there are any, else each direct child with parameters,
+    where a child without a forward of its own (an ``nn.ModuleList``, an ``nn.ModuleDict``: a container the parent
+    iterates) gives its members instead, as FSDP2 users shard each block and never the list. The one rule, used by
+    the strategy and by the planner. A module holding a tied parameter (one that a module outside it uses too: an
+    output projection that is the embedding) is no unit: ``fully_shard`` refuses a parameter shared across units,
+    so it stays in an enclosing unit (the root at the latest).
 
     Example::
 
         fsdp_unit_roots(model)  # [model.encoder.layers[0], model.encoder.layers[1], ...]
+        fsdp_unit_roots(lightning_module)  # [embedding, layers[0], layers[1], head] for self.layers = nn.ModuleList
     """
     if wrap_modules is not None:
         classes: tuple[type[nn.Module], ...] = wrap_modules
     else:
         layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
         if not any(isinstance(m, layers) for m in module.modules()):
-            return _without_tied(module, [c for c in module.children() if any(True for _ in c.parameters())])
+            return _without_tied(module, _children_with_forward(module))
         classes = layers
     return _without_tied(module, [m for m in module.modules() if m is not module and isinstance(m, classes)])
+
+
+def _children_with_forward(module: nn.Module) -> list[nn.Module]:
+    """The direct children of ``module`` that hold parameters, a child without a forward of its own replaced by its
+    own such children: FSDP2 gathers a unit's parameters in the unit's forward hooks, which never run for a container
+    (``fully_shard`` refuses an ``nn.ModuleList``; a plain ``nn.Module`` holder would be used sharded)."""
+    units = []
+    for child in module.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if type(child).forward is nn.Module.forward:
+            units += _children_with_forward(child)
+        else:
+            units.append(child)
+    return units
 
 
 def _without_tied(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
@@ -423,8 +441,9 @@ class FSDP2Backend(ShardingBackend):
     ``wrap_modules``: module classes that get their own FSDP unit (gathered and freed one at a time), applied
     innermost first; the root is always a unit. ``None``: every ``nn.TransformerEncoderLayer`` /
     ``nn.TransformerDecoderLayer``, and otherwise each direct child of the LightningModule that has
-    parameters (one unit per block of the sample models). A module holding a tied parameter (one that a module
-    outside it uses too) gets no unit of its own: the parameter stays in the enclosing unit.
+    parameters (one unit per block of the sample models; each member of a child ``nn.ModuleList`` or
+    ``nn.ModuleDict``, whose container has no forward for FSDP's hooks). A module holding a tied parameter (one that
+    a module outside it uses too) gets no unit of its own: the parameter stays in the enclosing unit.
     """
 
     keeps_masters = True

@@ -19,11 +19,14 @@ again over the data dimension.
   module's head counts (``n_heads``, ``num_heads``, ``n_kv_heads``, ``num_key_value_heads``, ...) become the
   local counts (divided by the tensor size), as torchtitan does by hand. The forward must read the head count
   from those attributes or infer it from the width (``view(..., -1, head_dim)``), as these models do. Torch's
-  ``nn.TransformerEncoderLayer``/``DecoderLayer`` and GPT-2 (transformers' ``Conv1D`` ``c_fc``/``c_proj``) get
-  their MLP split.
+  ``nn.TransformerEncoderLayer``/``DecoderLayer`` gets its MLP split. GPT-2 (transformers' ``Conv1D`` layers) gets
+  its MLP (``c_fc``/``c_proj``) and its attention split: ``c_attn`` packs query | key | value in one weight, so
+  each rank holds the columns of its heads in each of the three (:func:`packed_conv1d_style`; the weight keeps its
+  unsplit layout, so a gathered or saved tensor is the original one), ``c_proj`` by row, and the attention's
+  ``num_heads``, ``split_size`` and ``embed_dim`` become the local values.
 
 Anything not matched (embeddings, norms, the output head, the packed query/key/value projection of
-``nn.MultiheadAttention`` and of GPT-2's ``c_attn``) stays replicated and is listed in one line at start-up.
+``nn.MultiheadAttention``) stays replicated and is listed in one line at start-up.
 
 ``tensor_parallel_plan="auto+sequence"`` adds sequence parallelism to that plan for a Llama-style model (torchtitan's
 plan): one module whose only children with parameters are an ``nn.Embedding``, a list of blocks, a norm and an
@@ -47,12 +50,14 @@ Example::
 from __future__ import annotations
 
 import re
+import types
 import weakref
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional, cast
 
+import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -74,6 +79,8 @@ _HEAD_COUNTS = (
     "n_local_heads",
     "n_local_kv_heads",
 )
+#: attributes holding the width of each projection packed in GPT-2's ``c_attn``: each becomes the local width
+_PACKED_WIDTHS = ("split_size", "embed_dim")
 
 
 #: modules this process laid out with ``"auto+sequence"`` (their logits are sharded on the vocabulary): a later
@@ -121,6 +128,8 @@ class TensorParallelPlan:
 def _style_name(style: Any) -> str:
     names = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "SequenceParallel": "sequence_parallel"}
     names["PrepareModuleInput"] = "input gathered"
+    if type(style).__name__ == "PackedConv1DParallel":
+        return "colwise packed"
     if type(style).__name__ == "Conv1DParallel":
         return "colwise" if "Colwise" in repr(style) else "rowwise"
     return names.get(type(style).__name__, type(style).__name__)
@@ -288,6 +297,73 @@ def conv1d_style(kind: str) -> Any:
     return Conv1DParallel()
 
 
+def packed_conv1d_style(chunks: int) -> Any:
+    """A ``ParallelStyle`` splitting a transformers ``Conv1D`` that packs ``chunks`` projections side by side in its
+    output (GPT-2's ``c_attn``: query | key | value) by output column within each chunk: rank ``r`` holds the
+    ``r``-th piece of every chunk (weight ``[in, chunks * width]`` as ``_StridedShard(1, split_factor=chunks)``; the
+    bias, ``chunks * width`` numbers, whole on every rank, which adds its pieces), so its output is its heads' query,
+    key and value, packed as the whole layer packs them; the weight keeps its unsplit layout (a gathered or saved
+    tensor is the original one, in the original order). The gradients of the input and of the bias are summed over
+    the group, as ``ColwiseParallel`` sums the input's."""
+    from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from lightning_mgpu._compat import strided_shard
+
+    def partition(name: str, module: nn.Module, mesh: Any) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            # the bias stays whole (FSDP2 shards dim 0 again, which a strided split of a 1-D tensor cannot share)
+            placement = strided_shard(1, chunks) if pname == "weight" else Replicate()
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement])))
+
+    class PackedConv1DParallel(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            distribute_module(module, device_mesh, partition)
+            module.forward = types.MethodType(_packed_conv1d_forward, module)
+            return module
+
+        def __repr__(self) -> str:
+            return f"PackedConv1DColwiseParallel(chunks={chunks})"
+
+    return PackedConv1DParallel()
+
+
+def _packed_conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a packed ``Conv1D`` split by :func:`packed_conv1d_style`, on the local pieces: rank ``r``'s
+    columns are no contiguous block of the whole weight, so the multiplication runs on this rank's pieces (its output
+    is local, as ``ColwiseParallel``'s is) and the input's gradient is summed over the group (a partial sum on each
+    rank, as ``ColwiseParallel`` sums it)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    weight = self.weight
+    assert isinstance(weight, DTensor)
+    mesh = weight.device_mesh
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    x = x.to_local(grad_placements=[Partial()])
+    local = weight.to_local()
+    out = x.reshape(-1, x.size(-1)) @ local
+    bias = self.bias
+    if isinstance(bias, DTensor):  # whole on every rank: this rank's piece of each chunk, its gradient summed
+        chunks = int(weight.placements[0].split_factor)  # type: ignore[attr-defined]
+        pieces = bias.to_local(grad_placements=[Partial()]).view(chunks, mesh.size(), -1)[:, mesh.get_local_rank()]
+        out = out + pieces.reshape(-1)
+    return out.view(*x.shape[:-1], local.shape[-1])
+
+
+def _is_gpt2_attention(block: nn.Module) -> bool:
+    """GPT-2's self-attention: ``c_attn`` (a ``Conv1D`` packing query | key | value, each ``split_size`` wide, the
+    forward splitting its output with ``split(self.split_size, dim=2)``) and ``c_proj``, nothing else with
+    parameters (a cross-attention's ``q_attn`` is left whole)."""
+    attn, proj = getattr(block, "c_attn", None), getattr(block, "c_proj", None)
+    if not (_is_conv1d(attn) and _is_conv1d(proj) and _only(block, ["c_attn", "c_proj"])):
+        return False
+    assert isinstance(attn, nn.Module) and isinstance(proj, nn.Module)
+    width = _widths(proj)[0]
+    split = getattr(block, "split_size", None)
+    return _widths(attn)[1] == 3 * width and split == width and isinstance(getattr(block, "num_heads", None), int)
+
+
 def _pairs(block: nn.Module) -> list[tuple[str, list[str], str]]:
     """``(kind, fan-out names, fan-in name)`` within ``block`` (names relative to it)."""
     found = []
@@ -306,6 +382,8 @@ def _pairs(block: nn.Module) -> list[tuple[str, list[str], str]]:
     fc, proj = getattr(block, "c_fc", None), getattr(block, "c_proj", None)
     if _is_conv1d(fc) and _is_conv1d(proj) and _only(block, ["c_fc", "c_proj"]):  # GPT-2's MLP
         found.append(("mlp", ["c_fc"], "c_proj"))
+    if _is_gpt2_attention(block):
+        found.append(("packed_attention", ["c_attn"], "c_proj"))
     if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):  # torch's: a known forward
         found.append(("mlp", ["linear1"], "linear2"))
     up, down = _linear(block, "intermediate.dense"), _linear(block, "output.dense")
@@ -344,8 +422,10 @@ def _derive_blocks(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
             full = [f"{name}.{n}" if name else n for n in [*fan_out, fan_in]]
             if any(f in styles for f in full):
                 continue
-            reason = _indivisible(block, fan_out, fan_in, tensor_size)
-            counts = _head_counts(block, fan_out[0]) if kind == "attention" else []
+            reason = _indivisible(block, fan_out, fan_in, tensor_size, chunks=3 if kind == "packed_attention" else 1)
+            counts = _head_counts(block, fan_out[0]) if kind != "mlp" else []
+            if kind == "packed_attention":  # the forward splits c_attn's output by these widths
+                counts += [("", a, v) for a in _PACKED_WIDTHS if isinstance(v := getattr(block, a, None), int)]
             bad = [f"{a}={v}" for _, a, v in counts if v % tensor_size]
             if reason or bad:
                 why = reason or ", ".join(bad)
@@ -353,6 +433,9 @@ def _derive_blocks(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
                 continue
             conv = _is_conv1d(module.get_submodule(full[-1]))
             for f in full[:-1]:
+                if kind == "packed_attention":
+                    styles[f] = packed_conv1d_style(3)
+                    continue
                 styles[f] = conv1d_style("colwise") if conv else ColwiseParallel()
             styles[full[-1]] = conv1d_style("rowwise") if conv else RowwiseParallel()
             heads += [(f"{name}.{owner}".strip(".") if owner else name, a, v) for owner, a, v in counts]
@@ -507,10 +590,10 @@ def guard_sequence_length(embedding: nn.Module, size: int) -> Any:
     return embedding.register_forward_pre_hook(check)
 
 
-def _indivisible(block: nn.Module, fan_out: list[str], fan_in: str, size: int) -> str:
+def _indivisible(block: nn.Module, fan_out: list[str], fan_in: str, size: int, chunks: int = 1) -> str:
     for n in fan_out:
         width = _widths(block.get_submodule(n))[1]
-        if width % size:
+        if width % (size * chunks):
             return f"{n} width {width}"
     width = _widths(block.get_submodule(fan_in))[0]
     return f"{fan_in} width {width}" if width % size else ""

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_mgpu._compat import is_strided_shard
 from lightning_mgpu.settings import CheckpointParams
 
 #: the checkpoint's entry that marks it adapter-only: ``{"frozen": {name: {"shape", "dtype", "first_row"}}}``
@@ -56,7 +57,7 @@ def _first_row(value: torch.Tensor) -> Optional[torch.Tensor]:
 
     local = value.detach()
     if isinstance(value, DTensor):
-        if any(p.is_shard() and getattr(p, "dim", 0) != 0 for p in value.placements):
+        if any((p.is_shard() or is_strided_shard(p)) and getattr(p, "dim", 0) != 0 for p in value.placements):
             return None  # sharded along another dimension: the first row is split over ranks
         local = value.to_local().detach()
     if local.dim() == 0:

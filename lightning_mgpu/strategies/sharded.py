@@ -560,6 +560,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         if ema is not None:  # the EMA callback's average: each rank's shards, as the weights
             tensors[EMA_STATE_KEY] = ema
             checkpoint[_EMA_NAMES] = sorted(ema)
+        tensors = comm.dcp_layout(tensors)  # here, on every rank: an async write runs on another thread
         # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
         # does rank 0 mark it complete and swap it in under `target`. A save killed or failing on any rank
         # leaves the previous checkpoint under `target` (ModelCheckpoint(save_last=True) overwrites last.ckpt).

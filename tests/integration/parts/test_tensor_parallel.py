@@ -18,10 +18,12 @@ import torch
 import torch.multiprocessing as mp
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu import MGPUShardedStrategy, plan_layouts
+from lightning_mgpu import MGPUShardedStrategy, export_checkpoint, plan_layouts
+from lightning_mgpu.comm import local_shard
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism, is_tensor_parallel
 from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
@@ -29,6 +31,7 @@ from tests.tensor_parallel_models import (
     VOCAB,
     Block,
     HFModule,
+    ListTPModule,
     Llama3,
     TinyLlama,
     TPModule,
@@ -81,6 +84,8 @@ class Report(Callback):
             "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
             "layouts": self.layouts,
             "ledger": dataclasses.replace(trainer.strategy.comm_stats),
+            "units": [n for n, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
+            "local": {n: tuple(local_shard(p).shape) for n, p in pl_module.named_parameters()},  # this rank's piece
         }
         torch.save(record, self.out / f"report{trainer.global_rank}.pt")
         if self.save is not None:
@@ -350,7 +355,67 @@ def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: 
     records = _fit(tmp_path, 2, strategy, epochs=1, module=HFModule(kind), limit_train_batches=4)
     expected, _ = reference(HFModule(kind), token_data(), data_ranks=[1], limit=4)
     _assert_weights(records, expected)
+    assert _differs(records, reference(HFModule(kind), token_data(), data_ranks=[2], limit=4)[0])
     assert all(r["split"] for r in records)
+    if kind == "gpt2":  # the packed query | key | value projection is split by heads, its output projection by rows
+        attn = "model.transformer.h.0.attn"
+        assert records[0]["local"][f"{attn}.c_attn.weight"] == (16, 24)  # of (16, 48): 2 of 4 heads' q, k, v
+        assert records[0]["local"][f"{attn}.c_attn.bias"] == (48,)  # whole: each rank adds its heads' pieces
+        assert records[0]["local"][f"{attn}.c_proj.weight"] == (8, 16)
+
+
+def test_a_tensor_parallel_gpt2_saves_its_packed_attention_whole_and_resumes_from_either_layout(tmp_path: Path):
+    # the split c_attn keeps the unsplit layout in checkpoints: consolidated (gathered on rank 0), sharded (DCP,
+    # read back by the export, which knows nothing of the split), and both resume into the split model at another
+    # data size: tensor 2 x data 2 -> tensor 2 x data 1 -> tensor 2 x data 2
+    pytest.importorskip("transformers")
+
+    def strategy(layout: str) -> MGPUShardedStrategy:
+        return MGPUShardedStrategy(stage=3, tensor_parallel_size=2, checkpoint=layout, start_method="fork")  # type: ignore[arg-type]
+
+    def expected(data_ranks: list[int]) -> dict[str, torch.Tensor]:
+        return reference(HFModule("gpt2"), token_data(), data_ranks=data_ranks, limit=2)[0]
+
+    first = _fit(tmp_path / "a", WORLD, strategy("consolidated"), epochs=1, module=HFModule("gpt2"),
+                 limit_train_batches=2, save=tmp_path / "a.ckpt")  # fmt: skip
+    _assert_weights(first, expected([2]))
+    assert first[0]["local"]["model.transformer.h.0.attn.c_attn.weight"] == (8, 24)  # data 2 rows x tensor 2 heads
+    saved = torch.load(tmp_path / "a.ckpt", weights_only=False)["state_dict"]
+    assert set(saved) == set(expected([2]))
+    for name, value in expected([2]).items():
+        torch.testing.assert_close(saved[name], value, msg=name)
+    resumed = _fit(tmp_path / "b", 2, strategy("sharded"), epochs=2, module=HFModule("gpt2"), limit_train_batches=2,
+                   save=tmp_path / "b.ckpt", ckpt_path=str(tmp_path / "a.ckpt"))  # fmt: skip
+    _assert_weights(resumed, expected([2, 1]))
+    exported = torch.load(export_checkpoint(tmp_path / "b.ckpt", tmp_path / "b.pt", format="torch", prefix=""))
+    assert set(exported) == set(expected([2, 1]))
+    for name, value in expected([2, 1]).items():
+        torch.testing.assert_close(exported[name], value, msg=name)
+    again = _fit(tmp_path / "c", WORLD, strategy("sharded"), epochs=3, module=HFModule("gpt2"), limit_train_batches=2,
+                 ckpt_path=str(tmp_path / "b.ckpt"))  # fmt: skip
+    _assert_weights(again, expected([2, 1, 2]))
+
+
+@pytest.mark.parametrize(("stage", "tensor"), [(3, 1), (2, 2)])
+def test_blocks_in_a_bare_module_list_of_the_lightning_module_are_each_a_unit_and_equal_one_process(
+    tmp_path: Path, stage: int, tensor: int
+):
+    # the default FSDP units of a module whose blocks are a ModuleList attribute of the LightningModule itself: each
+    # block, never the list (it has no forward for FSDP's hooks); data 2, then tensor 2 x data 1, on 2 processes
+    strategy = MGPUShardedStrategy(stage=stage, tensor_parallel_size=tensor, start_method="fork")  # type: ignore[arg-type]
+    records = _fit(tmp_path, 2, strategy, epochs=1, module=ListTPModule(), limit_train_batches=3)
+    data = 2 // tensor
+
+    def expected(data_ranks: int) -> dict[str, torch.Tensor]:
+        state, _ = reference(ListTPModule(), token_data(), data_ranks=[data_ranks], limit=3)
+        return {k.removeprefix("model."): v for k, v in state.items()}
+
+    assert records[0]["global_step"] == 3
+    _assert_weights(records, expected(data))
+    assert _differs(records, expected(2 // data))  # negative control: the other split of the batch differs
+    for record in records:
+        assert record["units"] == ["", "tok_embeddings", "layers.0", "layers.1", "norm", "output"]
+        assert record["split"] == (tensor > 1)
 
 
 # --- Lightning's example, under ours and under Lightning's ModelParallelStrategy -----------------------------------

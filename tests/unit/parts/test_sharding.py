@@ -1,11 +1,12 @@
-"""parts/sharding.py (module mode): the wrapper's own training flag follows the LightningModule's."""
+"""parts/sharding.py: the wrapper's own training flag follows the LightningModule's (module mode); the default FSDP
+units of a module holding containers."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lightning_mgpu.parts.sharding import follow_module_mode
+from lightning_mgpu.parts.sharding import follow_module_mode, fsdp_unit_roots
 
 
 class Wrapper(nn.Module):
@@ -51,3 +52,23 @@ def test_state_outside_the_shards_goes_to_the_device_whole_including_a_metrics_s
     ShardingBackend.state_to_device(model, torch.device("meta"))
     assert model.offset.device.type == "meta"
     assert model.metric.sum_squared_error.device.type == "meta"  # the metric's own state, moved by its _apply
+
+
+def test_default_units_are_the_members_of_containers_never_the_containers():
+    # a ModuleList, a ModuleDict and a plain holder have no forward for FSDP's hooks: their members are the units
+    holder = nn.Module()
+    holder.inner = nn.Linear(2, 2)
+    net = nn.Module()
+    net.embed, net.empty, net.holder = nn.Embedding(4, 2), nn.ReLU(), holder
+    net.layers = nn.ModuleList([nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)])])
+    net.heads = nn.ModuleDict({"a": nn.Linear(2, 2)})
+    names = {id(m): n for n, m in net.named_modules()}
+    assert [names[id(u)] for u in fsdp_unit_roots(net)] == [
+        "embed",
+        "holder.inner",
+        "layers.0",
+        "layers.1.0",
+        "heads.a",
+    ]
+    # named classes are taken as they are
+    assert [names[id(u)] for u in fsdp_unit_roots(net, (nn.Embedding,))] == ["embed"]

@@ -95,16 +95,26 @@ def test_patterns_match_one_name_per_star_and_plain_modules_are_not_tensor_paral
     assert TensorParallelism(size=1).apply(nn.Linear(2, 2), mesh=None) is None  # one rank: nothing to do
 
 
-def test_gpt2s_conv1d_mlp_is_split_and_its_packed_attention_stays_whole():
+def test_gpt2s_conv1d_mlp_and_packed_attention_are_split_with_the_attentions_local_widths():
     t = _transformers()
     config = t.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=8, bos_token_id=0, eos_token_id=0)
     plan = derive_plan(t.GPT2LMHeadModel(config), tensor_size=2)
     assert {n: repr(s) for n, s in plan.styles.items()} == {
+        "transformer.h.0.attn.c_attn": "PackedConv1DColwiseParallel(chunks=3)",
+        "transformer.h.0.attn.c_proj": "Conv1DRowwiseParallel()",
         "transformer.h.0.mlp.c_fc": "Conv1DColwiseParallel()",
         "transformer.h.0.mlp.c_proj": "Conv1DRowwiseParallel()",
     }
+    # the forward splits c_attn's output by split_size and views it by head: both become the local values
+    assert sorted(plan.heads) == [
+        ("transformer.h.0.attn", a, v) for a, v in [("embed_dim", 16), ("num_heads", 4), ("split_size", 16)]
+    ]
     line = plan.summary(2)
-    assert "transformer.h.*.mlp.c_fc colwise" in line and "transformer.h.*.attn.c_attn" in line.split("replicated:")[1]
+    assert "transformer.h.*.attn.c_attn colwise packed" in line and "c_attn" not in line.split("replicated:")[1]
+    # 3 heads do not divide over 2 ranks: the attention stays whole, the start-up line says why
+    config = t.GPT2Config(vocab_size=32, n_embd=12, n_layer=1, n_head=3, n_positions=8, bos_token_id=0, eos_token_id=0)
+    plan = derive_plan(t.GPT2LMHeadModel(config), tensor_size=2)
+    assert "transformer.h.0.attn.c_attn" not in plan.styles and "num_heads=3 not divisible by 2" in plan.summary(2)
 
 
 def test_auto_sequence_adds_torchtitans_sequence_parallel_layout_to_a_llama_style_model():
