@@ -123,7 +123,7 @@ class CommStats:
             >>> stats = CommStats(allreduce_calls=4, allreduce_bytes=4 * 1000, round_bytes=4 * 1000, sync_rounds=4,
             ...                   optimizer_steps=4, gradient_bytes=1000, world_size=4, replicas=2)
             >>> stats.per_group()["replica_bytes_per_step"], stats.per_group()["shard_ratio_to_lower_bound"]
-            (250.0, 1.0)
+            (500.0, 1.0)
         """
         s, r = self.shard_size, max(self.replicas, 1)
         steps = max(self.optimizer_steps, 1)

@@ -69,6 +69,38 @@ def test_every_example_runs() -> None:
     assert attempted >= 3 * len(names), done.stdout[-2000:]
 
 
+_MODULE_RUNNER = textwrap.dedent(
+    """
+    import doctest, importlib, pkgutil, sys
+    import torch
+    import lightning_mgpu
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    runner = doctest.DocTestRunner(optionflags=flags)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    for info in pkgutil.walk_packages(lightning_mgpu.__path__, "lightning_mgpu."):
+        if info.name == "lightning_mgpu.__main__":
+            continue
+        module = importlib.import_module(info.name)
+        for test in finder.find(module):
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            runner.run(test)
+    result = runner.summarize(verbose=False)
+    print(f"doctest: {result.attempted} examples, {result.failed} failed")
+    sys.exit(1 if result.failed or not result.attempted else 0)
+    """
+)
+
+
+def test_every_example_in_every_module_runs() -> None:
+    """The examples of private helpers and methods too (a method's example is not reached from ``__all__``)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _MODULE_RUNNER], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert int(done.stdout.rsplit("doctest: ", 1)[1].split()[0]) > 0, done.stdout[-2000:]
+
+
 def test_a_wrong_example_fails(tmp_path) -> None:
     """Negative control: the runner reports a docstring whose output is wrong."""
     code = _RUNNER.replace("obj = getattr(lightning_mgpu, name)", "obj = bad")
