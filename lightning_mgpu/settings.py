@@ -980,7 +980,7 @@ class ShardedSettings:
         if set_:
             raise ValueError(
                 f"pipeline_parallel_size={self.pipeline_parallel_size} with {', '.join(set_)} is not supported yet "
-                f"(the token count of each micro-batch and compiled stages are not implemented for pipeline stages). "
+                f"(compiled stages are not implemented for pipeline stages). "
                 f"Remove {', '.join(set_)}, or train without pipeline_parallel_size."
             )
 

@@ -11,7 +11,12 @@ first argument, and the forward stops after the stage's last block, whose output
 The last stage runs the ``training_step`` to its end: its loss, scaled by ``1 / (micro-batches x
 accumulate_grad_batches)``, is what the schedule's backward starts from (the ``1 / accumulate_grad_batches`` is
 applied by Lightning's own backward of the loss the step returns), so the gradients are those of one process with
-the same global batch. ``self.log`` calls made in ``training_step`` on the last stage are collected per
+the same global batch. With ``loss_normalization="tokens"`` the last stage's ``training_step`` returns each
+micro-batch's sum of token losses and its ``num_tokens``: the sums are added, not averaged, and the pipeline's step
+returns ``{"loss": <the batch's sum>, "num_tokens": <the batch's count>}`` on every rank of the pipeline, so each
+of its P ranks counts its replica's tokens (``parts/token_loss.py``: the all-reduce over all W ranks gives
+``P x T``, and the rescale by ``W x k / (P x T)`` turns the synced gradients, ``sum / (replicas x k)``, into
+``sum / T``). ``self.log`` calls made in ``training_step`` on the last stage are collected per
 micro-batch, combined with their ``reduce_fx`` (the mean of equal micro-batches: the value of the whole batch),
 and logged once on every rank of the pipeline.
 
@@ -55,6 +60,7 @@ from lightning_mgpu.mesh import DATA_PARALLEL, PIPELINE, ParallelDims, ParallelM
 from lightning_mgpu.parts.accumulation import BackwardSyncControl
 from lightning_mgpu.parts.clipping import GlobalNormClipping
 from lightning_mgpu.parts.sharding import ShardingBackend, optimizer_params
+from lightning_mgpu.parts.token_loss import TokenNormalization
 
 #: what the container of the blocks must look like, for the errors
 SHAPE_NEEDED = (
@@ -368,13 +374,17 @@ class PipelineBackend(ShardingBackend):
     whole model gathered for evaluation and checkpoints.
 
     ``size``: the pipeline stages' ranks (P); ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``;
-    ``microbatches``: m (None: the number of stages); ``split``: module names or ``"auto"``."""
+    ``microbatches``: m (None: the number of stages); ``split``: module names or ``"auto"``; ``token_loss``:
+    ``loss_normalization="tokens"`` (the micro-batches' loss sums added, their token counts returned)."""
 
     sync_control = PipelineSyncControl()
 
-    def __init__(self, size: int, schedule: str, microbatches: Optional[int], split: Any) -> None:
+    def __init__(
+        self, size: int, schedule: str, microbatches: Optional[int], split: Any, token_loss: bool = False
+    ) -> None:
         super().__init__(stage=2)
         self.size = size
+        self.token_loss = token_loss
         self.schedule_name = schedule
         self.split = split
         self.stages = size * (2 if schedule == "interleaved_1f1b" and split == "auto" else 1)
@@ -396,6 +406,7 @@ class PipelineBackend(ShardingBackend):
         self._step_batch_index = 0
         self._logged: dict[int, list[tuple[str, Any, dict[str, Any]]]] = {}
         self._losses: dict[int, Tensor] = {}
+        self._tokens: dict[int, float] = {}  # token_loss: each micro-batch's num_tokens (the last stage's)
         self._scale = 1.0
         self._pending: list[tuple[nn.Parameter, Tensor]] = []
         self._stale = False  # the stages trained since the blocks were last gathered
@@ -547,16 +558,18 @@ class PipelineBackend(ShardingBackend):
         return ((index * self.dims.data_parallel) + here[DATA_PARALLEL]) * self.dims.tensor + here["tensor_parallel"]
 
     # --- one training step --------------------------------------------------------------------------------
-    def training_step(self, module: Any, accumulate: int, batch: Any, batch_idx: int = 0) -> Tensor:
+    def training_step(self, module: Any, accumulate: int, batch: Any, batch_idx: int = 0) -> Any:
         """Forward and backward of every micro-batch through the stages (the schedule's); returns the batch's loss
-        (the mean of the micro-batches' losses, the same on every stage) as a tensor whose backward does nothing,
-        for Lightning's closure. The gradients are in ``.grad``, scaled by ``1 / (m x accumulate)``."""
+        (the mean of the micro-batches' losses, the same on every stage) as a tensor whose backward adds the
+        schedule's gradients, for Lightning's closure. The gradients are in ``.grad``, scaled by ``1 / (m x
+        accumulate)``. ``token_loss``: the loss is the sum of the micro-batches' sums, the gradients scaled by
+        ``1 / accumulate``, and the step returns ``{"loss": ..., "num_tokens": <the batch's tokens>}``."""
         m = self.microbatches
         micro = split_batch(batch, m)
         key = tuple((tuple(t.shape), t.dtype) for t in _leaves(micro[0]))
         self._micro, self._step_batch_index = micro, batch_idx
-        self._logged, self._losses = {}, {}
-        self._scale = 1.0 / m
+        self._logged, self._losses, self._tokens = {}, {}, {}
+        self._scale = 1.0 if self.token_loss else 1.0 / m  # token sums add up; means are averaged
         schedule = self._schedule_for(module, key)  # a new shape: its probe runs the whole model
         self.free_blocks()  # this rank's stages only, from the first step and after each evaluation
         self._stale = True
@@ -589,13 +602,16 @@ class PipelineBackend(ShardingBackend):
         self.last_stats = PipelineStats(self.stages, len(self._local), m, self._sends[1], measured, theory)
         payload: Any = None
         if last:
-            losses = [self._losses[i] for i in range(m)]
-            payload = (torch.stack(losses).mean().cpu(), combine_logs([self._logged.get(i, []) for i in range(m)]))
+            losses = torch.stack([self._losses[i] for i in range(m)])
+            tokens = sum(self._tokens[i] for i in range(m)) if self.token_loss else 0.0
+            combined = (losses.sum() if self.token_loss else losses.mean()).cpu()
+            payload = (combined, tokens, combine_logs([self._logged.get(i, []) for i in range(m)]))
         payload = comm.broadcast_object(payload, src=self._owner(self.stages - 1), group=self.pipeline_group)
-        loss, logs = payload
+        loss, tokens, logs = payload
         for name, value, kwargs in logs:
             module.log(name, value.to(device), **kwargs)
-        return _PendingGradients.apply(loss.to(device).requires_grad_(True), self)
+        pending = _PendingGradients.apply(loss.to(device).requires_grad_(True), self)
+        return {"loss": pending, "num_tokens": tokens} if self.token_loss else pending
 
     def add_pending(self, scale: Tensor) -> None:
         """The backward of the loss :meth:`training_step` returned: the schedule's gradients, times ``scale`` (what
@@ -675,6 +691,8 @@ class PipelineBackend(ShardingBackend):
                 "'loss')."
             )
         self._losses[chunk] = loss.detach()
+        if self.token_loss:
+            self._tokens[chunk] = TokenNormalization.tokens_of(out)
         return loss
 
     def _passthrough(self, index: int) -> Callable[..., Any]:
@@ -795,6 +813,8 @@ class PipelineBackend(ShardingBackend):
                 f"training_step of {type(module).__name__} returned {type(out).__name__}; under pipeline parallelism "
                 f"it must return the loss tensor (or a dict with 'loss')."
             )
+        if self.token_loss:  # on every rank, before any stage runs: refused together, not in the last stage only
+            TokenNormalization.tokens_of(out)
         return boundaries, (loss.shape, loss.dtype)
 
     # --- after the closure: the replicas' and the shared weights' gradients ----------------------------------

@@ -10,6 +10,10 @@ one scalar all-reduce of ``[tokens, summed loss]`` gives the step's global token
 multiplied by ``W * k / T``, before unscaling, clipping or any non-finite check reads it. The loss
 ``sum / T`` (the global token mean) is logged as ``loss_per_token``.
 
+Ranks that compute the gradient of the same batch count its tokens each (the P stages of a pipeline, whose step
+returns the sum over its micro-batches and their count; ``parts/pipeline.py``): T is then counted P times and the
+factor is ``W * k / (P * T)``, which is what the gradients synced over the ``W / P`` data replicas need.
+
 Manual optimization: call ``self.trainer.strategy.add_tokens(num_tokens, loss_sum)`` for each micro-batch before
 its ``opt.step()`` (the step runs inside ``training_step``, before a returned value could be read).
 """
@@ -47,8 +51,10 @@ class TokenNormalization:
         self._tokens = 0.0
         self._loss = 0.0
 
-    def record(self, output: Any) -> Any:
-        """Read ``num_tokens`` (and the summed loss) from a ``training_step`` output; returns it unchanged."""
+    @staticmethod
+    def tokens_of(output: Any) -> float:
+        """The ``num_tokens`` of a ``training_step`` output; raises ``ValueError`` (naming the fix) where the output
+        is not ``{"loss": ..., "num_tokens": ...}``."""
         if not isinstance(output, Mapping) or "num_tokens" not in output or "loss" not in output:
             got = sorted(output) if isinstance(output, Mapping) else type(output).__name__
             raise ValueError(
@@ -56,7 +62,11 @@ class TokenNormalization:
                 f"'num_tokens': <count>}}; it returned {got}. Return the sum (not the mean) of the token losses "
                 f"and the number of tokens in it, or leave loss_normalization unset."
             )
-        self.add(output["num_tokens"], output["loss"])
+        return _count(output["num_tokens"])
+
+    def record(self, output: Any) -> Any:
+        """Read ``num_tokens`` (and the summed loss) from a ``training_step`` output; returns it unchanged."""
+        self.add(self.tokens_of(output), output["loss"])
         return output
 
     def add(self, num_tokens: Union[int, float, Tensor], loss_sum: Optional[Union[float, Tensor]] = None) -> None:

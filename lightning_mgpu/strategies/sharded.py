@@ -239,7 +239,7 @@ class MGPUShardedStrategy(ParallelStrategy):
             "find_unused_parameters": find_unused_parameters,
         }
         sharded.check_ddp_settings({**ddp_only, **ddp_kwargs})
-        sharded.check_pipeline_composition({"loss_normalization": loss_normalization, "compile": compile})
+        sharded.check_pipeline_composition({"compile": compile})
         # stage 1 trains a DistributedDataParallel model: its settings are mgpu_ddp's
         settings: CommonSettings = (
             from_arguments(DDPSettings, arguments, ddp_kwargs=ddp_kwargs)
@@ -257,7 +257,11 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._pipeline: Optional[PipelineBackend] = None  # pipeline_parallel_size > 1: parts/pipeline.py
         if sharded.pipelined:
             self._pipeline = PipelineBackend(
-                sharded.pipeline_parallel_size, pipeline_schedule, pipeline_microbatches, sharded.pipeline_split
+                sharded.pipeline_parallel_size,
+                pipeline_schedule,
+                pipeline_microbatches,
+                sharded.pipeline_split,
+                token_loss=loss_normalization == "tokens",
             )
             self._sharding = self._pipeline
         self._loaded_sharded = False

@@ -4,7 +4,9 @@ global-norm clipping that bites; the logged training loss and the validation los
 consolidated checkpoint written by the pipeline resumes in one process and continues as an uninterrupted run, and
 one written mid-epoch moves through ZeRO-3 over the 4 ranks to one process as one uninterrupted run. Two
 models as users write them: an ``nn.Sequential`` stack and a GPT-style model whose forward iterates a
-``ModuleList`` (embeddings and a causal mask before the blocks, a norm and a head tied to the embedding after)."""
+``ModuleList`` (embeddings and a causal mask before the blocks, a norm and a head tied to the embedding after).
+With ``loss_normalization="tokens"`` and padded targets, the weights are those of one process minimising the mean
+over every real token of each optimizer step."""
 
 from __future__ import annotations
 
@@ -525,3 +527,77 @@ def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_p
     want, got = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     for key in want:
         torch.testing.assert_close(got[key], want[key], msg=key)
+
+
+IGNORE = -100  # cross_entropy's ignore_index: the padding of the targets
+
+
+class TokenGPT(TinyGPT):
+    """``loss_normalization="tokens"``: the sum of the token losses over the real (not padded) targets, and their
+    count."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        loss, tokens = gpt_token_losses(self, batch)
+        return {"loss": loss, "num_tokens": tokens}
+
+
+def gpt_token_losses(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    idx, target = batch
+    loss = F.cross_entropy(model(idx).flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
+    return loss, (target != IGNORE).sum()
+
+
+def padded_dataset() -> TensorDataset:
+    """``dataset("gpt")`` with each row's targets padded after 1 to SEQ real tokens."""
+    idx, target = dataset("gpt").tensors
+    lengths = torch.randint(1, SEQ + 1, (SAMPLES,), generator=torch.Generator().manual_seed(2))
+    return TensorDataset(idx, target.masked_fill(torch.arange(SEQ)[None, :] >= lengths[:, None], IGNORE))
+
+
+def token_reference(step_batch: int, epochs: int, micro: int = 0) -> tuple[dict[str, torch.Tensor], float]:
+    """One process, plain torch, the global batch of each optimizer step in one piece: the mean over its real
+    tokens (``micro``: instead, the mean of the means of its ``micro`` micro-batches, the plain loss's weighting);
+    the weights and the last step's token mean."""
+    model = TokenGPT()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    last = 0.0
+    for _ in range(epochs):
+        for batch in DataLoader(padded_dataset(), batch_size=step_batch):
+            opt.zero_grad()
+            loss, tokens = gpt_token_losses(model, batch)
+            if micro:
+                parts = zip(*(t.chunk(micro) for t in batch))
+                sum(s / n for s, n in (gpt_token_losses(model, mb) for mb in parts)).div(micro).backward()
+            else:
+                (loss / tokens).backward()
+            opt.step()
+            last = float(loss.detach() / tokens)
+    return model.state_dict(), last
+
+
+def test_pipeline_token_loss_is_the_mean_over_every_token_of_the_step(tmp_path: Path) -> None:
+    """``loss_normalization="tokens"`` through pipeline 2 x data 2, 4 micro-batches of one row each, k=2: the
+    weights are those of one process minimising the mean over every real token of the step's 16 rows, and the
+    logged ``loss_per_token`` is that mean. No clipping (it would hide a scale). The rows hold 1 to 6 real tokens,
+    so the mean of the micro-batches' means (the plain loss's weighting) ends elsewhere: the comparison can fail."""
+    accumulate, replicas, m = 2, 2, 4
+    counts = {int(row.ne(IGNORE).sum()) for row in padded_dataset().tensors[1]}
+    assert len(counts) > 1, "micro-batches of different token counts"
+    strategy = MGPUShardedStrategy(
+        pipeline_parallel_size=2, pipeline_microbatches=m, loss_normalization="tokens", start_method="fork"
+    )
+    kwargs = trainer_kwargs(tmp_path, accumulate, devices=WORLD, strategy=strategy, gradient_clip_val=None)
+    pl.Trainer(**kwargs).fit(TokenGPT(), Data(padded_dataset(), GLOBAL_BATCH // replicas))
+    got = torch.load(tmp_path / "record.pt", weights_only=False)
+    step_batch, epochs = GLOBAL_BATCH * accumulate, kwargs["max_epochs"]
+    want, last_mean = token_reference(step_batch, epochs)
+    assert got["state"].keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got["state"][key], want[key], msg=key)
+    torch.testing.assert_close(got["metrics"]["loss_per_token"], last_mean)
+    initial = TokenGPT().state_dict()
+    assert max(float((want[k] - initial[k]).abs().max()) for k in want) > 1e-2, "the weights moved"
+    mean_of_means, _ = token_reference(step_batch, epochs, micro=step_batch)  # one row per micro-batch
+    with pytest.raises(AssertionError):
+        for key in want:
+            torch.testing.assert_close(got["state"][key], mean_of_means[key], msg=key)

@@ -1,6 +1,7 @@
 """The pipeline's pieces without processes: where the stages begin, balanced splits, micro-batches, the logged
 values combined over micro-batches, and the refusal of a model whose forward does not hand a block's output to the
-next block (found by the probe of one forward)."""
+next block, or, with the token loss, a ``training_step`` without ``num_tokens`` (found by the probe of one forward).
+"""
 
 from __future__ import annotations
 
@@ -83,8 +84,8 @@ def test_logged_values_combine_over_micro_batches_with_their_reduce_fx():
         combine_logs([[("loss", torch.tensor(1.0), {"reduce_fx": "median"})]])
 
 
-def _probed(module: pl.LightningModule, split: Any) -> PipelineBackend:
-    backend = PipelineBackend(2, "1f1b", 2, split)
+def _probed(module: pl.LightningModule, split: Any, token_loss: bool = False) -> PipelineBackend:
+    backend = PipelineBackend(2, "1f1b", 2, split, token_loss=token_loss)
     backend.module = module
     backend.plan = plan_stages(module, split, 2)
     modules = dict(module.named_modules())
@@ -106,6 +107,20 @@ def test_a_forward_that_changes_the_activation_at_a_boundary_is_refused_naming_t
     _probed(Stack(between=True), ["blocks.3"])  # the change is inside stage 0: fine
     with pytest.raises(PipelineError, match=r"before 'blocks\.2'.*Choose other split points"):
         _probed(Stack(between=True), ["blocks.2"])
+
+
+class TokenStack(Stack):
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        return {"loss": super().training_step(batch, batch_idx) * 4, "num_tokens": torch.tensor(4)}
+
+
+def test_token_loss_needs_the_count_from_training_step_refused_by_the_probe_on_every_rank():
+    """``loss_normalization="tokens"``: the probe (one forward on every rank, before any stage runs) refuses a
+    ``training_step`` that returns no ``num_tokens``, with the token mode's fix."""
+    _probed(TokenStack(), ["blocks.2"], token_loss=True)
+    with pytest.raises(ValueError, match=r"needs training_step to return \{'loss': <sum of per-token losses>"):
+        _probed(Stack(), ["blocks.2"], token_loss=True)
+    _probed(Stack(), ["blocks.2"])  # the plain loss: a tensor is fine
 
 
 def _stage0_of_two(module: pl.LightningModule) -> PipelineBackend:
