@@ -399,8 +399,10 @@ def unflatten_mesh(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str
     ``names`` of ``sizes`` (their process groups created; ``mesh`` itself is unchanged). torch 2.13 checked; it has
     no public way yet (its flattening counterpart, ``_flatten``, is how torchtitan and Accelerate name their
     ``"dp"`` dimension, and slicing a flattened dimension from the root mesh warns of its deprecation on torch
-    2.13). Missing: AttributeError at set-up of a hybrid mesh, naming it."""
-    return mesh._unflatten(dim, sizes, names)
+    2.13). The dimension is passed by its index: torch 2.11 refuses a name that the mesh has (its check is
+    inverted: "dim data_parallel specified in `_unflatten` is not in ('data_parallel', 'tensor_parallel')"), and
+    2.11 and 2.13 accept the index alike. Missing: AttributeError at set-up of a hybrid mesh, naming it."""
+    return mesh._unflatten(list(mesh.mesh_dim_names).index(dim), sizes, names)
 
 
 def set_module_device_mesh(module: Any, mesh: Any) -> None:

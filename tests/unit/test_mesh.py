@@ -150,3 +150,27 @@ def test_the_ranks_of_one_pipeline_share_their_data_index():
     flat = ParallelDims(world_size=4, pipeline=2)
     assert [flat.coordinates(r)["data_parallel"] for r in range(4)] == [0, 1, 0, 1]
     assert [flat.coordinates(r)["pipeline"] for r in range(4)] == [0, 0, 1, 1]
+
+
+def _hybrid_meshes() -> None:
+    from lightning_mgpu.planning.measure import fake_process_group
+
+    with fake_process_group(8, rank=5):
+        hybrid = ParallelDims(world_size=8, data_replicate=2).build("cpu")
+        assert hybrid.data.mesh_dim_names == ("data_replicate", "data_shard") and hybrid.data.size() == 8
+        split = ParallelDims(world_size=8, data_replicate=2, tensor=2).build("cpu")
+        assert split.data.mesh_dim_names == ("data_replicate", "data_shard") and split.data.size() == 4
+        assert split.tensor.size() == 2 and split.device_mesh[TENSOR_PARALLEL].size() == 2
+
+
+@pytest.mark.compat
+def test_a_hybrid_mesh_is_built_on_every_declared_torch():
+    """The hybrid split of the data dimension (``_compat.unflatten_mesh``), flat and beside a tensor dimension, on
+    torch's fake process group of 8 ranks, in a fresh interpreter (the groups must not reach later forked tests).
+    torch 2.11 refused the dimension by name; the compatibility tiers run this on the oldest and newest torch."""
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=_hybrid_meshes)
+    process.start()
+    process.join(timeout=120)
+    assert process.exitcode == 0, f"building the hybrid meshes failed (exit code {process.exitcode})"
