@@ -87,9 +87,10 @@ _fake_allreduce.__annotations__ = {
 
 
 def tensor_split(model: nn.Module) -> int:
-    """The parameters the auto tensor-parallel plan splits over 2 ranks (counted before it is applied)."""
-    styles = TensorParallelism(size=2).plan_for(model).styles
-    return sum(p.numel() for name in styles for p in model.get_submodule(name).parameters())
+    """The parameters the auto tensor-parallel plan splits over 2 ranks (counted before it is applied; a row-wise
+    layer's bias stays whole)."""
+    split = set(TensorParallelism(size=2).plan_for(model).split_parameters(model))
+    return sum(p.numel() for name, p in model.named_parameters() if name in split)
 
 
 def build(kind: str, model: nn.Module, device: str) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], int]]:

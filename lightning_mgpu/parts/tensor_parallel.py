@@ -113,6 +113,22 @@ class TensorParallelPlan:
         class name)."""
         return {name: _style_name(style) for name, style in self.styles.items()}
 
+    def split_parameters(self, module: nn.Module) -> list[str]:
+        """The names of ``module``'s parameters this plan shards across the tensor group; every other parameter
+        stays whole on each rank of it. A style splits the parameters of the module it is given, except the bias of
+        a row-wise layer (added after the sum: whole), the bias of a packed ``Conv1D`` (:func:`packed_conv1d_style`)
+        and the norms ``SequenceParallel`` runs on a sequence shard (their weights stay whole)."""
+        whole = {"SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"}
+        split = []
+        for name, style in self.styles.items():
+            if type(style).__name__ in whole:
+                continue
+            rowwise = _style_name(style) in ("rowwise", "colwise packed")
+            for pname, _ in module.get_submodule(name).named_parameters(recurse=False):
+                if not (rowwise and pname == "bias"):
+                    split.append(f"{name}.{pname}")
+        return split
+
     def summary(self, tensor_size: int) -> str:
         """The one start-up line: what is split, how, and what stays replicated."""
         split = _grouped(f"{name} {_style_name(style)}" for name, style in self.styles.items())

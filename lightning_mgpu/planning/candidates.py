@@ -71,6 +71,9 @@ class PlanRow:
     """``"forward/backward"`` or ``"optimizer step"``: where the peak is."""
     fits: bool
     recommended: bool = False
+    states_bytes: int = 0
+    """The parameters, gradients and optimizer state a rank holds once the optimizer has stepped (its shards under
+    FSDP; the step's temporaries freed): what it keeps between steps."""
 
     @property
     def model_states_and_activations(self) -> int:
@@ -148,6 +151,7 @@ def candidate_row(
         fb = (params, g, o, a, bucket + (g if rebuilt_buckets else 0))
         # the step: FP32 gradients of the masters (master modes) and the optimizer's temporaries, no activations
         step = (params, g + g_m, o + tmp, 0, 0)
+        held = params + g + o
     else:
         shard_p = (p_m if master else p_c) // n
         shard_g = (g_m if master else g) // n
@@ -165,9 +169,12 @@ def candidate_row(
             buffers = max(2 * unit_p, unit_p + reduce_scatter)
             fb = (shard_p + int(root * p_c) + b, grads_at_peak, opt // n, a, buffers)
         step = (shard_p + b, shard_g, opt // n + opt_tmp // n, 0, 0)
+        held = shard_p + b + shard_g + opt // n
     phase, parts = ("forward/backward", fb) if sum(fb) >= sum(step) else ("optimizer step", step)
     peak = sum(parts)
-    return PlanRow(strategy, trace.activation_checkpointing, trace.precision, *parts, peak, phase, peak <= usable)
+    return PlanRow(
+        strategy, trace.activation_checkpointing, trace.precision, *parts, peak, phase, peak <= usable, False, held
+    )
 
 
 @dataclass

@@ -3,14 +3,21 @@
 an estimated step time, and the ones that fit, fastest first.
 
 The memory per rank is the memory plan's (:mod:`~lightning_mgpu.planning.candidates`), applied to the piece of
-the model one rank holds: a tensor split of ``T`` and a pipeline of ``P`` stages leave ``1 / (T P)`` of the
-parameters, gradients and optimizer state on a rank, which the data dimension then shards or replicates as its
-strategy does. Activations (traced for the loader's batch ``b`` of one data-parallel rank) are split the same way
-(tensor parallelism with sequence parallelism splits every activation of a block; a stage holds ``1 / P`` of the
-blocks), and a pipeline of ``m`` micro-batches keeps ``k`` of them in flight on its first stage: ``k = m`` under
-GPipe (every forward before any backward), ``k = min(P, m)`` under 1F1B. Per rank::
+the model one rank holds. A tensor split of ``T`` splits what the auto plan of tensor parallelism
+(``tensor_parallel_plan="auto"``, :func:`~lightning_mgpu.parts.tensor_parallel.derive_plan`, read from the traced
+model) splits: ``S`` of the ``W`` parameter bytes (torch's ``nn.TransformerEncoderLayer``: its MLP only; a
+Llama-style block: its attention and MLP), ``1 / T`` of them on a rank, the rest (embedding, norms, head, row-wise
+biases, an attention it does not split) whole; a pipeline of ``P`` stages leaves ``1 / P`` of that, and the
+gradients and optimizer state follow the parameters: ``(W - S + S / T) / P`` per rank, which the data dimension then
+shards or replicates as its strategy does. Activations (traced for the loader's batch ``b`` of one data-parallel
+rank): without sequence parallelism (the auto plan) the split layers' intermediates are ``1 / T`` on a rank and the
+residual stream, the norms and the logits whole; the planner counts ``A_s``, the column-wise split layers' outputs in
+the traced forward, and takes them as the same share of the activations throughout the step (an approximation: the
+gradients of those intermediates in backward are split alike, the temporaries of the unsplit parts are not). A
+stage holds ``1 / P`` of the blocks, and a pipeline of ``m`` micro-batches keeps ``k`` of them in flight on its
+first stage: ``k = m`` under GPipe (every forward before any backward), ``k = min(P, m)`` under 1F1B. Per rank::
 
-    activations = A * k / (m P T)
+    activations = A * k / (m P) * (1 - (A_s / A) (1 - 1/T))
 
 Communication per optimizer step, bytes one rank sends (ring collectives over ``n`` ranks: an all-reduce of ``S``
 bytes sends ``2 (n-1)/n S``, an all-gather or a reduce-scatter ``(n-1)/n S``; ``W`` and ``G`` the parameter and
@@ -52,7 +59,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from lightning_mgpu.planning.candidates import PRECISION_RANK, STRATEGY_RANK, Plan, candidate_row
 from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes
@@ -161,6 +168,9 @@ class Layout:
     """Activations and temporaries, the pipeline's in-flight micro-batches included."""
     communication_bytes: int
     """Communication buffers (a DDP bucket, FSDP's gathered units)."""
+    model_states_bytes: int
+    """The parameters, gradients and optimizer state one rank holds once the optimizer has stepped: of its piece
+    of the model, as the data dimension shards it (what it keeps between steps)."""
     predicted_peak_bytes_per_rank: int
     fits: bool
     data_bytes: int
@@ -290,20 +300,35 @@ def _split_request(request: PlanRequest, strategy: str, data: int, replicas: int
     )
 
 
-def _piece(states: ModelStates, trace: StepTrace, split: int, activations: float) -> tuple[ModelStates, StepTrace]:
-    """What one rank of a model split ``split`` ways holds: ``1/split`` of the states and gradients, and the
-    activations scaled by ``activations``."""
-    sizes = {  # every byte count of the states (the counts of parameters stay the model's)
-        f.name: getattr(states, f.name) // split
+def _piece(
+    states: ModelStates, trace: StepTrace, tensor: int, pipeline: int, in_flight: float
+) -> tuple[ModelStates, StepTrace]:
+    """What one rank of a model split ``tensor`` x ``pipeline`` ways holds: of the parameters, gradients and
+    optimizer state, ``1 / tensor`` of the share the auto plan splits (``trace.tensor_split_bytes``) and the rest
+    whole, over ``pipeline`` stages (buffers: ``1 / pipeline``); of the activations, ``1 / tensor`` of the split
+    layers' outputs (``trace.tensor_split_activations``, taken as the same share of the activations throughout the
+    step), the rest whole, times ``in_flight`` (the pipeline's micro-batches in flight over ``m P``)."""
+    whole_bytes, split_bytes = trace.parameters, min(trace.tensor_split_bytes, trace.parameters)
+
+    def held(v: int, buffers: bool = False) -> int:
+        if buffers or tensor == 1 or not whole_bytes:
+            return v // pipeline
+        split = v * split_bytes // whole_bytes  # the same share of every state as of the parameters
+        return (v - split + split // tensor) // pipeline
+
+    sizes: dict[str, Any] = {  # every byte count of the states (the counts of parameters stay the model's)
+        f.name: held(getattr(states, f.name), buffers=f.name == "buffers")
         for f in fields(states)
         if f.name.endswith("_bytes") or f.name in ("buffers", "optimizer_state", "optimizer_transient")
     }
-    piece = replace(states, parameters={k: v // split for k, v in states.parameters.items()}, **sizes)
-    timeline = tuple((int(a * activations), g // split) for a, g in trace.timeline)
+    piece = replace(states, parameters={k: held(v) for k, v in states.parameters.items()}, **sizes)
+    share = min(1.0, trace.tensor_split_activations / trace.activations) if trace.activations else 0.0
+    activations = in_flight * (1.0 - share * (1.0 - 1.0 / tensor))
+    timeline = tuple((int(a * activations), held(g)) for a, g in trace.timeline)
     scaled = replace(
         trace,
-        parameters=trace.parameters // split,
-        gradients=trace.gradients // split,
+        parameters=held(trace.parameters),
+        gradients=held(trace.gradients),
         activations=int(trace.activations * activations),
         timeline=timeline,
     )
@@ -417,7 +442,7 @@ def _layout(
     usable: int,
 ) -> Layout:
     in_flight = m if schedule == "gpipe" else min(p, m)
-    piece_states, piece_trace = _piece(states, trace, t * p, in_flight / (m * p * t))
+    piece_states, piece_trace = _piece(states, trace, t, p, in_flight / (m * p))
     largest, root = units
     piece_units = (min(1.0, largest * p), min(1.0, root * p))
     data_request = _split_request(request, strategy, d, replicas)
@@ -488,6 +513,7 @@ def _layout(
         optimizer_state_bytes=row.optimizer_state_bytes,
         activations_bytes=row.activations_bytes,
         communication_bytes=row.communication_bytes,
+        model_states_bytes=row.states_bytes,
         predicted_peak_bytes_per_rank=row.predicted_peak_bytes_per_rank,
         fits=row.fits,
         data_bytes=int(data_bytes + shard_bytes),

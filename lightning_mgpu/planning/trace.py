@@ -205,6 +205,15 @@ class StepTrace:
     colwise_layers: int = 0
     """Calls, in the traced forward, of the layers of the blocks it splits by output column (query, key, value; the
     MLP's gate and up): each all-reduces its input's gradient, one block output's worth, in backward."""
+    tensor_split_bytes: int = 0
+    """Parameter bytes (as the step sees them) that the auto plan of tensor parallelism shards across the tensor
+    group (:meth:`~lightning_mgpu.parts.tensor_parallel.TensorParallelPlan.split_parameters`); the rest (embedding,
+    norms, head, an attention it does not split, row-wise biases) stays whole on each rank of the group."""
+    tensor_split_activations: int = 0
+    """Bytes of the outputs, in the traced forward, of the column-wise layers the auto plan splits (first call of
+    each): the block intermediates (the MLP's hidden activations, the split attention's query, key and value) a rank
+    of a tensor split holds ``1 / T`` of; every other activation (residual stream, norms, logits) stays whole
+    without sequence parallelism."""
 
     def peak_with_gradients(self, fraction: float) -> int:
         """The largest ``activations(t) + fraction * gradients(t)``: a rank that keeps ``fraction`` of each
@@ -274,8 +283,15 @@ def trace_step(
         # call's input gradient is all-reduced once in backward)
         calls = {("rowwise", "forward"): 0, ("rowwise", "backward"): 0, ("colwise", "forward"): 0}
         phase = ["forward"]
-        for layer, kind in _split_layers(module, blocks):
+        split_layers, split_names = _split_layers(module, blocks)
+        for layer, kind in split_layers:
             handles.append(layer.register_forward_hook(lambda *_, k=kind: _count(calls, (k, phase[0]))))
+        intermediates: dict[int, int] = {}  # the column-wise layers' outputs, first call each
+
+        def intermediate(layer: nn.Module, inputs: Any, out: Any) -> None:
+            intermediates.setdefault(id(layer), _tensor_bytes(out))
+
+        handles += [layer.register_forward_hook(intermediate) for layer, kind in split_layers if kind == "colwise"]
         checkpointed = tuple(apply_activation_checkpointing(module, policy)) if policy is not None else ()
         fake = _fake_batch(batch, mode, dtype if dtype != torch.float32 else None)
         tracker = timeline_mem_tracker()
@@ -288,6 +304,8 @@ def trace_step(
         for handle in handles:
             handle.remove()
         params = list(module.parameters())
+        named = dict(module.named_parameters())
+        split = {id(named[n]): named[n] for n in split_names if n in named}  # a tied parameter once
         return StepTrace(
             precision=precision,
             activation_checkpointing=policy is not None,
@@ -303,6 +321,8 @@ def trace_step(
             rowwise_layers=calls["rowwise", "forward"],
             rowwise_recomputed=calls["rowwise", "backward"],
             colwise_layers=calls["colwise", "forward"],
+            tensor_split_bytes=sum(p.numel() * p.element_size() for p in split.values()),
+            tensor_split_activations=sum(intermediates.values()),
         )
 
 
@@ -311,19 +331,19 @@ def _count(calls: dict[tuple[str, str], int], key: tuple[str, str]) -> None:
         calls[key] += 1
 
 
-def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.Module, str]]:
+def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[tuple[nn.Module, str]], list[str]]:
     """The layers within ``blocks`` that the auto plan of tensor parallelism splits in ``module``, each with how
     (``"rowwise"``, ``"colwise"``; :func:`~lightning_mgpu.parts.tensor_parallel.derive_plan`: shapes only, no
-    communication)."""
+    communication), and the names of the parameters the plan shards (within the blocks or not)."""
     from lightning_mgpu.parts.tensor_parallel import derive_plan
 
     try:
         plan = derive_plan(module, tensor_size=1)
     except ValueError:  # a model's own plan that names what this module does not have: no split
-        return []
+        return [], []
     inside = {id(m) for block in blocks for m in block.modules()}
     split = [(module.get_submodule(name), kind) for name, kind in plan.kinds().items()]
-    return [(layer, kind) for layer, kind in split if id(layer) in inside]
+    return [(layer, kind) for layer, kind in split if id(layer) in inside], plan.split_parameters(module)
 
 
 def pipeline_blocks(module: nn.Module) -> list[nn.Module]:

@@ -10,7 +10,6 @@ from dataclasses import fields, replace
 from typing import Any, Optional
 
 import pytest
-from torch import nn
 
 from lightning_mgpu.planning import NoPlanFits, PlanError, PlanRequest, plan_layouts
 from lightning_mgpu.planning.candidates import estimate
@@ -18,18 +17,19 @@ from lightning_mgpu.planning.choice import decide_layout
 from lightning_mgpu.planning.layouts import Layout, LayoutPlan, Links, estimate_layouts, group_link
 from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
 from lightning_mgpu.planning.measure import fake_process_group
-from lightning_mgpu.planning.trace import ModelStates, StepTrace
+from lightning_mgpu.planning.trace import ModelStates, StepTrace, count_model_states, trace_step, unit_fractions
 
 # A model of 2,000 FP32 parameters (8,000 bytes), Adam (16,000 bytes of state), 4 blocks of 8 heads whose output is
 # 100 bytes for the loader's batch of 4, split by tensor parallelism as a Llama block is (2 row-wise, 5 column-wise
-# layers each), 1,000 bytes of activations, 3 TFLOP per step.
+# layers each), 1,000 bytes of activations, 3 TFLOP per step; a tensor split splits every parameter and activation
+# (the share the auto plan splits is measured below, on a TransformerLM split for real).
 _GIVEN = {"parameters": {"float32": 8000}, "parameter_count": 2000, "trainable_count": 2000, "trainable_bytes": 8000,
           "optimized_bytes": 8000, "buffers": 0, "optimizer_state": 16000, "optimizer_transient": 0,
           "optimizer_names": ("Adam",)}  # fmt: skip
 STATES = ModelStates(**{f.name: _GIVEN[f.name] for f in fields(ModelStates)})
 TRACE = StepTrace(
     "32-true", False, 8000, 8000, 1000, (), ((1000, 8000),), flops=3 * 10**12, blocks=4, block_output_bytes=100,
-    attention_heads=8, rowwise_layers=8, colwise_layers=20,
+    attention_heads=8, rowwise_layers=8, colwise_layers=20, tensor_split_bytes=8000, tensor_split_activations=1000,
 )  # fmt: skip
 UNITS = (0.25, 0.0)
 LINKS = Links(intra=100.0, inter=10.0)  # GB/s
@@ -209,31 +209,74 @@ def test_a_pipeline_stage_holds_the_parameters_the_plan_gives_a_rank():
     assert abs(_bytes(model.parameters()) - measured) > 0.15 * measured
 
 
-def test_a_tensor_split_leaves_a_rank_the_parameters_the_plan_gives_it():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def test_a_tensor_split_counts_what_the_auto_plan_splits_as_a_rank_holds_it_under_zero3():
+    # tensor 2 x data 2: the auto plan splits each block's MLP (linear1, linear2; linear2's bias stays whole); the
+    # packed attention, the norms, the embedding and the head stay replicated over the tensor group; ZeRO-3 then
+    # shards everything over the data group
+    import multiprocessing
 
-    x = next(x for x in _lm_plan().layouts if (x.tensor, x.pipeline, x.activation_checkpointing) == (2, 1, False))
-    with fake_process_group(world_size=2):
-        mesh = init_device_mesh("cpu", (2,))
+    context = multiprocessing.get_context("spawn")  # torch's DTensor caches would leak into later forked tests
+    queue = context.Queue()
+    process = context.Process(target=_held_under_tensor_2_data_2, args=(queue,))
+    process.start()
+    result = plan_layouts(_lm, devices=4, device_memory="8GiB", batch=_batch(), precisions=("32-true",),
+                          strategies=("mgpu_zero3",), pipeline_schedules=("1f1b",))  # fmt: skip
+    split, states, counters = queue.get(timeout=240)
+    process.join(timeout=60)
+    assert process.exitcode == 0, f"the split model's case failed in its own interpreter (exit code {process.exitcode})"
+    x = next(
+        x
+        for x in result.layouts
+        if (x.tensor, x.data_shard, x.pipeline, x.activation_checkpointing) == (2, 2, 1, False)
+    )
+    trace = trace_step(_lm, _batch(), "32-true")  # the trace the layout above was estimated from
+    assert trace.tensor_split_bytes == split  # the parameters the plan shards over the tensor group, to the byte
+    # parameters, gradients and Adam's moments to the byte; Adam's step counters (a 4-byte scalar per parameter,
+    # whole on every rank) are shared out as the rest of the optimizer state is: the one approximation here
+    assert abs(x.model_states_bytes - states) <= counters < 0.01 * states, (x.model_states_bytes, states, counters)
+    # negative control: every parameter split by the tensor size (the count before the plan was read) is far off
+    everything = replace(trace, tensor_split_bytes=trace.parameters, tensor_split_activations=trace.activations)
+    request = PlanRequest(devices=4, device_memory="8GiB", precisions=("32-true",), strategies=("mgpu_zero3",))
+    states_, units = count_model_states(_lm), unit_fractions(_lm)
+    old = estimate_layouts("lm", request, states_, [everything], units, batch_size=4, schedules=("1f1b",))
+    y = next(y for y in old.layouts if (y.tensor, y.data_shard, y.pipeline) == (2, 2, 1))
+    assert abs(y.model_states_bytes - states) > 0.2 * states, (y.model_states_bytes, states)
+    assert x.activations_bytes > y.activations_bytes  # the residual stream and the norms' activations stay whole
+
+
+def _held_under_tensor_2_data_2(queue: Any) -> None:
+    # one process, torch's fake backend: rank 0 of tensor 2 x data 2, split and sharded as mgpu_zero3 with
+    # tensor_parallel_size=2 lays it out, then one AdamW step
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_mgpu.parts.sharding import local_bytes
+    from lightning_mgpu.parts.tensor_parallel import TensorParallelism
+
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
         model = _lm()
-        tp_plan: dict[str, Any] = {"embed": RowwiseParallel(), "head": ColwiseParallel()}
-        for i in range(len(model.blocks)):
-            tp_plan[f"blocks.{i}.linear1"] = ColwiseParallel()
-            tp_plan[f"blocks.{i}.linear2"] = RowwiseParallel()
-            tp_plan[f"blocks.{i}.self_attn.out_proj"] = RowwiseParallel()
-        parallelize_module(model, mesh, tp_plan)
-        for block in model.blocks:  # the packed query/key/value projection, split by heads
-            attention = block.self_attn
-            for name in ("in_proj_weight", "in_proj_bias"):
-                value = getattr(attention, name).detach()
-                setattr(attention, name, nn.Parameter(distribute_tensor(value, mesh, [Shard(0)])))
-        measured = _bytes(model.parameters())
-    whole = _bytes(_lm().parameters())
-    # the norms and the row-wise layers' biases stay replicated: the plan's even split is a little under
-    assert abs(x.parameters_bytes - measured) <= 0.02 * measured, (x.parameters_bytes, measured)
-    assert abs(whole - measured) > 0.15 * measured  # negative control: no split
+        TensorParallelism(size=2).apply(model, mesh["tensor_parallel"])
+        split = sum(
+            p.numel() * p.element_size()
+            for p in model.parameters()
+            if isinstance(p, DTensor) and any(isinstance(q, Shard) for q in p.placements)
+        )
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["data_parallel"])
+        fully_shard(model, mesh=mesh["data_parallel"])
+        optimizer = model.configure_optimizers()
+        tokens, targets = _batch()
+        model.training_step((tokens, targets), 0).backward()
+        optimizer.step()
+        params = list(model.parameters())
+        held = sum(local_bytes(p) + local_bytes(p.grad) for p in params)
+        moments = sum(local_bytes(v) for s in optimizer.state.values() for k, v in s.items() if k != "step")
+        counters = sum(local_bytes(s["step"]) for s in optimizer.state.values())
+    assert all(isinstance(p, DTensor) for p in params) and torch.is_tensor(params[0].grad)
+    queue.put((split, held + moments + counters, counters))
 
 
 # --- the table, the command and mgpu_auto's choice --------------------------------------------------------------
