@@ -22,13 +22,15 @@ and logged once on every rank of the pipeline.
 
 Each rank trains the blocks of its stages and the parameters outside the blocks (their gradients are summed over
 the stages, which handles weights tied between the embedding and the head). During training it holds only those:
-at the first training step (and again after each evaluation) the storage of the other stages' blocks' parameters
-and buffers is freed (each keeps its Parameter object, dtype and device, with an empty tensor in place of its
-values), so they have no gradient and no optimizer state. Before evaluation, a consolidated checkpoint and the end
-of fit, the freed tensors are allocated again and each block's weights are broadcast from the stage that trains
-them, so that every rank holds the trained model: evaluation then runs the whole model on every rank,
-data-parallel over all ranks. MGPUPrecision's master modes keep every block (the plugin's FP32 masters of the
-other stages are copied into the model after each step).
+at the first training step the storage of the other stages' blocks' parameters and buffers is freed (each keeps its
+Parameter object, dtype and device, with an empty tensor in place of its values), so they have no gradient and no
+optimizer state. Evaluation during fit runs through the stages too (:meth:`PipelineBackend.evaluation_step`): the
+user's ``validation_step`` on each stage with its blocks, forward only, on the whole batch, its logs and output
+those of the last stage on every rank of the pipeline. For a consolidated checkpoint, an evaluation loop whose
+ranks may run different numbers of batches, and at the end of fit, the freed tensors are allocated again and each
+block's weights are broadcast from the stage that trains them, so that every rank holds the trained model (an
+evaluation step then runs it whole, data-parallel over the data replicas). MGPUPrecision's master modes keep
+every block (the plugin's FP32 masters of the other stages are copied into the model after each step).
 
 Example::
 
@@ -256,6 +258,25 @@ def _first_tensor(value: Any) -> Optional[Tensor]:
     return None
 
 
+def _fingerprint(batch: Any) -> list[tuple[tuple[int, ...], float]]:
+    """The shapes and sums of ``batch``'s tensors: what the ranks of a pipeline compare to know they hold the same
+    evaluation batch."""
+    return [(tuple(t.shape), float(t.detach().double().nan_to_num().sum())) for t in _leaves(batch)]
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """``value`` (tensors, and lists, tuples and dicts of them) with its tensors detached and on ``device``."""
+    if isinstance(value, Tensor):
+        return value.detach().to(device)
+    if isinstance(value, dict):
+        return type(value)({k: _to_device(v, device) for k, v in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to_device(v, device) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
 class _StageOutput(Exception):
     """Raised by the hook after a stage's last block: the forward of this stage ends there."""
 
@@ -370,8 +391,8 @@ class _Stage(nn.Module):
 
 class PipelineBackend(ShardingBackend):
     """The sharded strategy's backend with ``pipeline_parallel_size > 1`` (see the module docstring): the stages,
-    their schedule, the gradient sync across the data replicas, the global-norm clipping across stages, and the
-    whole model gathered for evaluation and checkpoints.
+    their schedule, the gradient sync across the data replicas, the global-norm clipping across stages, the
+    forward-only evaluation through the stages, and the whole model gathered for checkpoints.
 
     ``size``: the pipeline stages' ranks (P); ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``;
     ``microbatches``: m (None: the number of stages); ``split``: module names or ``"auto"``; ``token_loss``:
@@ -419,6 +440,7 @@ class PipelineBackend(ShardingBackend):
         self._sends = (0, 0)  # (sends, bytes) of one step of this rank, from the boundary shapes
         self.busy_s = 0.0  # time in the stages' forward and backward computation during the last step
         self.last_stats: Optional[PipelineStats] = None
+        self._whole_for_evaluation = False  # an evaluation loop whose ranks may run different numbers of batches
 
     # --- before launch ------------------------------------------------------------------------------------
     def check_model(
@@ -571,7 +593,7 @@ class PipelineBackend(ShardingBackend):
         self._logged, self._losses, self._tokens = {}, {}, {}
         self._scale = 1.0 if self.token_loss else 1.0 / m  # token sums add up; means are averaged
         schedule = self._schedule_for(module, key)  # a new shape: its probe runs the whole model
-        self.free_blocks()  # this rank's stages only, from the first step and after each evaluation
+        self.free_blocks()  # this rank's stages only, from the first step and after each gather
         self._stale = True
         device = self._module_device(module)
         first = 0 in self._local
@@ -623,6 +645,119 @@ class PipelineBackend(ShardingBackend):
                 g = g * scale.to(g.dtype)
                 p.grad = g if p.grad is None else p.grad + g
 
+    # --- one evaluation step ------------------------------------------------------------------------------
+    def runs_stages_in_evaluation(self) -> bool:
+        """Whether evaluation steps run through the stages: while the other stages' blocks are freed (during fit,
+        after the first training step). Otherwise every rank holds the whole model (before the first training
+        step, after fit, in MGPUPrecision's master modes) and runs the step on it, as without a pipeline."""
+        return bool(self._freed) and not self._whole_for_evaluation
+
+    def evaluation_step(self, module: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The user's ``validation_step``, ``test_step`` or ``predict_step`` (``method``) through the stages,
+        forward only: each stage runs it with the blocks of its own stages (the hooks of :meth:`run_stage`) on the
+        whole batch, the activation at each stage boundary broadcast from the stage's rank to the pipeline's ranks;
+        the last stage runs it to its end. Its ``self.log`` calls and its return value are then the same on every
+        rank of the pipeline (logged there again, returned): Lightning's reduction over all ranks gives the value
+        of one process. A collective of the pipeline's ranks, which hold the same batch (the evaluation loaders
+        are sharded over the data replicas); a batch that differs between them raises :class:`PipelineError`."""
+        assert self.plan is not None and self.module is not None
+        device = self._module_device(module)
+        fingerprints = comm.all_gather_object(_fingerprint(args[0] if args else None), group=self.pipeline_group)
+        if any(f != fingerprints[0] for f in fingerprints):  # every rank of the pipeline raises
+            raise PipelineError(
+                f"The ranks of one pipeline got different {method} batches (their shapes and sums: {fingerprints}). "
+                f"Every stage of a pipeline must evaluate the same batch: shard the evaluation loaders over the data "
+                f"replicas, with trainer.strategy.distributed_sampler_kwargs (Lightning's automatic sampler does), "
+                f"not over the global ranks."
+            )
+        received: Optional[Tensor] = None
+        last = self.stages - 1
+        payload: Any = None
+        failure: Optional[BaseException] = None  # this rank's, re-raised after the stage's collective
+        for s in range(self.stages):
+            owner = self._owner(s)
+            sent: Any = None
+            if s in self._local:
+                try:
+                    sent, out = self._evaluation_stage(module, method, s, received, args, kwargs)
+                    if s == last:
+                        payload = (_to_device(out, torch.device("cpu")), self._portable_logs(module))
+                except Exception as error:  # the other ranks wait in the next collective: they raise too
+                    failure = error
+                    payload = f"{type(error).__name__}: {error}"
+            if s == last:
+                break
+            meta: Any = (tuple(sent.shape), sent.dtype) if sent is not None else payload
+            meta = comm.broadcast_object(meta if failure is None else payload, src=owner, group=self.pipeline_group)
+            if isinstance(meta, str):
+                raise failure if failure is not None else PipelineError(f"Pipeline stage {s} failed: {meta}")
+            buffer = sent if sent is not None else torch.empty(meta[0], dtype=meta[1], device=device)
+            comm.broadcast(buffer, src=owner, group=self.pipeline_group)  # not a training step's bytes
+            received = buffer
+        self._logged, self._logs_wanted = {}, False
+        payload = comm.broadcast_object(payload, src=self._owner(last), group=self.pipeline_group)
+        if isinstance(payload, str):
+            raise failure if failure is not None else PipelineError(f"Pipeline stage {last} failed: {payload}")
+        out, logs = payload
+        named = dict(module.named_modules())
+        for name, value, given in logs:
+            module.log(name, named[value[1]] if isinstance(value, tuple) else value.to(device), **given)
+        return _to_device(out, device)
+
+    def _evaluation_stage(
+        self, module: Any, method: str, stage: int, received: Optional[Tensor], args: Any, kwargs: Any
+    ) -> tuple[Optional[Tensor], Any]:
+        """The user's step run as ``stage`` (no gradients, its logs captured on the last stage): the activation it
+        sends on (None on the last stage) and what the step returned (the last stage's)."""
+        assert self.plan is not None
+        taken: list[int] = []
+        last = stage == self.stages - 1
+        self._chunk, self._logs_wanted, self._logged = 0, last, {}
+        sent: Optional[Tensor] = None
+        out: Any = None
+        try:
+            with torch.no_grad(), self._logs_captured(module), self._stage_hooks(stage, received, taken):
+                out = getattr(module, method)(*args, **kwargs)
+        except _StageOutput as stage_output:
+            sent = stage_output.output.contiguous()
+        if (stage != 0 and len(taken) != 1) or (not last and sent is None):
+            raise PipelineError(
+                f"The {method} of {type(module).__name__} does not call the blocks of {self.plan.container!r} each "
+                f"once in order (the first block of pipeline stage {stage} ran {len(taken)} time(s)). Under pipeline "
+                f"parallelism it needs {SHAPE_NEEDED}, as training_step does."
+            )
+        return sent, out
+
+    def _portable_logs(self, module: Any) -> list[tuple[str, Any, dict[str, Any]]]:
+        """The last stage's captured ``self.log`` calls, with tensors on the CPU and a metric (a submodule, such as
+        a torchmetrics ``Metric``) by its name in the module: the other ranks log their own copy of it, whose
+        states (never updated there) add nothing when it is synced over the ranks."""
+        names = {id(m): n for n, m in module.named_modules()}
+        out: list[tuple[str, Any, dict[str, Any]]] = []
+        for name, value, given in self._logged.get(0, []):
+            if isinstance(value, nn.Module) and id(value) in names:
+                out.append((name, ("module", names[id(value)]), given))
+            elif isinstance(value, (Tensor, int, float)):
+                out.append((name, torch.as_tensor(value).detach().cpu(), given))
+            else:
+                raise PipelineError(
+                    f"self.log({name!r}, {type(value).__name__}) in an evaluation step under pipeline parallelism: "
+                    f"log a number, a tensor, or a metric that is an attribute of the LightningModule."
+                )
+        return out
+
+    def start_uneven_evaluation(self, model: nn.Module) -> None:
+        """Ranks that may run different numbers of evaluation batches: the whole model on every rank for this
+        loop (no step is then a collective)."""
+        self.gather_blocks()  # freed again by the next training step
+        self._whole_for_evaluation = True
+
+    def end_uneven_evaluation(self, model: nn.Module) -> None:
+        self._whole_for_evaluation = False
+
+    def forward_is_collective(self, model: nn.Module) -> bool:
+        return self.runs_stages_in_evaluation()
+
     @staticmethod
     def _module_device(module: Any) -> torch.device:
         return next(iter(module.parameters())).device
@@ -648,42 +783,56 @@ class PipelineBackend(ShardingBackend):
     _chunk = 0
     _logs_wanted = False
 
-    def run_stage(self, stage: int, chunk: int, received: Tensor) -> Tensor:
-        """The user's ``training_step`` on micro-batch ``chunk``, run as stage ``stage``: see the module docstring."""
-        module: Any = self.module
-        assert module is not None and self.plan is not None
+    @contextlib.contextmanager
+    def _stage_hooks(self, stage: int, received: Optional[Tensor], taken: list[int]) -> Generator[None, None, None]:
+        """The forward of the user's step as stage ``stage``: the blocks before the stage's skipped, its first block
+        fed ``received`` (each time: counted in ``taken``), :class:`_StageOutput` raised after its last block
+        (unless it is the last stage)."""
+        assert self.plan is not None
         start, end = self.plan.bounds[stage]
-        is_first, is_last = stage == 0, stage == self.stages - 1
         handles: list[Any] = []
         skipped: list[nn.Module] = []
         for j in range(start):
             block = self._blocks[j]
             block.forward = self._passthrough(j)
             skipped.append(block)
-        if not is_first:
+        if stage != 0:
 
             def take(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                taken.append(1)
                 return (received, *args[1:]), kwargs
 
             handles.append(self._blocks[start].register_forward_pre_hook(take, with_kwargs=True))
-        if not is_last:
+        if stage != self.stages - 1:
 
             def stop(block: nn.Module, args: Any, output: Any) -> None:
                 tensor = _first_tensor(output)
-                assert tensor is not None  # checked by the probe
+                if tensor is None:
+                    raise PipelineError(
+                        f"The last block of pipeline stage {stage} returned {type(output).__name__}, not a tensor (or "
+                        f"a tuple starting with one). The pipeline needs {SHAPE_NEEDED}."
+                    )
                 raise _StageOutput(tensor)
 
             handles.append(self._blocks[end - 1].register_forward_hook(stop))
-        self._chunk, self._logs_wanted = chunk, is_last
         try:
-            out = module.training_step(self._micro[chunk], self._step_batch_index)
-        except _StageOutput as stage_output:
-            return stage_output.output.contiguous()
+            yield
         finally:
             for h in handles:
                 h.remove()
             for block in skipped:
                 del block.forward
+
+    def run_stage(self, stage: int, chunk: int, received: Tensor) -> Tensor:
+        """The user's ``training_step`` on micro-batch ``chunk``, run as stage ``stage``: see the module docstring."""
+        module: Any = self.module
+        assert module is not None and self.plan is not None
+        self._chunk, self._logs_wanted = chunk, stage == self.stages - 1
+        try:
+            with self._stage_hooks(stage, received, []):
+                out = module.training_step(self._micro[chunk], self._step_batch_index)
+        except _StageOutput as stage_output:
+            return stage_output.output.contiguous()
         loss = out["loss"] if isinstance(out, dict) else out
         if not isinstance(loss, Tensor):
             raise PipelineError(
@@ -887,9 +1036,6 @@ class PipelineBackend(ShardingBackend):
                 for t in group:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
-
-    def before_evaluation(self, model: nn.Module) -> None:
-        self.gather_blocks()  # freed again by the next training step
 
     def full_model_state(self, module: nn.Module, keys: Optional[set[str]] = None) -> dict[str, Any]:
         """The whole module's state on every rank; during training the other stages' blocks are freed again

@@ -172,10 +172,6 @@ class ShardingBackend:
     def end_uneven_evaluation(self, model: nn.Module) -> None:
         """After that loop: back to the collective in every forward (FSDP2: the shards)."""
 
-    def before_evaluation(self, model: nn.Module) -> None:
-        """At the start of every evaluation loop, on every rank (the pipeline: every rank gathers the whole
-        model)."""
-
     def mixed_precision_policy(self, policy: Any) -> Any:
         """FSDP2's ``MixedPrecisionPolicy`` (``policy``: the precision plugin's, in master modes), or None: only
         FSDP2 takes one."""

@@ -885,16 +885,22 @@ class MGPUShardedStrategy(ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context(), self._tensor.step_context():
+            if self._pipeline is not None and self._pipeline.runs_stages_in_evaluation():  # forward only, by stage
+                return self._pipeline.evaluation_step(self.lightning_module, "validation_step", *args, **kwargs)
             return self._tensor.local_output(self._redirect("validation_step", *args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context(), self._tensor.step_context():
+            if self._pipeline is not None and self._pipeline.runs_stages_in_evaluation():  # forward only, by stage
+                return self._pipeline.evaluation_step(self.lightning_module, "test_step", *args, **kwargs)
             return self._tensor.local_output(self._redirect("test_step", *args, **kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context(), self._tensor.step_context():
+            if self._pipeline is not None and self._pipeline.runs_stages_in_evaluation():  # forward only, by stage
+                return self._pipeline.evaluation_step(self.lightning_module, "predict_step", *args, **kwargs)
             return self._tensor.local_output(self._redirect("predict_step", *args, **kwargs))
 
     # --- evaluation whose ranks may run different numbers of batches (parts/evaluation.py) ---------------------
@@ -908,12 +914,12 @@ class MGPUShardedStrategy(ParallelStrategy):
     def _start_evaluation(self) -> None:
         """Every forward of a sharded model is a collective (FSDP2 gathers parameters, fairscale's
         ShardedDataParallel broadcasts buffers): if the ranks could run different numbers of batches in this loop
-        (one all-gather of the planned counts says so), do that collective once for the loop instead."""
+        (one all-gather of the planned counts says so), do that collective once for the loop instead. The pipeline's
+        evaluation through the stages is one whatever ``exact_evaluation`` (the whole model for such a loop)."""
         trainer = attached_trainer(self.lightning_module)
         model = self.model
-        if model is not None:
-            self._sharding.before_evaluation(model)
-        if not self._common.exact_evaluation or trainer is None or model is None or self.world_size < 2:
+        checked = self._common.exact_evaluation or self._pipeline is not None
+        if not checked or trainer is None or model is None or self.world_size < 2:
             return
         if not self._sharding.forward_is_collective(model):
             return

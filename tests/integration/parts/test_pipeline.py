@@ -1,6 +1,7 @@
 """Pipeline parallelism through ``Trainer.fit`` on 4 gloo processes (pipeline 2 x data 2, and pipeline 4), float64:
 the weights equal one process with the same global batch for each schedule, with ``accumulate_grad_batches`` and
-global-norm clipping that bites; the logged training loss and the validation loss are the one-process values; a
+global-norm clipping that bites; the logged training loss and the validation loss and metric are the one-process
+values, validation running through the stages (each rank holding only its stages' blocks) on an uneven set; a
 consolidated checkpoint written by the pipeline resumes in one process and continues as an uninterrupted run, and
 one written mid-epoch moves through ZeRO-3 over the 4 ranks to one process as one uninterrupted run. Two
 models as users write them: an ``nn.Sequential`` stack and a GPT-style model whose forward iterates a
@@ -17,6 +18,7 @@ from typing import Any, Optional
 import pytest
 import pytorch_lightning as pl
 import torch
+import torchmetrics
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -28,6 +30,7 @@ from lightning_mgpu.parts.resume import POSITION_KEY
 WORLD = 4
 GLOBAL_BATCH = 8
 SAMPLES = 48  # 6 batches of 8 per epoch
+VALIDATION = 45  # 23 and 22 samples on 2 replicas, in batches of 5: [5, 5, 5, 5, 3] and [5, 5, 5, 5, 2]
 CLIP = 0.05
 VOCAB, SEQ, WIDTH = 11, 6, 8
 
@@ -41,6 +44,8 @@ class SequentialNet(pl.LightningModule):
         self.net = nn.Sequential(
             nn.Linear(6, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 3)
         ).double()
+        self.val_mae = torchmetrics.MeanAbsoluteError()
+        self.val_mae.set_dtype(torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -53,7 +58,10 @@ class SequentialNet(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+        out = self(x)
+        self.log("val_loss", F.mse_loss(out, y), sync_dist=True)
+        self.val_mae(out, y)  # a torchmetrics metric, updated on the last stage only
+        self.log("val_mae", self.val_mae)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0])
@@ -169,8 +177,8 @@ class Data(pl.LightningDataModule):
         sampler = DistributedSampler(self.data, shuffle=False, **kwargs)
         return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
 
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.data, batch_size=5)  # 48 samples: batches of different sizes on 4 ranks
+    def val_dataloader(self) -> DataLoader:  # uneven: different batch sizes on the replicas
+        return DataLoader(TensorDataset(*(t[:VALIDATION] for t in self.data.tensors)), batch_size=5)
 
 
 class Record(pl.Callback):
@@ -181,6 +189,7 @@ class Record(pl.Callback):
         self.out = out
         self.norms: list[float] = []
         self.memory: list[Any] = []
+        self.validation: list[int] = []  # the parameter bytes this rank holds around each validation_step
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
         squares = [p.grad.pow(2).sum() for p in module.parameters() if p.grad is not None]
@@ -188,11 +197,21 @@ class Record(pl.Callback):
         if hasattr(trainer.strategy, "memory_report"):  # this rank's parameter, gradient, optimizer-state bytes
             self.memory.append(trainer.strategy.memory_report())
 
-    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if hasattr(trainer.strategy, "memory_report"):
+            self.validation.append(trainer.strategy.memory_report().parameters)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.on_validation_batch_start(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self.memory:
             full = sum(p.numel() * p.element_size() for p in module.parameters())  # gathered at the end of fit
             self.out.mkdir(parents=True, exist_ok=True)
-            torch.save({"steps": self.memory, "full": full}, self.out / f"memory{trainer.global_rank}.pt")
+            record = {"steps": self.memory, "full": full, "validation": self.validation}
+            torch.save(record, self.out / f"memory{trainer.global_rank}.pt")
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         state = trainer.strategy.lightning_module_state_dict()
         trainer.save_checkpoint(self.out / "last.ckpt")
         if trainer.global_rank == 0:
@@ -289,8 +308,9 @@ def pipelined(
 
 
 def assert_holds_its_stages(out: Path, name: str, pipeline: int, schedule: str) -> None:
-    """During training every rank holds (parameters, gradients and optimizer state) only the blocks of its stages
-    and the parameters outside the blocks; after fit it holds the whole model again."""
+    """During training, and during validation (before and after each validation_step), every rank holds
+    (parameters, gradients and optimizer state) only the blocks of its stages and the parameters outside the
+    blocks; after fit it holds the whole model again."""
     model = make_model(name)
     stages = pipeline * (2 if schedule == "interleaved_1f1b" else 1)
     plan = plan_stages(model, "auto", stages)
@@ -313,6 +333,10 @@ def assert_holds_its_stages(out: Path, name: str, pipeline: int, schedule: str) 
             assert report.gradients == want, (rank, step)  # every parameter it holds has its gradient
             if step:  # SGD's momentum exists after the first step: one buffer per parameter held, none other
                 assert report.optimizer_state == want, (rank, step)
+        batches = math.ceil(math.ceil(VALIDATION / (WORLD // pipeline)) / 5)  # a replica's, each epoch
+        held = record["validation"]  # before and after each validation_step
+        assert held and len(held) % (2 * batches) == 0, (rank, len(held))
+        assert held == [want] * len(held), f"validation holds other stages' blocks on rank {rank}"
 
 
 def assert_one_process(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -320,7 +344,8 @@ def assert_one_process(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert got["state"].keys() == want["state"].keys()
     for key in want["state"]:
         torch.testing.assert_close(got["state"][key], want["state"][key], msg=key)
-    for name in ("train_loss", "val_loss"):
+    names = ["train_loss", "val_loss", *(["val_mae"] if "val_mae" in want["metrics"] else [])]
+    for name in names:
         torch.testing.assert_close(got["metrics"][name], want["metrics"][name], msg=name)
 
 
@@ -461,11 +486,19 @@ class UnsyncedReplicas(PipelineBackend):
         pass
 
 
+class GatheringUnsyncedReplicas(UnsyncedReplicas):
+    """And the whole model gathered on every rank for evaluation (the step run on it, not through the stages)."""
+
+    def runs_stages_in_evaluation(self) -> bool:
+        self.gather_blocks()
+        return False
+
+
 class BrokenPipeline(MGPUShardedStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         assert self._pipeline is not None
-        broken = UnsyncedReplicas(self._pipeline.size, "1f1b", self._pipeline.microbatches, "auto")
+        broken = GatheringUnsyncedReplicas(self._pipeline.size, "1f1b", self._pipeline.microbatches, "auto")
         self._pipeline = self._sharding = broken
 
 
@@ -474,6 +507,9 @@ def test_negative_control_the_comparison_fails_for_a_wrong_pipeline(tmp_path: Pa
     got = pipelined(tmp_path / "pipeline", "sequential", 2, "1f1b", 1, strategy_cls=BrokenPipeline)
     with pytest.raises(AssertionError):
         assert_one_process(got, want)
+    # the whole model gathered for validation: the check of what each rank holds during validation fails
+    with pytest.raises(AssertionError, match="validation holds other stages' blocks"):
+        assert_holds_its_stages(tmp_path / "pipeline", "sequential", 2, "1f1b")
 
 
 def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_path: Path) -> None:
@@ -601,3 +637,20 @@ def test_pipeline_token_loss_is_the_mean_over_every_token_of_the_step(tmp_path: 
     with pytest.raises(AssertionError):
         for key in want:
             torch.testing.assert_close(got["state"][key], mean_of_means[key], msg=key)
+
+
+class GlobalRankValidation(Data):
+    """Validation batches sharded over the 4 global ranks (not the data replicas): the stages of one pipeline get
+    different batches."""
+
+    def val_dataloader(self) -> DataLoader:
+        data = TensorDataset(*(t[:VALIDATION] for t in self.data.tensors))
+        return DataLoader(data, batch_size=5, sampler=DistributedSampler(data, shuffle=False))
+
+
+def test_evaluation_batches_that_differ_between_the_stages_are_refused(tmp_path: Path) -> None:
+    strategy = MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_microbatches=4, start_method="fork")
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path, 1, devices=WORLD, limit_train_batches=1))
+    with pytest.raises(Exception, match="different validation_step batches") as raised:  # raised, not waited on
+        trainer.fit(make_model("sequential"), GlobalRankValidation(dataset("sequential"), GLOBAL_BATCH // 2))
+    assert "distributed_sampler_kwargs" in str(raised.value)
