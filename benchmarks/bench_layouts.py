@@ -3,8 +3,10 @@
     python benchmarks/bench_layouts.py            # one markdown table, a few minutes on 2 CPU cores
     python benchmarks/bench_layouts.py --only 70B # one run
 
-For each published run: the model (a ``TransformerLM`` of the same width, depth, heads, vocabulary and parameter
-count: its FFN width is the Llama layer's parameters less ``4 d**2``, over ``2 d``), the GPUs, machines of 8, the
+For each published run: the model (``LlamaLM``, a Llama 3 of the same width, depth, heads, key-value heads, FFN
+width and vocabulary: separate query/key/value/output projections with grouped keys and values, a gated MLP,
+RMSNorm, an untied head; the names of Llama's layers, so the auto tensor-parallel plan splits its attention and
+MLP as torchtitan's plan does; no rotary embedding, which holds no parameters), the GPUs, machines of 8, the
 device memory, the local batch (per data-parallel rank) at 8192 tokens, ``bf16-master`` (bf16 weights, activations
 and gradients with FP32 masters, which under FSDP are the shards: what FSDP2's bf16 mixed-precision policy, the
 published runs' setting, keeps; ``bf16-mixed`` autocasts FP32 weights and keeps an FP32 residual stream, twice
@@ -22,11 +24,14 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import pytorch_lightning as pl
 import torch
+from torch import nn
+from torch.nn import functional as F
+from typing_extensions import override
 
 from lightning_mgpu.planning import format_bytes, plan_layouts
 from lightning_mgpu.planning.layouts import Layout, LayoutPlan
-from lightning_mgpu.planning.lm import TransformerLM
 
 VOCAB = 128256
 SEQ = 8192
@@ -40,12 +45,94 @@ class Shape:
     kv_heads: int
     ffn: int
 
-    @property
-    def stand_in_ffn(self) -> int:
-        """The FFN width of a TransformerLM layer with a Llama layer's parameters (GQA attention, gated MLP)."""
-        head = self.d // self.heads
-        llama = 2 * self.d * self.d + 2 * self.d * self.kv_heads * head + 3 * self.d * self.ffn
-        return (llama - 4 * self.d * self.d) // (2 * self.d)
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    """Grouped-query causal attention, Llama's names (``wq/wk/wv/wo``, ``n_heads``, ``n_kv_heads``)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # the local head counts under a tensor split: -1 and the weights' widths
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        rep = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """Llama's gated MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: Shape) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(shape.d)
+        self.attention = Attention(shape.d, shape.heads, shape.kv_heads)
+        self.ffn_norm = RMSNorm(shape.d)
+        self.feed_forward = FeedForward(shape.d, shape.ffn)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LlamaLM(pl.LightningModule):
+    """A Llama 3 of ``shape``: token embedding, the blocks, RMSNorm, untied head; AdamW."""
+
+    def __init__(self, shape: Shape, vocab: int = 128256) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, shape.d)
+        self.layers = nn.ModuleList(Block(shape) for _ in range(shape.layers))
+        self.norm = RMSNorm(shape.d)
+        self.output = nn.Linear(shape.d, vocab, bias=False)
+
+    @override
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        return F.cross_entropy(self(tokens).flatten(0, 1).float(), targets.flatten())
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-4)
 
 
 SHAPES = {  # Llama 3 8B / 70B / 405B: width, layers, heads, key-value heads, FFN width
@@ -115,7 +202,7 @@ def main() -> None:
         tokens = torch.zeros(run.local_batch, SEQ, dtype=torch.long, device="meta")
         start = time.perf_counter()
         plan = plan_layouts(
-            lambda shape=shape: TransformerLM(VOCAB, shape.d, shape.heads, shape.layers, ffn=shape.stand_in_ffn),
+            lambda shape=shape: LlamaLM(shape, VOCAB),
             devices=run.gpus,
             num_nodes=run.gpus // 8,
             device_memory=run.memory,

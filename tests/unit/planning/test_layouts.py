@@ -374,3 +374,34 @@ def test_flops_of_a_traced_step_count_the_matrix_products_and_the_recomputation(
     assert 6 * n * tokens <= flops <= 1.2 * 6 * n * tokens  # 6 N per token, plus attention's products
     assert traced[True].compute_seconds > traced[False].compute_seconds  # the recomputed forward
     assert math.isclose(result.batch_size, 4)
+
+
+def test_the_benchmarks_llama_stand_in_is_split_as_llama_and_has_the_published_parameter_count(monkeypatch):
+    """``benchmarks/bench_layouts.py`` plans the published Llama runs with ``LlamaLM``: its auto tensor-parallel plan
+    splits every block's query, key, value, output, gate, up and down projections (only the embedding, the norms
+    and the head whole), and each size holds the published parameters (8B, 70B, 405B) within 2%."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from lightning_mgpu.parts.tensor_parallel import derive_plan
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_layouts.py"
+    spec = importlib.util.spec_from_file_location("bench_layouts", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    for name, shape in bench.SHAPES.items():
+        with torch.device("meta"):
+            model = bench.LlamaLM(shape, bench.VOCAB)
+        count = sum(p.numel() for p in model.parameters())
+        assert abs(count / (float(name.removesuffix("B")) * 1e9) - 1) < 0.02, (name, count)
+        split = set(derive_plan(model, 8).split_parameters(model))
+        layers = [f"attention.w{n}" for n in "qkvo"] + [f"feed_forward.w{n}" for n in "132"]
+        expected = {f"layers.{i}.{n}.weight" for i in range(shape.layers) for n in layers}
+        assert split == expected, (name, sorted(split ^ expected)[:4])
+        whole = {n for n, _ in model.named_parameters()} - split
+        assert all(n.startswith(("tok_embeddings.", "output.", "norm.")) or "_norm." in n for n in whole), name
