@@ -884,24 +884,27 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context(), self._tensor.step_context():
-            if self._pipeline is not None and self._pipeline.runs_stages_in_evaluation():  # forward only, by stage
-                return self._pipeline.evaluation_step(self.lightning_module, "validation_step", *args, **kwargs)
-            return self._tensor.local_output(self._redirect("validation_step", *args, **kwargs))
+        with self.precision_plugin.val_step_context():
+            return self._step_on_stages_or_model("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context(), self._tensor.step_context():
-            if self._pipeline is not None and self._pipeline.runs_stages_in_evaluation():  # forward only, by stage
-                return self._pipeline.evaluation_step(self.lightning_module, "test_step", *args, **kwargs)
-            return self._tensor.local_output(self._redirect("test_step", *args, **kwargs))
+        with self.precision_plugin.test_step_context():
+            return self._step_on_stages_or_model("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context(), self._tensor.step_context():
-            if self._pipeline is not None and self._pipeline.runs_stages_in_evaluation():  # forward only, by stage
-                return self._pipeline.evaluation_step(self.lightning_module, "predict_step", *args, **kwargs)
-            return self._tensor.local_output(self._redirect("predict_step", *args, **kwargs))
+        with self.precision_plugin.predict_step_context():
+            return self._step_on_stages_or_model("predict_step", *args, **kwargs)
+
+    def _step_on_stages_or_model(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``method``: through the pipeline's stages (forward only, by stage) where the
+        other stages' blocks are freed, else on the model; under the loss over the sharded vocabulary where the
+        tensor-parallel plan has one."""
+        with self._tensor.step_context():
+            if self._pipeline is not None and self._pipeline.runs_stages_in_evaluation():
+                return self._pipeline.evaluation_step(self.lightning_module, method, *args, **kwargs)
+            return self._tensor.local_output(self._redirect(method, *args, **kwargs))
 
     # --- evaluation whose ranks may run different numbers of batches (parts/evaluation.py) ---------------------
     def _current_evaluation_loop(self, trainer: pl.Trainer) -> Any:
