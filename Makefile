@@ -160,10 +160,12 @@ bench-gpu:
 # in all on one H100 (benchmarks/gpu/proof.py says each part's budget); results and logs under benchmarks/results/.
 # Where `make gpu-wheels` left wheels in .whl/ (jsonargparse and its needs, fairscale: pure Python, missing there),
 # they are installed first into .whl/site, offline.
+# GPU_PROOF_OUT: where the proof writes its JSON and logs (a folder the GPU machine sends back, for example)
+GPU_PROOF_OUT ?= benchmarks/results
 gpu-proof:
 	@if ls .whl/*.whl >/dev/null 2>&1; then \
 		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl/site .whl/*.whl; fi
-	PYTHONPATH=$(CURDIR)$$(test -d .whl/site && echo :$(CURDIR)/.whl/site) $(GPU_PYTHON) benchmarks/gpu/proof.py --out benchmarks/results
+	PYTHONPATH=$(CURDIR)$$(test -d .whl/site && echo :$(CURDIR)/.whl/site) $(GPU_PYTHON) benchmarks/gpu/proof.py --out $(GPU_PROOF_OUT)
 
 # Run where pip reaches PyPI, before taking the checkout to a GPU machine without network: the pure-Python packages
 # that machine lacks, as wheels for its Python (3.12, x86-64 Linux) in .whl/ (ignored by git): jsonargparse with its

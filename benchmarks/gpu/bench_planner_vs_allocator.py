@@ -164,6 +164,7 @@ def main() -> None:
                     "predicted_peak_bytes": predicted.predicted_peak_bytes_per_rank,
                     "predicted_measurable_bytes": predicted.measurable_bytes,
                     "predicted_one_device_bytes": predicted.one_device_bytes,
+                    "predicted_rebuilt_buckets_bytes": predicted.rebuilt_buckets_bytes,
                     "measured_bytes": measured,
                     "ratio": ratio,
                 }

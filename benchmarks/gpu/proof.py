@@ -56,10 +56,10 @@ def parts(out: Path, xdist: bool) -> list[Part]:
     py = sys.executable
     workers = ("-n", "12") if xdist else ()
     return [
-        Part("env", 20, (py, "benchmarks/gpu/env.py")),
+        Part("env", 25, (py, "benchmarks/gpu/env.py")),
         Part(
             "tier",
-            215,
+            205,
             (
                 py,
                 "-m",
@@ -94,7 +94,7 @@ def parts(out: Path, xdist: bool) -> list[Part]:
         ),
         Part(
             "compile",
-            70,
+            75,
             (
                 py,
                 "benchmarks/bench_compile.py",
@@ -109,8 +109,8 @@ def parts(out: Path, xdist: bool) -> list[Part]:
             ),
         ),
         Part("planner", 45, (py, "benchmarks/gpu/bench_planner_vs_allocator.py", "--out", str(out))),
-        Part("checkpoint", 30, (py, "benchmarks/gpu/bench_checkpoint_blocking.py", "--out", str(out))),
-        Part("memory", 40, (py, "benchmarks/gpu/bench_memory_per_rank.py", "--out", str(out))),
+        Part("checkpoint", 35, (py, "benchmarks/gpu/bench_checkpoint_blocking.py", "--out", str(out))),
+        Part("memory", 35, (py, "benchmarks/gpu/bench_memory_per_rank.py", "--out", str(out))),
     ]
 
 

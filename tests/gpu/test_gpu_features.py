@@ -108,7 +108,11 @@ def test_planner_prediction_against_the_cuda_allocator(strategy: str, precision:
     assert r["steps"] == 3 and r["predicted_measurable_bytes"] > 0, r
     if ON_CUDA:
         assert r["measured_peak_bytes"] > 0, r
-        assert abs(r["ratio"] - 1) <= PLANNER_TOLERANCE, r
+        # DDP may or may not still hold its first buckets when it rebuilds them (allocation timing): the plan counts
+        # them, so the measured peak must lie between the plan without them and the plan, each within the tolerance
+        low = r["predicted_measurable_bytes"] - r["predicted_rebuilt_buckets_bytes"]
+        assert (1 - PLANNER_TOLERANCE) * low <= r["measured_less_workspaces"], r
+        assert r["ratio"] <= 1 + PLANNER_TOLERANCE, r
     else:
         assert r["measured_peak_bytes"] == -1 and r["ratio"] == -1.0, r
 

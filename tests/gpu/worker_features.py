@@ -494,6 +494,7 @@ def planner_vs_allocator(
     return {
         "predicted_peak_bytes": predicted.predicted_peak_bytes_per_rank,
         "predicted_measurable_bytes": predicted.one_device_bytes,
+        "predicted_rebuilt_buckets_bytes": predicted.rebuilt_buckets_bytes,
         "measured_peak_bytes": peak.peak,
         "cublas_workspace_bytes": workspaces,
         "measured_less_workspaces": measured,
