@@ -856,6 +856,33 @@ def broadcast_module_states(module: nn.Module) -> None:
         sync_module_states(module)
 
 
+def broadcast_start_weights(module: nn.Module) -> int:
+    """Global rank 0's values of ``module``'s parameters and buffers copied into every rank's, one broadcast per
+    device and dtype, before the model is split or sharded: what DDP does at construction, so that the ranks start
+    from one model when each process built its own (a script run once per process without a common seed). Tensors
+    already split (``DTensor``: the user's ``configure_model`` laid them out) and tensors on the meta device are
+    left alone. Returns how many tensors were broadcast; none when no process group is up."""
+    if not group_is_up():
+        return 0
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta" and not _is_dtensor(t)]
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad():
+        for group in by_kind.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            broadcast(flat, src=0)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+    return len(tensors)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return callable(getattr(tensor, "to_local", None))
+
+
 def new_group(ranks: Optional[Sequence[int]] = None, **kwargs: Any) -> Any:
     """``torch.distributed.new_group`` (a collective: every rank of the default group calls it)."""
     return dist.new_group(ranks=ranks, **kwargs)

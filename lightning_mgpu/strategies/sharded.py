@@ -801,6 +801,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if fitting:
+            if self._runtime.ddp is None:  # DDP broadcasts rank 0's weights itself
+                comm.broadcast_start_weights(self.model)  # one model on every rank before it is split or sharded
             self._wrap_model(policy)
             self.setup_optimizers(trainer)  # after the model is wrapped or sharded: the optimizers hold the shards
         else:

@@ -18,12 +18,15 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
+from lightning_mgpu.comm import full_tensor
 from lightning_mgpu.strategies.runtime import Runtime
 from tests.helpers import WORLD, fit, flat_params
 from tests.models import OptRegressor, Regressor, make_data, reference_run
+from tests.tensor_parallel_models import ListTPModule, token_data
 
 CONFIGS = [(1, "torch"), (2, "torch"), (3, "torch"), (1, "fairscale"), (2, "fairscale")]
 IDS = ["zero1-torch", "zero2-fsdp2", "zero3-fsdp2", "zero1-fairscale", "zero2-fairscale"]
@@ -497,3 +500,60 @@ def test_the_save_preamble_runs_once_per_save(tmp_path, stage):
     strategy._runtime.write_file = lambda checkpoint, path, options, save: calls.append("write")  # type: ignore[method-assign]
     strategy.save_checkpoint({"state_dict": {}}, str(tmp_path / "last.ckpt"))
     assert calls == ["before", "write"]
+
+
+# --- every rank starts from rank 0's weights -----------------------------------------------------------------------
+
+
+class RankSeeded(ListTPModule):
+    """A module each process builds from its own random state, as a script run once per process does (torchrun,
+    SLURM, the popen launcher) without a common seed: ``configure_model`` draws every parameter again from a seed
+    of the process's rank, and keeps what it drew."""
+
+    def configure_model(self) -> None:
+        g = torch.Generator().manual_seed(100 + self.global_rank)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        self.drawn = {n: p.detach().clone() for n, p in self.named_parameters()}
+
+
+class StartWeights(Callback):
+    """At the start of training, on every rank: what ``configure_model`` drew and the whole weights the rank trains
+    from (a split or sharded parameter gathered: a collective every rank makes in the same order)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = Path(out_dir)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        start = {n: full_tensor(p).detach().clone() for n, p in pl_module.named_parameters()}
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"drawn": pl_module.drawn, "start": start}, self.out_dir / f"start{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"stage": 3, "tensor_parallel_size": 2},  # tensor 2 x data 2
+        {"pipeline_parallel_size": 2},  # pipeline 2 x data 2
+        {"stage": 3, "mesh": "hybrid", "shard_size": 2},  # replicas of a shard group
+    ],
+    ids=["tensor", "pipeline", "hybrid"],
+)
+def test_every_rank_trains_from_rank_0s_weights_when_each_process_drew_its_own(tmp_path: Path, layout: Any) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=sharded(layout.pop("stage", 2), "torch", **layout), max_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[StartWeights(tmp_path)],
+    )  # fmt: skip
+    trainer.fit(RankSeeded(), DataLoader(token_data(), batch_size=2))
+    ranks = [torch.load(tmp_path / f"start{r}.pt", weights_only=False) for r in range(WORLD)]
+    drawn = ranks[0]["drawn"]
+    # the processes drew different weights (without the broadcast the ranks would train from these) ...
+    for other in ranks[1:]:
+        assert not torch.equal(other["drawn"]["output.weight"], drawn["output.weight"])
+    # ... and every rank trains from rank 0's, split or sharded as the layout says
+    for r, record in enumerate(ranks):
+        assert set(record["start"]) == set(drawn), r
+        for name, value in drawn.items():
+            torch.testing.assert_close(record["start"][name], value, msg=f"rank {r}: {name}")
