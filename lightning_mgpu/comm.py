@@ -879,6 +879,21 @@ def broadcast_start_weights(module: nn.Module) -> int:
     return len(tensors)
 
 
+def share_random_state(group: Any) -> None:
+    """The random state of ``group``'s first rank on each of its ranks: torch's CPU generator and, where it is in
+    use, the current accelerator's. The ranks of a tensor-parallel group compute the same replicated activations,
+    so a dropout on them must draw the same mask on each (processes that were not given a common seed start from
+    different states); the other ranks keep theirs, so data-parallel replicas still draw their own masks."""
+    if not group_is_up() or dist.get_world_size(group) == 1:
+        return
+    accelerator = torch.cuda if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    state = (torch.get_rng_state(), accelerator.get_rng_state() if accelerator is not None else None)
+    cpu, device = broadcast_object(state, src=dist.get_global_rank(group, 0), group=group)
+    torch.set_rng_state(cpu)
+    if accelerator is not None and device is not None:
+        accelerator.set_rng_state(device)
+
+
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     return callable(getattr(tensor, "to_local", None))
 

@@ -61,6 +61,7 @@ import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_mgpu import comm
 from lightning_mgpu.comm import CollectiveCounter, CommStats
 
 #: linear layers that fan out of the block's input (split by output column), and that fan back in (split by row)
@@ -728,6 +729,7 @@ class TensorParallelism:
         (one rank, or the model is tensor-parallel already)."""
         if self.size <= 1:
             return None
+        comm.share_random_state(mesh.get_group())  # one dropout mask on the group's replicated activations
         if is_tensor_parallel(module):
             self._laid_out_before = module in _VOCAB_PARALLEL
             rank_zero_info(f"tensor parallelism over {self.size} ranks: applied by {type(module).__name__} itself")

@@ -418,6 +418,55 @@ def test_blocks_in_a_bare_module_list_of_the_lightning_module_are_each_a_unit_an
         assert record["split"] == (tensor > 1)
 
 
+# --- one dropout mask per tensor-parallel group ------------------------------------------------------------------
+
+
+class DropoutTP(ListTPModule):
+    """Dropout on the embedding's output (replicated over a tensor-parallel group), in processes that start from
+    different random states (``configure_model`` seeds each from its rank, as processes given no common seed are)."""
+
+    def configure_model(self) -> None:
+        torch.manual_seed(100 + self.global_rank)
+        self.draws = torch.rand(3)  # what this process would draw from here on
+        self.losses: list[float] = []
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.dropout(self.tok_embeddings(tokens), 0.5, self.training)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss))
+        return loss
+
+
+class Losses(Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        torch.save({"draws": pl_module.draws, "losses": pl_module.losses}, self.out / f"losses{trainer.global_rank}.pt")
+
+
+def test_the_ranks_of_a_tensor_parallel_group_draw_one_dropout_mask(tmp_path: Path) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=MGPUShardedStrategy(stage=3, tensor_parallel_size=2,
+        start_method="fork"), max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Losses(tmp_path)],
+    )  # fmt: skip
+    trainer.fit(DropoutTP(), DataLoader(token_data(), batch_size=2))
+    ranks = [torch.load(tmp_path / f"losses{r}.pt", weights_only=False) for r in range(WORLD)]
+    # the processes' random states differed (without the shared state a group's ranks drew different masks) ...
+    assert not torch.equal(ranks[0]["draws"], ranks[1]["draws"])
+    assert len(ranks[0]["losses"]) == 3
+    # ... the two ranks of each tensor-parallel group compute one loss (one mask on the replicated activation), and
+    # the data replicas, on other batches with their own masks, others
+    assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[2]["losses"] == ranks[3]["losses"]
+    assert ranks[0]["losses"] != ranks[2]["losses"]
+
+
 # --- Lightning's example, under ours and under Lightning's ModelParallelStrategy -----------------------------------
 
 
