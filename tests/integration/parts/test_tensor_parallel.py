@@ -707,3 +707,43 @@ def test_a_plan_leaving_a_dtensor_at_a_stage_boundary_is_refused_naming_the_laye
     )  # fmt: skip
     with pytest.raises(Exception, match=r"The output of 'blocks.0' at a pipeline stage boundary is a DTensor"):
         trainer.fit(DistributedBoundary())
+
+
+@pytest.mark.slow
+def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan(tmp_path: Path) -> None:
+    import lightning as L
+
+    from lightning_mgpu.lightning import MGPUShardedStrategy as Strategy
+
+    class Llama(L.LightningModule):  # TPModule(bias=True) written against `lightning`
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TinyLlama(bias=True).double()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return lm_loss(self.model, batch[0])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(token_data(), batch_size=2)
+
+    class Save(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            state = trainer.strategy.lightning_module_state_dict()  # a collective: on every rank
+            if trainer.global_rank == 0:
+                torch.save({"state": state, "split": is_tensor_parallel(pl_module)}, tmp_path / "state.pt")
+
+    strategy = Strategy(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()],
+    )  # fmt: skip
+    trainer.fit(Llama())
+    record = torch.load(tmp_path / "state.pt", weights_only=False)
+    expected, _ = reference(TPModule(bias=True), token_data(), data_ranks=[1], limit=2)
+    assert record["split"]
+    for name, value in expected.items():
+        torch.testing.assert_close(record["state"][name], value, msg=name)
