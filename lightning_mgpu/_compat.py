@@ -718,3 +718,15 @@ def is_strided_shard(placement: Any) -> bool:
     except ImportError:  # pragma: no cover - guards a future torch
         return False
     return isinstance(placement, _StridedShard)
+
+
+def local_storage(tensor: Any) -> Any:
+    """``DTensor._local_tensor``: the tensor holding a ``DTensor``'s local shard, whose ``.data`` can be swapped
+    (torch 2.13 checked: ``to_local()`` of a ``Parameter`` ``DTensor`` returns a new view, whose ``.data`` is its
+    own); a plain tensor itself. Missing: ``to_local()`` (freeing the other stages' tensor-parallel blocks then
+    frees nothing)."""
+    local = getattr(tensor, "_local_tensor", None)
+    if local is not None:
+        return local
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor

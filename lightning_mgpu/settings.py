@@ -881,14 +881,12 @@ class ShardedSettings:
             unsupported.append("wrap_modules")
         if self.checkpoint != "consolidated":
             unsupported.append(f"checkpoint={self.checkpoint!r}")
-        if self.tensor_parallel_size != 1:
-            unsupported.append(f"tensor_parallel_size={self.tensor_parallel_size}")
         if unsupported:
             raise ValueError(
                 f"pipeline_parallel_size={size} with {', '.join(unsupported)} is not supported yet: with pipeline "
                 f"stages the data dimension holds whole replicas of each stage (gradients all-reduced across them, "
                 f"as DDP does), ZeRO sharding and HSDP inside it are not implemented yet, and checkpoints are "
-                f"consolidated; tensor parallelism within a stage is not implemented yet either. Remove "
+                f"consolidated. Remove "
                 f"{', '.join(unsupported)} (keep stage=2, the default, backend='torch', mesh='flat', "
                 f"checkpoint='consolidated'), or train without pipeline_parallel_size."
             )

@@ -32,6 +32,13 @@ block's weights are broadcast from the stage that trains them, so that every ran
 evaluation step then runs it whole, data-parallel over the data replicas). MGPUPrecision's master modes keep
 every block (the plugin's FP32 masters of the other stages are copied into the model after each step).
 
+With tensor parallelism within the stages (``tensor_parallel_size > 1``: the plan applied over the mesh's tensor
+dimension before :meth:`PipelineBackend.shard_model`), the pipeline group of a rank is the mesh's pipeline dimension
+at its data and tensor coordinates, so stages exchange plain activations with the rank holding the same shards. The
+blocks' ``DTensor`` parameters are freed and gathered by their local shards (each keeps its global shape), the
+weights outside the blocks are summed over the stages per tensor coordinate, the clipping norm weighs each gradient
+by ``1 / (the ranks holding its values)``, and the consolidated state is gathered over the tensor group.
+
 Example::
 
     backend = PipelineBackend(size=2, schedule="1f1b", microbatches=4, split="auto")  # the strategy's backend
@@ -56,7 +63,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.optim import Optimizer
 
-from lightning_mgpu import comm
+from lightning_mgpu import _compat, comm
 from lightning_mgpu.comm import CommStats
 from lightning_mgpu.mesh import DATA_PARALLEL, PIPELINE, ParallelDims, ParallelMesh
 from lightning_mgpu.parts.accumulation import BackwardSyncControl
@@ -324,6 +331,53 @@ def combine_logs(records: list[list[tuple[str, Any, dict[str, Any]]]]) -> list[t
 # --- the backend ------------------------------------------------------------------------------------------------
 
 
+def _like(param: Tensor, local: Tensor) -> Tensor:
+    """``local`` as ``param``'s gradient: a ``DTensor`` of ``param``'s mesh and placements where ``param`` is one
+    (tensor parallelism), else ``local`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _tensor_copies(grad: Tensor, tensor: int) -> int:
+    """How many ranks of a tensor group of ``tensor`` ranks hold the same values of ``grad``: ``tensor`` for a plain
+    tensor (a weight the plan leaves whole), ``tensor`` over the number of distinct shards for a ``DTensor``."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return tensor
+    distinct = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if p.is_shard())
+    return max(tensor // distinct, 1)
+
+
+class _CopiesWeightedClipping(GlobalNormClipping):
+    """:class:`GlobalNormClipping` over every rank (the default group) where some ranks hold copies of the same
+    gradient values: each adds ``1 / copies`` of its squared norm
+    (:meth:`PipelineBackend._tensor_parallel_clipping`)."""
+
+    def __init__(
+        self, share_of: Any, ledger: CommStats, replicated: Any, count_replicated: bool, tensor: int, replicas: int
+    ) -> None:
+        super().__init__(
+            share_of, None, ledger, replicated=replicated, count_replicated=count_replicated, norm_dtype=torch.float64
+        )
+        self.tensor, self.replicas = tensor, replicas
+
+    def total_norm(self, grads: Any) -> Tensor:
+        grads = list(grads)
+        device = comm.local_shard(grads[0]).device if grads else comm.collective_device(None)
+        squared = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            norm = torch.linalg.vector_norm(comm.local_shard(g), dtype=torch.float64) ** 2
+            squared += norm / (_tensor_copies(g, self.tensor) * self.replicas)
+        comm.all_reduce(squared, group=None, ledger=self.ledger)
+        return squared.sqrt()
+
+
 class _ChunkedStage(PipelineStage):
     """``PipelineStage`` that tells its module (a :class:`_Stage`) which micro-batch it runs, and times its
     computation (the schedule waits for the received tensors before calling these)."""
@@ -501,6 +555,8 @@ class PipelineBackend(ShardingBackend):
 
     def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
         self.ledger = ledger
+        if self.dims is not None and self.dims.tensor > 1:
+            return self._tensor_parallel_clipping(ledger)
         owned = {id(p) for p in self._owned_params()}
         shared = {id(p) for p in self._shared_params()}
         return GlobalNormClipping(
@@ -510,6 +566,23 @@ class PipelineBackend(ShardingBackend):
             replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
             count_replicated=self.pipeline_index == 0,
             norm_dtype=torch.float64,  # a stage may hold no gradient: every rank the same dtype
+        )
+
+    def _tensor_parallel_clipping(self, ledger: CommStats) -> GlobalNormClipping:
+        """Tensor parallelism within the stages: the squared norm summed over every rank, each gradient weighted
+        by ``1 / (the ranks holding the same values)``: its tensor group's ranks that hold a copy (a layer the plan
+        does not split, a row-wise layer's bias) times the data replicas (whose gradients are equal after the sync);
+        the weights outside the blocks counted on the first stage only."""
+        assert self.dims is not None
+        owned = {id(p) for p in self._owned_params()}
+        shared = {id(p) for p in self._shared_params()}
+        return _CopiesWeightedClipping(
+            lambda opt: [p for p in optimizer_params(opt) if id(p) in owned],
+            ledger,
+            replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
+            count_replicated=self.pipeline_index == 0,
+            tensor=self.dims.tensor,
+            replicas=self.dims.data_parallel,
         )
 
     # --- the parameters -----------------------------------------------------------------------------------
@@ -561,8 +634,10 @@ class PipelineBackend(ShardingBackend):
         others = [s for s in range(self.stages) if s not in self._local]
         freed = [t for t in self._block_tensors(others) if id(t) not in kept]
         for t in freed:
-            self._freed.append((t, t.shape))
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            # a DTensor (tensor parallelism): its shard's storage freed, its global shape kept
+            local = _compat.local_storage(t)
+            self._freed.append((t, local.shape))
+            local.data = torch.empty(0, dtype=t.dtype, device=t.device)
             if isinstance(t, nn.Parameter):
                 t.grad = None
             for opt in self._held_optimizers:
@@ -941,6 +1016,13 @@ class PipelineBackend(ShardingBackend):
         for s in range(self.stages - 1):
             end = self.plan.bounds[s][1]
             sent, taken = _first_tensor(outputs[end - 1]), inputs[end]
+            if type(sent).__name__ == "DTensor":
+                raise PipelineError(
+                    f"The output of {names[end - 1]!r} at a pipeline stage boundary is a DTensor (the tensor-parallel "
+                    f"plan leaves it distributed): stages send plain tensors. Use tensor_parallel_plan='auto', or "
+                    f"a plan whose last layer of each block hands out a plain tensor (use_local_output=True, the "
+                    f"styles' default)."
+                )
             if (
                 sent is None
                 or not isinstance(taken, Tensor)
@@ -986,25 +1068,39 @@ class PipelineBackend(ShardingBackend):
         dp = self.dims.data_parallel
         if dp > 1:
             self._reduce(self._owned_params(), self.data_group, dp)
+        if self.dims.tensor > 1:
+            self._reduce_shared_per_tensor_rank()
+            return
         self._reduce(self._shared_params(), None, dp)
+
+    def _reduce_shared_per_tensor_rank(self) -> None:
+        """Tensor parallelism within the stages: the gradients of the weights outside the blocks summed over the
+        ranks of this rank's tensor coordinate only (each holds its own shard, or a copy of what its tensor group
+        holds), over the stages then over the data replicas (averaged there)."""
+        assert self.dims is not None
+        self._reduce(self._shared_params(), self.pipeline_group, 1)
+        if self.dims.data_parallel > 1:
+            self._reduce(self._shared_params(), self.data_group, self.dims.data_parallel)
 
     def _reduce(self, params: list[nn.Parameter], group: Any, divide: int) -> None:
         if not params:
             return
-        grads = [p.grad for p in params]
+        # a DTensor's (tensor parallelism) local shard: the ranks of ``group`` share its tensor coordinate
+        grads = [comm.local_shard(p.grad) if p.grad is not None else None for p in params]
+        locals_ = [comm.local_shard(p) for p in params]
         reference = next((g for g in grads if g is not None), None)
         dtype = reference.dtype if reference is not None else params[0].dtype
         flat = torch.cat(
-            [(g if g is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p, g in zip(params, grads)]
-            + [torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=params[0].device)]
+            [(g if g is not None else torch.zeros_like(t)).reshape(-1).to(dtype) for t, g in zip(locals_, grads)]
+            + [torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=locals_[0].device)]
         )
         comm.all_reduce(flat, group=group, ledger=self.ledger)
         flags = flat[-len(params) :]
         offset = 0
-        for i, p in enumerate(params):
-            n = p.numel()
+        for i, (p, t) in enumerate(zip(params, locals_)):
+            n = t.numel()
             if flags[i] > 0:
-                p.grad = (flat[offset : offset + n].view_as(p) / divide).to(p.dtype)
+                p.grad = _like(p, (flat[offset : offset + n].view_as(t) / divide).to(p.dtype))
             offset += n
 
     # --- the whole model on every rank ------------------------------------------------------------------------
@@ -1018,10 +1114,12 @@ class PipelineBackend(ShardingBackend):
         shapes = {id(t): shape for t, shape in self._freed}
         self._stale, self._freed = False, []
         for s in range(self.stages):
-            tensors = self._block_tensors([s])
-            for t in tensors:
+            tensors = []  # a DTensor's local shard (tensor parallelism): the owner of this tensor coordinate has it
+            for t in self._block_tensors([s]):
+                local = _compat.local_storage(t)
                 if id(t) in shapes:
-                    t.data = torch.empty(shapes[id(t)], dtype=t.dtype, device=t.device)
+                    local.data = torch.empty(shapes[id(t)], dtype=t.dtype, device=t.device)
+                tensors.append(local)
             owner = self._owner(s)
             for dtype in sorted({t.dtype for t in tensors}, key=str):
                 group = [t for t in tensors if t.dtype == dtype]
@@ -1045,12 +1143,16 @@ class PipelineBackend(ShardingBackend):
         state = module.state_dict()
         if refree:
             self.free_blocks()
-        return state if keys is None else {k: v for k, v in state.items() if k in keys}
+        state = state if keys is None else {k: v for k, v in state.items() if k in keys}
+        if self.dims is not None and self.dims.tensor > 1:  # the tensor group's shards gathered, key by key
+            state = {k: comm.full_tensor(v) for k, v in state.items()}
+        return state
 
     def load_full_model_state(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
         """One process's state dict: every rank loads the whole of it, or, while the other stages' blocks are
         freed, its own blocks and the parameters outside the blocks (the others' keys are checked, their values
         not kept)."""
+        state = self._distributed_like(module, state)
         if not self._freed:
             module.load_state_dict(state, strict=strict)
             return
@@ -1073,6 +1175,35 @@ class PipelineBackend(ShardingBackend):
         super().load_full_optimizer_state(module, optimizer, state)
         for t, _ in self._freed:
             optimizer.state.pop(t, None)
+        self._distribute_optimizer_state(optimizer)
+
+    @staticmethod
+    def _distributed_like(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """One process's whole tensors, each as this rank's ``DTensor`` shard where the module's tensor of that name
+        is one (tensor parallelism within the stages; no communication: every rank holds the whole state)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        held = dict([*module.named_parameters(remove_duplicate=False), *module.named_buffers()])
+        out = dict(state)
+        for name, value in state.items():
+            t = held.get(name)
+            if isinstance(t, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
+                out[name] = distribute_tensor(value.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+        return out
+
+    @staticmethod
+    @torch.no_grad()
+    def _distribute_optimizer_state(optimizer: Optimizer) -> None:
+        """The optimizer state loaded whole (one process's) as ``DTensor`` shards of the parameters that are ones
+        (tensor parallelism within the stages): each state tensor of the parameter's shape."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for p, entry in optimizer.state.items():
+            if not isinstance(p, DTensor):
+                continue
+            for key, value in entry.items():
+                if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == p.shape:
+                    entry[key] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
 
     def full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
         """One process's ``optimizer.state_dict()``: each parameter's state from the stage that trains it."""
@@ -1081,8 +1212,8 @@ class PipelineBackend(ShardingBackend):
         mine = {id(p) for p in self._owned_params()}
         if self.pipeline_index == 0:
             mine |= {id(p) for p in self._shared_params()}
-        local = {
-            i: {k: v.cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
+        local = {  # a DTensor's state whole (tensor parallelism: a collective of the tensor group, in one order)
+            i: {k: comm.full_tensor(v).cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
             for i, s in state["state"].items()
             if id(params[i]) in mine
         }

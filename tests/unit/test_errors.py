@@ -775,10 +775,10 @@ CASES = [
         id="pipeline-with-sharded-checkpoints-not-supported-yet",
     ),
     pytest.param(
-        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2),
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, mesh="hybrid"),
         ValueError,
-        ["tensor_parallel_size=2 is not supported yet", "tensor parallelism within a stage", "Remove"],
-        id="pipeline-with-tensor-parallelism-not-supported-yet",
+        ["mesh='hybrid' is not supported yet", "HSDP inside it", "mesh='flat'"],
+        id="pipeline-with-tensor-parallelism-on-a-hybrid-mesh-not-supported-yet",
     ),
     pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=4, pipeline_microbatches=2),

@@ -150,6 +150,14 @@ def test_the_ranks_of_one_pipeline_share_their_data_index():
     flat = ParallelDims(world_size=4, pipeline=2)
     assert [flat.coordinates(r)["data_parallel"] for r in range(4)] == [0, 1, 0, 1]
     assert [flat.coordinates(r)["pipeline"] for r in range(4)] == [0, 0, 1, 1]
+    # pipeline x data x tensor (the tensor dimension innermost): the ranks of one pipeline share their data and
+    # tensor coordinates, so that each stage sends to the rank holding the same shards in the next stage
+    split = ParallelDims(world_size=8, pipeline=2, tensor=2)
+    assert (split.names, split.shape) == (("pipeline", "data_parallel", "tensor_parallel"), (2, 2, 2))
+    coordinates = [split.coordinates(r) for r in range(8)]
+    assert [(c["pipeline"], c["data_parallel"], c["tensor_parallel"]) for c in coordinates] == [
+        (p, d, t) for p in range(2) for d in range(2) for t in range(2)
+    ]
 
 
 def _hybrid_meshes() -> None:

@@ -563,3 +563,236 @@ def test_the_lightning_namespace_trains_a_tensor_parallel_model():
 
 def lm_loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+# --- tensor parallelism within the pipeline's stages (pipeline 2 x tensor 2) -------------------------------------
+
+PP_CLIP = 0.1
+
+
+class FourBlocks(TPModule):
+    """The tiny Llama with 4 blocks (2 interleaved stages on each of 2 pipeline ranks), biases in every linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__(bias=True)
+        torch.manual_seed(0)
+        self.model = TinyLlama(layers=4, bias=True).double()
+
+
+class StageRecord(Callback):
+    """On every rank: the local size of each parameter at the first optimizer step (another stage's block freed: 0
+    elements; a split layer: its shard), and at the end of fit the whole state (a collective of the pipeline and
+    the tensor groups), the metrics and the sampler's split; then a consolidated checkpoint where ``save`` is given."""
+
+    def __init__(self, out: Path, save: Optional[Path] = None) -> None:
+        self.out, self.save = Path(out), save
+        self.local: dict[str, int] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        if not self.local:
+            self.local = {n: local_shard(p).numel() for n, p in pl_module.named_parameters()}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        state = trainer.strategy.lightning_module_state_dict()
+        if self.save is not None:
+            trainer.save_checkpoint(self.save)
+        self.out.mkdir(parents=True, exist_ok=True)
+        record = {
+            "state": {k: v.detach().clone() for k, v in state.items()},
+            "local": self.local,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "sampler": getattr(trainer.strategy, "distributed_sampler_kwargs", None),
+            "split": is_tensor_parallel(pl_module),
+            "step": trainer.global_step,
+        }
+        torch.save(record, self.out / f"stage{trainer.global_rank}.pt")
+
+
+def _fit_stages(
+    out: Path,
+    strategy: Any,
+    devices: int,
+    module: TPModule,
+    epochs: int = 1,
+    save: Optional[Path] = None,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=PP_CLIP, callbacks=[StageRecord(out, save)], **kwargs,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=Data(), ckpt_path=ckpt_path)
+    return [torch.load(out / f"stage{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def _pipeline_tensor(schedule: str, plan: Any = "auto") -> MGPUShardedStrategy:
+    return MGPUShardedStrategy(
+        pipeline_parallel_size=2, tensor_parallel_size=2, tensor_parallel_plan=plan, pipeline_schedule=schedule,
+        pipeline_microbatches=2, start_method="fork",
+    )  # fmt: skip
+
+
+def _resume_on_one_process(_: int, tmp_path: Path) -> None:
+    strategy = MGPUShardedStrategy(stage=3)
+    _fit_stages(tmp_path / "one", strategy, 1, TPModule(bias=True), epochs=2, save=tmp_path / "one.ckpt",
+                accumulate_grad_batches=3, ckpt_path=str(tmp_path / "pp_tp.ckpt"))  # fmt: skip
+
+
+def test_pipeline2_tensor2_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_path: Path):
+    # pipeline 2 x tensor 2 (data 1), 1F1B, k = 3, clipping that bites (the norm over both stages and both tensor
+    # shards, the replicated norms and row-wise biases counted once), the auto plan, biases in every linear layer
+    records = _fit_stages(tmp_path / "pp", _pipeline_tensor("1f1b"), WORLD, TPModule(bias=True),
+                          save=tmp_path / "pp_tp.ckpt", accumulate_grad_batches=3)  # fmt: skip
+    expected, norms = reference(TPModule(bias=True), token_data(), data_ranks=[1], accumulate=3, clip=PP_CLIP)
+    assert records[0]["step"] == 4 and min(norms) > 2 * PP_CLIP  # every step is clipped
+    for record in records:
+        assert set(record["state"]) == set(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(record["state"][name], value, msg=name)
+    # negative control: without the clipping the weights differ
+    assert _differs(records, reference(TPModule(bias=True), token_data(), data_ranks=[1], accumulate=3)[0])
+    # every rank sees the same batches; each holds its own stage's blocks only, their split layers as halves
+    assert [r["sampler"] for r in records] == [{"num_replicas": 1, "rank": 0}] * WORLD
+    assert all(r["split"] for r in records)
+    for rank, record in enumerate(records):
+        own, other = (0, 1) if rank < 2 else (1, 0)  # ranks 0, 1: stage 0 (tensor 0, 1); ranks 2, 3: stage 1
+        local = record["local"]
+        assert local[f"model.layers.{other}.attention.wq.weight"] == 0
+        assert local[f"model.layers.{other}.attention_norm.weight"] == 0
+        assert local[f"model.layers.{own}.attention.wq.weight"] == 8 * 8 // 2  # colwise: half the rows
+        assert local[f"model.layers.{own}.feed_forward.w2.weight"] == 8 * 16 // 2  # rowwise: half the columns
+        assert local[f"model.layers.{own}.attention_norm.weight"] == 8  # whole on each tensor rank
+        assert local["model.tok_embeddings.weight"] == VOCAB * 8
+    # the validation at the end of the epoch ran through the stages: the one-process loss of the trained weights
+    model = TPModule(bias=True).model
+    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
+    with torch.no_grad():
+        one_process = float(lm_loss(model, indexed_data().tensors[0]))
+    assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in records)
+    # the consolidated checkpoint holds one process's whole tensors, and resumes on one process as an uninterrupted
+    # run (its optimizer state gathered from the stages and the tensor shards)
+    saved = torch.load(tmp_path / "pp_tp.ckpt", weights_only=False)
+    for name, value in expected.items():
+        torch.testing.assert_close(saved["state_dict"][name], value, msg=name)
+    mp.start_processes(_resume_on_one_process, args=(tmp_path,), nprocs=1, start_method="fork")
+    resumed = torch.load(tmp_path / "one" / "stage0.pt", weights_only=False)
+    uninterrupted, _ = reference(TPModule(bias=True), token_data(), data_ranks=[1, 1], accumulate=3, clip=PP_CLIP)
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed["state"][name], value, msg=name)
+    # and back: one process's checkpoint (whole tensors, whole optimizer state) resumed at pipeline 2 x tensor 2
+    back = _fit_stages(tmp_path / "back", _pipeline_tensor("1f1b"), WORLD, TPModule(bias=True), epochs=3,
+                       accumulate_grad_batches=3, ckpt_path=str(tmp_path / "one.ckpt"))  # fmt: skip
+    three, _ = reference(TPModule(bias=True), token_data(), data_ranks=[1, 1, 1], accumulate=3, clip=PP_CLIP)
+    for record in back:
+        for name, value in three.items():
+            torch.testing.assert_close(record["state"][name], value, msg=name)
+
+
+# (schedule, k, plan, devices): GPipe with a plan of yours (the MLPs split, the attention whole); interleaved 1F1B
+# with 4 blocks (2 stages per rank); pipeline 2 x data 2 x tensor 2 on 8 ranks
+MLP_PLAN = {
+    "model.layers.*.feed_forward.w1": "colwise",
+    "model.layers.*.feed_forward.w3": "colwise",
+    "model.layers.*.feed_forward.w2": "rowwise",
+}
+PIPELINE_TENSOR_MATRIX = [
+    ("gpipe", 1, MLP_PLAN, WORLD),
+    ("interleaved_1f1b", 1, "auto", WORLD),
+    ("1f1b", 3, "auto", 2 * WORLD),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "accumulate", "plan", "devices"), PIPELINE_TENSOR_MATRIX)
+def test_pipeline_tensor_matrix_equals_one_process(
+    tmp_path: Path, schedule: str, accumulate: int, plan: Any, devices: int
+) -> None:
+    module = FourBlocks() if schedule == "interleaved_1f1b" else TPModule(bias=True)
+    strategy = _pipeline_tensor(schedule, plan)
+    records = _fit_stages(tmp_path, strategy, devices, module, accumulate_grad_batches=accumulate)
+    data = devices // WORLD
+    fresh = FourBlocks() if schedule == "interleaved_1f1b" else TPModule(bias=True)
+    expected, norms = reference(fresh, token_data(), data_ranks=[data], accumulate=accumulate, clip=PP_CLIP)
+    assert min(norms) > PP_CLIP
+    assert all(r["split"] for r in records)
+    assert [r["sampler"]["rank"] for r in records] == [(rank // 2) % data for rank in range(devices)]
+    for record in records:
+        for name, value in expected.items():
+            torch.testing.assert_close(record["state"][name], value, msg=name)
+
+
+class DistributedBoundary(pl.LightningModule):
+    """Two blocks of two linear layers; the plan leaves the first block's output a ``DTensor``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)) for _ in range(2)
+        ).double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0]
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8, dtype=torch.float64)), batch_size=2)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_plan_leaving_a_dtensor_at_a_stage_boundary_is_refused_naming_the_layer() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"blocks.*.0": ColwiseParallel(), "blocks.*.1": RowwiseParallel(use_local_output=False)}
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=_pipeline_tensor("gpipe", plan), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(Exception, match=r"The output of 'blocks.0' at a pipeline stage boundary is a DTensor"):
+        trainer.fit(DistributedBoundary())
+
+
+@pytest.mark.slow
+def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan(tmp_path: Path) -> None:
+    import lightning as L
+
+    from lightning_mgpu.lightning import MGPUShardedStrategy as Strategy
+
+    class Llama(L.LightningModule):  # TPModule(bias=True) written against `lightning`
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TinyLlama(bias=True).double()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return lm_loss(self.model, batch[0])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(token_data(), batch_size=2)
+
+    class Save(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            state = trainer.strategy.lightning_module_state_dict()  # a collective: on every rank
+            if trainer.global_rank == 0:
+                torch.save({"state": state, "split": is_tensor_parallel(pl_module)}, tmp_path / "state.pt")
+
+    strategy = Strategy(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()],
+    )  # fmt: skip
+    trainer.fit(Llama())
+    record = torch.load(tmp_path / "state.pt", weights_only=False)
+    expected, _ = reference(TPModule(bias=True), token_data(), data_ranks=[1], limit=2)
+    assert record["split"]
+    for name, value in expected.items():
+        torch.testing.assert_close(record["state"][name], value, msg=name)

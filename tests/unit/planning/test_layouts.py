@@ -358,6 +358,14 @@ def test_mgpu_auto_builds_a_layout_only_with_the_options_the_sharded_strategy_ta
     assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 2, 4, 1)) is None  # the strategy refuses it
     assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 4, 1, 2, "1f1b")) is None  # no pipeline option
 
+    monkeypatch.undo()  # this installation's strategy builds pipeline x tensor layouts (data replicas of both)
+    pipeline_tensor = _find(result, "mgpu_ddp", 1, 2, 2, 2, "1f1b")
+    assert auto.layout_arguments(pipeline_tensor) == {
+        "stage": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_microbatches": 4,
+        "pipeline_schedule": "1f1b",
+    }  # fmt: skip
+    assert auto.layout_arguments(_find(result, "mgpu_zero3", 1, 2, 2, 2, "1f1b")) is None  # ZeRO in the pipeline
+
     class Without:
         def __init__(self, stage: int = 3) -> None: ...
 
