@@ -737,3 +737,62 @@ def test_compiled_pipeline_with_data_replicas_and_accumulation_trains_as_one_pro
     """``compile=True`` (inductor) under pipeline 2 x data 2 on 4 processes, k = 3."""
     want = reference("gpt", 3, tmp_path / "reference")
     assert_compiled_as_one_process(compiled_pipeline(tmp_path / "compiled", 3, True, world=4), want)
+
+
+@pytest.mark.slow
+def test_the_lightning_namespace_trains_a_compiled_pipeline_as_one_process(tmp_path: Path) -> None:
+    """``import lightning as L`` with ``lightning_mgpu.lightning``: pipeline 2 on 2 processes, ``compile=True``, a
+    GPT whose forward iterates a ``ModuleList`` of the blocks above: the weights of one process, every block compiled
+    on both ranks."""
+    import lightning as L
+
+    import lightning_mgpu.lightning as mgpu
+    from lightning_mgpu.lightning.parts import compilation  # the namespace's own copy of the part
+
+    data = dataset("gpt")
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.wte = nn.Embedding(VOCAB, WIDTH)
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+            self.head = nn.Linear(WIDTH, VOCAB)
+            self.double()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            idx, target = batch
+            mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)
+            x = self.wte(idx)
+            for block in self.blocks:
+                x = block(x, mask)
+            return F.cross_entropy(self.head(x).flatten(0, 1), target.flatten())
+
+        def train_dataloader(self) -> DataLoader:
+            kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer.world_size > 1 else {}
+            sampler = DistributedSampler(data, shuffle=False, **({"num_replicas": 1, "rank": 0} | (kwargs or {})))
+            return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+    class Save(L.Callback):
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            compiled = compilation.compiled_modules(module)
+            state = trainer.strategy.lightning_module_state_dict()
+            torch.save((state, compiled), tmp_path / f"{trainer.world_size}-{trainer.global_rank}.pt")
+
+    flags: dict[str, Any] = {"accelerator": "cpu", "max_steps": 4, "logger": False, "enable_checkpointing": False}
+    flags.update(enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()])
+    flags.update(use_distributed_sampler=False)
+    L.Trainer(devices=1, **flags).fit(Net())
+    strategy = mgpu.MGPUShardedStrategy(
+        pipeline_parallel_size=2, pipeline_microbatches=2, compile=True, start_method="fork"
+    )
+    L.Trainer(devices=2, strategy=strategy, **flags).fit(Net())
+    want, _ = torch.load(tmp_path / "1-0.pt")
+    for rank in range(2):
+        got, compiled = torch.load(tmp_path / f"2-{rank}.pt")
+        assert compiled == BLOCKS, rank
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], msg=f"{key} on rank {rank}")
