@@ -322,7 +322,8 @@ class CommonSettings:
     compile: CompileSetting = False
     """``True`` or a dict of :func:`torch.compile` keyword arguments (``{"mode": "max-autotune"}``): compile the
     model in place once it is wrapped or sharded (state-dict keys unchanged): the LightningModule's ``forward``
-    after the DDP wrap, each FSDP unit's block under the sharded stages 2/3 (see the compilation guide). A model
+    after the DDP wrap, each FSDP unit's block under the sharded stages 2/3, each of the pipeline's blocks under
+    ``pipeline_parallel_size > 1`` (see the compilation guide). A model
     compiled with ``torch.compile`` before ``Trainer.fit`` is refused with it; without it, such a model trains as
     under Lightning's DDP. ``False``: eager."""
 
@@ -969,18 +970,6 @@ class ShardedSettings:
     @property
     def uses_fsdp2(self) -> bool:
         return self.stage in (2, 3) and self.backend == "torch"
-
-    def check_pipeline_composition(self, given: Mapping[str, Any]) -> None:
-        """Refuse the launch settings pipeline parallelism does not compose with yet (``given``: their values)."""
-        if not self.pipelined:
-            return
-        set_ = [f"{k}={v!r}" for k, v in given.items() if v not in (None, False)]
-        if set_:
-            raise ValueError(
-                f"pipeline_parallel_size={self.pipeline_parallel_size} with {', '.join(set_)} is not supported yet "
-                f"(compiled stages are not implemented for pipeline stages). "
-                f"Remove {', '.join(set_)}, or train without pipeline_parallel_size."
-            )
 
     def check_ddp_settings(self, given: Mapping[str, Any]) -> None:
         """Refuse DDP all-reduce settings (``comm_hook=...``, ``bucket_cap_mb=...``) where the gradients are not

@@ -177,6 +177,7 @@ class Compilation:
         part.check(module, "MGPUDDPStrategy")     # before launch: a model compiled by the user is refused
         part.compile_model(module)                # DDP: after the wrap (the LightningModule's forward)
         part.compile_blocks(module, wrap_modules) # sharded: after fully_shard (each FSDP unit's block)
+        part.compile_pipeline_blocks(module, blocks)  # pipeline: each of its blocks (the stage hooks stay eager)
         part.remove(module)                       # teardown: the eager forwards back
     """
 
@@ -218,6 +219,15 @@ class Compilation:
         log_eagerly(module)
         for unit in fsdp_unit_roots(module, wrap_modules):
             compile_forward(unit, self.options)
+        return compiled_modules(module)
+
+    def compile_pipeline_blocks(self, module: Optional[nn.Module], blocks: list[nn.Module]) -> list[str]:
+        """Under pipeline parallelism: each of the pipeline's ``blocks`` (its stages' hooks and the user's
+        ``training_step`` stay eager). Returns the names compiled."""
+        if module is None or self.options is None:
+            return []
+        for block in blocks:
+            compile_forward(block, self.options)
         return compiled_modules(module)
 
     def remove(self, module: Optional[nn.Module]) -> None:

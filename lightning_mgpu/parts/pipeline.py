@@ -30,7 +30,9 @@ those of the last stage on every rank of the pipeline. For a consolidated checkp
 ranks may run different numbers of batches, and at the end of fit, the freed tensors are allocated again and each
 block's weights are broadcast from the stage that trains them, so that every rank holds the trained model (an
 evaluation step then runs it whole, data-parallel over the data replicas). MGPUPrecision's master modes keep
-every block (the plugin's FP32 masters of the other stages are copied into the model after each step).
+every block (the plugin's FP32 masters of the other stages are copied into the model after each step). With
+``compile=...`` each block's ``forward`` is compiled in place (``parts/compilation.py``) and the hooks above stay
+eager; a block skipped as another stage's gets its compiled ``forward`` back after the step.
 
 With tensor parallelism within the stages (``tensor_parallel_size > 1``: the plan applied over the mesh's tensor
 dimension before :meth:`PipelineBackend.shard_model`), the pipeline group of a rank is the mesh's pipeline dimension
@@ -866,11 +868,11 @@ class PipelineBackend(ShardingBackend):
         assert self.plan is not None
         start, end = self.plan.bounds[stage]
         handles: list[Any] = []
-        skipped: list[nn.Module] = []
+        skipped: list[tuple[nn.Module, Any]] = []  # each with its instance forward (compiled, checkpointed) or None
         for j in range(start):
             block = self._blocks[j]
+            skipped.append((block, block.__dict__.get("forward")))
             block.forward = self._passthrough(j)
-            skipped.append(block)
         if stage != 0:
 
             def take(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -895,8 +897,8 @@ class PipelineBackend(ShardingBackend):
         finally:
             for h in handles:
                 h.remove()
-            for block in skipped:
-                del block.forward
+            for block, previous in skipped:
+                self._restore_forward(block, previous)
 
     def run_stage(self, stage: int, chunk: int, received: Tensor) -> Tensor:
         """The user's ``training_step`` on micro-batch ``chunk``, run as stage ``stage``: see the module docstring."""
@@ -918,6 +920,21 @@ class PipelineBackend(ShardingBackend):
         if self.token_loss:
             self._tokens[chunk] = TokenNormalization.tokens_of(out)
         return loss
+
+    @staticmethod
+    def _restore_forward(block: nn.Module, previous: Any) -> None:
+        """Put back the ``forward`` a skipped block had before its passthrough: its class's, or the instance
+        ``forward`` that compilation or activation checkpointing put there (kept across steps, so that the block
+        runs compiled in a later whole-model evaluation and after fit)."""
+        if previous is None:
+            del block.forward
+        else:
+            block.__dict__["forward"] = previous
+
+    def blocks(self) -> list[nn.Module]:
+        """The pipeline's blocks, in order (all stages'; empty before :meth:`shard_model`): what compilation
+        compiles one by one."""
+        return list(self._blocks)
 
     def _passthrough(self, index: int) -> Callable[..., Any]:
         extra = self._tuple_outputs.get(index, 0)

@@ -239,7 +239,6 @@ class MGPUShardedStrategy(ParallelStrategy):
             "find_unused_parameters": find_unused_parameters,
         }
         sharded.check_ddp_settings({**ddp_only, **ddp_kwargs})
-        sharded.check_pipeline_composition({"compile": compile})
         # stage 1 trains a DistributedDataParallel model: its settings are mgpu_ddp's
         settings: CommonSettings = (
             from_arguments(DDPSettings, arguments, ddp_kwargs=ddp_kwargs)
@@ -834,7 +833,10 @@ class MGPUShardedStrategy(ParallelStrategy):
         sharded = self._sharding.shard_model(module, mesh, policy)
         if sharded is not None:
             self.model = sharded
-        self._runtime.compilation.compile_blocks(module, self._sharded_settings.unit_classes)  # after sharding
+        if self._pipeline is not None:  # each block of the stages; their hooks and training_step stay eager
+            self._runtime.compilation.compile_pipeline_blocks(module, self._pipeline.blocks())
+        else:
+            self._runtime.compilation.compile_blocks(module, self._sharded_settings.unit_classes)  # after sharding
         assert self.model is not None
         self._runtime.ledger.start(self.model, self.world_size, self._sharding.mesh_shape)
 

@@ -798,12 +798,6 @@ CASES = [
         ["pipeline_schedule='zb'", "'gpipe', '1f1b', 'interleaved_1f1b'"],
         id="pipeline-unknown-schedule",
     ),
-    pytest.param(
-        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, loss_normalization="tokens", compile=True),
-        ValueError,
-        ["with compile=True is not supported yet", "Remove compile=True"],
-        id="pipeline-with-compile-not-supported-yet",
-    ),
 ]
 
 

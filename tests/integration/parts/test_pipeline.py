@@ -7,7 +7,8 @@ one written mid-epoch moves through ZeRO-3 over the 4 ranks to one process as on
 models as users write them: an ``nn.Sequential`` stack and a GPT-style model whose forward iterates a
 ``ModuleList`` (embeddings and a causal mask before the blocks, a norm and a head tied to the embedding after).
 With ``loss_normalization="tokens"`` and padded targets, the weights are those of one process minimising the mean
-over every real token of each optimizer step."""
+over every real token of each optimizer step. With ``compile=True`` (inductor, each block compiled, the stage
+hooks eager) the weights and losses are one process's too, every block compiled on every rank."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_mgpu import MGPUShardedStrategy
+from lightning_mgpu import MGPUShardedStrategy, _compat
+from lightning_mgpu.parts.compilation import compiled_modules
 from lightning_mgpu.parts.pipeline import PipelineBackend, plan_stages
 from lightning_mgpu.parts.resume import POSITION_KEY
 
@@ -654,3 +656,143 @@ def test_evaluation_batches_that_differ_between_the_stages_are_refused(tmp_path:
     with pytest.raises(Exception, match="different validation_step batches") as raised:  # raised, not waited on
         trainer.fit(make_model("sequential"), GlobalRankValidation(dataset("sequential"), GLOBAL_BATCH // 2))
     assert "distributed_sampler_kwargs" in str(raised.value)
+
+
+# --- compile=True: each block compiled, the stage hooks and training_step eager ------------------------------------
+
+BLOCKS = [f"blocks.{i}" for i in range(4)]
+
+
+class CompiledBlocks(pl.Callback):
+    """On every rank: the modules compiled at the start and the end of training (the blocks each rank skips as
+    another stage's stay compiled) and the graphs torch.compile compiled in this process (counted from a fresh
+    compiler state at set-up)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.record: dict[str, Any] = {}
+
+    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        torch.compiler.reset()
+        self.base = _compat.compiled_graph_count()
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.record["start"] = compiled_modules(module)
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.record["end"] = compiled_modules(module)
+        self.record["graphs"] = _compat.compiled_graph_count() - self.base
+        torch.save(self.record, self.out / f"compiled{trainer.global_rank}.pt")
+
+
+def compiled_pipeline(tmp: Path, accumulate: int, compile: Any, world: int) -> dict[str, Any]:
+    """The 4-block GPT under pipeline 2 (1F1B, 4 micro-batches) on ``world`` processes with ``compile``."""
+    strategy = MGPUShardedStrategy(
+        pipeline_parallel_size=2, pipeline_microbatches=4, compile=compile, start_method="fork"
+    )
+    kwargs = trainer_kwargs(tmp, accumulate, devices=world, strategy=strategy)
+    kwargs["callbacks"].append(CompiledBlocks(tmp))
+    pl.Trainer(**kwargs).fit(TinyGPT(), Data(dataset("gpt"), GLOBAL_BATCH // (world // 2)))
+    record = torch.load(tmp / "record.pt", weights_only=False)
+    record["ranks"] = [torch.load(tmp / f"compiled{r}.pt", weights_only=False) for r in range(world)]
+    return record
+
+
+def assert_compiled_as_one_process(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """The weights (gathered at the end of fit), the training loss and the validation loss (run through the stages,
+    the compiled blocks' evaluation graphs) are one process's; every rank compiled every block, kept them compiled
+    to the end of training and compiled graphs."""
+    assert_one_process(got, want)
+    for rank, record in enumerate(got["ranks"]):
+        assert record["start"] == record["end"] == BLOCKS, rank
+        assert record["graphs"] > 0, rank
+
+
+def perturbed_backend(graph: Any, example_inputs: Any) -> Any:
+    """A torch.compile backend that runs the graph eagerly and scales its floating outputs by 1.001: blocks that
+    really run compiled give other weights (negative control)."""
+
+    def run(*args: Any) -> Any:
+        out = graph(*args)
+        scale = lambda t: t * 1.001 if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        return type(out)(scale(t) for t in out) if isinstance(out, (tuple, list)) else scale(out)
+
+    return run
+
+
+def test_compiled_pipeline_trains_as_one_process(tmp_path: Path) -> None:
+    """``compile=True`` (inductor) under pipeline 2 on 2 processes, k = 1: each block compiled, the weights, the
+    training and validation losses those of one process; a backend that perturbs the compiled blocks' outputs gives
+    other weights (so the blocks ran compiled, and the comparison can fail)."""
+    want = reference("gpt", 1, tmp_path / "reference")
+    assert_compiled_as_one_process(compiled_pipeline(tmp_path / "compiled", 1, True, world=2), want)
+    control = compiled_pipeline(tmp_path / "perturbed", 1, {"backend": perturbed_backend}, world=2)
+    assert all(r["end"] == BLOCKS for r in control["ranks"])  # compiled, with the perturbing backend
+    with pytest.raises(AssertionError):
+        assert_one_process(control, want)
+
+
+@pytest.mark.slow
+def test_compiled_pipeline_with_data_replicas_and_accumulation_trains_as_one_process(tmp_path: Path) -> None:
+    """``compile=True`` (inductor) under pipeline 2 x data 2 on 4 processes, k = 3."""
+    want = reference("gpt", 3, tmp_path / "reference")
+    assert_compiled_as_one_process(compiled_pipeline(tmp_path / "compiled", 3, True, world=4), want)
+
+
+@pytest.mark.slow
+def test_the_lightning_namespace_trains_a_compiled_pipeline_as_one_process(tmp_path: Path) -> None:
+    """``import lightning as L`` with ``lightning_mgpu.lightning``: pipeline 2 on 2 processes, ``compile=True``, a
+    GPT whose forward iterates a ``ModuleList`` of the blocks above: the weights of one process, every block compiled
+    on both ranks."""
+    import lightning as L
+
+    import lightning_mgpu.lightning as mgpu
+    from lightning_mgpu.lightning.parts import compilation  # the namespace's own copy of the part
+
+    data = dataset("gpt")
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.wte = nn.Embedding(VOCAB, WIDTH)
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+            self.head = nn.Linear(WIDTH, VOCAB)
+            self.double()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            idx, target = batch
+            mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)
+            x = self.wte(idx)
+            for block in self.blocks:
+                x = block(x, mask)
+            return F.cross_entropy(self.head(x).flatten(0, 1), target.flatten())
+
+        def train_dataloader(self) -> DataLoader:
+            kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer.world_size > 1 else {}
+            sampler = DistributedSampler(data, shuffle=False, **({"num_replicas": 1, "rank": 0} | (kwargs or {})))
+            return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+    class Save(L.Callback):
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            compiled = compilation.compiled_modules(module)
+            state = trainer.strategy.lightning_module_state_dict()
+            torch.save((state, compiled), tmp_path / f"{trainer.world_size}-{trainer.global_rank}.pt")
+
+    flags: dict[str, Any] = {"accelerator": "cpu", "max_steps": 4, "logger": False, "enable_checkpointing": False}
+    flags.update(enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()])
+    flags.update(use_distributed_sampler=False)
+    L.Trainer(devices=1, **flags).fit(Net())
+    strategy = mgpu.MGPUShardedStrategy(
+        pipeline_parallel_size=2, pipeline_microbatches=2, compile=True, start_method="fork"
+    )
+    L.Trainer(devices=2, strategy=strategy, **flags).fit(Net())
+    want, _ = torch.load(tmp_path / "1-0.pt")
+    for rank in range(2):
+        got, compiled = torch.load(tmp_path / f"2-{rank}.pt")
+        assert compiled == BLOCKS, rank
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], msg=f"{key} on rank {rank}")

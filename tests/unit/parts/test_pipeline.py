@@ -12,9 +12,12 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from lightning_mgpu import _compat
+from lightning_mgpu.parts.compilation import Compilation, compiled_modules
 from lightning_mgpu.parts.pipeline import (
     PipelineBackend,
     PipelineError,
+    _StageOutput,
     balanced_bounds,
     combine_logs,
     plan_stages,
@@ -171,3 +174,28 @@ def test_weight_averaging_callbacks_are_refused_before_launch_with_the_fix():
 
     with pytest.raises(PipelineError, match=r"EMA under pipeline.*Remove"):
         _stage0_of_two(Stack()).check_model(Stack(), None, False, [EMA()])
+
+
+def test_compiled_blocks_stay_compiled_when_a_stage_skips_them_and_the_stage_runs_them_compiled():
+    """``compile=...`` under the pipeline: each block's forward compiled, the stage hooks eager. Stage 1 of 2 skips
+    blocks 0 and 1 (a passthrough in place of their forward) and feeds block 2 the received activation: it gives
+    the eager loss of blocks 2 and 3 on that activation, and afterwards every block is still compiled."""
+    module = Stack()
+    backend = PipelineBackend(2, "1f1b", 2, "auto")
+    backend.module, backend.plan = module, plan_stages(module, "auto", 2)
+    modules = dict(module.named_modules())
+    backend._blocks = [modules[n] for n in backend.plan.names]
+    names = [f"blocks.{i}" for i in range(4)]
+    torch.compiler.reset()
+    base = _compat.compiled_graph_count()
+    assert Compilation({"backend": "aot_eager"}).compile_pipeline_blocks(module, backend.blocks()) == names
+    received, batch = torch.randn(5, 4), torch.randn(5, 3)
+    with backend._logs_captured(module), backend._stage_hooks(1, received, taken := []):
+        loss = module.training_step(batch, 0)
+    assert taken == [1] and compiled_modules(module) == names
+    assert _compat.compiled_graph_count() > base  # blocks 2 and 3 ran compiled
+    with torch.no_grad():
+        torch.testing.assert_close(loss, module.head(module.blocks[3](module.blocks[2](received))).pow(2).mean())
+    with backend._logs_captured(module), backend._stage_hooks(0, None, []), pytest.raises(_StageOutput):
+        module.training_step(batch, 0)  # stage 0 stops after block 1
+    assert compiled_modules(module) == names
