@@ -57,7 +57,7 @@ import inspect
 import math
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, cast
 
 import torch
@@ -497,6 +497,16 @@ class PipelineBackend(ShardingBackend):
         self.busy_s = 0.0  # time in the stages' forward and backward computation during the last step
         self.last_stats: Optional[PipelineStats] = None
         self._whole_for_evaluation = False  # an evaluation loop whose ranks may run different numbers of batches
+
+    # --- after a spawn/fork launch -------------------------------------------------------------------------
+    def results_for_main_process(self) -> Optional[dict[str, Any]]:
+        """In rank 0's worker after the call: its last step's stats, for the main process's strategy (a dict:
+        Lightning moves the results with ``apply_to_collection``, which refuses frozen dataclasses)."""
+        return asdict(self.last_stats) if self.last_stats is not None else None
+
+    def restore_results_from_worker(self, state: Optional[dict[str, Any]]) -> None:
+        """In the main process: rank 0's last step (``trainer.strategy.pipeline_stats()`` after ``fit``)."""
+        self.last_stats = PipelineStats(**state) if state is not None else None
 
     # --- before launch ------------------------------------------------------------------------------------
     def check_model(

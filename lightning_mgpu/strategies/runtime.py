@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -160,6 +160,7 @@ class Runtime:
         settings: CommonSettings,
         check_model: Optional[Callable[[pl.Trainer, pl.LightningModule], None]] = None,
         full_module_state: Optional[Callable[[], dict[str, Any]]] = None,
+        hand_back: Sequence[Any] = (),
     ) -> None:
         self.strategy = strategy
         self.ranks = ranks
@@ -187,6 +188,9 @@ class Runtime:
         """The sharded stages 2/3 the strategy may still become (``mgpu_auto`` sets them)."""
         self._check_model = check_model
         self._full_module_state = full_module_state
+        self._hand_back = tuple(hand_back)
+        """The strategy's parts whose state the main process gets after a spawn/fork call, as callbacks' (each has
+        ``results_for_main_process()`` and ``restore_results_from_worker(state)``: the pipeline's last step)."""
 
     # --- what users read --------------------------------------------------------------------------------------
     @property
@@ -633,8 +637,9 @@ class Runtime:
 
     def results_for_main_process(self, trainer: pl.Trainer) -> dict[str, Any]:
         """After a spawn/fork fit, in rank 0's worker: what the main process's objects get (as Lightning hands
-        back ``callback_metrics``): the ledger, ``mgpu_auto``'s decision, and the state of each callback that
-        has ``results_for_main_process`` (``DeviceMonitor``'s history), keyed by its place in the callbacks."""
+        back ``callback_metrics``): the ledger, ``mgpu_auto``'s decision, the state of each callback that
+        has ``results_for_main_process`` (``DeviceMonitor``'s history), keyed by its place in the callbacks, and
+        that of the strategy's parts that hand theirs back (the pipeline's last step)."""
         callbacks = {
             i: (type(c).__name__, c.results_for_main_process())
             for i, c in enumerate(_callbacks(trainer))
@@ -647,6 +652,7 @@ class Runtime:
             "comm_stats": dataclasses.asdict(self.ledger.stats),
             "auto_decision": (type(decision), dataclasses.asdict(decision)) if decision is not None else None,
             "callbacks": callbacks,
+            "parts": [part.results_for_main_process() for part in self._hand_back],
         }
 
     def restore_results_from_worker(self, trainer: pl.Trainer, results: dict[str, Any]) -> None:
@@ -664,6 +670,8 @@ class Runtime:
             callback: Any = present[i] if i < len(present) else None
             if type(callback).__name__ == kind and callable(getattr(callback, "restore_results_from_worker", None)):
                 callback.restore_results_from_worker(state)
+        for part, state in zip(self._hand_back, results.get("parts", ())):
+            part.restore_results_from_worker(state)
 
     # --- failures ---------------------------------------------------------------------------------------------
     def end_group_after(self, exception: BaseException) -> list[int]:

@@ -269,7 +269,12 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._gathered_for_evaluation = False  # an evaluation loop runs with its forward's collective done once
         # stage 1: the DDP part of mgpu_ddp, composed (parts/ddp.py), in the runtime; None at stages 2 and 3
         self._runtime = Runtime(
-            self, self, settings, check_model=self._check_model, full_module_state=self._full_module_state
+            self,
+            self,
+            settings,
+            check_model=self._check_model,
+            full_module_state=self._full_module_state,
+            hand_back=[self._pipeline] if self._pipeline is not None else [],
         )
 
     # --- what users read ------------------------------------------------------------------------------
@@ -350,7 +355,9 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     def pipeline_stats(self) -> Optional[PipelineStats]:
         """``pipeline_parallel_size > 1``: the last training step of this rank (bytes sent between stages, the
-        measured bubble beside the formula); None before it, or without a pipeline."""
+        measured bubble beside the formula); None before it, or without a pipeline. After a spawn or fork launch
+        (``start_method="fork"`` in a notebook) the main process holds rank 0's, as it holds its
+        ``callback_metrics``."""
         return self._pipeline.last_stats if self._pipeline is not None else None
 
     def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:

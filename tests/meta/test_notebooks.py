@@ -31,6 +31,7 @@ def test_the_quickstart_and_one_notebook_per_capability_ship():
     names = {p.stem for p in NOTEBOOKS}
     shipped = {"quickstart", "sharded_memory", "activation_checkpointing", "gan_accumulation", "precision"}
     shipped.add("fine_tuning")
+    shipped.add("model_parallel")
     assert shipped <= names
 
 

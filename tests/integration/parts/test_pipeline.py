@@ -304,6 +304,7 @@ def pipelined(
     model = make_model(name)
     trainer.fit(model, Data(dataset(name), GLOBAL_BATCH // replicas), ckpt_path=ckpt)
     record = torch.load(tmp / "record.pt", weights_only=False)
+    record["main_stats"] = trainer.strategy.pipeline_stats()  # what the main process holds after the fork launch
     if predict:  # a new launch: every rank runs the whole model on its share, gathered in dataset order
         record["predictions"] = torch.cat(trainer.predict(model, DataLoader(dataset(name), batch_size=5)))
     return record
@@ -389,6 +390,7 @@ def test_pipeline_trains_as_one_process(
         assert (stats.stages, stats.microbatches, stats.bytes_sent) == (2, 4, 4 * 8 * 8)
         assert stats.bubble_theory == pytest.approx(1 / 5) and 0.0 <= stats.bubble <= 1.0
         assert got["ledger"].stage_bytes_per_step == accumulate * stats.bytes_sent  # k micro-steps per step
+        assert got["main_stats"] == stats  # rank 0's, handed back to the main process as its callback_metrics
     if epochs:
         trained = SequentialNet()
         trained.load_state_dict(want["state"])
