@@ -713,7 +713,8 @@ class ShardedSettings:
     pipeline_parallel_size: int = 1
     """Pipeline stages: the model's blocks are split into consecutive stages, each trained on its own ranks, the
     batch flowing through them in micro-batches (see the pipeline guide). Must divide the world size; the ranks
-    left form the data-parallel replicas of each stage. 1: no pipeline."""
+    left form the data dimension of each stage: whole replicas at ``stage=2``, the stage's blocks sharded over them
+    with FSDP2 at ``stage=3``. 1: no pipeline."""
     pipeline_schedule: PipelineScheduleName = "1f1b"
     """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (one forward, one backward: fewer activations
     in flight) or ``"interleaved_1f1b"`` (several stages per rank, a smaller bubble)."""
@@ -869,7 +870,7 @@ class ShardedSettings:
                     f"or pipeline_split='auto'."
                 )
         unsupported = []
-        if self.stage != 2:
+        if self.stage not in (2, 3):
             unsupported.append(f"stage={self.stage}")
         if self.backend != "torch":
             unsupported.append(f"backend={self.backend!r}")
@@ -886,10 +887,11 @@ class ShardedSettings:
         if unsupported:
             raise ValueError(
                 f"pipeline_parallel_size={size} with {', '.join(unsupported)} is not supported yet: with pipeline "
-                f"stages the data dimension holds whole replicas of each stage (gradients all-reduced across them, "
-                f"as DDP does), ZeRO sharding and HSDP inside it are not implemented yet, and checkpoints are "
-                f"consolidated; tensor parallelism within a stage is not implemented yet either. Remove "
-                f"{', '.join(unsupported)} (keep stage=2, the default, backend='torch', mesh='flat', "
+                f"stages the data dimension holds whole replicas of each stage (stage=2, the default: gradients "
+                f"all-reduced across them, as DDP does) or shards them with FSDP2 (stage=3, ZeRO-3 over the data "
+                f"dimension); stage=1, HSDP (mesh='hybrid') and sharded checkpoints inside it are not implemented "
+                f"yet, and checkpoints are consolidated; tensor parallelism within a stage is not implemented yet "
+                f"either. Remove {', '.join(unsupported)} (keep stage=2 or 3, backend='torch', mesh='flat', "
                 f"checkpoint='consolidated'), or train without pipeline_parallel_size."
             )
 

@@ -262,6 +262,7 @@ class MGPUShardedStrategy(ParallelStrategy):
                 pipeline_microbatches,
                 sharded.pipeline_split,
                 token_loss=loss_normalization == "tokens",
+                shard_stage=sharded.stage,
             )
             self._sharding = self._pipeline
         self._loaded_sharded = False
