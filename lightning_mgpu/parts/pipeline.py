@@ -633,6 +633,15 @@ class PipelineBackend(ShardingBackend):
                     local = comm.local_shard(p.grad)
                     local.mul_(scale.to(local.dtype))
 
+    def sync_layout(self, model: nn.Module) -> list[int]:
+        """``stage=3``: the bytes of each reduce-scatter of one optimizer step (one per stage of this rank: the
+        stage's whole gradients, as handed to it), for the ledger's ``round_bytes``; the all-reduces of the weights
+        outside the blocks are counted as they are issued."""
+        return [
+            sum(p.numel() * p.element_size() for b in self._stage_blocks(s) for p in b.parameters() if p.requires_grad)
+            for s in sorted(self._sharded_stages)
+        ]
+
     def _sharded_norm_clipping(self, ledger: CommStats) -> GlobalNormClipping:
         """Clipping by the norm over all ranks: each rank's shards of its stages' blocks (distinct on every rank),
         and the parameters outside the blocks, replicated on every rank, counted on rank 0 only."""

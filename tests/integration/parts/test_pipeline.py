@@ -709,7 +709,9 @@ class ShardedRecord(pl.Callback):
         torch.save(self.steps, self.out / f"steps{trainer.global_rank}.pt")
         if trainer.global_rank == 0:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-            torch.save({"state": state, "metrics": metrics, "norms": self.norms}, self.out / "record.pt")
+            ledger = getattr(trainer.strategy, "comm_stats", None) if trainer.world_size > 1 else None
+            record = {"state": state, "metrics": metrics, "norms": self.norms, "ledger": ledger}
+            torch.save(record, self.out / "record.pt")
 
 
 def sharded_run(
@@ -750,6 +752,10 @@ def assert_sharded_over_data(record: dict[str, Any], accumulate: int, units: int
     """One reduce-scatter per local stage and optimizer step (not per micro-batch, nor per accumulation
     micro-step); the optimizer state of each rank's blocks is half of a whole replica's (2 data ranks)."""
     steps_per_epoch = SAMPLES // GLOBAL_BATCH // accumulate
+    ledger = record["ledger"]  # rank 0's: its stage's 2 blocks' float64 gradients, one reduce-scatter per step
+    block_bytes = 2 * 600 * 8 // units
+    assert ledger.sync_rounds == ledger.optimizer_steps == len(record["steps"][0])
+    assert ledger.round_bytes == ledger.optimizer_steps * units * block_bytes
     for rank, steps in enumerate(record["steps"]):
         assert len(steps) == steps_per_epoch * (1 if accumulate == 1 else 2), rank
         for step, (calls, held, whole) in enumerate(steps):
