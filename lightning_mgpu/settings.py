@@ -880,8 +880,8 @@ class ShardedSettings:
             unsupported.append(f"micro_batch_size={self.micro_batch_size!r}")
         if self.wrap_modules is not None:
             unsupported.append("wrap_modules")
-        if self.checkpoint != "consolidated":
-            unsupported.append(f"checkpoint={self.checkpoint!r}")
+        if self.checkpoint != "consolidated" and self.stage != 3:
+            unsupported.append(f"checkpoint={self.checkpoint!r} with stage={self.stage}")
         if self.tensor_parallel_size != 1:
             unsupported.append(f"tensor_parallel_size={self.tensor_parallel_size}")
         if unsupported:
@@ -889,10 +889,11 @@ class ShardedSettings:
                 f"pipeline_parallel_size={size} with {', '.join(unsupported)} is not supported yet: with pipeline "
                 f"stages the data dimension holds whole replicas of each stage (stage=2, the default: gradients "
                 f"all-reduced across them, as DDP does) or shards them with FSDP2 (stage=3, ZeRO-3 over the data "
-                f"dimension); stage=1, HSDP (mesh='hybrid') and sharded checkpoints inside it are not implemented "
-                f"yet, and checkpoints are consolidated; tensor parallelism within a stage is not implemented yet "
-                f"either. Remove {', '.join(unsupported)} (keep stage=2 or 3, backend='torch', mesh='flat', "
-                f"checkpoint='consolidated'), or train without pipeline_parallel_size."
+                f"dimension); stage=1 and HSDP (mesh='hybrid') inside it are not implemented yet, and sharded "
+                f"checkpoints (checkpoint='sharded') are written at stage=3 only; tensor parallelism within a stage "
+                f"is not implemented yet either. Remove {', '.join(unsupported)} (keep stage=2 or 3, "
+                f"backend='torch', mesh='flat', checkpoint='consolidated' or, at stage=3, 'sharded'), or train "
+                f"without pipeline_parallel_size."
             )
 
     @property

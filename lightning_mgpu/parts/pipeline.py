@@ -35,8 +35,10 @@ every block (the plugin's FP32 masters of the other stages are copied into the m
 With ``stage=3`` the data dimension shards each stage instead of replicating it (ZeRO-3 inside the pipeline, as
 torchtitan composes pipeline and FSDP): each of this rank's stages (the ``PipelineStage``'s module) is one FSDP2
 unit, ``fully_shard`` over the mesh's ``data_parallel`` dimension, so its blocks' parameters, gradients and
-optimizer state are ``DTensor`` shards. ``PipelineStage`` gathers the unit for each forward and backward and turns
-gradient sync off during the schedule; the end of the schedule's step does not reduce either
+optimizer state are ``DTensor`` shards between optimizer steps. The unit is gathered at the step's first forward
+and kept gathered (``reshard_after_forward=False``, as torchtitan does with a pipeline: one all-gather per optimizer
+step); ``PipelineStage`` turns gradient sync off during the schedule, and the end of the schedule's step does not
+reduce either
 (:meth:`_ChunkedStage.perform_reduce_grad`): the gradients accumulate unsharded over every micro-batch and every
 ``accumulate_grad_batches`` batch, and :meth:`PipelineBackend.sync_gradients` reduce-scatters them once per
 optimizer step, then scales them by what flowed into the step's loss. The parameters outside the blocks stay
@@ -523,13 +525,14 @@ class PipelineBackend(ShardingBackend):
                 f"supported yet: its FP32 masters of every block are kept whole on every rank, which ZeRO-3 inside "
                 f"the pipeline shards. Use precision='bf16-mixed' (or '16-mixed', '32-true'), or stage=2."
             )
-        blocks = {name for name in plan.names}
+        users: dict[int, list[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
-            inside = [b for b in blocks if name.startswith(b + ".")]
+            users.setdefault(id(param), []).append(name)
+        for name, param in module.named_parameters(remove_duplicate=False):
+            inside = [b for b in plan.names if name.startswith(b + ".")]
             if not inside:
                 continue
-            users = [n for n, p in module.named_parameters(remove_duplicate=False) if p is param]
-            outside = [n for n in users if not n.startswith(inside[0] + ".")]
+            outside = [n for n in users[id(param)] if not n.startswith(inside[0] + ".")]
             if outside:
                 raise PipelineError(
                     f"{name} is tied to {outside[0]} (one parameter used in block {inside[0]!r} and outside it): "
@@ -583,15 +586,18 @@ class PipelineBackend(ShardingBackend):
     # --- stage=3: ZeRO-3 over the data dimension, each local stage one FSDP2 unit -----------------------------
     def _shard_stages(self, parallel: ParallelMesh) -> None:
         """Shard the blocks of each of this rank's stages with FSDP2 (``fully_shard``) over the data dimension of
-        the mesh, as one unit: the ``PipelineStage``'s submodule, whose forward (the stage) gathers them and whose
-        end resharding frees them again; the other stages' blocks and the parameters outside the blocks stay
-        plain tensors (those outside replicated on every rank)."""
+        the mesh, as one unit: the ``PipelineStage``'s submodule, whose first forward of an optimizer step (the
+        stage) gathers them and whose reduce-scatter at the step's end frees them again; the other stages' blocks
+        and the parameters outside the blocks stay plain tensors (those outside replicated on every rank)."""
         from torch.distributed.fsdp import fully_shard
 
         for s in self._local:
             if s not in self._sharded_stages:  # a second fit in the same process keeps its units
                 runner = _Stage(self, s, self._stage_blocks(s))
-                fully_shard(runner, mesh=parallel.data, reshard_after_forward=True)
+                # gathered at the step's first forward and kept until its reduce-scatter (torchtitan's choice
+                # with a pipeline): the gradients are whole for the step anyway; one all-gather per step, not two
+                # per micro-batch
+                fully_shard(runner, mesh=parallel.data, reshard_after_forward=False)
                 self._sharded_stages[s] = runner
         self._sharded_params = [
             p for s in self._local for b in self._stage_blocks(s) for p in b.parameters() if p.requires_grad
@@ -1238,6 +1244,38 @@ class PipelineBackend(ShardingBackend):
                 f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}, unexpected "
                 f"keys {result.unexpected_keys}. Load a checkpoint of this model, or pass strict=False."
             )
+
+    def sharded_model_state(self, module: nn.Module) -> dict[str, Any]:
+        """``checkpoint="sharded"`` (``stage=3``): this rank's part for DCP, the shards of its stages' blocks and the
+        weights outside the blocks (written once), without the other stages' freed blocks (their owners write
+        them)."""
+        with self._stages_resharded():
+            state = module.state_dict()
+        return {k: v for k, v in state.items() if k not in self._freed_names(module)}
+
+    def sharded_optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        with self._stages_resharded():  # keyed by the names of the optimizer's parameters: the shards registered
+            return super().sharded_optimizer_state(module, optimizer)
+
+    @contextlib.contextmanager
+    def _stages_resharded(self) -> Generator[None, None, None]:
+        """The sharded stages' ``DTensor`` parameters registered on the blocks (after a gather, until the next
+        training step, the gathered ones are), gathered again after where they were."""
+        gathered = self._unsharded
+        self._reshard_stages()
+        try:
+            yield
+        finally:
+            if gathered:
+                self._unshard_stages()
+
+    def _freed_names(self, module: nn.Module) -> set[str]:
+        freed = {id(t) for t, _ in self._freed}
+        return {
+            name
+            for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+            if id(t) in freed
+        }
 
     def load_full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
         """One process's optimizer state: this rank keeps the state of what it trains (at ``stage=3``, the shards

@@ -804,8 +804,8 @@ CASES = [
     pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=2, checkpoint="sharded"),
         ValueError,
-        ["checkpoint='sharded'", "not supported yet", "checkpoint='consolidated'"],
-        id="pipeline-with-sharded-checkpoints-not-supported-yet",
+        ["checkpoint='sharded' with stage=2", "not supported yet", "checkpoint='consolidated' or, at stage=3"],
+        id="pipeline-with-sharded-checkpoints-only-at-stage-3",
     ),
     pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2),

@@ -672,19 +672,27 @@ class ShardedRecord(pl.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.calls = 0
+        self.gathers = 0
         self.norms: list[float] = []
-        self.steps: list[tuple[int, int, int]] = []  # (reduce-scatters so far, state bytes held, state bytes whole)
+        # (reduce-scatters so far, all-gathers so far, state bytes held, state bytes whole)
+        self.steps: list[tuple[int, int, int, int]] = []
 
     def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.world_size == 1:
             return
-        original = torch.distributed.reduce_scatter_single
+        reduce_scatter, all_gather = torch.distributed.reduce_scatter_single, torch.distributed.all_gather_single
 
-        def counted(*args: Any, **kwargs: Any) -> Any:
+        def counted_reduce(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            return original(*args, **kwargs)
+            return reduce_scatter(*args, **kwargs)
 
-        torch.distributed.reduce_scatter_single = counted  # this process only (forked: the parent keeps its own)
+        def counted_gather(*args: Any, **kwargs: Any) -> Any:
+            self.gathers += 1
+            return all_gather(*args, **kwargs)
+
+        # FSDP2's collectives, in this process only (forked: the parent keeps its own)
+        torch.distributed.reduce_scatter_single = counted_reduce
+        torch.distributed.all_gather_single = counted_gather
         assert trainer.strategy._pipeline is not None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
@@ -700,10 +708,11 @@ class ShardedRecord(pl.Callback):
                 if isinstance(value, torch.Tensor) and value.shape == p.shape:
                     held += local_bytes(value)
                     whole += value.numel() * value.element_size()
-        self.steps.append((self.calls, held, whole))
+        self.steps.append((self.calls, self.gathers, held, whole))
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        state = trainer.strategy.lightning_module_state_dict()
+        sharding = getattr(trainer.strategy, "_sharding", None)  # the whole model whatever the checkpoint layout
+        state = sharding.full_model_state(module) if sharding else trainer.strategy.lightning_module_state_dict()
         trainer.save_checkpoint(self.out / "last.ckpt")
         self.out.mkdir(parents=True, exist_ok=True)
         torch.save(self.steps, self.out / f"steps{trainer.global_rank}.pt")
@@ -723,9 +732,11 @@ def sharded_run(
     ckpt: Optional[Path] = None,
     epochs: int = 0,
     strategy_cls: type = MGPUShardedStrategy,
+    checkpoint: str = "consolidated",
 ) -> dict[str, Any]:
     """TinyGPT (a head tied to the embedding, outside the blocks) through pipeline 2 x data 2 at ``stage`` (or one
-    process with ``devices=1``), float64, clipping that bites."""
+    process with ``devices=1``: plain Lightning, or ``MGPUShardedStrategy(stage=3)`` to read a sharded checkpoint),
+    float64, clipping that bites."""
     out.mkdir(parents=True, exist_ok=True)
     kwargs = trainer_kwargs(out, accumulate, devices=devices)
     kwargs["callbacks"] = [ShardedRecord(out)]
@@ -738,8 +749,11 @@ def sharded_run(
             pipeline_parallel_size=2,
             pipeline_schedule=schedule,
             pipeline_microbatches=m,
+            checkpoint=checkpoint,
             start_method="fork",
         )
+    elif checkpoint == "sharded":
+        kwargs["strategy"] = MGPUShardedStrategy(stage=3, checkpoint="sharded", start_method="fork")
     replicas = 2 if devices > 1 else 1
     pl.Trainer(**kwargs).fit(make_model("gpt"), Data(dataset("gpt"), GLOBAL_BATCH // replicas), ckpt_path=ckpt)
     record = torch.load(out / "record.pt", weights_only=False)
@@ -748,19 +762,28 @@ def sharded_run(
     return record
 
 
-def assert_sharded_over_data(record: dict[str, Any], accumulate: int, units: int = 1) -> None:
-    """One reduce-scatter per local stage and optimizer step (not per micro-batch, nor per accumulation
-    micro-step); the optimizer state of each rank's blocks is half of a whole replica's (2 data ranks)."""
-    steps_per_epoch = SAMPLES // GLOBAL_BATCH // accumulate
+def assert_sharded_over_data(
+    record: dict[str, Any], accumulate: int, units: int = 1, steps: int = 0, gathered_per_batch: bool = False
+) -> None:
+    """One reduce-scatter and one all-gather per local stage and optimizer step (not per micro-batch, nor per
+    accumulation micro-step), the ledger's rounds alike; the optimizer state of each rank's blocks is half of a
+    whole replica's (2 data ranks). ``gathered_per_batch``: torch's interleaved schedule gathers and reshards each
+    stage in every batch (its own unshard and reshard actions), k all-gathers per optimizer step."""
+    count = steps or SAMPLES // GLOBAL_BATCH // accumulate * (1 if accumulate == 1 else 2)
     ledger = record["ledger"]  # rank 0's: its stage's 2 blocks' float64 gradients, one reduce-scatter per step
     block_bytes = 2 * 600 * 8 // units
     assert ledger.sync_rounds == ledger.optimizer_steps == len(record["steps"][0])
     assert ledger.round_bytes == ledger.optimizer_steps * units * block_bytes
-    for rank, steps in enumerate(record["steps"]):
-        assert len(steps) == steps_per_epoch * (1 if accumulate == 1 else 2), rank
-        for step, (calls, held, whole) in enumerate(steps):
+    for rank, rows in enumerate(record["steps"]):
+        assert len(rows) == count, rank
+        for step, (calls, gathers, held, whole) in enumerate(rows):
             assert calls == units * (step + 1), (rank, step, calls)
-            if step:  # SGD's momentum exists after the first step
+            # the stage gathered once per step, once more at the first (the shape check of the batch) and once for
+            # each validation loop so far (one per epoch)
+            extra = 1 + step // (SAMPLES // GLOBAL_BATCH // accumulate)
+            per_step = accumulate if gathered_per_batch else 1
+            assert gathers == units * (per_step * (step + 1) + extra), (rank, step, gathers)
+            if step or steps:  # SGD's momentum exists after the first step, or from a checkpoint
                 assert whole > 0 and held == whole // 2, (rank, step, held, whole)
 
 
@@ -783,8 +806,24 @@ def test_zero3_inside_the_pipeline_trains_as_one_process(tmp_path: Path, accumul
         for key in uninterrupted["state"]:
             torch.testing.assert_close(resumed["state"][key], uninterrupted["state"][key], msg=key)
             torch.testing.assert_close(into["state"][key], uninterrupted["state"][key], msg=key)
-        for rank, steps in enumerate(into["steps"]):  # the loaded momentum is held in shards from the first step
-            assert steps and all(whole > 0 and held == whole // 2 for _, held, whole in steps), rank
+        assert_sharded_over_data(into, 1, steps=SAMPLES // GLOBAL_BATCH)  # the loaded momentum in shards
+
+
+def test_zero3_inside_the_pipeline_writes_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """``checkpoint="sharded"`` (DCP) with pipeline 2 x data 2 at ``stage=3``: each rank writes the shards of its
+    stage's blocks and the weights outside the blocks, not the other stage's freed blocks; the directory resumes in
+    the pipeline and in one process (re-sliced by DCP), each continuing as the uninterrupted one-process run. The
+    optimizer state is in the shards from the first step on."""
+    saved = tmp_path / "zero3" / "last.ckpt"
+    sharded_run(tmp_path / "zero3", "1f1b", 1, checkpoint="sharded")
+    assert saved.is_dir()
+    uninterrupted = sharded_run(tmp_path / "uninterrupted", "1f1b", 1, devices=1, epochs=2)
+    pipeline = sharded_run(tmp_path / "pipeline", "1f1b", 1, ckpt=saved, epochs=2, checkpoint="sharded")
+    one = sharded_run(tmp_path / "one", "1f1b", 1, devices=1, ckpt=saved, epochs=2, checkpoint="sharded")
+    for key in uninterrupted["state"]:
+        torch.testing.assert_close(pipeline["state"][key], uninterrupted["state"][key], msg=key)
+        torch.testing.assert_close(one["state"][key], uninterrupted["state"][key], msg=key)
+    assert_sharded_over_data(pipeline, 1, steps=SAMPLES // GLOBAL_BATCH)  # the second epoch, its momentum loaded
 
 
 def assert_sharded_one_process(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -828,5 +867,6 @@ def test_negative_control_zero3_inside_the_pipeline_with_a_wrong_norm(tmp_path: 
 def test_zero3_inside_the_pipeline_matrix(tmp_path: Path, schedule: str, accumulate: int) -> None:
     want = sharded_run(tmp_path / "reference", schedule, accumulate, devices=1)
     got = sharded_run(tmp_path / "zero3", schedule, accumulate)
-    assert_sharded_over_data(got, accumulate, units=2 if schedule == "interleaved_1f1b" else 1)
+    interleaved = schedule == "interleaved_1f1b"
+    assert_sharded_over_data(got, accumulate, units=2 if interleaved else 1, gathered_per_batch=interleaved)
     assert_sharded_one_process(got, want)
