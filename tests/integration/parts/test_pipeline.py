@@ -733,6 +733,8 @@ def sharded_run(
     epochs: int = 0,
     strategy_cls: type = MGPUShardedStrategy,
     checkpoint: str = "consolidated",
+    data_cls: type = Data,
+    **flags: Any,
 ) -> dict[str, Any]:
     """TinyGPT (a head tied to the embedding, outside the blocks) through pipeline 2 x data 2 at ``stage`` (or one
     process with ``devices=1``: plain Lightning, or ``MGPUShardedStrategy(stage=3)`` to read a sharded checkpoint),
@@ -740,6 +742,7 @@ def sharded_run(
     out.mkdir(parents=True, exist_ok=True)
     kwargs = trainer_kwargs(out, accumulate, devices=devices)
     kwargs["callbacks"] = [ShardedRecord(out)]
+    kwargs.update(flags)
     if epochs:
         kwargs["max_epochs"] = epochs
     if devices > 1:
@@ -755,7 +758,7 @@ def sharded_run(
     elif checkpoint == "sharded":
         kwargs["strategy"] = MGPUShardedStrategy(stage=3, checkpoint="sharded", start_method="fork")
     replicas = 2 if devices > 1 else 1
-    pl.Trainer(**kwargs).fit(make_model("gpt"), Data(dataset("gpt"), GLOBAL_BATCH // replicas), ckpt_path=ckpt)
+    pl.Trainer(**kwargs).fit(make_model("gpt"), data_cls(dataset("gpt"), GLOBAL_BATCH // replicas), ckpt_path=ckpt)
     record = torch.load(out / "record.pt", weights_only=False)
     if devices > 1:
         record["steps"] = [torch.load(out / f"steps{r}.pt", weights_only=False) for r in range(devices)]
@@ -869,4 +872,21 @@ def test_zero3_inside_the_pipeline_matrix(tmp_path: Path, schedule: str, accumul
     got = sharded_run(tmp_path / "zero3", schedule, accumulate)
     interleaved = schedule == "interleaved_1f1b"
     assert_sharded_over_data(got, accumulate, units=2 if interleaved else 1, gathered_per_batch=interleaved)
+    assert_sharded_one_process(got, want)
+
+
+class UnevenValidation(Data):
+    """Validation batches of one sample: 23 on one data replica, 22 on the other (the whole stages gathered for
+    the loop)."""
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(*(t[:VALIDATION] for t in self.data.tensors)), batch_size=1)
+
+
+@pytest.mark.slow
+def test_zero3_inside_the_pipeline_validates_unevenly_mid_epoch(tmp_path: Path) -> None:
+    """Validation every 3 batches on replicas that run different numbers of batches: the sharded stages are gathered
+    whole for the loop and sharded again by the next training step; weights and losses stay one process's."""
+    want = sharded_run(tmp_path / "one", "1f1b", 1, devices=1, data_cls=UnevenValidation, val_check_interval=3)
+    got = sharded_run(tmp_path / "zero3", "1f1b", 1, data_cls=UnevenValidation, val_check_interval=3)
     assert_sharded_one_process(got, want)
