@@ -665,7 +665,8 @@ def test_evaluation_batches_that_differ_between_the_stages_are_refused(tmp_path:
 
 class ShardedRecord(pl.Callback):
     """Under ``MGPUShardedStrategy(stage=3, pipeline_parallel_size=2)``, on every rank before each optimizer step:
-    the reduce-scatters issued so far (torch's collective, counted by a spy installed in each process), and the
+    the reduce-scatters and all-gathers issued so far (FSDP2's collectives, counted by spies installed in each
+    process), and the
     bytes of the optimizer state this rank holds for its stages' blocks beside what one whole replica of them
     would hold; at the end of fit the whole state, the metrics and a checkpoint."""
 
