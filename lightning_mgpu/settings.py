@@ -714,7 +714,8 @@ class ShardedSettings:
     pipeline_parallel_size: int = 1
     """Pipeline stages: the model's blocks are split into consecutive stages, each trained on its own ranks, the
     batch flowing through them in micro-batches (see the pipeline guide). Must divide the world size; the ranks
-    left form the data-parallel replicas of each stage. 1: no pipeline."""
+    left form the data dimension of each stage: whole replicas at ``stage=2``, the stage's blocks sharded over them
+    with FSDP2 at ``stage=3``. 1: no pipeline."""
     pipeline_schedule: PipelineScheduleName = "1f1b"
     """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (one forward, one backward: fewer activations
     in flight) or ``"interleaved_1f1b"`` (several stages per rank, a smaller bubble)."""
@@ -870,7 +871,7 @@ class ShardedSettings:
                     f"or pipeline_split='auto'."
                 )
         unsupported = []
-        if self.stage != 2:
+        if self.stage not in (2, 3):
             unsupported.append(f"stage={self.stage}")
         if self.backend != "torch":
             unsupported.append(f"backend={self.backend!r}")
@@ -880,16 +881,20 @@ class ShardedSettings:
             unsupported.append(f"micro_batch_size={self.micro_batch_size!r}")
         if self.wrap_modules is not None:
             unsupported.append("wrap_modules")
-        if self.checkpoint != "consolidated":
-            unsupported.append(f"checkpoint={self.checkpoint!r}")
+        if self.checkpoint != "consolidated" and self.stage != 3:
+            unsupported.append(f"checkpoint={self.checkpoint!r} with stage={self.stage}")
+        if self.tensor_parallel_size != 1 and self.stage == 3:
+            unsupported.append(f"tensor_parallel_size={self.tensor_parallel_size} with stage=3")
         if unsupported:
             raise ValueError(
                 f"pipeline_parallel_size={size} with {', '.join(unsupported)} is not supported yet: with pipeline "
-                f"stages the data dimension holds whole replicas of each stage (gradients all-reduced across them, "
-                f"as DDP does), ZeRO sharding and HSDP inside it are not implemented yet, and checkpoints are "
-                f"consolidated. Remove "
-                f"{', '.join(unsupported)} (keep stage=2, the default, backend='torch', mesh='flat', "
-                f"checkpoint='consolidated'), or train without pipeline_parallel_size."
+                f"stages the data dimension holds whole replicas of each stage (stage=2, the default: gradients "
+                f"all-reduced across them, as DDP does) or shards them with FSDP2 (stage=3, ZeRO-3 over the data "
+                f"dimension); stage=1 and HSDP (mesh='hybrid') inside it are not implemented yet, sharded "
+                f"checkpoints (checkpoint='sharded') are written at stage=3 only, and tensor parallelism within a "
+                f"stage composes with stage=2's replicas only. Remove {', '.join(unsupported)} (keep stage=2 or 3, "
+                f"backend='torch', mesh='flat', checkpoint='consolidated' or, at stage=3 without "
+                f"tensor_parallel_size, 'sharded'), or train without pipeline_parallel_size."
             )
 
     @property

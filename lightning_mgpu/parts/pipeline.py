@@ -41,6 +41,19 @@ blocks' ``DTensor`` parameters are freed and gathered by their local shards (eac
 weights outside the blocks are summed over the stages per tensor coordinate, the clipping norm weighs each gradient
 by ``1 / (the ranks holding its values)``, and the consolidated state is gathered over the tensor group.
 
+With ``stage=3`` the data dimension shards each stage instead of replicating it (ZeRO-3 inside the pipeline, as
+torchtitan composes pipeline and FSDP): each of this rank's stages (the ``PipelineStage``'s module) is one FSDP2
+unit, ``fully_shard`` over the mesh's ``data_parallel`` dimension, so its blocks' parameters, gradients and
+optimizer state are ``DTensor`` shards between optimizer steps. The unit is gathered at the step's first forward
+and kept gathered (``reshard_after_forward=False``, as torchtitan does with a pipeline: one all-gather per optimizer
+step); ``PipelineStage`` turns gradient sync off during the schedule, and the end of the schedule's step does not
+reduce either
+(:meth:`_ChunkedStage.perform_reduce_grad`): the gradients accumulate unsharded over every micro-batch and every
+``accumulate_grad_batches`` batch, and :meth:`PipelineBackend.sync_gradients` reduce-scatters them once per
+optimizer step, then scales them by what flowed into the step's loss. The parameters outside the blocks stay
+replicated. For the probe, evaluation and :meth:`PipelineBackend.gather_blocks` the units are gathered whole
+(``unshard``), and resharded at the next training step.
+
 Example::
 
     backend = PipelineBackend(size=2, schedule="1f1b", microbatches=4, split="auto")  # the strategy's backend
@@ -394,6 +407,20 @@ class _ChunkedStage(PipelineStage):
         with cast(_Stage, self.submod).timed():
             return super().backward_one_chunk(*args, **kwargs)
 
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """The schedule's end of one step. A stage sharded with FSDP2 (``stage=3``) keeps its gradients unsharded
+        and unreduced here: they are reduce-scattered once per optimizer step, by :meth:`reduce_now` from
+        :meth:`PipelineBackend.sync_gradients`, not once per ``accumulate_grad_batches`` micro-step."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.submod, FSDPModule):
+            super().perform_reduce_grad(grad_scale_factor)
+
+    def reduce_now(self) -> None:
+        """Reduce-scatter the stage's accumulated gradients over the data dimension (FSDP2's post-backward, as the
+        schedule's own end of step does it), and reshard its parameters."""
+        super().perform_reduce_grad(1)
+
 
 class _PendingGradients(torch.autograd.Function):
     """The loss Lightning's closure backpropagates: its backward adds the schedule's gradients."""
@@ -452,14 +479,22 @@ class PipelineBackend(ShardingBackend):
 
     ``size``: the pipeline stages' ranks (P); ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``;
     ``microbatches``: m (None: the number of stages); ``split``: module names or ``"auto"``; ``token_loss``:
-    ``loss_normalization="tokens"`` (the micro-batches' loss sums added, their token counts returned)."""
+    ``loss_normalization="tokens"`` (the micro-batches' loss sums added, their token counts returned);
+    ``shard_stage``: 2 (whole replicas of each stage in the data dimension) or 3 (each stage's blocks sharded over
+    it with FSDP2)."""
 
     sync_control = PipelineSyncControl()
 
     def __init__(
-        self, size: int, schedule: str, microbatches: Optional[int], split: Any, token_loss: bool = False
+        self,
+        size: int,
+        schedule: str,
+        microbatches: Optional[int],
+        split: Any,
+        token_loss: bool = False,
+        shard_stage: int = 2,
     ) -> None:
-        super().__init__(stage=2)
+        super().__init__(stage=shard_stage)
         self.size = size
         self.token_loss = token_loss
         self.schedule_name = schedule
@@ -497,6 +532,12 @@ class PipelineBackend(ShardingBackend):
         self.busy_s = 0.0  # time in the stages' forward and backward computation during the last step
         self.last_stats: Optional[PipelineStats] = None
         self._whole_for_evaluation = False  # an evaluation loop whose ranks may run different numbers of batches
+        # stage=3: each local stage's blocks one FSDP2 unit over the data dimension (the PipelineStage's submodule)
+        self._sharded_stages: dict[int, _Stage] = {}
+        self._stage_objects: dict[int, _ChunkedStage] = {}  # the latest PipelineStage of each local stage
+        self._sharded_params: list[Tensor] = []  # the sharded (DTensor) parameters the optimizer holds
+        self._unsharded = False  # the sharded stages gathered whole (by _unshard_stages)
+        self._grad_scale: Optional[Tensor] = None  # what flowed into the step's loss (1 / k, x the loss scale)
 
     # --- after a spawn/fork launch -------------------------------------------------------------------------
     def results_for_main_process(self) -> Optional[dict[str, Any]]:
@@ -532,6 +573,8 @@ class PipelineBackend(ShardingBackend):
         blocks = len(plan.names)
         if blocks < self.stages:
             raise PipelineError(f"{self.stages} stages but only {blocks} blocks in {plan.container!r}.")
+        if self.stage == 3:
+            self._check_shardable(module, plan, precision_plugin)
         if clip_by_norm and not hasattr(precision_plugin, "use_norm_clipping"):
             raise PipelineError(
                 f"gradient_clip_val by norm with {type(precision_plugin).__name__} under pipeline parallelism: each "
@@ -539,6 +582,30 @@ class PipelineBackend(ShardingBackend):
                 f"all stages. Use precision='32-true' (a float64 model: call .double() on it), '16-mixed' or "
                 f"'bf16-mixed', or gradient_clip_algorithm='value'."
             )
+
+    def _check_shardable(self, module: nn.Module, plan: StagePlan, precision_plugin: Any) -> None:
+        """``stage=3``: FSDP2 shards each stage's blocks; refuse what it cannot shard, with the fix."""
+        if getattr(precision_plugin, "master", False):
+            raise PipelineError(
+                f"MGPUPrecision({precision_plugin.mode!r}) with stage=3 and pipeline_parallel_size={self.size} is not "
+                f"supported yet: its FP32 masters of every block are kept whole on every rank, which ZeRO-3 inside "
+                f"the pipeline shards. Use precision='bf16-mixed' (or '16-mixed', '32-true'), or stage=2."
+            )
+        users: dict[int, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            users.setdefault(id(param), []).append(name)
+        for name, param in module.named_parameters(remove_duplicate=False):
+            inside = [b for b in plan.names if name.startswith(b + ".")]
+            if not inside:
+                continue
+            outside = [n for n in users[id(param)] if not n.startswith(inside[0] + ".")]
+            if outside:
+                raise PipelineError(
+                    f"{name} is tied to {outside[0]} (one parameter used in block {inside[0]!r} and outside it): "
+                    f"stage=3 shards each stage's blocks over the data dimension, and a parameter shared with "
+                    f"another block or outside the blocks cannot be sharded with them. Untie them, or use stage=2 "
+                    f"(whole replicas of each stage)."
+                )
 
     # --- set-up -------------------------------------------------------------------------------------------
     def shard_mesh(self, mesh: ParallelMesh) -> Any:
@@ -557,6 +624,8 @@ class PipelineBackend(ShardingBackend):
         self._blocks = [modules[n] for n in self.plan.names]
         self._local = [s for s in range(self.stages) if s % self.size == self.pipeline_index]
         self._schedules.clear()
+        if self.stage == 3:
+            self._shard_stages(parallel)
         self._stale = False
         self._held_optimizers = []  # (the freed tensors' shapes stay: a fit that ended in an error leaves them freed)
         return None
@@ -567,6 +636,8 @@ class PipelineBackend(ShardingBackend):
 
     def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
         self.ledger = ledger
+        if self._sharded_stages:  # stage=3 (refused with tensor parallelism inside the pipeline)
+            return self._sharded_norm_clipping(ledger)
         if self.dims is not None and self.dims.tensor > 1:
             return self._tensor_parallel_clipping(ledger)
         owned = {id(p) for p in self._owned_params()}
@@ -597,6 +668,101 @@ class PipelineBackend(ShardingBackend):
             replicas=self.dims.data_parallel,
         )
 
+    # --- stage=3: ZeRO-3 over the data dimension, each local stage one FSDP2 unit -----------------------------
+    def _shard_stages(self, parallel: ParallelMesh) -> None:
+        """Shard the blocks of each of this rank's stages with FSDP2 (``fully_shard``) over the data dimension of
+        the mesh, as one unit: the ``PipelineStage``'s submodule, whose first forward of an optimizer step (the
+        stage) gathers them and whose reduce-scatter at the step's end frees them again; the other stages' blocks
+        and the parameters outside the blocks stay plain tensors (those outside replicated on every rank)."""
+        from torch.distributed.fsdp import fully_shard
+
+        for s in self._local:
+            if s not in self._sharded_stages:  # a second fit in the same process keeps its units
+                runner = _Stage(self, s, self._stage_blocks(s))
+                # gathered at the step's first forward and kept until its reduce-scatter (torchtitan's choice
+                # with a pipeline): the gradients are whole for the step anyway; one all-gather per step, not two
+                # per micro-batch
+                fully_shard(runner, mesh=parallel.data, reshard_after_forward=False)
+                self._sharded_stages[s] = runner
+        self._sharded_params = [
+            p for s in self._local for b in self._stage_blocks(s) for p in b.parameters() if p.requires_grad
+        ]
+
+    def _step_params(self, module: nn.Module) -> list[nn.Parameter]:
+        """The parameters whose gradients a training step holds aside while the schedule runs (see
+        :meth:`training_step`): all that train, but the sharded stages' (FSDP2 accumulates those itself, unsharded,
+        until :meth:`sync_gradients`)."""
+        sharded = {id(p) for s in self._sharded_stages for b in self._stage_blocks(s) for p in b.parameters()}
+        return [p for p in module.parameters() if p.requires_grad and id(p) not in sharded]
+
+    def _unshard_stages(self) -> None:
+        """Gather this rank's sharded stages whole (an all-gather over the data dimension): their blocks then hold
+        plain tensors, for a forward outside the schedule (the probe, evaluation) and for :meth:`gather_blocks`."""
+        if self._sharded_stages and not self._unsharded:
+            for s in sorted(self._sharded_stages):
+                self._sharded_stages[s].unshard()  # type: ignore[operator]
+            self._unsharded = True
+
+    def _reshard_stages(self) -> None:
+        if self._unsharded:
+            for s in sorted(self._sharded_stages):
+                self._sharded_stages[s].reshard()  # type: ignore[operator]
+            self._unsharded = False
+
+    def _reduce_scatter_stages(self) -> None:
+        """Once per optimizer step: each sharded stage's gradients, accumulated over the step's micro-batches and
+        ``accumulate_grad_batches`` micro-steps, reduce-scattered (averaged) over the data dimension, then scaled by
+        what flowed into the step's loss (``1 / accumulate_grad_batches``, times the loss scale under fp16)."""
+        for s in sorted(self._sharded_stages):
+            self._stage_objects[s].reduce_now()
+        scale = self._grad_scale
+        if scale is None:
+            return
+        with torch.no_grad():
+            for p in self._sharded_params:
+                if p.grad is not None:
+                    local = comm.local_shard(p.grad)
+                    local.mul_(scale.to(local.dtype))
+
+    def sync_layout(self, model: nn.Module) -> list[int]:
+        """``stage=3``: the bytes of each reduce-scatter of one optimizer step (one per stage of this rank: the
+        stage's whole gradients, as handed to it), for the ledger's ``round_bytes``; the all-reduces of the weights
+        outside the blocks are counted as they are issued."""
+        return [
+            sum(p.numel() * p.element_size() for b in self._stage_blocks(s) for p in b.parameters() if p.requires_grad)
+            for s in sorted(self._sharded_stages)
+        ]
+
+    def _sharded_norm_clipping(self, ledger: CommStats) -> GlobalNormClipping:
+        """Clipping by the norm over all ranks: each rank's shards of its stages' blocks (distinct on every rank),
+        and the parameters outside the blocks, replicated on every rank, counted on rank 0 only."""
+        owned = {id(p) for p in self._sharded_params}
+        shared = {id(p) for p in self._shared_params()}
+        return GlobalNormClipping(
+            lambda opt: [p for p in optimizer_params(opt) if id(p) in owned],
+            None,
+            ledger,
+            replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
+            count_replicated=self.rank == 0,
+            norm_dtype=torch.float64,
+        )
+
+    @staticmethod
+    def _in_shards(params: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` (whole tensors, one process's) with each one of a ``DTensor``'s shape cut to this rank's
+        piece of it (FSDP2's shards at ``stage=3``, the tensor plan's split layers; ``params``: the parameter or
+        buffer each key belongs to), without communication."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        out = dict(values)
+        for key, value in values.items():
+            param = params.get(key)
+            if isinstance(param, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
+                if tuple(value.shape) == tuple(param.shape):
+                    whole = value.detach().to(device=param.device, dtype=param.dtype)
+                    out[key] = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+        return out
+
     # --- the parameters -----------------------------------------------------------------------------------
     def _stage_blocks(self, stage: int) -> list[nn.Module]:
         assert self.plan is not None
@@ -604,6 +770,8 @@ class PipelineBackend(ShardingBackend):
         return self._blocks[start:end]
 
     def _owned_params(self) -> list[nn.Parameter]:
+        if self._sharded_stages:  # the optimizer's DTensors, whether or not the stages are gathered now
+            return cast(list[nn.Parameter], list(self._sharded_params))
         return [p for s in self._local for b in self._stage_blocks(s) for p in b.parameters() if p.requires_grad]
 
     def _shared_params(self) -> list[nn.Parameter]:
@@ -640,6 +808,7 @@ class PipelineBackend(ShardingBackend):
         """Free the storage of the other stages' blocks' parameters and buffers (and any gradient or optimizer
         state of theirs): this rank then holds its own blocks and the parameters outside the blocks only. Undone by
         :meth:`gather_blocks`."""
+        self._reshard_stages()
         if self._freed or not self.free_others or self.plan is None:
             return
         kept = self._kept_ids()
@@ -689,7 +858,7 @@ class PipelineBackend(ShardingBackend):
         target = torch.arange(m, device=device) if last else None
         # Lightning zeroes the gradients between the training step and its backward: the schedule's gradients
         # wait aside and are added by the backward of the loss returned (scaled by what flows into it: 1 / k)
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = self._step_params(module)
         held = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -727,6 +896,7 @@ class PipelineBackend(ShardingBackend):
         flows into that loss: ``1 / accumulate_grad_batches``, times the loss scale under fp16), added to
         ``.grad``."""
         pending, self._pending = self._pending, []
+        self._grad_scale = scale.detach()  # the sharded stages' gradients take it after their reduce-scatter
         with torch.no_grad():
             for p, g in pending:
                 g = g * scale.to(g.dtype)
@@ -748,6 +918,7 @@ class PipelineBackend(ShardingBackend):
         of one process. A collective of the pipeline's ranks, which hold the same batch (the evaluation loaders
         are sharded over the data replicas); a batch that differs between them raises :class:`PipelineError`."""
         assert self.plan is not None and self.module is not None
+        self._unshard_stages()  # stage=3: this rank's stages whole until the next training step
         device = self._module_device(module)
         fingerprints = comm.all_gather_object(_fingerprint(args[0] if args else None), group=self.pipeline_group)
         if any(f != fingerprints[0] for f in fingerprints):  # every rank of the pipeline raises
@@ -975,11 +1146,12 @@ class PipelineBackend(ShardingBackend):
             else:
                 shape, dtype = boundaries[s]
                 outputs = torch.empty(shape, dtype=dtype, device=device).requires_grad_(dtype.is_floating_point)
-            runner = _Stage(self, s, self._stage_blocks(s))
+            runner = self._sharded_stages[s] if s in self._sharded_stages else _Stage(self, s, self._stage_blocks(s))
             stage = _ChunkedStage(
                 runner, s, self.stages, device, input_args=inputs, output_args=outputs, group=self.pipeline_group
             )
             stages.append(stage)
+            self._stage_objects[s] = stage
         m = self.microbatches
         schedule: Any
         if self.schedule_name == "interleaved_1f1b":
@@ -1093,7 +1265,9 @@ class PipelineBackend(ShardingBackend):
         one-process gradient of what it trains. A parameter without a gradient on every rank keeps none."""
         assert self.dims is not None
         dp = self.dims.data_parallel
-        if dp > 1:
+        if self._sharded_stages:
+            self._reduce_scatter_stages()
+        elif dp > 1:
             self._reduce(self._owned_params(), self.data_group, dp)
         if self.dims.tensor > 1:
             self._reduce_shared_per_tensor_rank()
@@ -1135,7 +1309,8 @@ class PipelineBackend(ShardingBackend):
     def gather_blocks(self) -> None:
         """Allocate the freed tensors again and broadcast each block's weights and buffers from the rank that
         trains it to the other ranks of its pipeline: every rank then holds the trained model (a collective of the
-        pipeline's ranks)."""
+        pipeline's ranks; at ``stage=3`` of the data replicas too, which gather their stages' shards first)."""
+        self._unshard_stages()
         if not (self._stale or self._freed) or self.plan is None or self.dims is None or not comm.group_is_up():
             return  # nothing trained since the last gather (validate/test/predict outside fit: rank 0's weights)
         shapes = {id(t): shape for t, shape in self._freed}
@@ -1168,6 +1343,8 @@ class PipelineBackend(ShardingBackend):
         refree = bool(self._freed)
         self.gather_blocks()
         state = module.state_dict()
+        if self._sharded_stages:  # FSDP2's state_dict holds the shards: whole (an all-gather over the data ranks)
+            state = {k: comm.full_tensor(v) for k, v in state.items()}
         if refree:
             self.free_blocks()
         state = state if keys is None else {k: v for k, v in state.items() if k in keys}
@@ -1179,7 +1356,9 @@ class PipelineBackend(ShardingBackend):
         """One process's state dict: every rank loads the whole of it, or, while the other stages' blocks are
         freed, its own blocks and the parameters outside the blocks (the others' keys are checked, their values
         not kept)."""
-        state = self._distributed_like(module, state)
+        state = self._in_shards(
+            dict([*module.named_parameters(remove_duplicate=False), *module.named_buffers()]), state
+        )
         if not self._freed:
             module.load_state_dict(state, strict=strict)
             return
@@ -1197,40 +1376,49 @@ class PipelineBackend(ShardingBackend):
                 f"keys {result.unexpected_keys}. Load a checkpoint of this model, or pass strict=False."
             )
 
+    def sharded_model_state(self, module: nn.Module) -> dict[str, Any]:
+        """``checkpoint="sharded"`` (``stage=3``): this rank's part for DCP, the shards of its stages' blocks and the
+        weights outside the blocks (written once), without the other stages' freed blocks (their owners write
+        them)."""
+        with self._stages_resharded():
+            state = module.state_dict()
+        return {k: v for k, v in state.items() if k not in self._freed_names(module)}
+
+    def sharded_optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        with self._stages_resharded():  # keyed by the names of the optimizer's parameters: the shards registered
+            return super().sharded_optimizer_state(module, optimizer)
+
+    @contextlib.contextmanager
+    def _stages_resharded(self) -> Generator[None, None, None]:
+        """The sharded stages' ``DTensor`` parameters registered on the blocks (after a gather, until the next
+        training step, the gathered ones are), gathered again after where they were."""
+        gathered = self._unsharded
+        self._reshard_stages()
+        try:
+            yield
+        finally:
+            if gathered:
+                self._unshard_stages()
+
+    def _freed_names(self, module: nn.Module) -> set[str]:
+        freed = {id(t) for t, _ in self._freed}
+        return {
+            name
+            for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+            if id(t) in freed
+        }
+
     def load_full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        """One process's optimizer state: this rank keeps the state of what it trains."""
-        super().load_full_optimizer_state(module, optimizer, state)
+        """One process's optimizer state: this rank keeps the state of what it trains (at ``stage=3``, the shards
+        of its stages' blocks)."""
+        params = optimizer_params(optimizer)
+        states = {
+            i: self._in_shards({k: params[i] for k in s}, s) if i < len(params) else s
+            for i, s in state["state"].items()
+        }
+        super().load_full_optimizer_state(module, optimizer, {**state, "state": states})
         for t, _ in self._freed:
             optimizer.state.pop(t, None)
-        self._distribute_optimizer_state(optimizer)
-
-    @staticmethod
-    def _distributed_like(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-        """One process's whole tensors, each as this rank's ``DTensor`` shard where the module's tensor of that name
-        is one (tensor parallelism within the stages; no communication: every rank holds the whole state)."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        held = dict([*module.named_parameters(remove_duplicate=False), *module.named_buffers()])
-        out = dict(state)
-        for name, value in state.items():
-            t = held.get(name)
-            if isinstance(t, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
-                out[name] = distribute_tensor(value.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
-        return out
-
-    @staticmethod
-    @torch.no_grad()
-    def _distribute_optimizer_state(optimizer: Optimizer) -> None:
-        """The optimizer state loaded whole (one process's) as ``DTensor`` shards of the parameters that are ones
-        (tensor parallelism within the stages): each state tensor of the parameter's shape."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        for p, entry in optimizer.state.items():
-            if not isinstance(p, DTensor):
-                continue
-            for key, value in entry.items():
-                if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == p.shape:
-                    entry[key] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
 
     def full_optimizer_state(self, module: nn.Module, optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
         """One process's ``optimizer.state_dict()``: each parameter's state from the stage that trains it."""

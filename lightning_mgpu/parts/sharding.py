@@ -221,6 +221,11 @@ class ShardingBackend:
         optimizer.load_state_dict(copy.deepcopy(state))
 
     # --- sharded state (DCP, keyed by parameter name) -------------------------------------------------
+    def sharded_model_state(self, module: nn.Module) -> dict[str, Any]:
+        """This rank's part of the module's state for a sharded checkpoint: ``module.state_dict()`` (FSDP2's
+        parameters as their ``DTensor`` shards)."""
+        return module.state_dict()
+
     def sharded_optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's share: ``{"state": {fqn: {...}} for owned parameters, "param_groups": [...]}``."""
         names = param_names(module)

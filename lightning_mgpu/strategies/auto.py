@@ -248,10 +248,12 @@ def layout_keywords() -> set[str]:
 def layout_arguments(layout: Layout) -> Optional[dict[str, Any]]:
     """The keywords that build ``layout`` with :class:`~lightning_mgpu.MGPUShardedStrategy`, or None where the
     strategy of this installation takes no such option or refuses the combination (constructing it checks: nothing
-    starts). With pipeline stages only the layouts whose data dimension holds whole replicas of each stage (DDP's
-    memory, the most a data rank holds) are built, at the strategy's default stage; DDP-style replicas without
-    stages are built as ZeRO-1 (the same bytes sent, no more memory per rank)."""
-    if layout.pipeline > 1 and layout.strategy != "mgpu_ddp":
+    starts). With pipeline stages the layouts whose data dimension holds whole replicas of each stage (DDP's
+    memory, the most a data rank holds) are built at the strategy's default stage, and those that shard each stage
+    with ZeRO-3 over the data dimension (``mgpu_zero3``) at ``stage=3``; the other data strategies are not built
+    inside a pipeline. DDP-style replicas without stages are built as ZeRO-1 (the same bytes sent, no more memory
+    per rank)."""
+    if layout.pipeline > 1 and layout.strategy not in ("mgpu_ddp", "mgpu_zero3"):
         return None
     sizes: dict[str, Any] = {}
     if layout.tensor > 1:

@@ -261,6 +261,7 @@ class MGPUShardedStrategy(ParallelStrategy):
                 pipeline_microbatches,
                 sharded.pipeline_split,
                 token_loss=loss_normalization == "tokens",
+                shard_stage=sharded.stage,
             )
             self._sharding = self._pipeline
         self._loaded_sharded = False
@@ -516,7 +517,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if self._checkpoint_layout == "sharded":
-            return self._runtime.module_state(module.state_dict())
+            return self._runtime.module_state(self._sharding.sharded_model_state(module))
         # checkpoint_params: an adapter-only save gathers the entries it keeps, not the frozen base
         return self._runtime.module_state(self._sharding.full_model_state(module, self._runtime.saved_keys()))
 

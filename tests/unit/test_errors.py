@@ -70,6 +70,15 @@ def sgd() -> torch.optim.Optimizer:
     return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
 
 
+class TiedOutsideTheBlocks(Regressor):
+    """The last block's weight tied to a head outside the blocks (``net`` is the pipeline's blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 3)
+        self.head.weight = self.net[2].weight
+
+
 class AutomaticWithMixin(ManualAccumulation, Regressor):
     """The accumulation mixin on a module that keeps automatic optimization."""
 
@@ -763,22 +772,52 @@ CASES = [
         id="pipeline-weight-averaging-callbacks",
     ),
     pytest.param(
-        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, stage=3),
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, stage=1),
         ValueError,
-        ["pipeline_parallel_size=2 with stage=3 is not supported yet", "Remove stage=3"],
-        id="pipeline-with-zero3-not-supported-yet",
+        ["pipeline_parallel_size=2 with stage=1 is not supported yet", "Remove stage=1", "stage=2 or 3"],
+        id="pipeline-with-zero1-not-supported-yet",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, stage=3, mesh="hybrid"),
+        ValueError,
+        ["pipeline_parallel_size=2 with mesh='hybrid' is not supported yet", "HSDP (mesh='hybrid')", "mesh='flat'"],
+        id="pipeline-with-hsdp-not-supported-yet",
+    ),
+    pytest.param(
+        lambda: fit(
+            Regressor(),
+            MGPUShardedStrategy(pipeline_parallel_size=2, stage=3, start_method="fork"),
+            plugins=[MGPUPrecision("bf16-master")],
+        ),
+        ValueError,
+        ["MGPUPrecision('bf16-master') with stage=3 and pipeline_parallel_size=2", "precision='bf16-mixed'"],
+        id="pipeline-zero3-with-master-weights",
+    ),
+    pytest.param(
+        lambda: fit(
+            TiedOutsideTheBlocks(), MGPUShardedStrategy(pipeline_parallel_size=2, stage=3, start_method="fork")
+        ),
+        ValueError,
+        ["net.2.weight is tied to head.weight", "Untie them, or use stage=2"],
+        id="pipeline-zero3-with-a-block-tied-outside",
     ),
     pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=2, checkpoint="sharded"),
         ValueError,
-        ["checkpoint='sharded'", "not supported yet", "checkpoint='consolidated'"],
-        id="pipeline-with-sharded-checkpoints-not-supported-yet",
+        ["checkpoint='sharded' with stage=2", "not supported yet", "checkpoint='consolidated' or, at stage=3"],
+        id="pipeline-with-sharded-checkpoints-only-at-stage-3",
     ),
     pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, mesh="hybrid"),
         ValueError,
-        ["mesh='hybrid' is not supported yet", "HSDP inside it", "mesh='flat'"],
+        ["mesh='hybrid' is not supported yet", "HSDP (mesh='hybrid') inside it", "mesh='flat'"],
         id="pipeline-with-tensor-parallelism-on-a-hybrid-mesh-not-supported-yet",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, stage=3),
+        ValueError,
+        ["tensor_parallel_size=2 with stage=3 is not supported yet", "composes with stage=2's replicas", "stage=2"],
+        id="pipeline-with-tensor-parallelism-and-zero3-not-supported-yet",
     ),
     pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=4, pipeline_microbatches=2),

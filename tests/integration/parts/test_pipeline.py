@@ -516,8 +516,10 @@ def test_negative_control_the_comparison_fails_for_a_wrong_pipeline(tmp_path: Pa
         assert_holds_its_stages(tmp_path / "pipeline", "sequential", 2, "1f1b")
 
 
-def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_path: Path) -> None:
-    """``import lightning as L`` with ``lightning_mgpu.lightning``: pipeline 2 on 2 processes, 1F1B, a model whose
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_path: Path, stage: int) -> None:
+    """``import lightning as L`` with ``lightning_mgpu.lightning`` (``stage=3``: each stage one FSDP2 unit over its
+    data dimension of 1): pipeline 2 on 2 processes, 1F1B, a model whose
     forward iterates a ``ModuleList``, its loader sharded by Lightning's automatic sampler (one data replica: both
     stages see every batch). Batches of 10, 10, 10, 10, 8, 10: the batch of a new shape is checked with the other
     stage's blocks freed (gathered for that one forward, freed again)."""
@@ -562,7 +564,9 @@ def test_the_lightning_namespace_trains_a_module_list_model_as_one_process(tmp_p
     flags: dict[str, Any] = {"accelerator": "cpu", "max_steps": 6, "logger": False, "enable_checkpointing": False}
     flags.update(enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()])
     L.Trainer(devices=1, **flags).fit(Net())
-    strategy = mgpu.MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, start_method="fork")
+    strategy = mgpu.MGPUShardedStrategy(
+        stage=stage, pipeline_parallel_size=2, pipeline_microbatches=2, start_method="fork"
+    )
     L.Trainer(devices=2, strategy=strategy, **flags).fit(Net())
     want, got = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     for key in want:
@@ -798,3 +802,236 @@ def test_the_lightning_namespace_trains_a_compiled_pipeline_as_one_process(tmp_p
         assert compiled == BLOCKS, rank
         for key in want:
             torch.testing.assert_close(got[key], want[key], msg=f"{key} on rank {rank}")
+
+
+# --- stage=3: ZeRO-3 over the data dimension inside the pipeline ------------------------------------------------
+
+
+class ShardedRecord(pl.Callback):
+    """Under ``MGPUShardedStrategy(stage=3, pipeline_parallel_size=2)``, on every rank before each optimizer step:
+    the reduce-scatters and all-gathers issued so far (FSDP2's collectives, counted by spies installed in each
+    process), and the
+    bytes of the optimizer state this rank holds for its stages' blocks beside what one whole replica of them
+    would hold; at the end of fit the whole state, the metrics and a checkpoint."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.calls = 0
+        self.gathers = 0
+        self.norms: list[float] = []
+        # (reduce-scatters so far, all-gathers so far, state bytes held, state bytes whole)
+        self.steps: list[tuple[int, int, int, int]] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.world_size == 1:
+            return
+        reduce_scatter, all_gather = torch.distributed.reduce_scatter_single, torch.distributed.all_gather_single
+
+        def counted_reduce(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return reduce_scatter(*args, **kwargs)
+
+        def counted_gather(*args: Any, **kwargs: Any) -> Any:
+            self.gathers += 1
+            return all_gather(*args, **kwargs)
+
+        # FSDP2's collectives, in this process only (forked: the parent keeps its own)
+        torch.distributed.reduce_scatter_single = counted_reduce
+        torch.distributed.all_gather_single = counted_gather
+        assert trainer.strategy._pipeline is not None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
+        from lightning_mgpu.parts.sharding import local_bytes
+
+        if trainer.world_size == 1:  # the one-process reference: the pre-clip norm
+            self.norms.append(float(torch.stack([p.grad.pow(2).sum() for p in module.parameters()]).sum().sqrt()))
+            return
+        sharded = trainer.strategy._pipeline._sharded_params
+        held = whole = 0
+        for p in sharded:
+            for value in optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    held += local_bytes(value)
+                    whole += value.numel() * value.element_size()
+        self.steps.append((self.calls, self.gathers, held, whole))
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        sharding = getattr(trainer.strategy, "_sharding", None)  # the whole model whatever the checkpoint layout
+        state = sharding.full_model_state(module) if sharding else trainer.strategy.lightning_module_state_dict()
+        trainer.save_checkpoint(self.out / "last.ckpt")
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(self.steps, self.out / f"steps{trainer.global_rank}.pt")
+        if trainer.global_rank == 0:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+            ledger = getattr(trainer.strategy, "comm_stats", None) if trainer.world_size > 1 else None
+            record = {"state": state, "metrics": metrics, "norms": self.norms, "ledger": ledger}
+            torch.save(record, self.out / "record.pt")
+
+
+def sharded_run(
+    out: Path,
+    schedule: str,
+    accumulate: int,
+    stage: int = 3,
+    devices: int = WORLD,
+    ckpt: Optional[Path] = None,
+    epochs: int = 0,
+    strategy_cls: type = MGPUShardedStrategy,
+    checkpoint: str = "consolidated",
+    data_cls: type = Data,
+    **flags: Any,
+) -> dict[str, Any]:
+    """TinyGPT (a head tied to the embedding, outside the blocks) through pipeline 2 x data 2 at ``stage`` (or one
+    process with ``devices=1``: plain Lightning, or ``MGPUShardedStrategy(stage=3)`` to read a sharded checkpoint),
+    float64, clipping that bites."""
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = trainer_kwargs(out, accumulate, devices=devices)
+    kwargs["callbacks"] = [ShardedRecord(out)]
+    kwargs.update(flags)
+    if epochs:
+        kwargs["max_epochs"] = epochs
+    if devices > 1:
+        m = 4
+        kwargs["strategy"] = strategy_cls(
+            stage=stage,
+            pipeline_parallel_size=2,
+            pipeline_schedule=schedule,
+            pipeline_microbatches=m,
+            checkpoint=checkpoint,
+            start_method="fork",
+        )
+    elif checkpoint == "sharded":
+        kwargs["strategy"] = MGPUShardedStrategy(stage=3, checkpoint="sharded", start_method="fork")
+    replicas = 2 if devices > 1 else 1
+    pl.Trainer(**kwargs).fit(make_model("gpt"), data_cls(dataset("gpt"), GLOBAL_BATCH // replicas), ckpt_path=ckpt)
+    record = torch.load(out / "record.pt", weights_only=False)
+    if devices > 1:
+        record["steps"] = [torch.load(out / f"steps{r}.pt", weights_only=False) for r in range(devices)]
+    return record
+
+
+def assert_sharded_over_data(
+    record: dict[str, Any], accumulate: int, units: int = 1, steps: int = 0, gathered_per_batch: bool = False
+) -> None:
+    """One reduce-scatter and one all-gather per local stage and optimizer step (not per micro-batch, nor per
+    accumulation micro-step), the ledger's rounds alike; the optimizer state of each rank's blocks is half of a
+    whole replica's (2 data ranks). ``gathered_per_batch``: torch's interleaved schedule gathers and reshards each
+    stage in every batch (its own unshard and reshard actions), k all-gathers per optimizer step."""
+    count = steps or SAMPLES // GLOBAL_BATCH // accumulate * (1 if accumulate == 1 else 2)
+    ledger = record["ledger"]  # rank 0's: its stage's 2 blocks' float64 gradients, one reduce-scatter per step
+    block_bytes = 2 * 600 * 8 // units
+    assert ledger.sync_rounds == ledger.optimizer_steps == len(record["steps"][0])
+    assert ledger.round_bytes == ledger.optimizer_steps * units * block_bytes
+    for rank, rows in enumerate(record["steps"]):
+        assert len(rows) == count, rank
+        for step, (calls, gathers, held, whole) in enumerate(rows):
+            assert calls == units * (step + 1), (rank, step, calls)
+            # the stage gathered once per step, once more at the first (the shape check of the batch) and once for
+            # each validation loop so far (one per epoch)
+            extra = 1 + step // (SAMPLES // GLOBAL_BATCH // accumulate)
+            per_step = accumulate if gathered_per_batch else 1
+            assert gathers == units * (per_step * (step + 1) + extra), (rank, step, gathers)
+            if step or steps:  # SGD's momentum exists after the first step, or from a checkpoint
+                assert whole > 0 and held == whole // 2, (rank, step, held, whole)
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_zero3_inside_the_pipeline_trains_as_one_process(tmp_path: Path, accumulate: int) -> None:
+    """``stage=3`` with pipeline 2 x data 2 (1F1B): each stage's blocks sharded with FSDP2 over its 2 data ranks,
+    gradients reduce-scattered once per optimizer step; the weights and logged values are one process's; (k=1) its
+    consolidated checkpoint resumes in one process as an uninterrupted run, and one process's checkpoint resumes
+    in the pipeline (its optimizer state cut into the shards) as that run too."""
+    want = sharded_run(tmp_path / "reference", "1f1b", accumulate, devices=1)
+    got = sharded_run(tmp_path / "zero3", "1f1b", accumulate)
+    assert_sharded_over_data(got, accumulate)
+    assert_sharded_one_process(got, want)
+    if accumulate == 1:
+        resumed = sharded_run(
+            tmp_path / "resumed", "1f1b", 1, devices=1, ckpt=tmp_path / "zero3" / "last.ckpt", epochs=2
+        )
+        uninterrupted = sharded_run(tmp_path / "uninterrupted", "1f1b", 1, devices=1, epochs=2)
+        into = sharded_run(tmp_path / "into", "1f1b", 1, ckpt=tmp_path / "reference" / "last.ckpt", epochs=2)
+        for key in uninterrupted["state"]:
+            torch.testing.assert_close(resumed["state"][key], uninterrupted["state"][key], msg=key)
+            torch.testing.assert_close(into["state"][key], uninterrupted["state"][key], msg=key)
+        assert_sharded_over_data(into, 1, steps=SAMPLES // GLOBAL_BATCH)  # the loaded momentum in shards
+
+
+def test_zero3_inside_the_pipeline_writes_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """``checkpoint="sharded"`` (DCP) with pipeline 2 x data 2 at ``stage=3``: each rank writes the shards of its
+    stage's blocks and the weights outside the blocks, not the other stage's freed blocks; the directory resumes in
+    the pipeline and in one process (re-sliced by DCP), each continuing as the uninterrupted one-process run. The
+    optimizer state is in the shards from the first step on."""
+    saved = tmp_path / "zero3" / "last.ckpt"
+    sharded_run(tmp_path / "zero3", "1f1b", 1, checkpoint="sharded")
+    assert saved.is_dir()
+    uninterrupted = sharded_run(tmp_path / "uninterrupted", "1f1b", 1, devices=1, epochs=2)
+    pipeline = sharded_run(tmp_path / "pipeline", "1f1b", 1, ckpt=saved, epochs=2, checkpoint="sharded")
+    one = sharded_run(tmp_path / "one", "1f1b", 1, devices=1, ckpt=saved, epochs=2, checkpoint="sharded")
+    for key in uninterrupted["state"]:
+        torch.testing.assert_close(pipeline["state"][key], uninterrupted["state"][key], msg=key)
+        torch.testing.assert_close(one["state"][key], uninterrupted["state"][key], msg=key)
+    assert_sharded_over_data(pipeline, 1, steps=SAMPLES // GLOBAL_BATCH)  # the second epoch, its momentum loaded
+
+
+def assert_sharded_one_process(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert want["norms"] and max(want["norms"]) > CLIP, "the clipping must bite for the comparison to mean anything"
+    assert got["state"].keys() == want["state"].keys()
+    for key in want["state"]:
+        torch.testing.assert_close(got["state"][key], want["state"][key], msg=key)
+    for name in ("train_loss", "val_loss"):
+        torch.testing.assert_close(got["metrics"][name], want["metrics"][name], msg=name)
+
+
+class ReplicatedCountedTwice(PipelineBackend):
+    """Negative control: the clipping norm counts the parameters outside the blocks (replicated on all 4 ranks) on
+    both data ranks of the first stage, not once."""
+
+    def _sharded_norm_clipping(self, ledger: Any) -> Any:
+        clipping = super()._sharded_norm_clipping(ledger)
+        clipping.count_replicated = self.pipeline_index == 0
+        return clipping
+
+
+class MiscountedZero3(MGPUShardedStrategy):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        assert self._pipeline is not None
+        p = self._pipeline
+        self._pipeline = self._sharding = ReplicatedCountedTwice(p.size, "1f1b", p.microbatches, "auto", shard_stage=3)
+
+
+def test_negative_control_zero3_inside_the_pipeline_with_a_wrong_norm(tmp_path: Path) -> None:
+    want = sharded_run(tmp_path / "reference", "1f1b", 1, devices=1)
+    got = sharded_run(tmp_path / "zero3", "1f1b", 1, strategy_cls=MiscountedZero3)
+    assert_sharded_over_data(got, 1)  # sharded as the right one: only the norm differs
+    with pytest.raises(AssertionError):
+        assert_sharded_one_process(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_zero3_inside_the_pipeline_matrix(tmp_path: Path, schedule: str, accumulate: int) -> None:
+    want = sharded_run(tmp_path / "reference", schedule, accumulate, devices=1)
+    got = sharded_run(tmp_path / "zero3", schedule, accumulate)
+    interleaved = schedule == "interleaved_1f1b"
+    assert_sharded_over_data(got, accumulate, units=2 if interleaved else 1, gathered_per_batch=interleaved)
+    assert_sharded_one_process(got, want)
+
+
+class UnevenValidation(Data):
+    """Validation batches of one sample: 23 on one data replica, 22 on the other (the whole stages gathered for
+    the loop)."""
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(*(t[:VALIDATION] for t in self.data.tensors)), batch_size=1)
+
+
+@pytest.mark.slow
+def test_zero3_inside_the_pipeline_validates_unevenly_mid_epoch(tmp_path: Path) -> None:
+    """Validation every 3 batches on replicas that run different numbers of batches: the sharded stages are gathered
+    whole for the loop and sharded again by the next training step; weights and losses stay one process's."""
+    want = sharded_run(tmp_path / "one", "1f1b", 1, devices=1, data_cls=UnevenValidation, val_check_interval=3)
+    got = sharded_run(tmp_path / "zero3", "1f1b", 1, data_cls=UnevenValidation, val_check_interval=3)
+    assert_sharded_one_process(got, want)

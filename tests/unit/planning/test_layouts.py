@@ -364,7 +364,15 @@ def test_mgpu_auto_builds_a_layout_only_with_the_options_the_sharded_strategy_ta
         "stage": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_microbatches": 4,
         "pipeline_schedule": "1f1b",
     }  # fmt: skip
-    assert auto.layout_arguments(_find(result, "mgpu_zero3", 1, 2, 2, 2, "1f1b")) is None  # ZeRO in the pipeline
+    # ZeRO-3 over the data dimension with tensor parallelism inside the pipeline: refused
+    assert auto.layout_arguments(_find(result, "mgpu_zero3", 1, 2, 2, 2, "1f1b")) is None
+    # pipeline stages with DDP-style replicas or ZeRO-3 over the data dimension, not ZeRO-2
+    pipelined = {"pipeline_parallel_size": 2, "pipeline_microbatches": 4, "pipeline_schedule": "1f1b"}
+    zero3 = _find(result, "mgpu_zero3", 1, 4, 1, 2, "1f1b")
+    assert auto.layout_arguments(zero3) == {"stage": 3, **pipelined, "pipeline_microbatches": zero3.microbatches}
+    replicas = _find(result, "mgpu_ddp", 1, 4, 1, 2, "1f1b")
+    assert auto.layout_arguments(replicas) == {"stage": 2, **pipelined, "pipeline_microbatches": replicas.microbatches}
+    assert auto.layout_arguments(_find(result, "mgpu_sharded", 1, 4, 1, 2, "1f1b")) is None
 
     class Without:
         def __init__(self, stage: int = 3) -> None: ...
