@@ -691,10 +691,11 @@ class CompiledBlocks(pl.Callback):
         torch.save(self.record, self.out / f"compiled{trainer.global_rank}.pt")
 
 
-def compiled_pipeline(tmp: Path, accumulate: int, compile: Any, world: int) -> dict[str, Any]:
-    """The 4-block GPT under pipeline 2 (1F1B, 4 micro-batches) on ``world`` processes with ``compile``."""
+def compiled_pipeline(tmp: Path, accumulate: int, compile: Any, world: int, stage: int = 2) -> dict[str, Any]:
+    """The 4-block GPT under pipeline 2 (1F1B, 4 micro-batches) on ``world`` processes with ``compile`` (at
+    ``stage=3`` each stage's blocks sharded over its data ranks)."""
     strategy = MGPUShardedStrategy(
-        pipeline_parallel_size=2, pipeline_microbatches=4, compile=compile, start_method="fork"
+        stage=stage, pipeline_parallel_size=2, pipeline_microbatches=4, compile=compile, start_method="fork"
     )
     kwargs = trainer_kwargs(tmp, accumulate, devices=world, strategy=strategy)
     kwargs["callbacks"].append(CompiledBlocks(tmp))
@@ -743,6 +744,14 @@ def test_compiled_pipeline_with_data_replicas_and_accumulation_trains_as_one_pro
     """``compile=True`` (inductor) under pipeline 2 x data 2 on 4 processes, k = 3."""
     want = reference("gpt", 3, tmp_path / "reference")
     assert_compiled_as_one_process(compiled_pipeline(tmp_path / "compiled", 3, True, world=4), want)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_sharded_by_zero3_inside_the_pipeline_train_as_one_process(tmp_path: Path) -> None:
+    """``compile=True`` with ``stage=3`` under pipeline 2 x data 2 on 4 processes, k = 1: each stage's blocks
+    sharded over its data ranks and each block compiled; the weights and losses are one process's."""
+    want = reference("gpt", 1, tmp_path / "reference")
+    assert_compiled_as_one_process(compiled_pipeline(tmp_path / "compiled", 1, True, world=4, stage=3), want)
 
 
 @pytest.mark.slow

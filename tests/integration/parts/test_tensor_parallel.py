@@ -627,10 +627,10 @@ def _fit_stages(
     return [torch.load(out / f"stage{r}.pt", weights_only=False) for r in range(devices)]
 
 
-def _pipeline_tensor(schedule: str, plan: Any = "auto") -> MGPUShardedStrategy:
+def _pipeline_tensor(schedule: str, plan: Any = "auto", compile: bool = False) -> MGPUShardedStrategy:
     return MGPUShardedStrategy(
         pipeline_parallel_size=2, tensor_parallel_size=2, tensor_parallel_plan=plan, pipeline_schedule=schedule,
-        pipeline_microbatches=2, start_method="fork",
+        pipeline_microbatches=2, compile=compile, start_method="fork",
     )  # fmt: skip
 
 
@@ -690,27 +690,29 @@ def test_pipeline2_tensor2_equals_one_process_and_its_checkpoint_resumes_on_one_
             torch.testing.assert_close(record["state"][name], value, msg=name)
 
 
-# (schedule, k, plan, devices): GPipe with a plan of yours (the MLPs split, the attention whole); interleaved 1F1B
-# with 4 blocks (2 stages per rank); pipeline 2 x data 2 x tensor 2 on 8 ranks
+# (schedule, k, plan, devices, compile): GPipe with a plan of yours (the MLPs split, the attention whole);
+# interleaved 1F1B with 4 blocks (2 stages per rank); pipeline 2 x data 2 x tensor 2 on 8 ranks; each stage's split
+# blocks compiled (inductor)
 MLP_PLAN = {
     "model.layers.*.feed_forward.w1": "colwise",
     "model.layers.*.feed_forward.w3": "colwise",
     "model.layers.*.feed_forward.w2": "rowwise",
 }
 PIPELINE_TENSOR_MATRIX = [
-    ("gpipe", 1, MLP_PLAN, WORLD),
-    ("interleaved_1f1b", 1, "auto", WORLD),
-    ("1f1b", 3, "auto", 2 * WORLD),
+    ("gpipe", 1, MLP_PLAN, WORLD, False),
+    ("interleaved_1f1b", 1, "auto", WORLD, False),
+    ("1f1b", 3, "auto", 2 * WORLD, False),
+    ("1f1b", 1, "auto", WORLD, True),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "accumulate", "plan", "devices"), PIPELINE_TENSOR_MATRIX)
+@pytest.mark.parametrize(("schedule", "accumulate", "plan", "devices", "compile"), PIPELINE_TENSOR_MATRIX)
 def test_pipeline_tensor_matrix_equals_one_process(
-    tmp_path: Path, schedule: str, accumulate: int, plan: Any, devices: int
+    tmp_path: Path, schedule: str, accumulate: int, plan: Any, devices: int, compile: bool
 ) -> None:
     module = FourBlocks() if schedule == "interleaved_1f1b" else TPModule(bias=True)
-    strategy = _pipeline_tensor(schedule, plan)
+    strategy = _pipeline_tensor(schedule, plan, compile)
     records = _fit_stages(tmp_path, strategy, devices, module, accumulate_grad_batches=accumulate)
     data = devices // WORLD
     fresh = FourBlocks() if schedule == "interleaved_1f1b" else TPModule(bias=True)
