@@ -38,7 +38,12 @@ reduce-scatters it back (``output_layouts=Shard(1)``); the head is split by voca
 ``DTensor`` sharded on the vocabulary, so the loss is computed over the sharded vocabulary (the strategy runs each
 step and backward under torch's ``loss_parallel``). A Hugging Face Llama is recognised too: its base model computes
 the positions and the causal mask from the embedding's output, so that stays whole and the first decoder layer cuts
-the sequence. A model of another shape is refused with what did not match.
+the sequence. A Hugging Face GPT-2 likewise: its token and position embeddings hand out the whole sequence (the
+positions and the causal mask are computed from it) and the first block cuts it (:func:`sequence_cut_style`); the
+``c_proj`` of its attention and MLP (``Conv1D``) reduce-scatter back onto the sequence. A head tied to the embedding
+(GPT-2's default) stays tied: both are split by vocabulary row (``Shard(0)``), and the head is given the embedding's
+split parameter again after ``parallelize_module`` (which gives each its own copy). A model of another shape (BERT,
+for instance) is refused with what did not match.
 
 Example::
 
@@ -108,6 +113,9 @@ class TensorParallelPlan:
     """Whether the head's logits are a ``DTensor`` sharded on the vocabulary (``"auto+sequence"``)."""
     sequence_entry: str = ""
     """``"auto+sequence"``: the embedding where the sequence is cut (its input length is checked there)."""
+    tied: list[tuple[str, str]] = field(default_factory=list)
+    """``(head, embedding)`` whose weight is one parameter (tied): both are split by vocabulary row (``Shard(0)``), and
+    the head is given the embedding's split parameter again after the plan is applied."""
 
     def kinds(self) -> dict[str, str]:
         """Module name -> how it is split: ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` (or a style's
@@ -277,10 +285,11 @@ def _is_conv1d(module: Any) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
-def conv1d_style(kind: str) -> Any:
+def conv1d_style(kind: str, sequence: bool = False) -> Any:
     """A ``ParallelStyle`` splitting a transformers ``Conv1D`` by output column (``"colwise"``: weight ``Shard(1)``,
     bias ``Shard(0)``, the output left local) or by input row (``"rowwise"``: weight ``Shard(0)``, the input taken
-    as this rank's slice, the output summed over the group), as torch's styles split an ``nn.Linear``."""
+    as this rank's slice, the output summed over the group, or with ``sequence`` reduce-scattered along the sequence,
+    dim 1), as torch's styles split an ``nn.Linear``."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -302,14 +311,16 @@ def conv1d_style(kind: str) -> Any:
         return (x, *inputs[1:])
 
     def prepare_output(module: nn.Module, output: Any, mesh: Any) -> Any:
-        return output.to_local() if colwise else output.redistribute(mesh, [Replicate()]).to_local()
+        if colwise:
+            return output.to_local()
+        return output.redistribute(mesh, [Shard(1) if sequence else Replicate()]).to_local()
 
     class Conv1DParallel(ParallelStyle):
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
             return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
 
         def __repr__(self) -> str:
-            return f"Conv1D{'Colwise' if colwise else 'Rowwise'}Parallel()"
+            return f"Conv1D{'Colwise' if colwise else 'Rowwise'}Parallel({'output_layouts=Shard(1)' * sequence})"
 
     return Conv1DParallel()
 
@@ -511,6 +522,58 @@ def _hf_llama_root(module: nn.Module) -> Optional[tuple[str, str, str, str, str]
     return None
 
 
+def _hf_gpt2_root(module: nn.Module) -> Optional[tuple[str, str, str, str, str]]:
+    """The same names for a Hugging Face GPT-2 (``config.model_type == "gpt2"``, no cross-attention): its base model
+    holds the token and the position embedding (the positions and the causal mask are computed from the whole
+    sequence before the blocks), the blocks and the final norm, the causal LM the head."""
+    for name, outer in module.named_modules():
+        config = getattr(outer, "config", None)
+        prefix = getattr(outer, "base_model_prefix", None)
+        if getattr(config, "model_type", None) != "gpt2" or not isinstance(prefix, str):
+            continue
+        children = _children_with_params(outer)
+        head = getattr(outer, "lm_head", None)
+        base = children.get(prefix)
+        if base is None or not isinstance(head, nn.Linear) or set(children) != {prefix, "lm_head"}:
+            continue
+        inner = _children_with_params(base)
+        if set(inner) == {"wte", "wpe", "h", "ln_f"} and isinstance(inner["wte"], nn.Embedding):
+            return name, f"{prefix}.wte", f"{prefix}.h", f"{prefix}.ln_f", "lm_head"
+    return None
+
+
+def sequence_cut_style() -> Any:
+    """A ``ParallelStyle`` cutting a block's input hidden states (its first positional argument, or the keyword
+    ``hidden_states``), whole on every rank, to this rank's shard of the sequence (dim 1) as a plain tensor; the
+    other arguments (a causal mask over the whole sequence, a cache) pass as they are. Its backward gathers the
+    gradient of the whole sequence."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class SequenceCut(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            def cut(x: Any) -> Any:
+                if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+                    return x
+                whole = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                return whole.redistribute(device_mesh, [Shard(1)]).to_local()
+
+            def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                if args:
+                    return (cut(args[0]), *args[1:]), kwargs
+                if "hidden_states" in kwargs:
+                    return args, {**kwargs, "hidden_states": cut(kwargs["hidden_states"])}
+                return args, kwargs
+
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+            return module
+
+        def __repr__(self) -> str:
+            return "SequenceCut(Replicate() -> Shard(1))"
+
+    return SequenceCut()
+
+
 def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> TensorParallelPlan:
     """The auto plan with sequence parallelism between the blocks and the head split by vocabulary (torchtitan's
     Llama plan), or a ``ValueError`` naming what does not match."""
@@ -523,13 +586,16 @@ def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> Te
     )
 
     fix = "tensor_parallel_plan='auto' (no sequence parallelism), or a plan of your own / configure_model"
-    hugging_face = _hf_llama_root(module)
+    gpt2 = _hf_gpt2_root(module)
+    hugging_face = _hf_llama_root(module) or gpt2
     found = hugging_face or _llama_root(module)
     if found is None:
         raise ValueError(
-            f"tensor_parallel_plan='auto+sequence' needs a Llama-style model: one module whose only children with "
+            f"tensor_parallel_plan='auto+sequence' needs a Llama-style model (one module whose only children with "
             f"parameters are an nn.Embedding, a list of blocks, a norm and an nn.Linear head as wide as the "
-            f"vocabulary; {type(module).__name__} has none. Use {fix}."
+            f"vocabulary), a Hugging Face Llama or a Hugging Face GPT-2 (GPT2LMHeadModel); {type(module).__name__} "
+            f"is none of these (a BERT, for instance, is not laid out: its position and token type tables and its "
+            f"masked-LM head sit beside the blocks). Use {fix}."
         )
     root = module.get_submodule(found[0]) if found[0] else module
     embedding, blocks, norm, head = (f"{found[0]}.{n}" if found[0] else n for n in found[1:])
@@ -540,11 +606,8 @@ def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> Te
             f"({tables or 'its own'}; a position table, for instance) that its forward could apply to the sequence "
             f"between the blocks, where each rank holds only its shard of the sequence. Use {fix}."
         )
-    if module.get_submodule(head).weight is module.get_submodule(embedding).weight:
-        raise ValueError(
-            f"tensor_parallel_plan='auto+sequence': {head} shares its weight with {embedding} (tied), which would be "
-            f"split twice. Untie them, or use {fix}."
-        )
+    # a tied head: both are split by vocabulary row (Shard(0)), so the head takes the embedding's split weight again
+    tied = [(head, embedding)] if module.get_submodule(head).weight is module.get_submodule(embedding).weight else []
     styles = dict(plan.styles)
     vocab = int(cast(nn.Linear, module.get_submodule(head)).out_features)
     if vocab % size:
@@ -563,7 +626,7 @@ def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> Te
         split = {n for n in children if any(s.startswith(f"{prefix}.{n}.") for s in plan.styles)}
         norms = {n for n, c in children.items() if _is_norm(c)}
         inner = [s for s in plan.styles if s.startswith(f"{prefix}.")]
-        rows = [s for s in inner if _style_name(plan.styles[s]) == "rowwise" and _linear(module, s) is not None]
+        rows = [s for s in inner if _style_name(plan.styles[s]) == "rowwise"]
         if len(split) != 2 or set(children) != split | norms or len(rows) != 2:
             raise ValueError(
                 f"tensor_parallel_plan='auto+sequence': block {prefix} must hold only norms and an attention and an "
@@ -574,20 +637,22 @@ def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> Te
             styles[f"{prefix}.{name}"] = gather_keyword if hugging_face and name == "self_attn" else gather
         for name in norms:
             styles[f"{prefix}.{name}"] = SequenceParallel()
-        for name in rows:
-            styles[name] = RowwiseParallel(output_layouts=Shard(1))  # reduce-scattered along the sequence
+        for name in rows:  # reduce-scattered along the sequence
+            conv = _is_conv1d(module.get_submodule(name))
+            styles[name] = conv1d_style("rowwise", sequence=True) if conv else RowwiseParallel(output_layouts=Shard(1))
     if hugging_face is None:
         styles[embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     else:  # the positions and the causal mask are computed from the whole embedding; the first layer cuts it
         styles[embedding] = RowwiseParallel(input_layouts=Replicate())
         first = f"{blocks}.{next(iter(dict(module.get_submodule(blocks).named_children())))}"
         cut = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
-        styles[first] = cut
+        # GPT-2's model passes its blocks the cache, the causal mask and the encoder's states as positional arguments
+        styles[first] = sequence_cut_style() if gpt2 else cut
     styles[norm] = SequenceParallel()
     styles[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     source = "auto plan with sequence parallelism"
     done = TensorParallelPlan(styles, source, heads=plan.heads, replicated=_replicated(module, styles))
-    done.vocab_parallel, done.sequence_entry = True, embedding
+    done.vocab_parallel, done.sequence_entry, done.tied = True, embedding, tied
     return done
 
 
@@ -752,6 +817,8 @@ class TensorParallelism:
             setattr(holder, attribute, count // self.size)
         if plan.styles:
             parallelize_module(module, mesh, plan.styles)
+        for head, embedding in plan.tied:  # each got its own split copy: one parameter again, as before
+            module.get_submodule(head).weight = module.get_submodule(embedding).weight
         if plan.sequence_entry:
             guard_sequence_length(module.get_submodule(plan.sequence_entry), self.size)
             _VOCAB_PARALLEL.add(module)

@@ -66,7 +66,7 @@ class Report(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         # what each norm takes in and what the head hands out on this rank: (placement, local length of the dim)
         for name, module in pl_module.model.named_modules():
-            if name.endswith("norm") and not name.endswith("embeddings.LayerNorm"):
+            if name.endswith(("norm", ".ln_1", ".ln_2", ".ln_f")) and not name.endswith("embeddings.LayerNorm"):
                 module.register_forward_pre_hook(lambda m, args, name=name: self._seen(name, args[0], 1))
             if name in ("output", "lm_head"):
                 module.register_forward_hook(lambda m, args, out, name=name: self._seen(name, out, -1))
@@ -86,10 +86,18 @@ class Report(Callback):
             "ledger": dataclasses.replace(trainer.strategy.comm_stats),
             "units": [n for n, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
             "local": {n: tuple(local_shard(p).shape) for n, p in pl_module.named_parameters()},  # this rank's piece
+            "tied": _tied(pl_module),
         }
         torch.save(record, self.out / f"report{trainer.global_rank}.pt")
         if self.save is not None:
             trainer.save_checkpoint(self.save)
+
+
+def _tied(module: torch.nn.Module) -> list[str]:
+    """The names under which a parameter already listed appears again (a tied weight: one ``Parameter`` object)."""
+    once = {id(p) for p in module.parameters()}
+    every = dict(module.named_parameters(remove_duplicate=False))
+    return sorted(n for n in every if n not in dict(module.named_parameters())) if len(once) < len(every) else []
 
 
 def _fit(
@@ -346,6 +354,62 @@ def test_sequence_parallel_hugging_face_llama_equals_one_process(tmp_path: Path)
         norms = {k: v for k, v in r["layouts"].items() if k != "lm_head"}
         assert len(norms) == 5 and all(v == {("S(1)", SEQ // 2)} for v in norms.values())  # 2 x 2 layers + final
         assert r["layouts"]["lm_head"] == {("S(2)", VOCAB // 2)}
+
+
+class GPT2OnEvenSequences(HFModule):
+    """Hugging Face's GPT-2 (its head tied to the token embedding) on the first ``SEQ`` tokens of each sample, without
+    the key/value cache (a training forward needs none, and a checkpointed block's recompute would append to it)."""
+
+    def __init__(self) -> None:
+        super().__init__("gpt2")
+
+    @staticmethod
+    def compute(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=tokens[:, :SEQ], labels=tokens[:, :SEQ], use_cache=False).loss
+
+
+def test_sequence_parallel_hugging_face_gpt2_with_its_tied_head_equals_one_process(tmp_path: Path):
+    # tensor 2 x data 2, "auto+sequence" on GPT2LMHeadModel: the token and position embeddings whole, the first block
+    # cuts the sequence, the norms on sequence shards, the head (one parameter with the token embedding) split by
+    # vocabulary; k = 3 with clipping that bites
+    pytest.importorskip("transformers")
+    one = GPT2OnEvenSequences().model
+    assert one.lm_head.weight is one.transformer.wte.weight  # tied by default
+    strategy = MGPUShardedStrategy(
+        stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", start_method="fork"
+    )  # fmt: skip
+    clip = 0.05
+    train = {"accumulate_grad_batches": 3, "gradient_clip_val": clip}
+    records = _fit(tmp_path, WORLD, strategy, epochs=1, module=GPT2OnEvenSequences(), limit_val_batches=0, **train)
+    expected, norms = reference(GPT2OnEvenSequences(), token_data(), data_ranks=[2], accumulate=3, clip=clip)
+    assert records[0]["global_step"] == 2 and min(norms) > 2 * clip  # every step is clipped
+    _assert_weights(records, expected)  # the head and the token embedding trained as one weight, as on one process
+    torch.testing.assert_close(expected["model.lm_head.weight"], expected["model.transformer.wte.weight"])
+    # negative control: without the clipping the weights differ
+    assert _differs(records, reference(GPT2OnEvenSequences(), token_data(), data_ranks=[2], accumulate=3)[0])
+    for r in records:
+        assert r["split"] and r["tied"] == ["model.lm_head.weight"]  # still one parameter after the plan and FSDP
+        norms_seen = {k: v for k, v in r["layouts"].items() if k != "lm_head"}
+        assert set(norms_seen) == {f"transformer.h.{i}.ln_{j}" for i in range(2) for j in (1, 2)} | {"transformer.ln_f"}
+        assert all(v == {("S(1)", SEQ // 2)} for v in norms_seen.values())  # each norm took half the sequence
+        assert r["layouts"]["lm_head"] == {("S(2)", VOCAB // 2)}  # the head handed out half the vocabulary
+
+    # k = 1 with activation checkpointing of every block (the first one cutting the sequence), exact evaluation
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    strategy = MGPUShardedStrategy(
+        stage=3, tensor_parallel_size=2, tensor_parallel_plan="auto+sequence", activation_checkpointing=GPT2Block,
+        start_method="fork",
+    )  # fmt: skip
+    records = _fit(tmp_path / "k1", WORLD, strategy, epochs=1, module=GPT2OnEvenSequences(), limit_train_batches=3)
+    expected, _ = reference(GPT2OnEvenSequences(), token_data(), data_ranks=[2], limit=3)
+    _assert_weights(records, expected)
+    model = GPT2OnEvenSequences().model
+    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
+    with torch.no_grad():
+        one_process = float(GPT2OnEvenSequences.compute(model, indexed_data().tensors[0]))
+    assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in records)
+    assert all(r["tied"] == ["model.lm_head.weight"] for r in records)
 
 
 @pytest.mark.parametrize(("kind", "stage"), [("llama", 3), ("bert", 2), ("gpt2", 3)])

@@ -146,13 +146,12 @@ def test_auto_sequence_adds_torchtitans_sequence_parallel_layout_to_a_llama_styl
 def test_auto_sequence_refuses_a_model_it_cannot_lay_out_naming_what_did_not_match():
     tp = TensorParallelism(size=2, plan="auto+sequence")
     with pytest.raises(
-        ValueError, match=r"needs a Llama-style model.*Sequential has none.*tensor_parallel_plan='auto'"
+        ValueError, match=r"needs a Llama-style model.*Hugging Face GPT-2.*Sequential is none.*plan='auto'"
     ):
         tp.plan_for(nn.Sequential(nn.Linear(4, 4)))
     tied = TinyLlama()
-    tied.output.weight = tied.tok_embeddings.weight
-    with pytest.raises(ValueError, match=r"output shares its weight with tok_embeddings \(tied\)"):
-        tp.plan_for(tied)
+    tied.output.weight = tied.tok_embeddings.weight  # both split by vocabulary row: the head takes it again
+    assert tp.plan_for(tied).tied == [("output", "tok_embeddings")] and tp.plan_for(TinyLlama()).tied == []
     with pytest.raises(ValueError, match=r"block layers.0 must hold only norms.*n_kv_heads=2 not divisible by 4"):
         TensorParallelism(size=4, plan="auto+sequence").plan_for(TinyLlama(layers=1))
     table = TinyLlama()
@@ -193,6 +192,36 @@ def test_auto_sequence_cuts_a_hugging_face_llama_after_its_positions_are_compute
     assert plan.styles["model.layers.1.mlp"].input_layouts == (Shard(1),)
     assert _kinds(plan)["model.layers.1.post_attention_layernorm"] == "SequenceParallel"
     assert plan.styles["lm_head"].output_layouts == (Shard(-1),)
+
+
+def test_auto_sequence_lays_out_a_hugging_face_gpt2_with_its_tied_head_and_refuses_a_bert():
+    from torch.distributed.tensor import Replicate, Shard
+
+    t = _transformers()
+    config = t.GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=4, n_positions=8, bos_token_id=0, eos_token_id=0)
+    model = t.GPT2LMHeadModel(config)
+    plan = TensorParallelism(size=2, plan="auto+sequence").plan_for(model)
+    assert plan.vocab_parallel and plan.sequence_entry == "transformer.wte"
+    assert plan.tied == [("lm_head", "transformer.wte")]  # the head takes the embedding's split weight again
+    assert plan.replicated == ["transformer.wpe"]  # the position table: whole, added to the whole sequence
+    assert plan.styles["transformer.wte"].output_layouts == (Replicate(),)  # whole: positions and mask need it
+    assert repr(plan.styles["transformer.h.0"]) == "SequenceCut(Replicate() -> Shard(1))"  # the first block cuts
+    assert "transformer.h.1" not in plan.styles
+    for i in range(2):
+        for name in ("ln_1", "ln_2"):
+            assert type(plan.styles[f"transformer.h.{i}.{name}"]).__name__ == "SequenceParallel"
+        for name in ("attn", "mlp"):  # called with the hidden states as the first positional argument
+            assert plan.styles[f"transformer.h.{i}.{name}"].input_layouts == (Shard(1),)
+        for name in ("attn.c_proj", "mlp.c_proj"):  # reduce-scattered back onto the sequence
+            assert repr(plan.styles[f"transformer.h.{i}.{name}"]) == "Conv1DRowwiseParallel(output_layouts=Shard(1))"
+        assert repr(plan.styles[f"transformer.h.{i}.attn.c_attn"]) == "PackedConv1DColwiseParallel(chunks=3)"
+    assert type(plan.styles["transformer.ln_f"]).__name__ == "SequenceParallel"
+    assert plan.styles["lm_head"].output_layouts == (Shard(-1),)
+    bert = t.BertForMaskedLM(
+        t.BertConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
+    )
+    with pytest.raises(ValueError, match=r"BertForMaskedLM is none of these.*a BERT, for instance, is not laid out"):
+        TensorParallelism(size=2, plan="auto+sequence").plan_for(bert)
 
 
 def test_the_ledger_counts_the_collectives_of_the_split_layers_over_the_tensor_group_only():
