@@ -438,7 +438,7 @@ CASES = [
             ),
         ),
         ValueError,
-        ["tensor_parallel_plan='auto+sequence' needs a Llama-style model", "Regressor has none", "plan='auto'"],
+        ["tensor_parallel_plan='auto+sequence' needs a Llama-style model", "Regressor is none of these", "plan='auto'"],
         id="sharded-auto-sequence-on-a-model-of-another-shape-is-refused-before-launch",
     ),
     pytest.param(
