@@ -502,14 +502,24 @@ def _llama_root(module: nn.Module) -> Optional[tuple[str, str, str, str, str]]:
     return None
 
 
-def _hf_llama_root(module: nn.Module) -> Optional[tuple[str, str, str, str, str]]:
-    """The same names for a Hugging Face Llama (``config.model_type == "llama"``): its base model holds the
-    embedding, the decoder layers and the norm (and the rotary table, used before the sequence is cut), the causal LM
-    the head."""
+#: the Hugging Face causal LMs the sequence plan lays out: model type -> (the base model's children with parameters,
+#: and which of them are the embedding, the blocks and the final norm). Llama's base model also holds the rotary
+#: table (used before the sequence is cut); GPT-2's the position embedding (the positions and the causal mask are
+#: computed from the whole sequence before the blocks); no cross-attention.
+_HF_CAUSAL_LMS = {
+    "llama": ({"embed_tokens", "layers", "norm"}, "embed_tokens", "layers", "norm"),
+    "gpt2": ({"wte", "wpe", "h", "ln_f"}, "wte", "h", "ln_f"),
+}
+
+
+def _hf_causal_lm_root(module: nn.Module, model_type: str) -> Optional[tuple[str, str, str, str, str]]:
+    """The same names for a Hugging Face causal LM of ``model_type`` (a key of ``_HF_CAUSAL_LMS``): its base model
+    holds the embedding, the blocks and the norm, the causal LM the head."""
+    children_names, embedding, blocks, norm = _HF_CAUSAL_LMS[model_type]
     for name, outer in module.named_modules():
         config = getattr(outer, "config", None)
         prefix = getattr(outer, "base_model_prefix", None)
-        if getattr(config, "model_type", None) != "llama" or not isinstance(prefix, str):
+        if getattr(config, "model_type", None) != model_type or not isinstance(prefix, str):
             continue
         children = _children_with_params(outer)
         head = getattr(outer, "lm_head", None)
@@ -517,28 +527,8 @@ def _hf_llama_root(module: nn.Module) -> Optional[tuple[str, str, str, str, str]
         if base is None or not isinstance(head, nn.Linear) or set(children) != {prefix, "lm_head"}:
             continue
         inner = _children_with_params(base)
-        if set(inner) == {"embed_tokens", "layers", "norm"} and isinstance(inner["embed_tokens"], nn.Embedding):
-            return name, f"{prefix}.embed_tokens", f"{prefix}.layers", f"{prefix}.norm", "lm_head"
-    return None
-
-
-def _hf_gpt2_root(module: nn.Module) -> Optional[tuple[str, str, str, str, str]]:
-    """The same names for a Hugging Face GPT-2 (``config.model_type == "gpt2"``, no cross-attention): its base model
-    holds the token and the position embedding (the positions and the causal mask are computed from the whole
-    sequence before the blocks), the blocks and the final norm, the causal LM the head."""
-    for name, outer in module.named_modules():
-        config = getattr(outer, "config", None)
-        prefix = getattr(outer, "base_model_prefix", None)
-        if getattr(config, "model_type", None) != "gpt2" or not isinstance(prefix, str):
-            continue
-        children = _children_with_params(outer)
-        head = getattr(outer, "lm_head", None)
-        base = children.get(prefix)
-        if base is None or not isinstance(head, nn.Linear) or set(children) != {prefix, "lm_head"}:
-            continue
-        inner = _children_with_params(base)
-        if set(inner) == {"wte", "wpe", "h", "ln_f"} and isinstance(inner["wte"], nn.Embedding):
-            return name, f"{prefix}.wte", f"{prefix}.h", f"{prefix}.ln_f", "lm_head"
+        if set(inner) == children_names and isinstance(inner[embedding], nn.Embedding):
+            return name, f"{prefix}.{embedding}", f"{prefix}.{blocks}", f"{prefix}.{norm}", "lm_head"
     return None
 
 
@@ -586,8 +576,8 @@ def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> Te
     )
 
     fix = "tensor_parallel_plan='auto' (no sequence parallelism), or a plan of your own / configure_model"
-    gpt2 = _hf_gpt2_root(module)
-    hugging_face = _hf_llama_root(module) or gpt2
+    gpt2 = _hf_causal_lm_root(module, "gpt2")
+    hugging_face = _hf_causal_lm_root(module, "llama") or gpt2
     found = hugging_face or _llama_root(module)
     if found is None:
         raise ValueError(
