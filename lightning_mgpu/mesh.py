@@ -95,23 +95,44 @@ class ParallelDims:
 
     @classmethod
     def hybrid(
-        cls, world_size: int, num_nodes: int = 1, shard_size: Optional[int] = None, tensor: int = 1
+        cls,
+        world_size: int,
+        num_nodes: int = 1,
+        shard_size: Optional[int] = None,
+        tensor: int = 1,
+        pipeline: int = 1,
     ) -> ParallelDims:
         """HSDP's shape: shard within groups of ``shard_size`` ranks (by default the data ranks of one machine,
-        ``world_size // num_nodes // tensor``), replicate across the groups."""
-        if tensor != 1:
+        ``world_size // num_nodes // tensor``, at most the data ranks of one pipeline stage), replicate across the
+        groups.
+
+        Example:
+
+            >>> ParallelDims.hybrid(world_size=16, num_nodes=4, pipeline=2)   # each stage spans 2 machines
+            ParallelDims(world_size=16, data_replicate=2, data_shard=4, tensor=1, pipeline=2)
+        """
+        if tensor != 1 or pipeline != 1:
             _check_size("tensor", tensor)
-            data = cls(world_size=world_size, tensor=tensor).data_parallel  # the world must split into tensor groups
+            _check_size("pipeline", pipeline)
+            # the world must split into tensor groups and pipeline stages
+            data = cls(world_size=world_size, tensor=tensor, pipeline=pipeline).data_parallel
             nodes = max(int(num_nodes), 1)
             if shard_size is None and (world_size // tensor) % nodes:
                 raise ValueError(
-                    f"mesh='hybrid' shards within each machine, but the {data} data ranks (world size {world_size} / "
-                    f"tensor {tensor}) do not split evenly over num_nodes={nodes}. Pass shard_size=N (a divisor of "
-                    f"{data})."
+                    f"mesh='hybrid' shards within each machine, but the {world_size // tensor} data ranks (world size "
+                    f"{world_size} / tensor {tensor}) do not split evenly over num_nodes={nodes}. Pass shard_size=N "
+                    f"(a divisor of {data})."
                 )
-            flat = cls.hybrid(data, nodes, shard_size)
+            size = shard_size if shard_size is not None else min(data, world_size // nodes // tensor)
+            if size < 1 or data % size:
+                raise ValueError(
+                    f"shard_size={size} does not divide the {data} data ranks of each "
+                    f"{'pipeline stage' if pipeline > 1 else 'tensor coordinate'} (world size {world_size} / tensor "
+                    f"{tensor} / pipeline {pipeline}): the hybrid mesh needs data ranks = replicas x shard size. Pass "
+                    f"a shard_size that divides {data}, or mesh='flat'."
+                )
             return cls(
-                world_size=world_size, data_replicate=flat.data_replicate, data_shard=flat.data_shard, tensor=tensor
+                world_size=world_size, data_replicate=data // size, data_shard=size, tensor=tensor, pipeline=pipeline
             )
         nodes = max(int(num_nodes), 1)
         if shard_size is None and world_size % nodes:

@@ -715,7 +715,7 @@ class ShardedSettings:
     """Pipeline stages: the model's blocks are split into consecutive stages, each trained on its own ranks, the
     batch flowing through them in micro-batches (see the pipeline guide). Must divide the world size; the ranks
     left form the data dimension of each stage: whole replicas at ``stage=2``, the stage's blocks sharded over them
-    with FSDP2 at ``stage=3``. 1: no pipeline."""
+    with FSDP2 at ``stage=3`` (HSDP's shard groups and replicas with ``mesh="hybrid"``). 1: no pipeline."""
     pipeline_schedule: PipelineScheduleName = "1f1b"
     """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (one forward, one backward: fewer activations
     in flight) or ``"interleaved_1f1b"`` (several stages per rank, a smaller bubble)."""
@@ -875,8 +875,10 @@ class ShardedSettings:
             unsupported.append(f"stage={self.stage}")
         if self.backend != "torch":
             unsupported.append(f"backend={self.backend!r}")
-        if self.mesh != "flat":
-            unsupported.append(f"mesh={self.mesh!r}")
+        if self.mesh != "flat" and (self.stage != 3 or self.tensor_parallel_size != 1):
+            with_ = [f"stage={self.stage}"] if self.stage != 3 else []
+            with_ += [f"tensor_parallel_size={self.tensor_parallel_size}"] if self.tensor_parallel_size != 1 else []
+            unsupported.append(f"mesh={self.mesh!r} with {' and '.join(with_)}")
         if self.micro_batch_size is not None:
             unsupported.append(f"micro_batch_size={self.micro_batch_size!r}")
         if self.wrap_modules is not None:
@@ -890,11 +892,12 @@ class ShardedSettings:
                 f"pipeline_parallel_size={size} with {', '.join(unsupported)} is not supported yet: with pipeline "
                 f"stages the data dimension holds whole replicas of each stage (stage=2, the default: gradients "
                 f"all-reduced across them, as DDP does) or shards them with FSDP2 (stage=3, ZeRO-3 over the data "
-                f"dimension); stage=1 and HSDP (mesh='hybrid') inside it are not implemented yet, sharded "
+                f"dimension, or HSDP with mesh='hybrid'); stage=1 inside it is not implemented yet, sharded "
                 f"checkpoints (checkpoint='sharded') are written at stage=3 only, and tensor parallelism within a "
                 f"stage composes with stage=2's replicas only. Remove {', '.join(unsupported)} (keep stage=2 or 3, "
-                f"backend='torch', mesh='flat', checkpoint='consolidated' or, at stage=3 without "
-                f"tensor_parallel_size, 'sharded'), or train without pipeline_parallel_size."
+                f"backend='torch', mesh='flat' or, at stage=3 without tensor_parallel_size, 'hybrid', "
+                f"checkpoint='consolidated' or, at stage=3 without tensor_parallel_size, 'sharded'), or train "
+                f"without pipeline_parallel_size."
             )
 
     @property
@@ -960,7 +963,7 @@ class ShardedSettings:
             )
         if self.mesh == "flat":
             return ParallelDims(world_size=world_size, tensor=tensor, pipeline=size)
-        return ParallelDims.hybrid(world_size, num_nodes, self.shard_size, tensor=self.tensor_parallel_size)
+        return ParallelDims.hybrid(world_size, num_nodes, self.shard_size, tensor=tensor, pipeline=size)
 
     @property
     def unit_classes(self) -> Optional[tuple[type[nn.Module], ...]]:

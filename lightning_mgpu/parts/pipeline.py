@@ -52,7 +52,10 @@ reduce either
 ``accumulate_grad_batches`` batch, and :meth:`PipelineBackend.sync_gradients` reduce-scatters them once per
 optimizer step, then scales them by what flowed into the step's loss. The parameters outside the blocks stay
 replicated. For the probe, evaluation and :meth:`PipelineBackend.gather_blocks` the units are gathered whole
-(``unshard``), and resharded at the next training step.
+(``unshard``), and resharded at the next training step. With ``mesh="hybrid"`` (HSDP inside the pipeline) the
+unit is sharded over the 2-D ``("data_replicate", "data_shard")`` mesh of its stage: the reduce-scatter stays in
+the shard group and the replicas all-reduce their shards, and the clipping norm weighs each shard by ``1 /`` the
+replicas that hold it.
 
 Example::
 
@@ -358,29 +361,33 @@ def _like(param: Tensor, local: Tensor) -> Tensor:
     )
 
 
-def _tensor_copies(grad: Tensor, tensor: int) -> int:
-    """How many ranks of a tensor group of ``tensor`` ranks hold the same values of ``grad``: ``tensor`` for a plain
-    tensor (a weight the plan leaves whole), ``tensor`` over the number of distinct shards for a ``DTensor``."""
+def _copies_among(grad: Tensor, ranks: int) -> int:
+    """How many of a group of ``ranks`` ranks, which all hold ``grad``'s parameter, hold the same values of
+    ``grad``: ``ranks`` for a plain tensor (a weight the tensor plan leaves whole), ``ranks`` over the number of
+    distinct shards for a ``DTensor`` (split by the tensor plan, or sharded by FSDP2 over the data dimension: HSDP's
+    replicas hold the same shard)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(grad, DTensor):
-        return tensor
+        return ranks
     distinct = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if p.is_shard())
-    return max(tensor // distinct, 1)
+    return max(ranks // distinct, 1)
 
 
 class _CopiesWeightedClipping(GlobalNormClipping):
     """:class:`GlobalNormClipping` over every rank (the default group) where some ranks hold copies of the same
-    gradient values: each adds ``1 / copies`` of its squared norm
-    (:meth:`PipelineBackend._tensor_parallel_clipping`)."""
+    gradient values: each adds ``1 / copies`` of its squared norm, the copies counted among the ``ranks`` that hold
+    a parameter (its tensor group with tensor parallelism, its data group at ``stage=3``), times the ``replicas``
+    that hold equal gradients after the sync (:meth:`PipelineBackend._tensor_parallel_clipping`,
+    :meth:`PipelineBackend._sharded_norm_clipping`)."""
 
     def __init__(
-        self, share_of: Any, ledger: CommStats, replicated: Any, count_replicated: bool, tensor: int, replicas: int
+        self, share_of: Any, ledger: CommStats, replicated: Any, count_replicated: bool, ranks: int, replicas: int
     ) -> None:
         super().__init__(
             share_of, None, ledger, replicated=replicated, count_replicated=count_replicated, norm_dtype=torch.float64
         )
-        self.tensor, self.replicas = tensor, replicas
+        self.ranks, self.replicas = ranks, replicas
 
     def total_norm(self, grads: Any) -> Tensor:
         grads = list(grads)
@@ -388,7 +395,7 @@ class _CopiesWeightedClipping(GlobalNormClipping):
         squared = torch.zeros((), dtype=torch.float64, device=device)
         for g in grads:
             norm = torch.linalg.vector_norm(comm.local_shard(g), dtype=torch.float64) ** 2
-            squared += norm / (_tensor_copies(g, self.tensor) * self.replicas)
+            squared += norm / (_copies_among(g, self.ranks) * self.replicas)
         comm.all_reduce(squared, group=None, ledger=self.ledger)
         return squared.sqrt()
 
@@ -664,7 +671,7 @@ class PipelineBackend(ShardingBackend):
             ledger,
             replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
             count_replicated=self.pipeline_index == 0,
-            tensor=self.dims.tensor,
+            ranks=self.dims.tensor,
             replicas=self.dims.data_parallel,
         )
 
@@ -734,17 +741,19 @@ class PipelineBackend(ShardingBackend):
         ]
 
     def _sharded_norm_clipping(self, ledger: CommStats) -> GlobalNormClipping:
-        """Clipping by the norm over all ranks: each rank's shards of its stages' blocks (distinct on every rank),
-        and the parameters outside the blocks, replicated on every rank, counted on rank 0 only."""
+        """Clipping by the norm over all ranks: each rank's shards of its stages' blocks, weighted by the ranks of
+        its data group that hold the same shard (HSDP's replicas; 1 with flat sharding), and the parameters outside
+        the blocks, replicated on every rank, counted on the first stage, each of its data ranks adding its share."""
+        assert self.dims is not None
         owned = {id(p) for p in self._sharded_params}
         shared = {id(p) for p in self._shared_params()}
-        return GlobalNormClipping(
+        return _CopiesWeightedClipping(
             lambda opt: [p for p in optimizer_params(opt) if id(p) in owned],
-            None,
             ledger,
             replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
-            count_replicated=self.rank == 0,
-            norm_dtype=torch.float64,
+            count_replicated=self.pipeline_index == 0,
+            ranks=self.dims.data_parallel,
+            replicas=1,
         )
 
     @staticmethod

@@ -778,10 +778,10 @@ CASES = [
         id="pipeline-with-zero1-not-supported-yet",
     ),
     pytest.param(
-        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, stage=3, mesh="hybrid"),
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, stage=2, mesh="hybrid"),
         ValueError,
-        ["pipeline_parallel_size=2 with mesh='hybrid' is not supported yet", "HSDP (mesh='hybrid')", "mesh='flat'"],
-        id="pipeline-with-hsdp-not-supported-yet",
+        ["pipeline_parallel_size=2 with mesh='hybrid' with stage=2 is not", "HSDP with mesh='hybrid'", "at stage=3"],
+        id="pipeline-with-hsdp-needs-stage-3",
     ),
     pytest.param(
         lambda: fit(
@@ -810,7 +810,7 @@ CASES = [
     pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, mesh="hybrid"),
         ValueError,
-        ["mesh='hybrid' is not supported yet", "HSDP (mesh='hybrid') inside it", "mesh='flat'"],
+        ["mesh='hybrid' with stage=2 and tensor_parallel_size=2 is not", "without tensor_parallel_size, 'hybrid'"],
         id="pipeline-with-tensor-parallelism-on-a-hybrid-mesh-not-supported-yet",
     ),
     pytest.param(

@@ -146,6 +146,18 @@ def test_the_hybrid_shape_with_a_tensor_dimension_shards_the_data_ranks_of_a_mac
     assert ParallelDims.hybrid(world_size=4, shard_size=1, tensor=2).data_replicate == 2
 
 
+def test_the_hybrid_shape_with_pipeline_stages_shards_the_data_ranks_of_a_stage_within_a_machine():
+    # 4 machines of 4: each stage spans 2 machines, so 2 replicas of 4 shards
+    assert ParallelDims.hybrid(world_size=16, num_nodes=4, pipeline=2).data_replicate == 2
+    # one machine holds a whole stage's data ranks: one replica, unless shard_size says otherwise
+    assert ParallelDims.hybrid(world_size=8, num_nodes=2, pipeline=2).data_replicate == 1
+    assert ParallelDims.hybrid(world_size=8, shard_size=2, pipeline=2).data_replicate == 2
+    settings = ShardedSettings(stage=3, mesh="hybrid", shard_size=1, pipeline_parallel_size=2)
+    assert settings.parallel_dims(world_size=4) == ParallelDims(world_size=4, data_replicate=2, pipeline=2)
+    with pytest.raises(ValueError, match=r"shard_size=3 does not divide the 4 data ranks of each pipeline stage"):
+        ParallelDims.hybrid(world_size=8, shard_size=3, pipeline=2)
+
+
 def test_the_ranks_of_one_pipeline_share_their_data_index():
     flat = ParallelDims(world_size=4, pipeline=2)
     assert [flat.coordinates(r)["data_parallel"] for r in range(4)] == [0, 1, 0, 1]
@@ -169,6 +181,10 @@ def _hybrid_meshes() -> None:
         split = ParallelDims(world_size=8, data_replicate=2, tensor=2).build("cpu")
         assert split.data.mesh_dim_names == ("data_replicate", "data_shard") and split.data.size() == 4
         assert split.tensor.size() == 2 and split.device_mesh[TENSOR_PARALLEL].size() == 2
+        # HSDP inside a pipeline: rank 5 is in stage 1, its data ranks 4-7 split into 2 replicas of 2 shards
+        staged = ParallelDims(world_size=8, data_replicate=2, pipeline=2).build("cpu")
+        assert staged.data.mesh_dim_names == ("data_replicate", "data_shard") and staged.data.size() == 4
+        assert staged.data.mesh.flatten().tolist() == [4, 5, 6, 7]
 
 
 @pytest.mark.compat

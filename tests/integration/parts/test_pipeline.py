@@ -828,6 +828,7 @@ class ShardedRecord(pl.Callback):
         self.calls = 0
         self.gathers = 0
         self.norms: list[float] = []
+        self.mesh: tuple[int, ...] = ()  # the shape of the mesh the first sharded parameter lives on
         # (reduce-scatters so far, all-gathers so far, state bytes held, state bytes whole)
         self.steps: list[tuple[int, int, int, int]] = []
 
@@ -856,6 +857,7 @@ class ShardedRecord(pl.Callback):
             self.norms.append(float(torch.stack([p.grad.pow(2).sum() for p in module.parameters()]).sum().sqrt()))
             return
         sharded = trainer.strategy._pipeline._sharded_params
+        self.mesh = tuple(sharded[0].device_mesh.shape)
         held = whole = 0
         for p in sharded:
             for value in optimizer.state.get(p, {}).values():
@@ -873,7 +875,7 @@ class ShardedRecord(pl.Callback):
         if trainer.global_rank == 0:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             ledger = getattr(trainer.strategy, "comm_stats", None) if trainer.world_size > 1 else None
-            record = {"state": state, "metrics": metrics, "norms": self.norms, "ledger": ledger}
+            record = {"state": state, "metrics": metrics, "norms": self.norms, "ledger": ledger, "mesh": self.mesh}
             torch.save(record, self.out / "record.pt")
 
 
@@ -888,6 +890,7 @@ def sharded_run(
     strategy_cls: type = MGPUShardedStrategy,
     checkpoint: str = "consolidated",
     data_cls: type = Data,
+    layout: Optional[dict[str, Any]] = None,
     **flags: Any,
 ) -> dict[str, Any]:
     """TinyGPT (a head tied to the embedding, outside the blocks) through pipeline 2 x data 2 at ``stage`` (or one
@@ -899,8 +902,9 @@ def sharded_run(
     kwargs.update(flags)
     if epochs:
         kwargs["max_epochs"] = epochs
+    replicas = devices // 2 if devices > 1 else 1  # pipeline 2
     if devices > 1:
-        m = 4
+        m = min(4, GLOBAL_BATCH // replicas)
         kwargs["strategy"] = strategy_cls(
             stage=stage,
             pipeline_parallel_size=2,
@@ -908,10 +912,10 @@ def sharded_run(
             pipeline_microbatches=m,
             checkpoint=checkpoint,
             start_method="fork",
+            **(layout or {}),
         )
     elif checkpoint == "sharded":
         kwargs["strategy"] = MGPUShardedStrategy(stage=3, checkpoint="sharded", start_method="fork")
-    replicas = 2 if devices > 1 else 1
     pl.Trainer(**kwargs).fit(make_model("gpt"), data_cls(dataset("gpt"), GLOBAL_BATCH // replicas), ckpt_path=ckpt)
     record = torch.load(out / "record.pt", weights_only=False)
     if devices > 1:
@@ -993,12 +997,12 @@ def assert_sharded_one_process(got: dict[str, Any], want: dict[str, Any]) -> Non
 
 
 class ReplicatedCountedTwice(PipelineBackend):
-    """Negative control: the clipping norm counts the parameters outside the blocks (replicated on all 4 ranks) on
-    both data ranks of the first stage, not once."""
+    """Negative control: the clipping norm counts the parameters outside the blocks (replicated on all 4 ranks)
+    whole on both data ranks of the first stage, not once."""
 
     def _sharded_norm_clipping(self, ledger: Any) -> Any:
         clipping = super()._sharded_norm_clipping(ledger)
-        clipping.count_replicated = self.pipeline_index == 0
+        clipping.ranks = 1  # no copies: the weights outside the blocks counted whole by both data ranks of stage 0
         return clipping
 
 
@@ -1044,3 +1048,61 @@ def test_zero3_inside_the_pipeline_validates_unevenly_mid_epoch(tmp_path: Path) 
     want = sharded_run(tmp_path / "one", "1f1b", 1, devices=1, data_cls=UnevenValidation, val_check_interval=3)
     got = sharded_run(tmp_path / "zero3", "1f1b", 1, data_cls=UnevenValidation, val_check_interval=3)
     assert_sharded_one_process(got, want)
+
+
+# --- HSDP (mesh="hybrid") inside the pipeline ----------------------------------------------------------------
+
+
+class ShardCopiesCountedTwice(PipelineBackend):
+    """Negative control for HSDP: the clipping norm counts each shard on both replicas that hold it (and the weights
+    outside the blocks on both data ranks of the first stage)."""
+
+    def _sharded_norm_clipping(self, ledger: Any) -> Any:
+        clipping = super()._sharded_norm_clipping(ledger)
+        clipping.ranks = self.dims.data_shard
+        return clipping
+
+
+class MiscountedHSDP(MGPUShardedStrategy):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        assert self._pipeline is not None
+        p = self._pipeline
+        self._pipeline = self._sharding = ShardCopiesCountedTwice(p.size, "1f1b", p.microbatches, "auto", shard_stage=3)
+
+
+HSDP_1 = {"mesh": "hybrid", "shard_size": 1}
+
+
+def test_hsdp_inside_the_pipeline_trains_as_one_process(tmp_path: Path) -> None:
+    """``stage=3, mesh="hybrid", shard_size=1`` with pipeline 2 on 4 processes: each stage one FSDP2 unit over the
+    2-D mesh (2 replicas x 1 shard) of its data ranks, so both ranks of a stage hold the same shard; the clipping
+    norm counts it once (half on each replica) and the weights and losses equal one process's with k = 3; a norm
+    that counts the copies twice does not (negative control)."""
+    want = sharded_run(tmp_path / "reference", "1f1b", 3, devices=1)
+    got = sharded_run(tmp_path / "hsdp", "1f1b", 3, layout=HSDP_1)
+    assert got["mesh"] == (2, 1)
+    assert_sharded_one_process(got, want)
+    wrong = sharded_run(tmp_path / "wrong", "1f1b", 3, layout=HSDP_1, strategy_cls=MiscountedHSDP)
+    assert wrong["mesh"] == (2, 1)
+    with pytest.raises(AssertionError):
+        assert_sharded_one_process(wrong, want)
+
+
+@pytest.mark.slow
+def test_hsdp_inside_the_pipeline_on_8_processes_resumes_from_its_sharded_checkpoint(tmp_path: Path) -> None:
+    """Pipeline 2 x HSDP (2 replicas x 2 shards) on 8 processes, k = 1, ``checkpoint="sharded"``: each rank holds
+    half of its stage's optimizer state, one reduce-scatter per step; the weights and losses are one process's, and
+    the DCP directory resumes in one process as the uninterrupted run."""
+    layout = {"mesh": "hybrid", "shard_size": 2}
+    want = sharded_run(tmp_path / "reference", "1f1b", 1, devices=1)
+    got = sharded_run(tmp_path / "hsdp", "1f1b", 1, devices=8, layout=layout, checkpoint="sharded")
+    assert got["mesh"] == (2, 2)
+    assert_sharded_over_data(got, 1)
+    assert_sharded_one_process(got, want)
+    saved = tmp_path / "hsdp" / "last.ckpt"
+    assert saved.is_dir()
+    uninterrupted = sharded_run(tmp_path / "uninterrupted", "1f1b", 1, devices=1, epochs=2)
+    one = sharded_run(tmp_path / "one", "1f1b", 1, devices=1, ckpt=saved, epochs=2, checkpoint="sharded")
+    for key in uninterrupted["state"]:
+        torch.testing.assert_close(one["state"][key], uninterrupted["state"][key], msg=key)
