@@ -29,9 +29,18 @@ class DigitsDataModule(pl.LightningDataModule):
         batch_size: per-device batch size (the effective batch is ``batch_size x devices x accumulation``).
         val_size: images held out for validation during fit.
         test_size: images held out for the final test; never seen during fit.
+        drop_last: drop each epoch's last, smaller training batch (pipeline parallelism needs every batch to
+            split into equal micro-batches).
     """
 
-    def __init__(self, batch_size: int = 32, val_size: int = 200, test_size: int = 400, split_seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 32,
+        val_size: int = 200,
+        test_size: int = 400,
+        split_seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be >= 1.")
@@ -52,7 +61,8 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def _loader(self, index: int, shuffle: bool) -> DataLoader:
         assert self._splits is not None, "call setup() first"
-        return DataLoader(self._splits[index], batch_size=self.batch_size, shuffle=shuffle)
+        drop = bool(self.hparams["drop_last"]) and index == 0
+        return DataLoader(self._splits[index], batch_size=self.batch_size, shuffle=shuffle, drop_last=drop)
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -275,6 +275,46 @@ def split_batch(batch: Any, m: int) -> list[Any]:
     return _split(batch, m)
 
 
+def check_loader_batches(loader: Any, m: int, batches_run: float) -> None:
+    """Refuse, before the first training batch, a training ``loader`` whose batches do not all split into ``m``
+    equal micro-batches: its batch size, or its last (smaller) batch where ``batches_run`` (the batches an epoch
+    runs: Lightning's ``num_training_batches``, the steps' limit) reaches it, instead of failing at the end of the
+    first epoch. A loader whose length is unknown (an iterable dataset, a batch sampler) is checked batch by batch
+    (:func:`split_batch`).
+
+    Example:
+
+        >>> from torch.utils.data import DataLoader
+        >>> check_loader_batches(DataLoader(range(12), batch_size=4), m=2, batches_run=3)  # 3 batches of 4
+        >>> check_loader_batches(DataLoader(range(13), batch_size=4), m=2, batches_run=2)  # the last never runs
+    """
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader) or loader.batch_size is None:
+        return
+    try:
+        samples = len(loader.sampler)  # type: ignore[arg-type]  # this data replica's, after Lightning's sampler
+    except TypeError:
+        return
+    size = loader.batch_size
+    last = 0 if loader.drop_last else samples % size
+    if size % m == 0 and (not last or last % m == 0 or batches_run < len(loader)):
+        return
+    bad = size if size % m else last
+    raise PipelineError(
+        f"The training loader's batches do not all divide into pipeline_microbatches={m} equal micro-batches: "
+        f"{samples} samples per data replica in batches of {size} "
+        + (f"give a batch of {size}. Use a batch size that is a multiple of {m}" if size % m else "")
+        + (
+            f"leave a last batch of {last}. Pass drop_last=True to the training DataLoader, or use a batch size and "
+            f"dataset size whose remainder divides by {m}"
+            if not size % m
+            else ""
+        )
+        + f", or pipeline_microbatches={math.gcd(bad, m)}."
+    )
+
+
 def _first_tensor(value: Any) -> Optional[Tensor]:
     if isinstance(value, Tensor):
         return value
@@ -529,6 +569,7 @@ class PipelineBackend(ShardingBackend):
         self._scale = 1.0
         self._pending: list[tuple[nn.Parameter, Tensor]] = []
         self._stale = False  # the stages trained since the blocks were last gathered
+        self._loader_checked = False  # the training loader's batch sizes, once per fit
         self.free_others = True  # free the other stages' blocks during training (not in master modes)
         self._freed: list[tuple[Tensor, torch.Size]] = []  # the freed tensors, with their shapes
         self._held_optimizers: list[Optimizer] = []
@@ -634,6 +675,7 @@ class PipelineBackend(ShardingBackend):
         if self.stage == 3:
             self._shard_stages(parallel)
         self._stale = False
+        self._loader_checked = False
         self._held_optimizers = []  # (the freed tensors' shapes stay: a fit that ended in an error leaves them freed)
         return None
 
@@ -845,6 +887,12 @@ class PipelineBackend(ShardingBackend):
         return ((index * self.dims.data_parallel) + here[DATA_PARALLEL]) * self.dims.tensor + here["tensor_parallel"]
 
     # --- one training step --------------------------------------------------------------------------------
+    def check_training_loader(self, loader: Any, batches_run: float) -> None:
+        """:func:`check_loader_batches` once per fit, at its first training batch (the loader Lightning prepared)."""
+        if not self._loader_checked:
+            self._loader_checked = True
+            check_loader_batches(loader, self.microbatches, batches_run)
+
     def training_step(self, module: Any, accumulate: int, batch: Any, batch_idx: int = 0) -> Any:
         """Forward and backward of every micro-batch through the stages (the schedule's); returns the batch's loss
         (the mean of the micro-batches' losses, the same on every stage) as a tensor whose backward adds the
@@ -917,6 +965,12 @@ class PipelineBackend(ShardingBackend):
         after the first training step). Otherwise every rank holds the whole model (before the first training
         step, after fit, in MGPUPrecision's master modes) and runs the step on it, as without a pipeline."""
         return bool(self._freed) and not self._whole_for_evaluation
+
+    def hold_whole_model(self) -> None:
+        """Before an evaluation step on the whole model (:meth:`runs_stages_in_evaluation` is False: before the first
+        training step, as in Lightning's sanity check): this rank's sharded stages (``stage=3``) gathered whole, as
+        the other stages' blocks are, until the next training step. Nothing to do at ``stage=2``."""
+        self._unshard_stages()
 
     def evaluation_step(self, module: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         """The user's ``validation_step``, ``test_step`` or ``predict_step`` (``method``) through the stages,

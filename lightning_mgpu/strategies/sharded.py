@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -886,6 +887,11 @@ class MGPUShardedStrategy(ParallelStrategy):
             if self._pipeline is not None:  # every micro-batch's forward and backward, through the stages
                 trainer = attached_trainer(self.lightning_module)
                 accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+                if trainer is not None:  # a last batch that cannot be split: refused now, not after an epoch
+                    steps = trainer.max_steps * accumulate if trainer.max_steps >= 0 else math.inf
+                    self._pipeline.check_training_loader(
+                        trainer.train_dataloader, min(trainer.num_training_batches, steps)
+                    )
                 return self._pipeline.training_step(self.lightning_module, accumulate, *args, **kwargs)
             with self._tensor.step_context():  # the loss over the sharded vocabulary ("auto+sequence")
                 return self._tensor.local_output(self._redirect("training_step", *args, **kwargs))
@@ -916,6 +922,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         with self._tensor.step_context():
             if self._pipeline is not None and self._pipeline.runs_stages_in_evaluation():
                 return self._pipeline.evaluation_step(self.lightning_module, method, *args, **kwargs)
+            if self._pipeline is not None:
+                self._pipeline.hold_whole_model()
             return self._tensor.local_output(self._redirect(method, *args, **kwargs))
 
     # --- evaluation whose ranks may run different numbers of batches (parts/evaluation.py) ---------------------

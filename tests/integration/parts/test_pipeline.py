@@ -1078,9 +1078,10 @@ def test_hsdp_inside_the_pipeline_trains_as_one_process(tmp_path: Path) -> None:
     """``stage=3, mesh="hybrid", shard_size=1`` with pipeline 2 on 4 processes: each stage one FSDP2 unit over the
     2-D mesh (2 replicas x 1 shard) of its data ranks, so both ranks of a stage hold the same shard; the clipping
     norm counts it once (half on each replica) and the weights and losses equal one process's with k = 3; a norm
-    that counts the copies twice does not (negative control)."""
+    that counts the copies twice does not (negative control). Lightning's sanity check runs first, on the whole
+    model, the sharded stage gathered for it (it failed on the shards' DTensors)."""
     want = sharded_run(tmp_path / "reference", "1f1b", 3, devices=1)
-    got = sharded_run(tmp_path / "hsdp", "1f1b", 3, layout=HSDP_1)
+    got = sharded_run(tmp_path / "hsdp", "1f1b", 3, layout=HSDP_1, num_sanity_val_steps=2)
     assert got["mesh"] == (2, 1)
     assert_sharded_one_process(got, want)
     wrong = sharded_run(tmp_path / "wrong", "1f1b", 3, layout=HSDP_1, strategy_cls=MiscountedHSDP)
@@ -1106,3 +1107,24 @@ def test_hsdp_inside_the_pipeline_on_8_processes_resumes_from_its_sharded_checkp
     one = sharded_run(tmp_path / "one", "1f1b", 1, devices=1, ckpt=saved, epochs=2, checkpoint="sharded")
     for key in uninterrupted["state"]:
         torch.testing.assert_close(one["state"][key], uninterrupted["state"][key], msg=key)
+
+
+class CountedBatches(pl.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        (self.out / f"batch{trainer.global_rank}-{trainer.global_step}").touch()
+
+
+@pytest.mark.timeout(120)
+def test_a_last_batch_that_does_not_split_is_refused_before_the_first_batch_trains(tmp_path: Path) -> None:
+    """44 samples per replica in batches of 8 leave a last batch of 4, which 8 micro-batches cannot split: the fit
+    is refused at its first training batch, naming ``drop_last=True``, with no batch trained (it failed at the end
+    of the first epoch)."""
+    data = TensorDataset(*(t[:44] for t in dataset("sequential").tensors))
+    kwargs = trainer_kwargs(tmp_path, 1, devices=2, callbacks=[CountedBatches(tmp_path)])
+    strategy = MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_microbatches=8, start_method="fork")
+    with pytest.raises(Exception, match=r"leave a last batch of 4\. Pass drop_last=True"):
+        pl.Trainer(strategy=strategy, **kwargs).fit(make_model("sequential"), Data(data, GLOBAL_BATCH))
+    assert not list(tmp_path.glob("batch*"))

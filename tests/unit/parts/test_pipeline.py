@@ -19,6 +19,7 @@ from lightning_mgpu.parts.pipeline import (
     PipelineError,
     _StageOutput,
     balanced_bounds,
+    check_loader_batches,
     combine_logs,
     plan_stages,
     split_batch,
@@ -74,6 +75,22 @@ def test_a_batch_is_cut_into_micro_batches_and_one_that_does_not_divide_is_refus
     assert all(p["y"][1] == "tag" for p in parts)
     with pytest.raises(PipelineError, match=r"batch of 6 samples.*pipeline_microbatches=4.*multiple of 4"):
         split_batch(batch, 4)
+
+
+def test_a_training_loader_whose_last_batch_does_not_split_is_refused_before_its_first_batch():
+    from torch.utils.data import DataLoader
+
+    # 13 samples in batches of 4: a last batch of 1, refused naming drop_last before the epoch runs
+    with pytest.raises(PipelineError, match=r"13 samples per data replica in batches of 4 leave a last batch of 1\. "):
+        check_loader_batches(DataLoader(range(13), batch_size=4), m=2, batches_run=4)
+    with pytest.raises(PipelineError, match=r"Pass drop_last=True"):
+        check_loader_batches(DataLoader(range(13), batch_size=4), m=2, batches_run=4)
+    with pytest.raises(PipelineError, match=r"give a batch of 6\. Use a batch size that is a multiple of 4"):
+        check_loader_batches(DataLoader(range(12), batch_size=6), m=4, batches_run=2)
+    check_loader_batches(DataLoader(range(13), batch_size=4, drop_last=True), m=2, batches_run=3)
+    check_loader_batches(DataLoader(range(14), batch_size=4), m=2, batches_run=4)  # a last batch of 2 splits
+    check_loader_batches(DataLoader(range(13), batch_size=4), m=2, batches_run=1)  # fast_dev_run: never reached
+    check_loader_batches([torch.zeros(3)], m=2, batches_run=1)  # not a DataLoader: checked batch by batch
 
 
 def test_logged_values_combine_over_micro_batches_with_their_reduce_fx():
