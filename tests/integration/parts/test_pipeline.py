@@ -1007,11 +1007,13 @@ class ReplicatedCountedTwice(PipelineBackend):
 
 
 class MiscountedZero3(MGPUShardedStrategy):
+    backend: type[PipelineBackend] = ReplicatedCountedTwice
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         assert self._pipeline is not None
         p = self._pipeline
-        self._pipeline = self._sharding = ReplicatedCountedTwice(p.size, "1f1b", p.microbatches, "auto", shard_stage=3)
+        self._pipeline = self._sharding = self.backend(p.size, "1f1b", p.microbatches, "auto", shard_stage=3)
 
 
 def test_negative_control_zero3_inside_the_pipeline_with_a_wrong_norm(tmp_path: Path) -> None:
@@ -1063,12 +1065,8 @@ class ShardCopiesCountedTwice(PipelineBackend):
         return clipping
 
 
-class MiscountedHSDP(MGPUShardedStrategy):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        assert self._pipeline is not None
-        p = self._pipeline
-        self._pipeline = self._sharding = ShardCopiesCountedTwice(p.size, "1f1b", p.microbatches, "auto", shard_stage=3)
+class MiscountedHSDP(MiscountedZero3):
+    backend = ShardCopiesCountedTwice
 
 
 HSDP_1 = {"mesh": "hybrid", "shard_size": 1}
