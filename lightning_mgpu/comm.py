@@ -237,16 +237,37 @@ class CommStats:
         }
 
     def summary(self) -> str:
-        """One human-readable paragraph, for the end of a job."""
+        """One human-readable paragraph, for the end of a job. Under pipeline parallelism the bytes sent between
+        stages replace the ring all-reduce's lower bound, which is that of every rank all-reducing the whole
+        model (each rank syncs its own stage's gradients and the weights outside the blocks).
+
+        Example:
+
+            >>> CommStats(allreduce_calls=2, allreduce_bytes=80, sync_rounds=2, optimizer_steps=2, gradient_bytes=400,
+            ...           world_size=2, stage_sends=16, stage_bytes=512).summary().split("; ")[-1]
+            'pipeline: 8.00 sends/step between stages, 256 B/step (this rank sends)'
+        """
         return (
             f"all-reduce calls {self.allreduce_calls} ({self.calls_per_step:.2f}/step), "
             f"bytes {self.allreduce_bytes} ({self.bytes_per_step:.0f}/step), "
             f"sync rounds {self.sync_rounds}, optimizer steps {self.optimizer_steps}; "
+            + (self._pipeline_summary() if self.stage_sends else self._ring_summary())
+            + self._hybrid_summary()
+            + self._tensor_summary()
+        )
+
+    def _ring_summary(self) -> str:
+        return (
             f"ring traffic/step {self.ring_bytes_per_step:.0f} B vs lower bound "
             f"2(N-1)/N x {self.gradient_bytes} B = {self.ring_lower_bound_bytes:.0f} B "
             f"(ratio {self.ratio_to_lower_bound:.2f}, N={self.world_size})"
-            + self._hybrid_summary()
-            + self._tensor_summary()
+        )
+
+    def _pipeline_summary(self) -> str:
+        steps = max(self.optimizer_steps, 1)
+        return (
+            f"pipeline: {self.stage_sends / steps:.2f} sends/step between stages, "
+            f"{self.stage_bytes_per_step:.0f} B/step (this rank sends)"
         )
 
     def _tensor_summary(self) -> str:

@@ -374,3 +374,14 @@ def test_the_ledger_splits_hybrid_sharding_traffic_by_group_each_against_its_low
     assert stats.per_group()["replica_ratio_to_lower_bound"] == pytest.approx(4 / 3)
     flat = CommStats(gradient_bytes=1000, world_size=8)
     assert "comm/replica_bytes_per_step" not in flat.as_metrics() and "replicas" not in flat.summary()
+
+
+def test_the_summary_of_a_pipelined_run_gives_the_bytes_between_stages_not_the_whole_models_ring_bound():
+    stats = CommStats(gradient_bytes=1000, world_size=4)
+    for _ in range(2):
+        stats.record_round([300])
+        stats.record_stage_sends(8, 256)
+        stats.optimizer_steps += 1
+    text = stats.summary()
+    assert "pipeline: 8.00 sends/step between stages, 256 B/step" in text and "lower bound" not in text
+    assert "lower bound 2(N-1)/N x 1000 B" in CommStats(gradient_bytes=1000, world_size=4).summary()
