@@ -11,8 +11,11 @@ first argument, and the forward stops after the stage's last block, whose output
 The last stage runs the ``training_step`` to its end: its loss, scaled by ``1 / (micro-batches x
 accumulate_grad_batches)``, is what the schedule's backward starts from (the ``1 / accumulate_grad_batches`` is
 applied by Lightning's own backward of the loss the step returns), so the gradients are those of one process with
-the same global batch. With ``loss_normalization="tokens"`` the last stage's ``training_step`` returns each
-micro-batch's sum of token losses and its ``num_tokens``: the sums are added, not averaged, and the pipeline's step
+the same global batch. Under the fp16 loss scaler the schedule's backward starts from that loss times the loss
+scale (:meth:`PipelineBackend.use_loss_scale`), as one process's backward of the scaled loss does, so every stage's
+half-precision backward runs on scaled gradients. With ``loss_normalization="tokens"`` the last stage's
+``training_step`` returns each micro-batch's sum of token losses and its ``num_tokens``: the sums are added, not
+averaged, and the pipeline's step
 returns ``{"loss": <the batch's sum>, "num_tokens": <the batch's count>}`` on every rank of the pipeline, so each
 of its P ranks counts its replica's tokens (``parts/token_loss.py``: the all-reduce over all W ranks gives
 ``P x T``, and the rescale by ``W x k / (P x T)`` turns the synced gradients, ``sum / (replicas x k)``, into
@@ -545,6 +548,7 @@ class PipelineBackend(ShardingBackend):
         self._sharded_params: list[Tensor] = []  # the sharded (DTensor) parameters the optimizer holds
         self._unsharded = False  # the sharded stages gathered whole (by _unshard_stages)
         self._grad_scale: Optional[Tensor] = None  # what flowed into the step's loss (1 / k, x the loss scale)
+        self._loss_scale = 1.0  # the fp16 loss scale the schedule's backward starts from (use_loss_scale)
 
     # --- after a spawn/fork launch -------------------------------------------------------------------------
     def results_for_main_process(self) -> Optional[dict[str, Any]]:
@@ -905,7 +909,10 @@ class PipelineBackend(ShardingBackend):
         flows into that loss: ``1 / accumulate_grad_batches``, times the loss scale under fp16), added to
         ``.grad``."""
         pending, self._pending = self._pending, []
-        self._grad_scale = scale.detach()  # the sharded stages' gradients take it after their reduce-scatter
+        # the schedule's backward started from the loss times the loss scale already (use_loss_scale): what is left
+        # to apply is 1 / accumulate_grad_batches
+        scale = scale.detach() / self._loss_scale
+        self._grad_scale = scale  # the sharded stages' gradients take it after their reduce-scatter
         with torch.no_grad():
             for p, g in pending:
                 g = g * scale.to(g.dtype)
@@ -1134,8 +1141,16 @@ class PipelineBackend(ShardingBackend):
 
         return forward
 
+    def use_loss_scale(self, scale: float) -> None:
+        """Before each training step, under a loss scaler (fp16): the scale the backward of the step's loss will be
+        multiplied by. The schedule's backward starts from the last stage's loss times ``scale``, as one process's
+        backward of the scaled loss does: every stage's half-precision backward then runs on scaled gradients (small
+        ones do not underflow; one that overflows turns to inf there and the scaler's agreed check skips the step on
+        every rank), and :meth:`add_pending` applies only the rest of what flows into the loss returned."""
+        self._loss_scale = float(scale)
+
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return output * self._scale
+        return output * (self._scale * self._loss_scale)
 
     # --- the stages, built once per micro-batch shape -------------------------------------------------------
     def _schedule_for(self, module: Any, key: Any) -> Any:

@@ -886,6 +886,7 @@ class MGPUShardedStrategy(ParallelStrategy):
             if self._pipeline is not None:  # every micro-batch's forward and backward, through the stages
                 trainer = attached_trainer(self.lightning_module)
                 accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+                self._pipeline.use_loss_scale(PrecisionAdoption.loss_scale(self.precision_plugin))
                 return self._pipeline.training_step(self.lightning_module, accumulate, *args, **kwargs)
             with self._tensor.step_context():  # the loss over the sharded vocabulary ("auto+sequence")
                 return self._tensor.local_output(self._redirect("training_step", *args, **kwargs))
