@@ -32,8 +32,9 @@ user's ``validation_step`` on each stage with its blocks, forward only, on the w
 those of the last stage on every rank of the pipeline. For a consolidated checkpoint, an evaluation loop whose
 ranks may run different numbers of batches, and at the end of fit, the freed tensors are allocated again and each
 block's weights are broadcast from the stage that trains them, so that every rank holds the trained model (an
-evaluation step then runs it whole, data-parallel over the data replicas). MGPUPrecision's master modes keep
-every block (the plugin's FP32 masters of the other stages are copied into the model after each step). With
+evaluation step then runs it whole, data-parallel over the data replicas). MGPUPrecision's master modes are refused
+before launch (each rank's optimizer would step FP32 masters of every block, the other stages' never trained
+there). With
 ``compile=...`` each block's ``forward`` is compiled in place (``parts/compilation.py``) and the hooks above stay
 eager; a block skipped as another stage's gets its compiled ``forward`` back after the step.
 
@@ -586,6 +587,8 @@ class PipelineBackend(ShardingBackend):
             raise PipelineError(f"{self.stages} stages but only {blocks} blocks in {plan.container!r}.")
         if self.stage == 3:
             self._check_shardable(module, plan, precision_plugin)
+        else:
+            self._check_master_precision(precision_plugin)
         if clip_by_norm and not hasattr(precision_plugin, "use_norm_clipping"):
             raise PipelineError(
                 f"gradient_clip_val by norm with {type(precision_plugin).__name__} under pipeline parallelism: each "
@@ -594,13 +597,24 @@ class PipelineBackend(ShardingBackend):
                 f"'bf16-mixed', or gradient_clip_algorithm='value'."
             )
 
+    def _check_master_precision(self, precision_plugin: Any) -> None:
+        """``stage=2``: MGPUPrecision's master modes are refused (not built yet), with the fix."""
+        if getattr(precision_plugin, "master", False):
+            raise PipelineError(
+                f"MGPUPrecision({precision_plugin.mode!r}) with pipeline_parallel_size={self.size} is not supported "
+                f"yet: each rank's optimizer would step FP32 masters of every block, and those of the other stages' "
+                f"blocks are never trained on that rank (the model and its checkpoint would get their stale values). "
+                f"Use precision='bf16-mixed' (or '16-mixed', '32-true'): the weights stay FP32, autocast computes in "
+                f"half."
+            )
+
     def _check_shardable(self, module: nn.Module, plan: StagePlan, precision_plugin: Any) -> None:
         """``stage=3``: FSDP2 shards each stage's blocks; refuse what it cannot shard, with the fix."""
         if getattr(precision_plugin, "master", False):
             raise PipelineError(
                 f"MGPUPrecision({precision_plugin.mode!r}) with stage=3 and pipeline_parallel_size={self.size} is not "
                 f"supported yet: its FP32 masters of every block are kept whole on every rank, which ZeRO-3 inside "
-                f"the pipeline shards. Use precision='bf16-mixed' (or '16-mixed', '32-true'), or stage=2."
+                f"the pipeline shards. Use precision='bf16-mixed' (or '16-mixed', '32-true')."
             )
         users: dict[int, list[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -922,7 +936,7 @@ class PipelineBackend(ShardingBackend):
     def runs_stages_in_evaluation(self) -> bool:
         """Whether evaluation steps run through the stages: while the other stages' blocks are freed (during fit,
         after the first training step). Otherwise every rank holds the whole model (before the first training
-        step, after fit, in MGPUPrecision's master modes) and runs the step on it, as without a pipeline."""
+        step, after fit) and runs the step on it, as without a pipeline."""
         return bool(self._freed) and not self._whole_for_evaluation
 
     def evaluation_step(self, module: Any, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -795,6 +795,20 @@ CASES = [
     ),
     pytest.param(
         lambda: fit(
+            Regressor(),
+            MGPUShardedStrategy(pipeline_parallel_size=2, start_method="fork"),
+            plugins=[MGPUPrecision("16-master")],
+        ),
+        ValueError,
+        [
+            "MGPUPrecision('16-master') with pipeline_parallel_size=2 is not supported yet",
+            "never trained",
+            "'16-mixed'",
+        ],
+        id="pipeline-with-master-weights",
+    ),
+    pytest.param(
+        lambda: fit(
             TiedOutsideTheBlocks(), MGPUShardedStrategy(pipeline_parallel_size=2, stage=3, start_method="fork")
         ),
         ValueError,

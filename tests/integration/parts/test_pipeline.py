@@ -1317,3 +1317,57 @@ def test_a_nan_in_one_stage_stops_every_rank_with_the_nonfinite_error(tmp_path: 
     errors = [torch.load(out / f"raised{r}.pt", weights_only=False) for r in range(WORLD)]
     assert errors[0].startswith("Non-finite (NaN/Inf) gradient at optimizer step 2") and errors == [errors[0]] * WORLD
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("precision", "stage", "schedule"),
+    [
+        ("16-mixed", 3, "1f1b"),
+        ("bf16-mixed", 3, "1f1b"),
+        ("16-mixed", 2, "gpipe"),
+        ("bf16-mixed", 2, "interleaved_1f1b"),
+    ],
+)
+def test_mixed_precision_pipeline_matrix(tmp_path: Path, precision: str, stage: int, schedule: str) -> None:
+    """The mixed-precision comparison above with ZeRO-3 inside the pipeline (the loss scale through FSDP2's
+    reduce-scatter) and the other schedules: fp16 skips steps 0 and 4 on every rank as one process does and stays
+    within 5e-5 of it; bf16 within 2e-4 (the tolerances of the default tests)."""
+    inject = Inject(OVERFLOW_STEP, (0,), "net.0.weight", float("inf"))
+    fp16_run = precision == "16-mixed"
+    plugin: Any = fp16() if fp16_run else precision
+    want = precision_run(tmp_path / "reference", plugin, devices=1, inject=inject if fp16_run else None)
+    got = precision_run(
+        tmp_path / "pipeline",
+        fp16() if fp16_run else precision,
+        inject=inject if fp16_run else None,
+        stage=stage,
+        pipeline_schedule=schedule,
+    )
+    trajectory = [step[:2] for step in want["ranks"][0]]
+    assert trajectory == ([(2.0**16, 1)] * OVERFLOW_STEP + [(2.0**8, 2)] * 2 if fp16_run else [(1.0, 0)] * 6)
+    assert all([step[:2] for step in steps] == trajectory for steps in got["ranks"])
+    assert_close_to(got, want, 5e-5 if fp16_run else 2e-4)
+
+
+class NaNLossAtStep2(HalfNet):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == 2 else loss
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_nan_loss_on_the_last_stage_stops_every_rank_with_the_nonfinite_error(tmp_path: Path) -> None:
+    """A NaN loss on the last stage at step 2 (its backward spreads NaN into both stages' gradients): the fit raises
+    the non-finite error naming the step and a parameter on each of the four ranks; no process is left behind."""
+    import multiprocessing
+
+    strategy = MGPUShardedStrategy(
+        pipeline_parallel_size=2, pipeline_microbatches=4, start_method="fork", nonfinite="error"
+    )
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path, 1, devices=WORLD))
+    with pytest.raises(Exception, match=r"Non-finite .*at optimizer step 2") as raised:
+        trainer.fit(NaNLossAtStep2(), Data(half_dataset(), GLOBAL_BATCH // 2))
+    assert all(f"rank {r}: parameter 'net." in str(raised.value) for r in range(WORLD))
+    assert not multiprocessing.active_children()
