@@ -1371,3 +1371,21 @@ def test_a_nan_loss_on_the_last_stage_stops_every_rank_with_the_nonfinite_error(
         trainer.fit(NaNLossAtStep2(), Data(half_dataset(), GLOBAL_BATCH // 2))
     assert all(f"rank {r}: parameter 'net." in str(raised.value) for r in range(WORLD))
     assert not multiprocessing.active_children()
+
+
+class RankLocalScaler(MGPUPrecision):
+    """Negative control: torch's plain ``GradScaler``, whose inf check each rank makes alone."""
+
+    def _make_scaler(self, device: str) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(device=device, **self._scaler_kwargs)  # type: ignore[arg-type]
+
+
+def test_negative_control_a_rank_local_overflow_check_lets_the_stages_diverge(tmp_path: Path) -> None:
+    """With each rank's scaler checking only its own gradients, the inf of rank 0's stage 0 at step 4 is skipped by
+    stage 0 (whose replicas share it through the gradient sync) and stepped by stage 1: the check of the fp16 test
+    above fails there."""
+    inject = Inject(OVERFLOW_STEP, (0,), "net.0.weight", float("inf"))
+    plugin = RankLocalScaler("16-mixed", init_scale=2.0**16, backoff_factor=2.0**-8)
+    got = precision_run(tmp_path / "pipeline", plugin, inject=inject)
+    skipped = [steps[OVERFLOW_STEP][1] for steps in got["ranks"]]
+    assert skipped == [1, 1, 0, 0]
