@@ -11,8 +11,11 @@ first argument, and the forward stops after the stage's last block, whose output
 The last stage runs the ``training_step`` to its end: its loss, scaled by ``1 / (micro-batches x
 accumulate_grad_batches)``, is what the schedule's backward starts from (the ``1 / accumulate_grad_batches`` is
 applied by Lightning's own backward of the loss the step returns), so the gradients are those of one process with
-the same global batch. With ``loss_normalization="tokens"`` the last stage's ``training_step`` returns each
-micro-batch's sum of token losses and its ``num_tokens``: the sums are added, not averaged, and the pipeline's step
+the same global batch. Under the fp16 loss scaler the schedule's backward starts from that loss times the loss
+scale (:meth:`PipelineBackend.use_loss_scale`), as one process's backward of the scaled loss does, so every stage's
+half-precision backward runs on scaled gradients. With ``loss_normalization="tokens"`` the last stage's
+``training_step`` returns each micro-batch's sum of token losses and its ``num_tokens``: the sums are added, not
+averaged, and the pipeline's step
 returns ``{"loss": <the batch's sum>, "num_tokens": <the batch's count>}`` on every rank of the pipeline, so each
 of its P ranks counts its replica's tokens (``parts/token_loss.py``: the all-reduce over all W ranks gives
 ``P x T``, and the rescale by ``W x k / (P x T)`` turns the synced gradients, ``sum / (replicas x k)``, into
@@ -29,8 +32,9 @@ user's ``validation_step`` on each stage with its blocks, forward only, on the w
 those of the last stage on every rank of the pipeline. For a consolidated checkpoint, an evaluation loop whose
 ranks may run different numbers of batches, and at the end of fit, the freed tensors are allocated again and each
 block's weights are broadcast from the stage that trains them, so that every rank holds the trained model (an
-evaluation step then runs it whole, data-parallel over the data replicas). MGPUPrecision's master modes keep
-every block (the plugin's FP32 masters of the other stages are copied into the model after each step). With
+evaluation step then runs it whole, data-parallel over the data replicas). MGPUPrecision's master modes are refused
+before launch (each rank's optimizer would step FP32 masters of every block, the other stages' never trained
+there). With
 ``compile=...`` each block's ``forward`` is compiled in place (``parts/compilation.py``) and the hooks above stay
 eager; a block skipped as another stage's gets its compiled ``forward`` back after the step.
 
@@ -570,7 +574,6 @@ class PipelineBackend(ShardingBackend):
         self._pending: list[tuple[nn.Parameter, Tensor]] = []
         self._stale = False  # the stages trained since the blocks were last gathered
         self._loader_checked = False  # the training loader's batch sizes, once per fit
-        self.free_others = True  # free the other stages' blocks during training (not in master modes)
         self._freed: list[tuple[Tensor, torch.Size]] = []  # the freed tensors, with their shapes
         self._held_optimizers: list[Optimizer] = []
         self._boundaries: dict[Any, list[tuple[torch.Size, torch.dtype]]] = {}
@@ -586,6 +589,7 @@ class PipelineBackend(ShardingBackend):
         self._sharded_params: list[Tensor] = []  # the sharded (DTensor) parameters the optimizer holds
         self._unsharded = False  # the sharded stages gathered whole (by _unshard_stages)
         self._grad_scale: Optional[Tensor] = None  # what flowed into the step's loss (1 / k, x the loss scale)
+        self._loss_scale = 1.0  # the fp16 loss scale the schedule's backward starts from (use_loss_scale)
 
     # --- after a spawn/fork launch -------------------------------------------------------------------------
     def results_for_main_process(self) -> Optional[dict[str, Any]]:
@@ -621,8 +625,9 @@ class PipelineBackend(ShardingBackend):
         blocks = len(plan.names)
         if blocks < self.stages:
             raise PipelineError(f"{self.stages} stages but only {blocks} blocks in {plan.container!r}.")
+        self._check_master_precision(precision_plugin)
         if self.stage == 3:
-            self._check_shardable(module, plan, precision_plugin)
+            self._check_shardable(module, plan)
         if clip_by_norm and not hasattr(precision_plugin, "use_norm_clipping"):
             raise PipelineError(
                 f"gradient_clip_val by norm with {type(precision_plugin).__name__} under pipeline parallelism: each "
@@ -631,14 +636,19 @@ class PipelineBackend(ShardingBackend):
                 f"'bf16-mixed', or gradient_clip_algorithm='value'."
             )
 
-    def _check_shardable(self, module: nn.Module, plan: StagePlan, precision_plugin: Any) -> None:
-        """``stage=3``: FSDP2 shards each stage's blocks; refuse what it cannot shard, with the fix."""
+    def _check_master_precision(self, precision_plugin: Any) -> None:
+        """MGPUPrecision's master modes are refused (not built yet), with the fix."""
         if getattr(precision_plugin, "master", False):
             raise PipelineError(
-                f"MGPUPrecision({precision_plugin.mode!r}) with stage=3 and pipeline_parallel_size={self.size} is not "
-                f"supported yet: its FP32 masters of every block are kept whole on every rank, which ZeRO-3 inside "
-                f"the pipeline shards. Use precision='bf16-mixed' (or '16-mixed', '32-true'), or stage=2."
+                f"MGPUPrecision({precision_plugin.mode!r}) with pipeline_parallel_size={self.size} is not supported "
+                f"yet: each rank's optimizer would step FP32 masters of every block, and those of the other stages' "
+                f"blocks are never trained on that rank (the model and its checkpoint would get their stale values; "
+                f"at stage=3 the masters would be whole on every rank, where ZeRO-3 shards the stage). Use "
+                f"precision='bf16-mixed' (or '16-mixed', '32-true'): the weights stay FP32, autocast computes in half."
             )
+
+    def _check_shardable(self, module: nn.Module, plan: StagePlan) -> None:
+        """``stage=3``: FSDP2 shards each stage's blocks; refuse what it cannot shard, with the fix."""
         users: dict[int, list[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             users.setdefault(id(param), []).append(name)
@@ -860,7 +870,7 @@ class PipelineBackend(ShardingBackend):
         state of theirs): this rank then holds its own blocks and the parameters outside the blocks only. Undone by
         :meth:`gather_blocks`."""
         self._reshard_stages()
-        if self._freed or not self.free_others or self.plan is None:
+        if self._freed or self.plan is None:
             return
         kept = self._kept_ids()
         others = [s for s in range(self.stages) if s not in self._local]
@@ -953,7 +963,10 @@ class PipelineBackend(ShardingBackend):
         flows into that loss: ``1 / accumulate_grad_batches``, times the loss scale under fp16), added to
         ``.grad``."""
         pending, self._pending = self._pending, []
-        self._grad_scale = scale.detach()  # the sharded stages' gradients take it after their reduce-scatter
+        # the schedule's backward started from the loss times the loss scale already (use_loss_scale): what is left
+        # to apply is 1 / accumulate_grad_batches
+        scale = scale.detach() / self._loss_scale
+        self._grad_scale = scale  # the sharded stages' gradients take it after their reduce-scatter
         with torch.no_grad():
             for p, g in pending:
                 g = g * scale.to(g.dtype)
@@ -963,7 +976,7 @@ class PipelineBackend(ShardingBackend):
     def runs_stages_in_evaluation(self) -> bool:
         """Whether evaluation steps run through the stages: while the other stages' blocks are freed (during fit,
         after the first training step). Otherwise every rank holds the whole model (before the first training
-        step, after fit, in MGPUPrecision's master modes) and runs the step on it, as without a pipeline."""
+        step, after fit) and runs the step on it, as without a pipeline."""
         return bool(self._freed) and not self._whole_for_evaluation
 
     def hold_whole_model(self) -> None:
@@ -1188,8 +1201,16 @@ class PipelineBackend(ShardingBackend):
 
         return forward
 
+    def use_loss_scale(self, scale: float) -> None:
+        """Before each training step, under a loss scaler (fp16): the scale the backward of the step's loss will be
+        multiplied by. The schedule's backward starts from the last stage's loss times ``scale``, as one process's
+        backward of the scaled loss does: every stage's half-precision backward then runs on scaled gradients (small
+        ones do not underflow; one that overflows turns to inf there and the scaler's agreed check skips the step on
+        every rank), and :meth:`add_pending` applies only the rest of what flows into the loss returned."""
+        self._loss_scale = float(scale)
+
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return output * self._scale
+        return output * (self._scale * self._loss_scale)
 
     # --- the stages, built once per micro-batch shape -------------------------------------------------------
     def _schedule_for(self, module: Any, key: Any) -> Any:

@@ -679,6 +679,12 @@ class PrecisionAdoption:
         return plugin.keep_masters_in_fsdp() if isinstance(plugin, MGPUPrecision) else None
 
     @staticmethod
+    def loss_scale(plugin: Precision) -> float:
+        """The scale the plugin's loss scaler multiplies the next backward's loss by (fp16); 1.0 without one."""
+        scaler = getattr(plugin, "scaler", None)
+        return float(scaler.get_scale()) if isinstance(scaler, torch.amp.GradScaler) else 1.0
+
+    @staticmethod
     def connect_norm_clipping(plugin: Precision, clipping: Optional[GlobalNormClipping]) -> None:
         """Sharded gradients: norm clipping by the norm over all ranks (``None``: the local norm is global)."""
         if isinstance(plugin, MGPUPrecision):

@@ -832,8 +832,6 @@ class MGPUShardedStrategy(ParallelStrategy):
         if self._runtime.ddp is not None:
             self.model = self._runtime.wrap_ddp(module)  # as mgpu_ddp: checkpointing, wrap, hooks, compilation
             return
-        if self._pipeline is not None:  # master modes copy FP32 masters of every block into the model
-            self._pipeline.free_others = not getattr(self.precision_plugin, "master", False)
         self._tensor.apply(module, self._built_mesh().tensor)  # tensor parallelism first (torchtitan's order)
         if self._sharded_settings.tensor_comm_stats:
             self._tensor.count_into(self._runtime.ledger.stats, self._built_mesh().tensor)
@@ -892,6 +890,7 @@ class MGPUShardedStrategy(ParallelStrategy):
                     self._pipeline.check_training_loader(
                         trainer.train_dataloader, min(trainer.num_training_batches, steps)
                     )
+                self._pipeline.use_loss_scale(PrecisionAdoption.loss_scale(self.precision_plugin))
                 return self._pipeline.training_step(self.lightning_module, accumulate, *args, **kwargs)
             with self._tensor.step_context():  # the loss over the sharded vocabulary ("auto+sequence")
                 return self._tensor.local_output(self._redirect("training_step", *args, **kwargs))

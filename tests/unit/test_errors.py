@@ -790,8 +790,22 @@ CASES = [
             plugins=[MGPUPrecision("bf16-master")],
         ),
         ValueError,
-        ["MGPUPrecision('bf16-master') with stage=3 and pipeline_parallel_size=2", "precision='bf16-mixed'"],
+        ["MGPUPrecision('bf16-master') with pipeline_parallel_size=2", "at stage=3", "precision='bf16-mixed'"],
         id="pipeline-zero3-with-master-weights",
+    ),
+    pytest.param(
+        lambda: fit(
+            Regressor(),
+            MGPUShardedStrategy(pipeline_parallel_size=2, start_method="fork"),
+            plugins=[MGPUPrecision("16-master")],
+        ),
+        ValueError,
+        [
+            "MGPUPrecision('16-master') with pipeline_parallel_size=2 is not supported yet",
+            "never trained",
+            "'16-mixed'",
+        ],
+        id="pipeline-with-master-weights",
     ),
     pytest.param(
         lambda: fit(

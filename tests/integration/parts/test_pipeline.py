@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_mgpu import MGPUShardedStrategy, _compat
+from lightning_mgpu import MGPUPrecision, MGPUShardedStrategy, _compat
 from lightning_mgpu.parts.compilation import compiled_modules
 from lightning_mgpu.parts.pipeline import PipelineBackend, plan_stages
 from lightning_mgpu.parts.resume import POSITION_KEY
@@ -1126,3 +1126,286 @@ def test_a_last_batch_that_does_not_split_is_refused_before_the_first_batch_trai
     with pytest.raises(Exception, match=r"leave a last batch of 4\. Pass drop_last=True"):
         pl.Trainer(strategy=strategy, **kwargs).fit(make_model("sequential"), Data(data, GLOBAL_BATCH))
     assert not list(tmp_path.glob("batch*"))
+
+
+# --- precision, the non-finite check and background checkpoints with the pipeline --------------------------------
+
+OVERFLOW_STEP = 4  # the optimizer step whose gradient overflows on one stage of one replica only
+
+
+class HalfNet(SequentialNet):
+    """The sequential stack in float32, for mixed precision (autocast computes the linear layers in half)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.float()
+        self.val_mae.set_dtype(torch.float32)
+
+
+def half_dataset() -> TensorDataset:
+    return TensorDataset(*(t.float() for t in dataset("sequential").tensors))
+
+
+class Inject(pl.Callback):
+    """After the backward of optimizer step ``step``, on the ranks ``ranks`` (every rank of one process), puts
+    ``value`` into the gradient of ``param`` where this rank holds it (before the gradient sync of the pipeline)."""
+
+    def __init__(self, step: int, ranks: tuple[int, ...], param: str, value: float) -> None:
+        self.step, self.ranks, self.param, self.value = step, ranks, param, value
+
+    def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.global_step != self.step or (trainer.world_size > 1 and trainer.global_rank not in self.ranks):
+            return
+        p = dict(module.named_parameters())[self.param]
+        if p.numel() and p.grad is not None:  # held here (not one of the other stages' freed blocks)
+            p.grad.view(-1)[0] = self.value
+
+
+class EveryRank(pl.Callback):
+    """Every rank: after each optimizer step, the loss scale, the skipped steps and the values of the parameters it
+    holds; the error fit raised, if any."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.steps = out, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        plugin = trainer.precision_plugin
+        held = {n: p.detach().clone() for n, p in module.named_parameters() if p.numel()}
+        self.steps.append((getattr(plugin, "loss_scale", 1.0), getattr(plugin, "skipped_steps", 0), held))
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(self.steps, self.out / f"steps{trainer.global_rank}.pt")
+
+    def on_exception(self, trainer: pl.Trainer, module: pl.LightningModule, exception: BaseException) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(f"{type(exception).__name__}: {exception}", self.out / f"error{trainer.global_rank}.pt")
+
+
+def precision_run(
+    out: Path,
+    precision: Any,
+    devices: int = WORLD,
+    inject: Optional[Inject] = None,
+    ckpt: Optional[Path] = None,
+    save_at: int = -1,
+    max_epochs: int = 1,
+    **options: Any,
+) -> dict[str, Any]:
+    """HalfNet, k = 1, 6 steps an epoch, the precision (a name or an MGPUPrecision), on one process or on pipeline 2
+    x data 2."""
+    callbacks: list[Any] = [EveryRank(out)] + ([inject] if inject is not None else [])
+    if save_at >= 0:
+        callbacks.append(SaveAfterStep(out / "mid.ckpt", save_at))
+    kwargs = trainer_kwargs(out, 1, devices=devices)
+    kwargs["callbacks"] = kwargs["callbacks"] + callbacks
+    kwargs["max_epochs"] = max_epochs
+    if isinstance(precision, str):
+        kwargs["precision"] = precision
+    else:
+        kwargs["plugins"] = [precision]
+    replicas = 1
+    if devices > 1:
+        replicas = devices // 2
+        kwargs["strategy"] = MGPUShardedStrategy(
+            pipeline_parallel_size=2, pipeline_microbatches=4, start_method="fork", **options
+        )
+    trainer = pl.Trainer(**kwargs)
+    trainer.fit(HalfNet(), Data(half_dataset(), GLOBAL_BATCH // replicas), ckpt_path=ckpt)
+    record = torch.load(out / "record.pt", weights_only=False)
+    record["ranks"] = [torch.load(out / f"steps{r}.pt", weights_only=False) for r in range(devices)]
+    return record
+
+
+def assert_close_to(got: dict[str, Any], want: dict[str, Any], tolerance: float) -> None:
+    """The weights within ``tolerance`` (absolute) of one process's and the training loss within it relatively, and
+    the comparison meaningful: training moved every weight tensor by more than ten times the tolerance."""
+    start = HalfNet().state_dict()
+    moved = [float((want["state"][k] - start[k]).abs().max()) for k in start]
+    assert min(moved) > 10 * tolerance, moved
+    assert got["state"].keys() == want["state"].keys()
+    for key in want["state"]:
+        torch.testing.assert_close(got["state"][key], want["state"][key], rtol=0, atol=tolerance, msg=key)
+    torch.testing.assert_close(got["metrics"]["train_loss"], want["metrics"]["train_loss"], rtol=tolerance, atol=0)
+
+
+def test_bf16_mixed_pipeline_trains_as_one_process_and_sends_bf16_activations(tmp_path: Path) -> None:
+    """``precision="bf16-mixed"`` (CPU autocast, float32 weights), pipeline 2 x data 2, 1F1B, clipping that bites: the
+    weights are one process's (Lightning's own ``MixedPrecision``) within 2e-4 and its loss within 2e-4 relatively.
+    bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3): the pipeline rounds each micro-batch's weight
+    gradient (one sample) to bf16 where one process rounds the whole batch's, so each step's update differs by a few
+    roundoffs of itself, and the six steps move each weight by 7e-3 to 3e-2 in all (clipped at 0.05): a few 1e-5
+    (3e-5 measured); 2e-4 leaves room for the order of the sums and stays ten times below every weight's movement
+    (a wrong pipeline, such as unsynced replicas, is off by about that movement). The activation each micro-batch sends
+    from stage 0 is the (1, 8) bf16 output of autocast's linear layer (its Tanh keeps bf16): 4 x 8 x 2 bytes per step,
+    in the ledger too."""
+    want = precision_run(tmp_path / "reference", "bf16-mixed", devices=1)
+    got = precision_run(tmp_path / "pipeline", "bf16-mixed")
+    assert max(want["norms"]) > CLIP
+    assert_close_to(got, want, 2e-4)
+    stats = got["stats"]
+    assert (stats.stages, stats.microbatches, stats.bytes_sent) == (2, 4, 4 * 8 * 2)
+    assert got["ledger"].stage_bytes_per_step == stats.bytes_sent
+    assert all(p.dtype == torch.float32 for p in got["state"].values())
+
+
+def fp16(init_scale: float = 2.0**24) -> MGPUPrecision:
+    """fp16 whose first step overflows in the backward of every stage (and one process's), the next scale safe."""
+    return MGPUPrecision("16-mixed", init_scale=init_scale, backoff_factor=2.0**-8)
+
+
+def test_fp16_pipeline_skips_an_overflow_of_one_stage_on_every_rank_and_checkpoints_in_the_background(
+    tmp_path: Path,
+) -> None:
+    """``MGPUPrecision("16-mixed")`` (CPU autocast, the fp16 loss scaler), pipeline 2 x data 2, 1F1B,
+    ``async_checkpoint=True``. The schedule's backward starts from the loss times the loss scale, as one process's:
+    at step 0 the scale 2^24 overflows the half backward in the stages, and every rank skips the step as one process
+    does (the scale then 2^16); at step 4 only rank 0's stage-0 gradient holds inf (stage 1 and replica 1 saw
+    none): every rank of both stages skips it (its weights unchanged there), the scale 2^8 on every rank, the same
+    steps and scales as one process doing the same. The weights and loss are one process's within 5e-5 (fp16 keeps
+    11 significant bits: the micro-batches' rounding is 8x smaller than bf16's; measured 1e-5). The activations sent
+    are fp16 (4 x 8 x 2 bytes a step). The checkpoints written in the background equal the state they name: the
+    last one the weights gathered at the end of fit, with the scaler's state; the one of step 3 resumes in one
+    process and continues as the uninterrupted run."""
+    inject = Inject(OVERFLOW_STEP, (0,), "net.0.weight", float("inf"))
+    want = precision_run(tmp_path / "reference", fp16(), devices=1, inject=inject)
+    got = precision_run(tmp_path / "pipeline", fp16(), inject=inject, save_at=3, async_checkpoint=True)
+    trajectory = [(2.0**16, 1)] * OVERFLOW_STEP + [(2.0**8, 2)] * 2  # (scale, skipped) after each step
+    assert [step[:2] for step in want["ranks"][0]] == trajectory
+    for rank, steps in enumerate(got["ranks"]):
+        assert [step[:2] for step in steps] == trajectory, rank
+        before, after = steps[OVERFLOW_STEP - 1][2], steps[OVERFLOW_STEP][2]
+        assert before.keys() == after.keys() and len(before) < len(want["state"])  # its stage's blocks
+        for name in before:
+            torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=f"rank {rank} stepped {name}")
+    start = HalfNet().state_dict()
+    for name, value in got["ranks"][0][0][2].items():  # step 0 skipped: the initial weights
+        torch.testing.assert_close(value, start[name], rtol=0, atol=0)
+    assert_close_to(got, want, 5e-5)
+    assert got["stats"].bytes_sent == 4 * 8 * 2
+    # the background writes: the last checkpoint is the consolidated state of the end of fit, exactly
+    last = torch.load(tmp_path / "pipeline" / "last.ckpt", weights_only=False)
+    assert last["state_dict"].keys() == got["state"].keys()
+    for key, value in got["state"].items():
+        torch.testing.assert_close(last["state_dict"][key], value, rtol=0, atol=0, msg=key)
+    plugin_state = next(v for k, v in last.items() if "MGPUPrecision" in k or k == "MixedPrecision")
+    assert plugin_state["scaler"]["scale"] == 2.0**8 and plugin_state["skipped_steps"] == 2
+    # the step-3 checkpoint, written while steps 4 and 5 trained, holds the weights of step 3 bit for bit (stage 0's
+    # blocks as rank 0 held them then, stage 1's as rank 2 did)
+    mid = torch.load(tmp_path / "pipeline" / "mid.ckpt", weights_only=False)
+    held = {**got["ranks"][0][2][2], **got["ranks"][2][2][2]}
+    assert held.keys() == mid["state_dict"].keys()
+    for key, value in held.items():
+        torch.testing.assert_close(mid["state_dict"][key], value, rtol=0, atol=0, msg=key)
+    # the last one resumes in one process and continues as the uninterrupted run
+    ckpt = tmp_path / "pipeline" / "last.ckpt"
+    resumed = precision_run(tmp_path / "resumed", fp16(), devices=1, inject=inject, ckpt=ckpt, max_epochs=2)
+    uninterrupted = precision_run(tmp_path / "uninterrupted", fp16(), devices=1, inject=inject, max_epochs=2)
+    assert [step[:2] for step in resumed["ranks"][0]] == [(2.0**8, 2)] * 6
+    assert_close_to(resumed, uninterrupted, 5e-5)
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_in_one_stage_stops_every_rank_with_the_nonfinite_error(tmp_path: Path, monkeypatch: Any) -> None:
+    """``nonfinite="error"``, pipeline 2 x data 2: at optimizer step 2 only rank 2 (stage 1, replica 0) gets a NaN in
+    its head's gradient; after the gradient sync both ranks of stage 1 hold it and stage 0 none, and every rank raises
+    the same ``FloatingPointError`` naming the step and the ranks of stage 1 (none waits for the others in a
+    collective: the fit ends within the timeout), the main process raises it, and no process is left behind. (Each
+    worker notes its error and meets the others in a barrier before raising it: the launcher ends the workers once
+    one has failed, so without it a rank could be ended before its note.)"""
+    import multiprocessing
+
+    from lightning_mgpu.parts.nonfinite import NonFiniteCheck
+
+    out = tmp_path / "pipeline"
+    check = NonFiniteCheck.check
+
+    def noted(self: NonFiniteCheck, named: Any, rank: int, *args: Any, **kwargs: Any) -> None:
+        try:
+            check(self, named, rank, *args, **kwargs)
+        except FloatingPointError as error:
+            torch.save(str(error), out / f"raised{rank}.pt")
+            torch.distributed.barrier()
+            raise
+
+    monkeypatch.setattr(NonFiniteCheck, "check", noted)  # the forked workers inherit it
+    inject = Inject(2, (2,), "net.4.weight", float("nan"))
+    out.mkdir(parents=True)
+    with pytest.raises(Exception, match=r"Non-finite .*at optimizer step 2") as raised:
+        precision_run(out, "32-true", inject=inject, nonfinite="error")
+    assert "rank 2: parameter 'net.4.weight'; rank 3: parameter 'net.4.weight'" in str(raised.value)
+    errors = [torch.load(out / f"raised{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert errors[0].startswith("Non-finite (NaN/Inf) gradient at optimizer step 2") and errors == [errors[0]] * WORLD
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("precision", "stage", "schedule"),
+    [
+        ("16-mixed", 3, "1f1b"),
+        ("bf16-mixed", 3, "1f1b"),
+        ("16-mixed", 2, "gpipe"),
+        ("bf16-mixed", 2, "interleaved_1f1b"),
+    ],
+)
+def test_mixed_precision_pipeline_matrix(tmp_path: Path, precision: str, stage: int, schedule: str) -> None:
+    """The mixed-precision comparison above with ZeRO-3 inside the pipeline (the loss scale through FSDP2's
+    reduce-scatter) and the other schedules: fp16 skips steps 0 and 4 on every rank as one process does and stays
+    within 5e-5 of it; bf16 within 2e-4 (the tolerances of the default tests)."""
+    inject = Inject(OVERFLOW_STEP, (0,), "net.0.weight", float("inf"))
+    fp16_run = precision == "16-mixed"
+    plugin: Any = fp16() if fp16_run else precision
+    want = precision_run(tmp_path / "reference", plugin, devices=1, inject=inject if fp16_run else None)
+    got = precision_run(
+        tmp_path / "pipeline",
+        fp16() if fp16_run else precision,
+        inject=inject if fp16_run else None,
+        stage=stage,
+        pipeline_schedule=schedule,
+    )
+    trajectory = [step[:2] for step in want["ranks"][0]]
+    assert trajectory == ([(2.0**16, 1)] * OVERFLOW_STEP + [(2.0**8, 2)] * 2 if fp16_run else [(1.0, 0)] * 6)
+    assert all([step[:2] for step in steps] == trajectory for steps in got["ranks"])
+    assert_close_to(got, want, 5e-5 if fp16_run else 2e-4)
+
+
+class NaNLossAtStep2(HalfNet):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == 2 else loss
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_nan_loss_on_the_last_stage_stops_every_rank_with_the_nonfinite_error(tmp_path: Path) -> None:
+    """A NaN loss on the last stage at step 2 (its backward spreads NaN into both stages' gradients): the fit raises
+    the non-finite error naming the step and a parameter on each of the four ranks; no process is left behind."""
+    import multiprocessing
+
+    strategy = MGPUShardedStrategy(
+        pipeline_parallel_size=2, pipeline_microbatches=4, start_method="fork", nonfinite="error"
+    )
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path, 1, devices=WORLD))
+    with pytest.raises(Exception, match=r"Non-finite .*at optimizer step 2") as raised:
+        trainer.fit(NaNLossAtStep2(), Data(half_dataset(), GLOBAL_BATCH // 2))
+    assert all(f"rank {r}: parameter 'net." in str(raised.value) for r in range(WORLD))
+    assert not multiprocessing.active_children()
+
+
+class RankLocalScaler(MGPUPrecision):
+    """Negative control: torch's plain ``GradScaler``, whose inf check each rank makes alone."""
+
+    def _make_scaler(self, device: str) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(device=device, **self._scaler_kwargs)  # type: ignore[arg-type]
+
+
+def test_negative_control_a_rank_local_overflow_check_lets_the_stages_diverge(tmp_path: Path) -> None:
+    """With each rank's scaler checking only its own gradients, the inf of rank 0's stage 0 at step 4 is skipped by
+    stage 0 (whose replicas share it through the gradient sync) and stepped by stage 1: the check of the fp16 test
+    above fails there."""
+    inject = Inject(OVERFLOW_STEP, (0,), "net.0.weight", float("inf"))
+    plugin = RankLocalScaler("16-mixed", init_scale=2.0**16, backoff_factor=2.0**-8)
+    got = precision_run(tmp_path / "pipeline", plugin, inject=inject)
+    skipped = [steps[OVERFLOW_STEP][1] for steps in got["ranks"]]
+    assert skipped == [1, 1, 0, 0]

@@ -41,3 +41,17 @@ def test_the_gradient_sync_is_handed_to_the_plugin_and_called_before_clipping():
 def test_a_plain_plugin_saves_the_state_it_is_given():
     state = {"weight": torch.ones(1)}
     assert PrecisionAdoption.with_masters(Precision(), nn.Linear(1, 1), state) is state
+
+
+def test_the_loss_scale_is_the_scalers_and_one_without_a_scaler():
+    """What the pipeline's backward starts from: the fp16 scaler's current scale (Lightning's own plugin's too)."""
+    plugin = MGPUPrecision("16-mixed", init_scale=2.0**10)
+    plugin.connect(nn.Linear(2, 1), [], [])
+    assert PrecisionAdoption.loss_scale(plugin) == 2.0**10
+    plugin.scaler.scale(torch.ones(()))  # type: ignore[union-attr]
+    plugin.scaler.update(2.0**4)  # type: ignore[union-attr]
+    assert PrecisionAdoption.loss_scale(plugin) == 2.0**4
+    assert PrecisionAdoption.loss_scale(MGPUPrecision("bf16-mixed")) == 1.0
+    assert PrecisionAdoption.loss_scale(Precision()) == 1.0
+    lightning = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
+    assert PrecisionAdoption.loss_scale(lightning) == 8.0
