@@ -52,7 +52,10 @@ reduce either
 ``accumulate_grad_batches`` batch, and :meth:`PipelineBackend.sync_gradients` reduce-scatters them once per
 optimizer step, then scales them by what flowed into the step's loss. The parameters outside the blocks stay
 replicated. For the probe, evaluation and :meth:`PipelineBackend.gather_blocks` the units are gathered whole
-(``unshard``), and resharded at the next training step.
+(``unshard``), and resharded at the next training step. With tensor parallelism too (torchtitan's pipeline x FSDP x
+tensor), the plan splits the blocks first and FSDP2 shards their ``DTensor`` parameters over the data dimension of
+the same mesh (2-D ``DTensor`` s of ``("data_parallel", "tensor_parallel")``); the clipping norm weighs each
+gradient by ``1 / (the ranks of its stage holding the same values)``.
 
 Example::
 
@@ -360,13 +363,34 @@ def _like(param: Tensor, local: Tensor) -> Tensor:
 
 def _tensor_copies(grad: Tensor, tensor: int) -> int:
     """How many ranks of a tensor group of ``tensor`` ranks hold the same values of ``grad``: ``tensor`` for a plain
-    tensor (a weight the plan leaves whole), ``tensor`` over the number of distinct shards for a ``DTensor``."""
+    tensor (a weight the plan leaves whole), ``tensor`` over the number of distinct shards for a ``DTensor`` (a
+    placement that neither replicates nor holds partial sums shards: ``Shard``, and the strided shard FSDP2 puts
+    over the data dimension of a tensor-parallel weight)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(grad, DTensor):
         return tensor
-    distinct = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if p.is_shard())
+    distinct = math.prod(
+        grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial())
+    )
     return max(tensor // distinct, 1)
+
+
+def _over_data(param: Tensor) -> int:
+    """The elements of ``param`` the data dimension shards (``stage=3``): all of them, or this rank's tensor shard
+    of them where the tensor-parallel plan splits ``param`` (a ``DTensor`` sharded over a dimension of its mesh
+    other than ``data_parallel``)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.numel()
+    names = param.device_mesh.mesh_dim_names or ()
+    split = math.prod(
+        param.device_mesh.size(d)
+        for d, p in enumerate(param.placements)
+        if not (p.is_replicate() or p.is_partial()) and (names[d] if d < len(names) else None) != DATA_PARALLEL
+    )
+    return param.numel() // split
 
 
 class _CopiesWeightedClipping(GlobalNormClipping):
@@ -636,7 +660,9 @@ class PipelineBackend(ShardingBackend):
 
     def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
         self.ledger = ledger
-        if self._sharded_stages:  # stage=3 (refused with tensor parallelism inside the pipeline)
+        if self._sharded_stages and self.dims is not None and self.dims.tensor > 1:
+            return self._sharded_tensor_parallel_clipping(ledger)
+        if self._sharded_stages:  # stage=3
             return self._sharded_norm_clipping(ledger)
         if self.dims is not None and self.dims.tensor > 1:
             return self._tensor_parallel_clipping(ledger)
@@ -726,10 +752,16 @@ class PipelineBackend(ShardingBackend):
 
     def sync_layout(self, model: nn.Module) -> list[int]:
         """``stage=3``: the bytes of each reduce-scatter of one optimizer step (one per stage of this rank: the
-        stage's whole gradients, as handed to it), for the ledger's ``round_bytes``; the all-reduces of the weights
-        outside the blocks are counted as they are issued."""
+        stage's whole gradients, as handed to it; with tensor parallelism, this rank's tensor shards of them), for
+        the ledger's ``round_bytes``; the all-reduces of the weights outside the blocks are counted as they are
+        issued."""
         return [
-            sum(p.numel() * p.element_size() for b in self._stage_blocks(s) for p in b.parameters() if p.requires_grad)
+            sum(
+                _over_data(p) * p.element_size()
+                for b in self._stage_blocks(s)
+                for p in b.parameters()
+                if p.requires_grad
+            )
             for s in sorted(self._sharded_stages)
         ]
 
@@ -745,6 +777,26 @@ class PipelineBackend(ShardingBackend):
             replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
             count_replicated=self.rank == 0,
             norm_dtype=torch.float64,
+        )
+
+    def _sharded_tensor_parallel_clipping(self, ledger: CommStats) -> GlobalNormClipping:
+        """``stage=3`` with tensor parallelism within the stages: the squared norm summed over every rank, each
+        gradient weighted by ``1 / (the ranks of its stage holding the same values)``. A stage's ranks are its data
+        x tensor ranks; a gradient's copies among them are their number over its distinct pieces (the product of
+        the mesh sizes of its placements that shard, :func:`_tensor_copies`): 1 for a block's weight sharded over
+        data and split by the plan, the tensor size for one sharded over data only (a layer the plan leaves whole,
+        a row-wise bias), data x tensor over the plan's split for the weights outside the blocks (replicated over
+        data), counted on the first stage only."""
+        assert self.dims is not None
+        owned = {id(p) for p in self._sharded_params}
+        shared = {id(p) for p in self._shared_params()}
+        return _CopiesWeightedClipping(
+            lambda opt: [p for p in optimizer_params(opt) if id(p) in owned],
+            ledger,
+            replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
+            count_replicated=self.pipeline_index == 0,
+            tensor=self.dims.data_parallel * self.dims.tensor,  # the stage's ranks: _tensor_copies counts among them
+            replicas=1,
         )
 
     @staticmethod

@@ -814,10 +814,14 @@ CASES = [
         id="pipeline-with-tensor-parallelism-on-a-hybrid-mesh-not-supported-yet",
     ),
     pytest.param(
-        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, stage=3),
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, stage=3, checkpoint="sharded"),
         ValueError,
-        ["tensor_parallel_size=2 with stage=3 is not supported yet", "composes with stage=2's replicas", "stage=2"],
-        id="pipeline-with-tensor-parallelism-and-zero3-not-supported-yet",
+        [
+            "checkpoint='sharded' with tensor_parallel_size=2 is not supported yet",
+            "stage=2's replicas and stage=3's shards, with consolidated checkpoints",
+            "at stage=3 without tensor_parallel_size, 'sharded'",
+        ],
+        id="pipeline-with-tensor-parallelism-and-sharded-checkpoints-not-supported-yet",
     ),
     pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=4, pipeline_microbatches=2),

@@ -6,6 +6,7 @@ trains to the same losses under ``MGPUShardedStrategy`` as under Lightning's ``M
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import traceback
@@ -19,11 +20,13 @@ import torch.multiprocessing as mp
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_mgpu import MGPUShardedStrategy, export_checkpoint, plan_layouts
 from lightning_mgpu.comm import local_shard
+from lightning_mgpu.parts.pipeline import PipelineBackend
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism, is_tensor_parallel
 from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
@@ -668,6 +671,7 @@ class StageRecord(Callback):
             "sampler": getattr(trainer.strategy, "distributed_sampler_kwargs", None),
             "split": is_tensor_parallel(pl_module),
             "step": trainer.global_step,
+            "ledger": dataclasses.replace(trainer.strategy.comm_stats),
         }
         torch.save(record, self.out / f"stage{trainer.global_rank}.pt")
 
@@ -698,10 +702,10 @@ def _pipeline_tensor(schedule: str, plan: Any = "auto", compile: bool = False) -
     )  # fmt: skip
 
 
-def _resume_on_one_process(_: int, tmp_path: Path) -> None:
+def _resume_on_one_process(_: int, tmp_path: Path, name: str = "pp_tp.ckpt") -> None:
     strategy = MGPUShardedStrategy(stage=3)
     _fit_stages(tmp_path / "one", strategy, 1, TPModule(bias=True), epochs=2, save=tmp_path / "one.ckpt",
-                accumulate_grad_batches=3, ckpt_path=str(tmp_path / "pp_tp.ckpt"))  # fmt: skip
+                accumulate_grad_batches=3, ckpt_path=str(tmp_path / name))  # fmt: skip
 
 
 def test_pipeline2_tensor2_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_path: Path):
@@ -862,3 +866,128 @@ def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan
     assert record["split"]
     for name, value in expected.items():
         torch.testing.assert_close(record["state"][name], value, msg=name)
+
+
+# --- ZeRO-3 and tensor parallelism within the pipeline's stages (pipeline 2 x data 2 x tensor 2) -----------------
+
+
+def _zero3_pipeline_tensor() -> MGPUShardedStrategy:
+    return MGPUShardedStrategy(
+        stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork"
+    )
+
+
+class StridedShardCountedAsCopies(PipelineBackend):
+    """Negative control: the clipping norm takes FSDP2's strided shard over the data dimension (the placement it
+    gives a weight the plan splits) for copies, as ``Placement.is_shard()`` does: a split weight's shards weigh
+    ``1 / D``, not 1."""
+
+    def _sharded_tensor_parallel_clipping(self, ledger: Any) -> Any:
+        clipping = super()._sharded_tensor_parallel_clipping(ledger)
+        ranks = clipping.tensor  # the stage's data x tensor ranks
+
+        def total_norm(grads: Any) -> torch.Tensor:
+            squared = torch.zeros((), dtype=torch.float64)
+            for g in grads:
+                shards = 1
+                if isinstance(g, DTensor):
+                    shards = math.prod(g.device_mesh.size(d) for d, p in enumerate(g.placements) if p.is_shard())
+                squared += local_shard(g).double().pow(2).sum() / max(ranks // shards, 1)
+            torch.distributed.all_reduce(squared)
+            return squared.sqrt()
+
+        clipping.total_norm = total_norm
+        return clipping
+
+
+class StridedShardMiscounted(MGPUShardedStrategy):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        p = self._pipeline
+        assert p is not None
+        self._pipeline = self._sharding = StridedShardCountedAsCopies(p.size, "1f1b", 2, "auto", shard_stage=3)
+
+
+@pytest.mark.slow
+def test_zero3_pipeline2_data2_tensor2_equals_one_process_and_its_checkpoint_resumes_both_ways(tmp_path: Path):
+    # 8 processes (the smallest layout where ZeRO-3 shards a tensor-split stage: 2 data ranks), 1F1B, k = 3, the auto
+    # plan, clipping that bites: the norm counts each gradient element once (a block's weight sharded over data and
+    # split by the plan: distinct on each rank; a norm or row-wise bias sharded over data only: on both tensor
+    # ranks; the weights outside the blocks: on the stage's 4 ranks, on the first stage only)
+    world = 2 * WORLD
+    records = _fit_stages(tmp_path / "pp", _zero3_pipeline_tensor(), world, TPModule(bias=True),
+                          save=tmp_path / "pp.ckpt", accumulate_grad_batches=3)  # fmt: skip
+    expected, norms = reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3, clip=PP_CLIP)
+    assert records[0]["step"] == len(norms) == 2 and min(norms) > 2 * PP_CLIP  # every step is clipped
+    _assert_weights(records, expected)
+    # negative control: without the clipping the weights differ
+    assert _differs(records, reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3)[0])
+    assert all(r["split"] for r in records)
+    assert [r["sampler"] for r in records] == [{"num_replicas": 2, "rank": (rank // 2) % 2} for rank in range(world)]
+    for rank, record in enumerate(records):
+        own, other = (0, 1) if rank < WORLD else (1, 0)  # ranks 0-3: stage 0 (data x tensor); ranks 4-7: stage 1
+        local = record["local"]
+        assert local[f"model.layers.{other}.attention.wq.weight"] == 0  # another stage's block: freed
+        assert local[f"model.layers.{other}.attention_norm.weight"] == 0
+        assert local[f"model.layers.{own}.attention.wq.weight"] == 8 * 8 // 4  # split by the plan, then over data
+        assert local[f"model.layers.{own}.feed_forward.w2.weight"] == 8 * 16 // 4  # row-wise, then over data
+        assert local[f"model.layers.{own}.attention_norm.weight"] == 8 // 2  # whole in the plan, sharded over data
+        assert local["model.tok_embeddings.weight"] == VOCAB * 8  # outside the blocks: whole
+        # one reduce-scatter per optimizer step of this rank's tensor shards of its stage's whole gradients (float64)
+        handed = sum(2 * n for name, n in local.items() if name.startswith(f"model.layers.{own}."))
+        assert (record["ledger"].sync_rounds, record["ledger"].round_bytes) == (2, 2 * 8 * handed)
+    # the validation at the end of the epoch ran through the stages: the one-process loss of the trained weights
+    model = TPModule(bias=True).model
+    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
+    with torch.no_grad():
+        one_process = float(lm_loss(model, indexed_data().tensors[0]))
+    assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in records)
+    # the consolidated checkpoint holds one process's whole tensors and resumes on one process as an uninterrupted
+    # run (the optimizer state gathered over the stages, the data shards and the tensor shards)
+    saved = torch.load(tmp_path / "pp.ckpt", weights_only=False)
+    for name, value in expected.items():
+        torch.testing.assert_close(saved["state_dict"][name], value, msg=name)
+    mp.start_processes(_resume_on_one_process, args=(tmp_path, "pp.ckpt"), nprocs=1, start_method="fork")
+    resumed = torch.load(tmp_path / "one" / "stage0.pt", weights_only=False)
+    uninterrupted, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2, 1], accumulate=3, clip=PP_CLIP)
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed["state"][name], value, msg=name)
+    # and back: one process's checkpoint (whole tensors and optimizer state) cut into the data x tensor shards
+    back = _fit_stages(tmp_path / "back", _zero3_pipeline_tensor(), world, TPModule(bias=True), epochs=3,
+                       accumulate_grad_batches=3, ckpt_path=str(tmp_path / "one.ckpt"))  # fmt: skip
+    three, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2, 1, 2], accumulate=3, clip=PP_CLIP)
+    _assert_weights(back, three)
+    # negative control: a norm that counts the split weights' shards over data as copies fails the comparison
+    miscounted = StridedShardMiscounted(
+        stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork"
+    )
+    wrong = _fit_stages(tmp_path / "wrong", miscounted, world, TPModule(bias=True), accumulate_grad_batches=3)
+    assert all(r["split"] for r in wrong) and wrong[0]["local"] == records[0]["local"]  # laid out as the right one
+    assert _differs(wrong, expected)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "devices", "accumulate"),
+    [
+        # pipeline 2 x tensor 2 on one data rank (4 processes): ZeRO-3's units over a data dimension of 1, each
+        # block's weights 2-D DTensors of the (data, tensor) mesh, shards of one
+        ("gpipe", WORLD, 3),
+        # pipeline 2 x data 2 x tensor 2, 4 blocks, 2 stages per rank (torch's schedule gathers and reshards each)
+        pytest.param("interleaved_1f1b", 2 * WORLD, 1, marks=pytest.mark.slow),
+    ],
+)
+def test_zero3_pipeline_tensor_schedules_equal_one_process(
+    tmp_path: Path, schedule: str, devices: int, accumulate: int
+) -> None:
+    strategy = MGPUShardedStrategy(
+        stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2,
+        pipeline_schedule=schedule, start_method="fork",
+    )  # fmt: skip
+    make = FourBlocks if schedule == "interleaved_1f1b" else lambda: TPModule(bias=True)
+    records = _fit_stages(tmp_path, strategy, devices, make(), accumulate_grad_batches=accumulate)
+    data = [devices // WORLD]
+    expected, norms = reference(make(), token_data(), data_ranks=data, accumulate=accumulate, clip=PP_CLIP)
+    assert records[0]["step"] == len(norms) and min(norms) > 2 * PP_CLIP  # every step is clipped
+    assert all(r["split"] for r in records)
+    _assert_weights(records, expected)
+    assert _differs(records, reference(make(), token_data(), data_ranks=data, accumulate=accumulate)[0])
