@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu import MGPUShardedStrategy, export_checkpoint, plan_layouts
+from lightning_mgpu import MGPUShardedStrategy, _compat, export_checkpoint, plan_layouts
 from lightning_mgpu.comm import local_shard
 from lightning_mgpu.parts.pipeline import PipelineBackend
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism, is_tensor_parallel
@@ -87,6 +87,7 @@ class Report(Callback):
             "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
             "layouts": self.layouts,
             "ledger": dataclasses.replace(trainer.strategy.comm_stats),
+            "graphs": _compat.compiled_graph_count() - self.graphs,  # compiled by torch.compile during fit
             "units": [n for n, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
             "local": {n: tuple(local_shard(p).shape) for n, p in pl_module.named_parameters()},  # this rank's piece
             "tied": _tied(pl_module),
@@ -655,6 +656,9 @@ class StageRecord(Callback):
         self.out, self.save = Path(out), save
         self.local: dict[str, int] = {}
 
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        self.graphs = _compat.compiled_graph_count()
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         if not self.local:
             self.local = {n: local_shard(p).numel() for n, p in pl_module.named_parameters()}
@@ -672,6 +676,7 @@ class StageRecord(Callback):
             "split": is_tensor_parallel(pl_module),
             "step": trainer.global_step,
             "ledger": dataclasses.replace(trainer.strategy.comm_stats),
+            "graphs": _compat.compiled_graph_count() - self.graphs,  # compiled by torch.compile during fit
         }
         torch.save(record, self.out / f"stage{trainer.global_rank}.pt")
 
@@ -829,7 +834,8 @@ def test_a_plan_leaving_a_dtensor_at_a_stage_boundary_is_refused_naming_the_laye
 
 
 @pytest.mark.slow
-def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", [2, 3])  # 3: each stage's split blocks sharded over a data dimension of one
+def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan(tmp_path: Path, stage: int) -> None:
     import lightning as L
 
     from lightning_mgpu.lightning import MGPUShardedStrategy as Strategy
@@ -853,9 +859,13 @@ def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan
         def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
             state = trainer.strategy.lightning_module_state_dict()  # a collective: on every rank
             if trainer.global_rank == 0:
-                torch.save({"state": state, "split": is_tensor_parallel(pl_module)}, tmp_path / "state.pt")
+                sharded = bool(trainer.strategy._pipeline._sharded_stages)  # its stages FSDP2 units (stage=3)
+                record = {"state": state, "split": is_tensor_parallel(pl_module), "sharded": sharded}
+                torch.save(record, tmp_path / "state.pt")
 
-    strategy = Strategy(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork")
+    strategy = Strategy(
+        stage=stage, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork"
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()],
@@ -863,7 +873,7 @@ def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan
     trainer.fit(Llama())
     record = torch.load(tmp_path / "state.pt", weights_only=False)
     expected, _ = reference(TPModule(bias=True), token_data(), data_ranks=[1], limit=2)
-    assert record["split"]
+    assert record["split"] and record["sharded"] == (stage == 3)
     for name, value in expected.items():
         torch.testing.assert_close(record["state"][name], value, msg=name)
 
@@ -967,21 +977,23 @@ def test_zero3_pipeline2_data2_tensor2_equals_one_process_and_its_checkpoint_res
 
 
 @pytest.mark.parametrize(
-    ("schedule", "devices", "accumulate"),
+    ("schedule", "devices", "accumulate", "compile"),
     [
         # pipeline 2 x tensor 2 on one data rank (4 processes): ZeRO-3's units over a data dimension of 1, each
         # block's weights 2-D DTensors of the (data, tensor) mesh, shards of one
-        ("gpipe", WORLD, 3),
+        ("gpipe", WORLD, 3, False),
         # pipeline 2 x data 2 x tensor 2, 4 blocks, 2 stages per rank (torch's schedule gathers and reshards each)
-        pytest.param("interleaved_1f1b", 2 * WORLD, 1, marks=pytest.mark.slow),
+        pytest.param("interleaved_1f1b", 2 * WORLD, 1, False, marks=pytest.mark.slow),
+        # each stage's split and sharded blocks compiled (inductor)
+        pytest.param("1f1b", WORLD, 1, True, marks=pytest.mark.slow),
     ],
 )
 def test_zero3_pipeline_tensor_schedules_equal_one_process(
-    tmp_path: Path, schedule: str, devices: int, accumulate: int
+    tmp_path: Path, schedule: str, devices: int, accumulate: int, compile: bool
 ) -> None:
     strategy = MGPUShardedStrategy(
         stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2,
-        pipeline_schedule=schedule, start_method="fork",
+        pipeline_schedule=schedule, compile=compile, start_method="fork",
     )  # fmt: skip
     make = FourBlocks if schedule == "interleaved_1f1b" else lambda: TPModule(bias=True)
     records = _fit_stages(tmp_path, strategy, devices, make(), accumulate_grad_batches=accumulate)
@@ -989,5 +1001,6 @@ def test_zero3_pipeline_tensor_schedules_equal_one_process(
     expected, norms = reference(make(), token_data(), data_ranks=data, accumulate=accumulate, clip=PP_CLIP)
     assert records[0]["step"] == len(norms) and min(norms) > 2 * PP_CLIP  # every step is clipped
     assert all(r["split"] for r in records)
+    assert all((r["graphs"] > 0) == compile for r in records)  # torch.compile compiled graphs on every rank
     _assert_weights(records, expected)
     assert _differs(records, reference(make(), token_data(), data_ranks=data, accumulate=accumulate)[0])
