@@ -883,19 +883,15 @@ class ShardedSettings:
             unsupported.append("wrap_modules")
         if self.checkpoint != "consolidated" and self.stage != 3:
             unsupported.append(f"checkpoint={self.checkpoint!r} with stage={self.stage}")
-        elif self.checkpoint != "consolidated" and self.tensor_parallel_size != 1:
-            unsupported.append(f"checkpoint={self.checkpoint!r} with tensor_parallel_size={self.tensor_parallel_size}")
         if unsupported:
             raise ValueError(
                 f"pipeline_parallel_size={size} with {', '.join(unsupported)} is not supported yet: with pipeline "
                 f"stages the data dimension holds whole replicas of each stage (stage=2, the default: gradients "
                 f"all-reduced across them, as DDP does) or shards them with FSDP2 (stage=3, ZeRO-3 over the data "
                 f"dimension); stage=1 and HSDP (mesh='hybrid') inside it are not implemented yet, sharded "
-                f"checkpoints (checkpoint='sharded') are written at stage=3 without tensor parallelism only (tensor "
-                f"parallelism within a stage composes with stage=2's replicas and stage=3's shards, with consolidated "
-                f"checkpoints). Remove {', '.join(unsupported)} (keep stage=2 or 3, "
-                f"backend='torch', mesh='flat', checkpoint='consolidated' or, at stage=3 without "
-                f"tensor_parallel_size, 'sharded'), or train without pipeline_parallel_size."
+                f"checkpoints (checkpoint='sharded') are written at stage=3 only. Remove {', '.join(unsupported)} "
+                f"(keep stage=2 or 3, backend='torch', mesh='flat', checkpoint='consolidated' or, at stage=3, "
+                f"'sharded'), or train without pipeline_parallel_size."
             )
 
     @property

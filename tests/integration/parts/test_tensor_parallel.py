@@ -664,7 +664,11 @@ class StageRecord(Callback):
             self.local = {n: local_shard(p).numel() for n, p in pl_module.named_parameters()}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        state = trainer.strategy.lightning_module_state_dict()
+        strategy = trainer.strategy
+        if strategy._sharded_settings.checkpoint == "sharded":  # the whole model, not this rank's part for DCP
+            state = strategy._sharding.full_model_state(pl_module)
+        else:
+            state = strategy.lightning_module_state_dict()
         if self.save is not None:
             trainer.save_checkpoint(self.save)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -707,8 +711,8 @@ def _pipeline_tensor(schedule: str, plan: Any = "auto", compile: bool = False) -
     )  # fmt: skip
 
 
-def _resume_on_one_process(_: int, tmp_path: Path, name: str = "pp_tp.ckpt") -> None:
-    strategy = MGPUShardedStrategy(stage=3)
+def _resume_on_one_process(_: int, tmp_path: Path, name: str = "pp_tp.ckpt", checkpoint: str = "consolidated") -> None:
+    strategy = MGPUShardedStrategy(stage=3, checkpoint=checkpoint)
     _fit_stages(tmp_path / "one", strategy, 1, TPModule(bias=True), epochs=2, save=tmp_path / "one.ckpt",
                 accumulate_grad_batches=3, ckpt_path=str(tmp_path / name))  # fmt: skip
 
@@ -881,10 +885,11 @@ def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan
 # --- ZeRO-3 and tensor parallelism within the pipeline's stages (pipeline 2 x data 2 x tensor 2) -----------------
 
 
-def _zero3_pipeline_tensor() -> MGPUShardedStrategy:
+def _zero3_pipeline_tensor(checkpoint: str = "consolidated") -> MGPUShardedStrategy:
     return MGPUShardedStrategy(
-        stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork"
-    )
+        stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, checkpoint=checkpoint,
+        start_method="fork",
+    )  # fmt: skip
 
 
 class StridedShardCountedAsCopies(PipelineBackend):
@@ -974,6 +979,29 @@ def test_zero3_pipeline2_data2_tensor2_equals_one_process_and_its_checkpoint_res
     wrong = _fit_stages(tmp_path / "wrong", miscounted, world, TPModule(bias=True), accumulate_grad_batches=3)
     assert all(r["split"] for r in wrong) and wrong[0]["local"] == records[0]["local"]  # laid out as the right one
     assert _differs(wrong, expected)
+
+
+@pytest.mark.slow
+def test_zero3_pipeline2_data2_tensor2_writes_a_sharded_checkpoint_that_resumes_there_and_in_one_process(
+    tmp_path: Path,
+) -> None:
+    # checkpoint="sharded" (torch's distributed checkpoint, a directory): each rank writes its data x tensor shards
+    # of its stage's blocks (2-D DTensors) and the weights outside the blocks; the directory resumes at pipeline 2 x
+    # data 2 x tensor 2 and in one process (MGPUShardedStrategy(stage=3, checkpoint="sharded"), re-sliced on load),
+    # each continuing as the uninterrupted one-process run (k = 3, clipping that bites)
+    world = 2 * WORLD
+    saved = tmp_path / "pp.ckpt"
+    records = _fit_stages(tmp_path / "pp", _zero3_pipeline_tensor("sharded"), world, TPModule(bias=True),
+                          save=saved, accumulate_grad_batches=3)  # fmt: skip
+    expected, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3, clip=PP_CLIP)
+    _assert_weights(records, expected)
+    assert saved.is_dir() and len(list(saved.glob("*.distcp"))) == world
+    again = _fit_stages(tmp_path / "again", _zero3_pipeline_tensor("sharded"), world, TPModule(bias=True), epochs=2,
+                        accumulate_grad_batches=3, ckpt_path=str(saved))  # fmt: skip
+    _assert_weights(again, reference(TPModule(bias=True), token_data(), [2, 2], accumulate=3, clip=PP_CLIP)[0])
+    mp.start_processes(_resume_on_one_process, args=(tmp_path, "pp.ckpt", "sharded"), nprocs=1, start_method="fork")
+    one = torch.load(tmp_path / "one" / "stage0.pt", weights_only=False)
+    _assert_weights([one], reference(TPModule(bias=True), token_data(), [2, 1], accumulate=3, clip=PP_CLIP)[0])
 
 
 @pytest.mark.parametrize(
