@@ -54,7 +54,7 @@ optimizer step, then scales them by what flowed into the step's loss. The parame
 replicated. For the probe, evaluation and :meth:`PipelineBackend.gather_blocks` the units are gathered whole
 (``unshard``), and resharded at the next training step. With tensor parallelism too (torchtitan's pipeline x FSDP x
 tensor), the plan splits the blocks first and FSDP2 shards their ``DTensor`` parameters over the data dimension of
-the same mesh (2-D ``DTensor`` s of ``("data_parallel", "tensor_parallel")``); the clipping norm weighs each
+the same mesh (2-D ``DTensor`` parameters on ``("data_parallel", "tensor_parallel")``); the clipping norm weighs each
 gradient by ``1 / (the ranks of its stage holding the same values)``.
 
 Example::
