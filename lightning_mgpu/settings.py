@@ -885,19 +885,16 @@ class ShardedSettings:
             unsupported.append("wrap_modules")
         if self.checkpoint != "consolidated" and self.stage != 3:
             unsupported.append(f"checkpoint={self.checkpoint!r} with stage={self.stage}")
-        if self.tensor_parallel_size != 1 and self.stage == 3:
-            unsupported.append(f"tensor_parallel_size={self.tensor_parallel_size} with stage=3")
         if unsupported:
             raise ValueError(
                 f"pipeline_parallel_size={size} with {', '.join(unsupported)} is not supported yet: with pipeline "
                 f"stages the data dimension holds whole replicas of each stage (stage=2, the default: gradients "
                 f"all-reduced across them, as DDP does) or shards them with FSDP2 (stage=3, ZeRO-3 over the data "
                 f"dimension, or HSDP with mesh='hybrid'); stage=1 inside it is not implemented yet, sharded "
-                f"checkpoints (checkpoint='sharded') are written at stage=3 only, and tensor parallelism within a "
-                f"stage composes with stage=2's replicas only. Remove {', '.join(unsupported)} (keep stage=2 or 3, "
+                f"checkpoints (checkpoint='sharded') are written at stage=3 only, and HSDP does not compose with "
+                f"tensor parallelism within a stage yet. Remove {', '.join(unsupported)} (keep stage=2 or 3, "
                 f"backend='torch', mesh='flat' or, at stage=3 without tensor_parallel_size, 'hybrid', "
-                f"checkpoint='consolidated' or, at stage=3 without tensor_parallel_size, 'sharded'), or train "
-                f"without pipeline_parallel_size."
+                f"checkpoint='consolidated' or, at stage=3, 'sharded'), or train without pipeline_parallel_size."
             )
 
     @property

@@ -58,8 +58,11 @@ optimizer step, then scales them by what flowed into the step's loss. The parame
 replicated. For the probe, evaluation and :meth:`PipelineBackend.gather_blocks` the units are gathered whole
 (``unshard``), and resharded at the next training step. With ``mesh="hybrid"`` (HSDP inside the pipeline) the
 unit is sharded over the 2-D ``("data_replicate", "data_shard")`` mesh of its stage: the reduce-scatter stays in
-the shard group and the replicas all-reduce their shards, and the clipping norm weighs each shard by ``1 /`` the
-replicas that hold it.
+the shard group and the replicas all-reduce their shards. With tensor parallelism too (torchtitan's pipeline x FSDP
+x tensor), the plan splits the blocks first and FSDP2 shards their ``DTensor`` parameters over the data dimension
+of the same mesh (2-D ``DTensor`` parameters on ``("data_parallel", "tensor_parallel")``). The clipping norm weighs
+each gradient by ``1 / (the ranks of its stage holding the same values)``: HSDP's replicas of a shard, the tensor
+ranks of a weight the plan leaves whole.
 
 Example::
 
@@ -408,14 +411,34 @@ def _like(param: Tensor, local: Tensor) -> Tensor:
 def _copies_among(grad: Tensor, ranks: int) -> int:
     """How many of a group of ``ranks`` ranks, which all hold ``grad``'s parameter, hold the same values of
     ``grad``: ``ranks`` for a plain tensor (a weight the tensor plan leaves whole), ``ranks`` over the number of
-    distinct shards for a ``DTensor`` (split by the tensor plan, or sharded by FSDP2 over the data dimension: HSDP's
-    replicas hold the same shard)."""
+    distinct pieces for a ``DTensor``: the product of its mesh's sizes over the placements that neither replicate
+    nor hold partial sums (``Shard``, and the strided shard FSDP2 puts over the data dimension of a tensor-parallel
+    weight; HSDP's replicas hold the same shard)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(grad, DTensor):
         return ranks
-    distinct = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if p.is_shard())
+    distinct = math.prod(
+        grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial())
+    )
     return max(ranks // distinct, 1)
+
+
+def _over_data(param: Tensor) -> int:
+    """The elements of ``param`` the data dimension shards (``stage=3``): all of them, or this rank's tensor shard
+    of them where the tensor-parallel plan splits ``param`` (a ``DTensor`` sharded over a dimension of its mesh
+    other than ``data_parallel``)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.numel()
+    names = param.device_mesh.mesh_dim_names or ()
+    split = math.prod(
+        param.device_mesh.size(d)
+        for d, p in enumerate(param.placements)
+        if not (p.is_replicate() or p.is_partial()) and (names[d] if d < len(names) else None) != DATA_PARALLEL
+    )
+    return param.numel() // split
 
 
 class _CopiesWeightedClipping(GlobalNormClipping):
@@ -695,7 +718,7 @@ class PipelineBackend(ShardingBackend):
 
     def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
         self.ledger = ledger
-        if self._sharded_stages:  # stage=3 (refused with tensor parallelism inside the pipeline)
+        if self._sharded_stages:  # stage=3 (with tensor parallelism too)
             return self._sharded_norm_clipping(ledger)
         if self.dims is not None and self.dims.tensor > 1:
             return self._tensor_parallel_clipping(ledger)
@@ -785,17 +808,26 @@ class PipelineBackend(ShardingBackend):
 
     def sync_layout(self, model: nn.Module) -> list[int]:
         """``stage=3``: the bytes of each reduce-scatter of one optimizer step (one per stage of this rank: the
-        stage's whole gradients, as handed to it), for the ledger's ``round_bytes``; the all-reduces of the weights
-        outside the blocks are counted as they are issued."""
+        stage's whole gradients, as handed to it; with tensor parallelism, this rank's tensor shards of them), for
+        the ledger's ``round_bytes``; the all-reduces of the weights outside the blocks are counted as they are
+        issued."""
         return [
-            sum(p.numel() * p.element_size() for b in self._stage_blocks(s) for p in b.parameters() if p.requires_grad)
+            sum(
+                _over_data(p) * p.element_size()
+                for b in self._stage_blocks(s)
+                for p in b.parameters()
+                if p.requires_grad
+            )
             for s in sorted(self._sharded_stages)
         ]
 
     def _sharded_norm_clipping(self, ledger: CommStats) -> GlobalNormClipping:
-        """Clipping by the norm over all ranks: each rank's shards of its stages' blocks, weighted by the ranks of
-        its data group that hold the same shard (HSDP's replicas; 1 with flat sharding), and the parameters outside
-        the blocks, replicated on every rank, counted on the first stage, each of its data ranks adding its share."""
+        """``stage=3``: the squared norm summed over every rank, each gradient weighted by ``1 / (the ranks of its
+        stage holding the same values)``. A stage's ranks are its data x tensor ranks; a gradient's copies among
+        them are their number over its distinct pieces (:func:`_copies_among`): 1 for a block's weight sharded over
+        flat data (and split by the tensor plan), HSDP's replicas for one sharded within a shard group, the tensor
+        size for one sharded over data only (a layer the plan leaves whole, a row-wise bias), data x tensor over the
+        plan's split for the weights outside the blocks (replicated over data), counted on the first stage only."""
         assert self.dims is not None
         owned = {id(p) for p in self._sharded_params}
         shared = {id(p) for p in self._shared_params()}
@@ -804,7 +836,7 @@ class PipelineBackend(ShardingBackend):
             ledger,
             replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
             count_replicated=self.pipeline_index == 0,
-            ranks=self.dims.data_parallel,
+            ranks=self.dims.data_parallel * self.dims.tensor,  # the stage's ranks: _copies_among counts among them
             replicas=1,
         )
 

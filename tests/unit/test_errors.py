@@ -828,10 +828,10 @@ CASES = [
         id="pipeline-with-tensor-parallelism-on-a-hybrid-mesh-not-supported-yet",
     ),
     pytest.param(
-        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, stage=3),
+        lambda: MGPUShardedStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, checkpoint="sharded"),
         ValueError,
-        ["tensor_parallel_size=2 with stage=3 is not supported yet", "composes with stage=2's replicas", "stage=2"],
-        id="pipeline-with-tensor-parallelism-and-zero3-not-supported-yet",
+        ["checkpoint='sharded' with stage=2 is not supported yet", "at stage=3, 'sharded'"],
+        id="pipeline-with-tensor-parallelism-writes-sharded-checkpoints-only-at-stage-3",
     ),
     pytest.param(
         lambda: MGPUShardedStrategy(pipeline_parallel_size=4, pipeline_microbatches=2),

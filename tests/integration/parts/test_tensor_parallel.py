@@ -6,6 +6,7 @@ trains to the same losses under ``MGPUShardedStrategy`` as under Lightning's ``M
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import traceback
@@ -19,11 +20,13 @@ import torch.multiprocessing as mp
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu import MGPUShardedStrategy, export_checkpoint, plan_layouts
+from lightning_mgpu import MGPUShardedStrategy, _compat, export_checkpoint, plan_layouts
 from lightning_mgpu.comm import local_shard
+from lightning_mgpu.parts.pipeline import PipelineBackend
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism, is_tensor_parallel
 from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
@@ -84,6 +87,7 @@ class Report(Callback):
             "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
             "layouts": self.layouts,
             "ledger": dataclasses.replace(trainer.strategy.comm_stats),
+            "graphs": _compat.compiled_graph_count() - self.graphs,  # compiled by torch.compile during fit
             "units": [n for n, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
             "local": {n: tuple(local_shard(p).shape) for n, p in pl_module.named_parameters()},  # this rank's piece
             "tied": _tied(pl_module),
@@ -652,12 +656,19 @@ class StageRecord(Callback):
         self.out, self.save = Path(out), save
         self.local: dict[str, int] = {}
 
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        self.graphs = _compat.compiled_graph_count()
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         if not self.local:
             self.local = {n: local_shard(p).numel() for n, p in pl_module.named_parameters()}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        state = trainer.strategy.lightning_module_state_dict()
+        strategy = trainer.strategy
+        if strategy._sharded_settings.checkpoint == "sharded":  # the whole model, not this rank's part for DCP
+            state = strategy._sharding.full_model_state(pl_module)
+        else:
+            state = strategy.lightning_module_state_dict()
         if self.save is not None:
             trainer.save_checkpoint(self.save)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -668,6 +679,8 @@ class StageRecord(Callback):
             "sampler": getattr(trainer.strategy, "distributed_sampler_kwargs", None),
             "split": is_tensor_parallel(pl_module),
             "step": trainer.global_step,
+            "ledger": dataclasses.replace(trainer.strategy.comm_stats),
+            "graphs": _compat.compiled_graph_count() - self.graphs,  # compiled by torch.compile during fit
         }
         torch.save(record, self.out / f"stage{trainer.global_rank}.pt")
 
@@ -698,10 +711,10 @@ def _pipeline_tensor(schedule: str, plan: Any = "auto", compile: bool = False) -
     )  # fmt: skip
 
 
-def _resume_on_one_process(_: int, tmp_path: Path) -> None:
-    strategy = MGPUShardedStrategy(stage=3)
+def _resume_on_one_process(_: int, tmp_path: Path, name: str = "pp_tp.ckpt", checkpoint: str = "consolidated") -> None:
+    strategy = MGPUShardedStrategy(stage=3, checkpoint=checkpoint)
     _fit_stages(tmp_path / "one", strategy, 1, TPModule(bias=True), epochs=2, save=tmp_path / "one.ckpt",
-                accumulate_grad_batches=3, ckpt_path=str(tmp_path / "pp_tp.ckpt"))  # fmt: skip
+                accumulate_grad_batches=3, ckpt_path=str(tmp_path / name))  # fmt: skip
 
 
 def test_pipeline2_tensor2_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_path: Path):
@@ -825,7 +838,8 @@ def test_a_plan_leaving_a_dtensor_at_a_stage_boundary_is_refused_naming_the_laye
 
 
 @pytest.mark.slow
-def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", [2, 3])  # 3: each stage's split blocks sharded over a data dimension of one
+def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan(tmp_path: Path, stage: int) -> None:
     import lightning as L
 
     from lightning_mgpu.lightning import MGPUShardedStrategy as Strategy
@@ -849,9 +863,13 @@ def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan
         def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
             state = trainer.strategy.lightning_module_state_dict()  # a collective: on every rank
             if trainer.global_rank == 0:
-                torch.save({"state": state, "split": is_tensor_parallel(pl_module)}, tmp_path / "state.pt")
+                sharded = bool(trainer.strategy._pipeline._sharded_stages)  # its stages FSDP2 units (stage=3)
+                record = {"state": state, "split": is_tensor_parallel(pl_module), "sharded": sharded}
+                torch.save(record, tmp_path / "state.pt")
 
-    strategy = Strategy(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork")
+    strategy = Strategy(
+        stage=stage, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork"
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()],
@@ -859,6 +877,158 @@ def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan
     trainer.fit(Llama())
     record = torch.load(tmp_path / "state.pt", weights_only=False)
     expected, _ = reference(TPModule(bias=True), token_data(), data_ranks=[1], limit=2)
-    assert record["split"]
+    assert record["split"] and record["sharded"] == (stage == 3)
     for name, value in expected.items():
         torch.testing.assert_close(record["state"][name], value, msg=name)
+
+
+# --- ZeRO-3 and tensor parallelism within the pipeline's stages (pipeline 2 x data 2 x tensor 2) -----------------
+
+
+def _zero3_pipeline_tensor(checkpoint: str = "consolidated") -> MGPUShardedStrategy:
+    return MGPUShardedStrategy(
+        stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, checkpoint=checkpoint,
+        start_method="fork",
+    )  # fmt: skip
+
+
+class StridedShardCountedAsCopies(PipelineBackend):
+    """Negative control: the clipping norm takes FSDP2's strided shard over the data dimension (the placement it
+    gives a weight the plan splits) for copies, as ``Placement.is_shard()`` does: a split weight's shards weigh
+    ``1 / D``, not 1."""
+
+    def _sharded_norm_clipping(self, ledger: Any) -> Any:
+        clipping = super()._sharded_norm_clipping(ledger)
+        ranks = clipping.ranks  # the stage's data x tensor ranks
+
+        def total_norm(grads: Any) -> torch.Tensor:
+            squared = torch.zeros((), dtype=torch.float64)
+            for g in grads:
+                shards = 1
+                if isinstance(g, DTensor):
+                    shards = math.prod(g.device_mesh.size(d) for d, p in enumerate(g.placements) if p.is_shard())
+                squared += local_shard(g).double().pow(2).sum() / max(ranks // shards, 1)
+            torch.distributed.all_reduce(squared)
+            return squared.sqrt()
+
+        clipping.total_norm = total_norm
+        return clipping
+
+
+class StridedShardMiscounted(MGPUShardedStrategy):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        p = self._pipeline
+        assert p is not None
+        self._pipeline = self._sharding = StridedShardCountedAsCopies(p.size, "1f1b", 2, "auto", shard_stage=3)
+
+
+@pytest.mark.slow
+def test_zero3_pipeline2_data2_tensor2_equals_one_process_and_its_checkpoint_resumes_both_ways(tmp_path: Path):
+    # 8 processes (the smallest layout where ZeRO-3 shards a tensor-split stage: 2 data ranks), 1F1B, k = 3, the auto
+    # plan, clipping that bites: the norm counts each gradient element once (a block's weight sharded over data and
+    # split by the plan: distinct on each rank; a norm or row-wise bias sharded over data only: on both tensor
+    # ranks; the weights outside the blocks: on the stage's 4 ranks, on the first stage only)
+    world = 2 * WORLD
+    records = _fit_stages(tmp_path / "pp", _zero3_pipeline_tensor(), world, TPModule(bias=True),
+                          save=tmp_path / "pp.ckpt", accumulate_grad_batches=3)  # fmt: skip
+    expected, norms = reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3, clip=PP_CLIP)
+    assert records[0]["step"] == len(norms) == 2 and min(norms) > 2 * PP_CLIP  # every step is clipped
+    _assert_weights(records, expected)
+    # negative control: without the clipping the weights differ
+    assert _differs(records, reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3)[0])
+    assert all(r["split"] for r in records)
+    assert [r["sampler"] for r in records] == [{"num_replicas": 2, "rank": (rank // 2) % 2} for rank in range(world)]
+    for rank, record in enumerate(records):
+        own, other = (0, 1) if rank < WORLD else (1, 0)  # ranks 0-3: stage 0 (data x tensor); ranks 4-7: stage 1
+        local = record["local"]
+        assert local[f"model.layers.{other}.attention.wq.weight"] == 0  # another stage's block: freed
+        assert local[f"model.layers.{other}.attention_norm.weight"] == 0
+        assert local[f"model.layers.{own}.attention.wq.weight"] == 8 * 8 // 4  # split by the plan, then over data
+        assert local[f"model.layers.{own}.feed_forward.w2.weight"] == 8 * 16 // 4  # row-wise, then over data
+        assert local[f"model.layers.{own}.attention_norm.weight"] == 8 // 2  # whole in the plan, sharded over data
+        assert local["model.tok_embeddings.weight"] == VOCAB * 8  # outside the blocks: whole
+        # one reduce-scatter per optimizer step of this rank's tensor shards of its stage's whole gradients (float64)
+        handed = sum(2 * n for name, n in local.items() if name.startswith(f"model.layers.{own}."))
+        assert (record["ledger"].sync_rounds, record["ledger"].round_bytes) == (2, 2 * 8 * handed)
+    # the validation at the end of the epoch ran through the stages: the one-process loss of the trained weights
+    model = TPModule(bias=True).model
+    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
+    with torch.no_grad():
+        one_process = float(lm_loss(model, indexed_data().tensors[0]))
+    assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in records)
+    # the consolidated checkpoint holds one process's whole tensors and resumes on one process as an uninterrupted
+    # run (the optimizer state gathered over the stages, the data shards and the tensor shards)
+    saved = torch.load(tmp_path / "pp.ckpt", weights_only=False)
+    for name, value in expected.items():
+        torch.testing.assert_close(saved["state_dict"][name], value, msg=name)
+    mp.start_processes(_resume_on_one_process, args=(tmp_path, "pp.ckpt"), nprocs=1, start_method="fork")
+    resumed = torch.load(tmp_path / "one" / "stage0.pt", weights_only=False)
+    uninterrupted, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2, 1], accumulate=3, clip=PP_CLIP)
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed["state"][name], value, msg=name)
+    # and back: one process's checkpoint (whole tensors and optimizer state) cut into the data x tensor shards
+    back = _fit_stages(tmp_path / "back", _zero3_pipeline_tensor(), world, TPModule(bias=True), epochs=3,
+                       accumulate_grad_batches=3, ckpt_path=str(tmp_path / "one.ckpt"))  # fmt: skip
+    three, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2, 1, 2], accumulate=3, clip=PP_CLIP)
+    _assert_weights(back, three)
+    # negative control: a norm that counts the split weights' shards over data as copies fails the comparison
+    miscounted = StridedShardMiscounted(
+        stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork"
+    )
+    wrong = _fit_stages(tmp_path / "wrong", miscounted, world, TPModule(bias=True), accumulate_grad_batches=3)
+    assert all(r["split"] for r in wrong) and wrong[0]["local"] == records[0]["local"]  # laid out as the right one
+    assert _differs(wrong, expected)
+
+
+@pytest.mark.slow
+def test_zero3_pipeline2_data2_tensor2_writes_a_sharded_checkpoint_that_resumes_there_and_in_one_process(
+    tmp_path: Path,
+) -> None:
+    # checkpoint="sharded" (torch's distributed checkpoint, a directory): each rank writes its data x tensor shards
+    # of its stage's blocks (2-D DTensors) and the weights outside the blocks; the directory resumes at pipeline 2 x
+    # data 2 x tensor 2 and in one process (MGPUShardedStrategy(stage=3, checkpoint="sharded"), re-sliced on load),
+    # each continuing as the uninterrupted one-process run (k = 3, clipping that bites)
+    world = 2 * WORLD
+    saved = tmp_path / "pp.ckpt"
+    records = _fit_stages(tmp_path / "pp", _zero3_pipeline_tensor("sharded"), world, TPModule(bias=True),
+                          save=saved, accumulate_grad_batches=3)  # fmt: skip
+    expected, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3, clip=PP_CLIP)
+    _assert_weights(records, expected)
+    assert saved.is_dir() and len(list(saved.glob("*.distcp"))) == world
+    again = _fit_stages(tmp_path / "again", _zero3_pipeline_tensor("sharded"), world, TPModule(bias=True), epochs=2,
+                        accumulate_grad_batches=3, ckpt_path=str(saved))  # fmt: skip
+    _assert_weights(again, reference(TPModule(bias=True), token_data(), [2, 2], accumulate=3, clip=PP_CLIP)[0])
+    mp.start_processes(_resume_on_one_process, args=(tmp_path, "pp.ckpt", "sharded"), nprocs=1, start_method="fork")
+    one = torch.load(tmp_path / "one" / "stage0.pt", weights_only=False)
+    _assert_weights([one], reference(TPModule(bias=True), token_data(), [2, 1], accumulate=3, clip=PP_CLIP)[0])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "devices", "accumulate", "compile"),
+    [
+        # pipeline 2 x tensor 2 on one data rank (4 processes): ZeRO-3's units over a data dimension of 1, each
+        # block's weights 2-D DTensors of the (data, tensor) mesh, shards of one
+        ("gpipe", WORLD, 3, False),
+        # pipeline 2 x data 2 x tensor 2, 4 blocks, 2 stages per rank (torch's schedule gathers and reshards each)
+        pytest.param("interleaved_1f1b", 2 * WORLD, 1, False, marks=pytest.mark.slow),
+        # each stage's split and sharded blocks compiled (inductor)
+        pytest.param("1f1b", WORLD, 1, True, marks=pytest.mark.slow),
+    ],
+)
+def test_zero3_pipeline_tensor_schedules_equal_one_process(
+    tmp_path: Path, schedule: str, devices: int, accumulate: int, compile: bool
+) -> None:
+    strategy = MGPUShardedStrategy(
+        stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2,
+        pipeline_schedule=schedule, compile=compile, start_method="fork",
+    )  # fmt: skip
+    make = FourBlocks if schedule == "interleaved_1f1b" else lambda: TPModule(bias=True)
+    records = _fit_stages(tmp_path, strategy, devices, make(), accumulate_grad_batches=accumulate)
+    data = [devices // WORLD]
+    expected, norms = reference(make(), token_data(), data_ranks=data, accumulate=accumulate, clip=PP_CLIP)
+    assert records[0]["step"] == len(norms) and min(norms) > 2 * PP_CLIP  # every step is clipped
+    assert all(r["split"] for r in records)
+    assert all((r["graphs"] > 0) == compile for r in records)  # torch.compile compiled graphs on every rank
+    _assert_weights(records, expected)
+    assert _differs(records, reference(make(), token_data(), data_ranks=data, accumulate=accumulate)[0])

@@ -364,8 +364,12 @@ def test_mgpu_auto_builds_a_layout_only_with_the_options_the_sharded_strategy_ta
         "stage": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_microbatches": 4,
         "pipeline_schedule": "1f1b",
     }  # fmt: skip
-    # ZeRO-3 over the data dimension with tensor parallelism inside the pipeline: refused
-    assert auto.layout_arguments(_find(result, "mgpu_zero3", 1, 2, 2, 2, "1f1b")) is None
+    # ZeRO-3 over the data dimension with tensor parallelism inside the pipeline: built too
+    zero3_tensor = _find(result, "mgpu_zero3", 1, 2, 2, 2, "1f1b")
+    assert auto.layout_arguments(zero3_tensor) == {
+        "stage": 3, "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+        "pipeline_microbatches": zero3_tensor.microbatches, "pipeline_schedule": "1f1b",
+    }  # fmt: skip
     # pipeline stages with DDP-style replicas or ZeRO-3 over the data dimension, not ZeRO-2
     pipelined = {"pipeline_parallel_size": 2, "pipeline_microbatches": 4, "pipeline_schedule": "1f1b"}
     zero3 = _find(result, "mgpu_zero3", 1, 4, 1, 2, "1f1b")
