@@ -87,7 +87,6 @@ class Report(Callback):
             "split": is_tensor_parallel(pl_module),  # the layers were split, not merely computed twice
             "layouts": self.layouts,
             "ledger": dataclasses.replace(trainer.strategy.comm_stats),
-            "graphs": _compat.compiled_graph_count() - self.graphs,  # compiled by torch.compile during fit
             "units": [n for n, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
             "local": {n: tuple(local_shard(p).shape) for n, p in pl_module.named_parameters()},  # this rank's piece
             "tied": _tied(pl_module),
