@@ -208,7 +208,7 @@ class Layout:
     step_seconds: float
     samples_per_second: float
     """The loader batch times the data ranks, per step second: what the layouts are ranked by."""
-    strategy_arguments: dict[str, Any] = field(default_factory=dict)
+    strategy_arguments: dict[str, Any] = field(default_factory=dict, hash=False)
     """The keywords of :class:`~lightning_mgpu.MGPUShardedStrategy` that build the layout (:func:`sharded_arguments`:
     ``stage``, ``mesh``, the sizes, the pipeline's micro-batches and schedule); empty for ``mgpu_ddp`` without a
     split (``MGPUDDPStrategy``) and for a layout that is not buildable."""
