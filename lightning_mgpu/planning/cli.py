@@ -124,7 +124,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(layouts.table(args.top))
     if result.recommended is None and best is not None:
         print(
-            f"\nNo data-parallel candidate fits; the fastest layout that fits is {best.name} ({best.strategy}, "
+            f"\nNo data-parallel candidate fits; the fastest layout that fits and that the strategy builds is "
+            f"{best.name} ({best.strategy}, "
             f"precision {best.precision}, activation checkpointing {'on' if best.activation_checkpointing else 'off'})."
         )
     return 0

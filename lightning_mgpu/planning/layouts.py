@@ -327,7 +327,7 @@ class LayoutPlan:
                 lines.append(f"- and {len(passed_over) - refused} more (`--layouts --json`: `not_buildable`).")
         lines.append("")
         lines.append(
-            f"{self.model}: {fit} of {len(self.layouts)} layouts fit, {len(fitting)} of them buildable (listed), "
+            f"{self.model}: {fit} of {len(self.layouts)} layouts fit and {len(fitting)} of those are buildable, "
             f"on {self.devices} ranks ({self.num_nodes} "
             f"machine(s) of {per_node}) x {format_bytes(self.usable_bytes)} usable; links {self.links.intra:g} GB/s "
             f"within a machine, {self.links.inter:g} GB/s across; {self.device_tflops:g} TFLOP/s per device; loader "
