@@ -12,9 +12,9 @@ and gradients with FP32 masters, which under FSDP are the shards: what FSDP2's b
 published runs' setting, keeps; ``bf16-mixed`` autocasts FP32 weights and keeps an FP32 residual stream, twice
 the activations of those runs); links NVLink within a machine
 and 400 Gb/s per GPU across (the published platform's). It prints the layout the run used, the layout the plan
-ranks first, and where the published layout ranks, with each one's predicted peak per rank. Nothing is allocated:
-the models are traced under FakeTensorMode. The step times are estimates (:mod:`lightning_mgpu.planning.layouts`),
-not measured.
+ranks first among those the strategy builds (``best``), and where the published layout ranks (among all
+layouts), with each one's predicted peak per rank. Nothing is allocated: the models are traced under FakeTensorMode.
+The step times are estimates (:mod:`lightning_mgpu.planning.layouts`), not measured.
 """
 
 from __future__ import annotations

@@ -902,6 +902,17 @@ class ShardedSettings:
         """Whether the model is split into pipeline stages (``pipeline_parallel_size > 1``)."""
         return self.pipeline_parallel_size > 1
 
+    @property
+    def data_sharding(self) -> Optional[int]:
+        """The ZeRO stage the data dimension applies to the model's states: ``stage``, except inside a pipeline at
+        ``stage=2``, where the data ranks of each stage hold whole replicas of it (None: gradients all-reduced, as
+        DDP does).
+
+            >>> ShardedSettings(stage=2).data_sharding, ShardedSettings(stage=2, pipeline_parallel_size=2).data_sharding
+            (2, None)
+        """
+        return None if self.pipelined and self.stage == 2 else self.stage
+
     def _check_mesh(self) -> None:
         if self.mesh not in MESHES:
             raise ValueError(

@@ -282,6 +282,24 @@ def split_batch(batch: Any, m: int) -> list[Any]:
     return _split(batch, m)
 
 
+def master_precision_refusal(mode: str, size: int) -> str:
+    """Why MGPUPrecision's master mode ``mode`` is refused with ``pipeline_parallel_size=size``, and the fix (the
+    pipeline's check before launch, and the layout planner's for a pipelined layout of that precision).
+
+    Example:
+
+        >>> master_precision_refusal("bf16-master", 2).split(":")[0]
+        "MGPUPrecision('bf16-master') with pipeline_parallel_size=2 is not supported yet"
+    """
+    return (
+        f"MGPUPrecision({mode!r}) with pipeline_parallel_size={size} is not supported yet: each rank's optimizer "
+        f"would step FP32 masters of every block, and those of the other stages' blocks are never trained on that "
+        f"rank (the model and its checkpoint would get their stale values; at stage=3 the masters would be whole on "
+        f"every rank, where ZeRO-3 shards the stage). Use precision='bf16-mixed' (or '16-mixed', '32-true'): the "
+        f"weights stay FP32, autocast computes in half."
+    )
+
+
 def check_loader_batches(loader: Any, m: int, batches_run: float) -> None:
     """Refuse, before the first training batch, a training ``loader`` whose batches do not all split into ``m``
     equal micro-batches: its batch size, or its last (smaller) batch where ``batches_run`` (the batches an epoch
@@ -662,13 +680,7 @@ class PipelineBackend(ShardingBackend):
     def _check_master_precision(self, precision_plugin: Any) -> None:
         """MGPUPrecision's master modes are refused (not built yet), with the fix."""
         if getattr(precision_plugin, "master", False):
-            raise PipelineError(
-                f"MGPUPrecision({precision_plugin.mode!r}) with pipeline_parallel_size={self.size} is not supported "
-                f"yet: each rank's optimizer would step FP32 masters of every block, and those of the other stages' "
-                f"blocks are never trained on that rank (the model and its checkpoint would get their stale values; "
-                f"at stage=3 the masters would be whole on every rank, where ZeRO-3 shards the stage). Use "
-                f"precision='bf16-mixed' (or '16-mixed', '32-true'): the weights stay FP32, autocast computes in half."
-            )
+            raise PipelineError(master_precision_refusal(precision_plugin.mode, self.size))
 
     def _check_shardable(self, module: nn.Module, plan: StagePlan) -> None:
         """``stage=3``: FSDP2 shards each stage's blocks; refuse what it cannot shard, with the fix."""

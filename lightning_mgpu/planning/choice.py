@@ -7,11 +7,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_mgpu.planning.candidates import Plan, no_fit
-from lightning_mgpu.planning.layouts import Layout, LayoutPlan
+from lightning_mgpu.planning.candidates import NoPlanFits, Plan, no_fit
+from lightning_mgpu.planning.layouts import Layout, LayoutPlan, short_reason
 from lightning_mgpu.planning.request import PRECISIONS, PlanError, format_bytes, parse_memory
 
-__all__ = ["AutoDecision", "decide", "decide_layout", "device_memory_bytes", "fallback", "planner_precision"]
+__all__ = [
+    "AutoDecision",
+    "decide",
+    "decide_layout",
+    "device_memory_bytes",
+    "fallback",
+    "no_layout_fits",
+    "planner_precision",
+]
 
 #: the arguments that build each candidate from :class:`~lightning_mgpu.MGPUShardedStrategy` (None: mgpu_ddp)
 STAGES: dict[str, Optional[int]] = {
@@ -101,14 +109,7 @@ def decide_layout(layouts: LayoutPlan, build: Callable[[Layout], Optional[dict[s
     fitting = [x for x in layouts.layouts if x.fits and x.model_parallel]
     best, arguments = next(((x, a) for x in fitting for a in (build(x),) if a is not None), (None, None))
     if best is None or arguments is None:
-        err = no_fit(memory)
-        if fitting:
-            err.args = (
-                f"{err.args[0]} The layout {fitting[0].name} would fit, but MGPUShardedStrategy here cannot build it "
-                f"(no tensor_parallel_size/pipeline_parallel_size option, or not in that combination): mgpu_auto "
-                f"chose among the layouts it builds, the data-parallel ones.",
-            )
-        raise err
+        raise no_layout_fits(memory, fitting)
     usable = memory.request.usable_bytes
     smallest = min(memory.rows, key=lambda r: r.predicted_peak_bytes_per_rank)
     strategy = {1: "mgpu_zero1", 2: "mgpu_sharded"}.get(arguments.get("stage", 3), best.strategy)
@@ -133,6 +134,19 @@ def decide_layout(layouts: LayoutPlan, build: Callable[[Layout], Optional[dict[s
         pipeline_parallel_size=best.pipeline,
         strategy_arguments=arguments,
     )
+
+
+def no_layout_fits(memory: Plan, fitting: list[Layout]) -> NoPlanFits:
+    """The memory plan's error where no data-parallel candidate fits and no layout that fits is built, with one line
+    naming the first of the layouts that would fit (``fitting``) and why the strategy does not build it."""
+    err = no_fit(memory)
+    if fitting:
+        why = short_reason(fitting[0].not_buildable) if fitting[0].not_buildable else "not in that combination"
+        err.args = (
+            f"{err.args[0]} The layout {fitting[0].name} would fit, but MGPUShardedStrategy here cannot build it "
+            f"({why}): only the layouts it builds are chosen.",
+        )
+    return err
 
 
 def fallback(err: BaseException, model: str, usable: int) -> AutoDecision:

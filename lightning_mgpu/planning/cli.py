@@ -29,7 +29,7 @@ __all__ = ["main"]
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the plan (markdown table, or ``--json`` rows); exit 2 with the reason on bad input or no fit."""
     from lightning_mgpu.planning import NoPlanFits, plan_layouts
-    from lightning_mgpu.planning.candidates import no_fit
+    from lightning_mgpu.planning.choice import no_layout_fits
 
     parser = argparse.ArgumentParser(prog="lightning-mgpu plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config", "-c", required=True, help="a `lightning-mgpu fit` YAML config (model and data)")
@@ -109,7 +109,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         assert result is not None
         best = layouts.best
         if result.recommended is None and (best is None or (args.json and not args.layouts)):
-            raise no_fit(result)
+            refused = [x for x in layouts.layouts if x.fits and not x.buildable] if best is None else []
+            raise no_layout_fits(result, refused)
     except NoPlanFits as err:
         print(err.plan.to_json() if args.json else err.plan.table(), file=sys.stderr)
         parser.exit(2, f"lightning-mgpu plan: error: {err}\n")
@@ -123,7 +124,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(layouts.table(args.top))
     if result.recommended is None and best is not None:
         print(
-            f"\nNo data-parallel candidate fits; the fastest layout that fits is {best.name} ({best.strategy}, "
+            f"\nNo data-parallel candidate fits; the fastest layout that fits and that the strategy builds is "
+            f"{best.name} ({best.strategy}, "
             f"precision {best.precision}, activation checkpointing {'on' if best.activation_checkpointing else 'off'})."
         )
     return 0

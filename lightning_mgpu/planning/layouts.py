@@ -2,20 +2,24 @@
 (with the ZeRO stage of the data dimension), with its memory per rank, its communication per step on each link,
 an estimated step time, and the ones that fit, fastest first.
 
-The memory per rank is the memory plan's (:mod:`~lightning_mgpu.planning.candidates`), applied to the piece of
-the model one rank holds. A tensor split of ``T`` splits what the auto plan of tensor parallelism
+The memory per rank is the memory plan's (:mod:`~lightning_mgpu.planning.candidates`), applied to the piece of the
+model one rank holds. A tensor split of ``T`` splits what the auto plan of tensor parallelism
 (``tensor_parallel_plan="auto"``, :func:`~lightning_mgpu.parts.tensor_parallel.derive_plan`, read from the traced
-model) splits: ``S`` of the ``W`` parameter bytes (torch's ``nn.TransformerEncoderLayer``: its MLP only; a
-Llama-style block: its attention and MLP), ``1 / T`` of them on a rank, the rest (embedding, norms, head, row-wise
-biases, an attention it does not split) whole; a pipeline of ``P`` stages leaves ``1 / P`` of that, and the
-gradients and optimizer state follow the parameters: ``(W - S + S / T) / P`` per rank, which the data dimension then
-shards or replicates as its strategy does. Activations (traced for the loader's batch ``b`` of one data-parallel
-rank): without sequence parallelism (the auto plan) the split layers' intermediates are ``1 / T`` on a rank and the
-residual stream, the norms and the logits whole; the planner counts ``A_s``, the column-wise split layers' outputs in
-the traced forward, and takes them as the same share of the activations throughout the step (an approximation: the
-gradients of those intermediates in backward are split alike, the temporaries of the unsplit parts are not). A
-stage holds ``1 / P`` of the blocks, and a pipeline of ``m`` micro-batches keeps ``k`` of them in flight on its
-first stage: ``k = m`` under GPipe (every forward before any backward), ``k = min(P, m)`` under 1F1B. Per rank::
+model) splits: ``S`` of the ``W`` parameter bytes (torch's ``nn.TransformerEncoderLayer``: its MLP only; a Llama-style
+block: its attention and MLP), ``1 / T`` of them on a rank, the rest (embedding, norms, head, row-wise biases, an
+attention it does not split) whole; the gradients and optimizer state follow the parameters: ``W - S + S / T`` per
+rank, which the data dimension then shards or replicates as its strategy does. A pipeline of ``P`` stages splits the
+blocks only (``B`` of the ``W`` bytes): a rank holds ``(B - S + S / T) / P``, which the data dimension shards or
+replicates, and the ``O = W - B`` bytes outside the blocks (embeddings, final norm, head) whole, with their whole
+gradients and optimizer state, whatever the data dimension's strategy (the pipeline keeps them on every rank; at
+``stage=3`` only the stages' blocks are FSDP units). Activations (traced for the loader's batch ``b`` of one
+data-parallel rank): without sequence parallelism (the auto plan) the split layers' intermediates are ``1 / T`` on a
+rank and the residual stream, the norms and the logits whole; the planner counts ``A_s``, the column-wise split
+layers' outputs in the traced forward, and takes them as the same share of the activations throughout the step (an
+approximation: the gradients of those intermediates in backward are split alike, the temporaries of the unsplit parts
+are not). A stage holds ``1 / P`` of the blocks, and a pipeline of ``m`` micro-batches keeps ``k`` of them in flight
+on its first stage: ``k = m`` under GPipe (every forward before any backward), ``k = min(P, m)`` under 1F1B.
+Per rank::
 
     activations = A * k / (m P) * (1 - (A_s / A) (1 - 1/T))
 
@@ -38,7 +42,10 @@ tensor                per micro-batch, torch's split layers (the auto plan's): e
                       and of the column-wise layers (a Llama block: ``R = 2``, ``R' = 1`` with checkpointing,
                       ``C = 5``)
 pipeline              per micro-batch, a stage sends its output forward and its input's gradient backward:
-                      ``2 X`` per step (each of the ``T`` ranks of a stage sends it)
+                      ``2 X`` per step (each of the ``T`` ranks of a stage sends it); after the schedule, the
+                      gradients of the weights outside the blocks are all-reduced over the ranks of a tensor
+                      coordinate (over the stages, then the data ranks, with a tensor split), counted with the data
+                      dimension's bytes and not overlapped
 ====================  ======================================================================================
 
 Each group's link: the ranks are laid out pipeline (outermost), data replicate, data shard, tensor (innermost,
@@ -52,18 +59,25 @@ any other the link across machines. The step time: ``F`` the traced floating-poi
 (the data dimension's collectives overlap the compute, the tensor all-reduces and the stage sends do not). The
 layouts that fit are ranked by samples per second, ``b D / step``: each data-parallel rank's loader yields ``b``
 samples, so a layout with fewer data ranks trains with a smaller global batch, and the rate is what compares.
+
+Each layout also says whether the strategy builds it (:attr:`Layout.buildable`): :func:`sharded_arguments` maps it
+to the keywords of :class:`~lightning_mgpu.MGPUShardedStrategy` and constructs its settings
+(:class:`~lightning_mgpu.settings.ShardedSettings`, nothing starts), whose refusal is :attr:`Layout.not_buildable`.
+:attr:`LayoutPlan.best` and the table's rows are buildable layouts.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional, Union
 
+from lightning_mgpu.parts.pipeline import master_precision_refusal
 from lightning_mgpu.planning.candidates import PRECISION_RANK, STRATEGY_RANK, Plan, candidate_row
 from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes
-from lightning_mgpu.planning.trace import ModelStates, StepTrace
+from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelStates, StepTrace
+from lightning_mgpu.settings import ShardedSettings
 
 __all__ = [
     "DEFAULT_DEVICE_TFLOPS",
@@ -74,6 +88,8 @@ __all__ = [
     "Links",
     "estimate_layouts",
     "group_link",
+    "sharded_arguments",
+    "short_reason",
 ]
 
 #: Nominal bandwidth one device gets on a link, GB/s in each direction (decimal: 1 GB = 10**9 bytes)
@@ -193,6 +209,17 @@ class Layout:
     step_seconds: float
     samples_per_second: float
     """The loader batch times the data ranks, per step second: what the layouts are ranked by."""
+    strategy_arguments: dict[str, Any] = field(default_factory=dict, hash=False)
+    """The keywords of :class:`~lightning_mgpu.MGPUShardedStrategy` that build the layout (:func:`sharded_arguments`:
+    ``stage``, ``mesh``, the sizes, the pipeline's micro-batches and schedule); empty for ``mgpu_ddp`` without a
+    split (``MGPUDDPStrategy``) and for a layout that is not buildable."""
+    not_buildable: str = ""
+    """Why the strategy does not build the layout (its settings' refusal), or ``""`` where it does."""
+
+    @property
+    def buildable(self) -> bool:
+        """Whether :class:`~lightning_mgpu.MGPUShardedStrategy` (or ``MGPUDDPStrategy``) builds this layout."""
+        return not self.not_buildable
 
     @property
     def data_parallel(self) -> int:
@@ -237,20 +264,29 @@ class LayoutPlan:
 
     @property
     def best(self) -> Optional[Layout]:
-        """The fastest layout that fits."""
-        return next((layout for layout in self.layouts if layout.fits), None)
+        """The fastest layout that fits and that the strategies build (:attr:`Layout.buildable`)."""
+        return self.best_where(data_parallel_only=False)
 
     def best_where(self, data_parallel_only: bool) -> Optional[Layout]:
-        """The fastest that fits, among the pure data-parallel layouts when ``data_parallel_only``."""
-        return next((x for x in self.layouts if x.fits and not (data_parallel_only and x.model_parallel)), None)
+        """The fastest buildable layout that fits, among the pure data-parallel layouts when
+        ``data_parallel_only``."""
+        return next(
+            (x for x in self.layouts if x.fits and x.buildable and not (data_parallel_only and x.model_parallel)),
+            None,
+        )
 
     def to_json(self) -> str:
         return json.dumps([{**asdict(x), "name": x.name} for x in self.layouts], indent=2)
 
-    def table(self, top: int = 20) -> str:
-        """A markdown table of the ``top`` fastest layouts that fit (all when none fits: the smallest first)."""
-        fitting = [x for x in self.layouts if x.fits]
-        shown = fitting[:top] if fitting else sorted(self.layouts, key=lambda x: x.predicted_peak_bytes_per_rank)[:top]
+    def table(self, top: int = 20, refused: int = 5) -> str:
+        """A markdown table of the ``top`` fastest buildable layouts that fit (the first is :attr:`best`; when none
+        fits, the smallest first), then a note naming up to ``refused`` layouts that fit and would be faster than
+        the first row but that the strategy does not build, each with the short reason its settings give."""
+        built = [x for x in self.layouts if x.buildable]
+        fitting = [x for x in built if x.fits]
+        shown = fitting[:top] if fitting else sorted(built, key=lambda x: x.predicted_peak_bytes_per_rank)[:top]
+        first = self.layouts.index(fitting[0]) if fitting else len(self.layouts)
+        passed_over = [x for x in self.layouts[:first] if x.fits and not x.buildable]
         head = (
             "| # | layout | precision | AC | params | grads | optimizer | activations | comm buf | peak/rank | "
             "intra/step | inter/step | bubble | step (s) | samples/s | fits |"
@@ -275,9 +311,25 @@ class LayoutPlan:
             cells.append("yes" if x.fits else "no")
             lines.append("| " + " | ".join(cells) + " |")
         per_node = self.devices // self.num_nodes
+        fit = sum(x.fits for x in self.layouts)
+        if passed_over:
+            lines.append("")
+            lines.append(
+                f"Not buildable (left out above): {len(passed_over)} layout(s) that fit"
+                + (" and rank above the first row (as fast or faster)" if fitting else "")
+                + "; MGPUShardedStrategy refuses them:"
+            )
+            lines += [
+                f"- {x.name} ({x.strategy}{', AC' if x.activation_checkpointing else ''}, "
+                f"{x.samples_per_second:.4g} samples/s): not buildable: {short_reason(x.not_buildable)}"
+                for x in passed_over[:refused]
+            ]
+            if len(passed_over) > refused:
+                lines.append(f"- and {len(passed_over) - refused} more (`--layouts --json`: `not_buildable`).")
         lines.append("")
         lines.append(
-            f"{self.model}: {len(fitting)} of {len(self.layouts)} layouts fit {self.devices} ranks ({self.num_nodes} "
+            f"{self.model}: {fit} of {len(self.layouts)} layouts fit and {len(fitting)} of those are buildable, "
+            f"on {self.devices} ranks ({self.num_nodes} "
             f"machine(s) of {per_node}) x {format_bytes(self.usable_bytes)} usable; links {self.links.intra:g} GB/s "
             f"within a machine, {self.links.inter:g} GB/s across; {self.device_tflops:g} TFLOP/s per device; loader "
             f"batch {self.batch_size} per data-parallel rank. Step times are estimates from bytes and FLOPs "
@@ -308,13 +360,19 @@ def _piece(
     whole, over ``pipeline`` stages (buffers: ``1 / pipeline``); of the activations, ``1 / tensor`` of the split
     layers' outputs (``trace.tensor_split_activations``, taken as the same share of the activations throughout the
     step), the rest whole, times ``in_flight`` (the pipeline's micro-batches in flight over ``m P``)."""
-    whole_bytes, split_bytes = trace.parameters, min(trace.tensor_split_bytes, trace.parameters)
+    whole_bytes = trace.parameters
+    # a pipeline splits the blocks only: what is outside them is every rank's (:func:`_outside`), not the piece's
+    outside = min(trace.outside_parameters, whole_bytes) if pipeline > 1 else 0
+    split_bytes = min(trace.tensor_split_bytes, whole_bytes) - (min(trace.outside_tensor_split, outside))
 
     def held(v: int, buffers: bool = False) -> int:
-        if buffers or tensor == 1 or not whole_bytes:
+        if buffers or not whole_bytes:
             return v // pipeline
-        split = v * split_bytes // whole_bytes  # the same share of every state as of the parameters
-        return (v - split + split // tensor) // pipeline
+        inner = v - v * outside // whole_bytes  # the same share of every state as of the parameters
+        if tensor == 1:
+            return inner // pipeline
+        split = v * split_bytes // whole_bytes
+        return (inner - split + split // tensor) // pipeline
 
     sizes: dict[str, Any] = {  # every byte count of the states (the counts of parameters stay the model's)
         f.name: held(getattr(states, f.name), buffers=f.name == "buffers")
@@ -333,6 +391,95 @@ def _piece(
         timeline=timeline,
     )
     return piece, scaled
+
+
+def _outside(states: ModelStates, trace: StepTrace, tensor: int, pipeline: int) -> tuple[int, int, int]:
+    """The parameter (with the master copies of the master precisions), gradient and optimizer-state bytes of the
+    parameters outside the blocks (embeddings, final norm, head), which every rank of a pipeline holds whole,
+    whatever the data dimension's strategy (the pipeline splits and shards the blocks only; ``1 / tensor`` of what
+    the auto plan splits of them); none without a pipeline (they are then part of the piece the data dimension
+    shards)."""
+    whole = trace.parameters
+    outside = min(trace.outside_parameters, whole) if pipeline > 1 else 0
+    if not outside:
+        return 0, 0, 0
+    split = min(trace.outside_tensor_split, outside)
+
+    def held(v: int) -> int:
+        part, shard = v * outside // whole, v * split // whole
+        return part - shard + shard // tensor
+
+    master = PRECISION_LAYOUT[trace.precision][2]
+    parameters = held(trace.parameters) + (held(states.optimized_bytes) if master else 0)
+    return parameters, held(trace.gradients), held(states.optimizer_state)
+
+
+#: How each data strategy of a layout is built with MGPUShardedStrategy: the ZeRO stages tried, in order, and the
+#: data sharding (:attr:`~lightning_mgpu.settings.ShardedSettings.data_sharding`) the built one must have
+_BUILT_AS: dict[str, tuple[tuple[int, ...], tuple[Optional[int], ...]]] = {
+    "mgpu_ddp": ((1, 2), (None, 1)),  # whole replicas, or ZeRO-1 (the same bytes sent, no more memory per rank)
+    "mgpu_zero1": ((1,), (1,)),
+    "mgpu_sharded": ((2,), (2,)),
+    "mgpu_zero3": ((3,), (3,)),
+    "mgpu_hsdp": ((3,), (3,)),
+}
+
+
+def _sharding_words(sharding: Optional[int]) -> str:
+    return "whole replicas" if sharding is None else f"ZeRO-{sharding} shards"
+
+
+def sharded_arguments(layout: Layout) -> dict[str, Any]:
+    """The keywords of :class:`~lightning_mgpu.MGPUShardedStrategy` that build ``layout``: ``stage`` (and
+    ``mesh="hybrid"`` for mgpu_hsdp), ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``pipeline_microbatches`` and ``pipeline_schedule`` where the layout splits the model; ``{}`` for mgpu_ddp
+    without a split (``MGPUDDPStrategy``). The strategy's settings (:class:`~lightning_mgpu.settings.ShardedSettings`)
+    are constructed with them (nothing starts): raises their ``ValueError`` where they refuse the combination, or
+    where what they build shards the data dimension otherwise than the layout does (inside a pipeline ``stage=2``
+    holds whole replicas of each stage, which is mgpu_ddp's layout, not mgpu_sharded's)."""
+    if layout.strategy == "mgpu_ddp" and not layout.model_parallel:
+        return {}
+    if layout.pipeline > 1 and PRECISION_LAYOUT[layout.precision][2]:  # the FP32 masters of the master modes
+        raise ValueError(master_precision_refusal(layout.precision, layout.pipeline))
+    sizes: dict[str, Any] = {}
+    if layout.strategy == "mgpu_hsdp":  # the planner's shard group, not the strategy's default
+        sizes.update(mesh="hybrid", shard_size=layout.data_shard)
+    if layout.tensor > 1:
+        sizes["tensor_parallel_size"] = layout.tensor
+    if layout.pipeline > 1:
+        sizes.update(
+            pipeline_parallel_size=layout.pipeline,
+            pipeline_microbatches=layout.microbatches,
+            pipeline_schedule=layout.schedule,
+        )
+    stages, wanted = _BUILT_AS[layout.strategy]
+    refusals = []
+    for stage in stages:
+        arguments = {"stage": stage, **sizes}
+        try:
+            settings = ShardedSettings(**arguments)
+        except ValueError as err:
+            refusals.append(str(err))
+            continue
+        if settings.data_sharding in wanted or layout.data_parallel == 1:  # one data rank: no data sharding
+            return arguments
+        call = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
+        refusals.append(
+            f"stage={stage} builds {_sharding_words(settings.data_sharding)} over the data dimension here, not "
+            f"{_sharding_words(wanted[0])}; MGPUShardedStrategy({call}) is not the layout {layout.name}."
+        )
+    raise ValueError(" Also: ".join(refusals))
+
+
+def short_reason(reason: str, width: int = 100) -> str:
+    """The first clause of a refusal (up to its first ``:``, ``;`` or sentence end), at most ``width`` characters.
+
+    >>> short_reason("pipeline_parallel_size=2 with stage=1 is not supported yet: with pipeline stages ...")
+    'pipeline_parallel_size=2 with stage=1 is not supported yet'
+    """
+    ends = [i for i in (reason.find(": "), reason.find("; "), reason.find(". ")) if i > 0]
+    text = reason[: min(ends, default=len(reason))].rstrip(".")
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _divisors(n: int) -> list[int]:
@@ -445,6 +592,10 @@ def _layout(
     piece_states, piece_trace = _piece(states, trace, t, p, in_flight / (m * p))
     largest, root = units
     piece_units = (min(1.0, largest * p), min(1.0, root * p))
+    outside = min(trace.outside_parameters, trace.parameters) if p > 1 else 0
+    if outside:  # the piece is the stage's blocks: the units' shares of it (the root unit's weights are outside)
+        blocks = trace.parameters - outside
+        piece_units = (min(1.0, largest * p * trace.parameters / blocks), 0.0) if blocks else (1.0, 0.0)
     data_request = _split_request(request, strategy, d, replicas)
     # the memory plan's row for the data dimension, on the rank's piece of the model
     row = candidate_row(strategy, piece_states, piece_trace, piece_units, data_request, usable, rebuilt_buckets=p == 1)
@@ -461,6 +612,20 @@ def _layout(
         peak = kept.predicted_peak_bytes_per_rank + extra
         row = replace(kept, gradients_bytes=kept.gradients_bytes + extra, predicted_peak_bytes_per_rank=peak)
         row = replace(row, fits=peak <= usable)
+    # the weights outside the blocks: whole on every rank of a pipeline, with their gradients and optimizer state
+    out_params, out_grads, out_optimizer = _outside(states, trace, t, p)
+    if out_params or out_grads or out_optimizer:
+        extra = out_params + out_grads + out_optimizer
+        peak = row.predicted_peak_bytes_per_rank + extra
+        row = replace(
+            row,
+            parameters_bytes=row.parameters_bytes + out_params,
+            gradients_bytes=row.gradients_bytes + out_grads,
+            optimizer_state_bytes=row.optimizer_state_bytes + out_optimizer,
+            predicted_peak_bytes_per_rank=peak,
+            fits=peak <= usable,
+            states_bytes=row.states_bytes + extra,
+        )
     # communication per step, bytes one rank sends
     if strategy == "mgpu_ddp":
         data_bytes, shard_bytes = _all_reduce(g, d), 0.0
@@ -478,6 +643,16 @@ def _layout(
     calls = (trace.rowwise_layers + trace.rowwise_recomputed + trace.colwise_layers) / p
     tensor_bytes = calls * _all_reduce(trace.block_output_bytes, t) if t > 1 else 0.0
     pipeline_bytes = 2.0 * trace.block_output_bytes if p > 1 else 0.0
+    # the outside weights' gradients, summed over the stages and averaged over the data ranks after the schedule:
+    # one all-reduce over the ranks of a tensor coordinate (with a tensor split: over the pipeline, then the data)
+    shared = (
+        [(_all_reduce(out_grads, d * p), group_link(t, d * p, per_node))]
+        if t == 1
+        else [
+            (_all_reduce(out_grads, p), group_link(t * d, p, per_node)),
+            (_all_reduce(out_grads, d), group_link(t, d, per_node)),
+        ]
+    )
     tensor_link = group_link(1, t, per_node)
     shard_link = group_link(t, shard if strategy == "mgpu_hsdp" else d, per_node)
     data_link = group_link(t * shard, replicas, per_node) if strategy == "mgpu_hsdp" else shard_link
@@ -488,6 +663,7 @@ def _layout(
         (shard_bytes, shard_link),
         (tensor_bytes, tensor_link),
         (pipeline_bytes, pipeline_link),
+        *shared,
     ):
         if link == "intra":
             intra += nbytes
@@ -496,9 +672,10 @@ def _layout(
     compute = trace.flops / (t * p) / (device_tflops * 1e12)
     data_seconds = data_bytes / links.speed(data_link) + shard_bytes / links.speed(shard_link)
     exposed = tensor_bytes / links.speed(tensor_link) + pipeline_bytes / links.speed(pipeline_link)
+    exposed += sum(nbytes / links.speed(link) for nbytes, link in shared)  # after the schedule: not overlapped
     bubble = (p - 1) / (m + p - 1)
     step = (compute + exposed) / (1 - bubble) + max(0.0, data_seconds - compute)
-    return Layout(
+    layout = Layout(
         data_replicate=replicas,
         data_shard=shard,
         tensor=t,
@@ -516,7 +693,7 @@ def _layout(
         model_states_bytes=row.states_bytes,
         predicted_peak_bytes_per_rank=row.predicted_peak_bytes_per_rank,
         fits=row.fits,
-        data_bytes=int(data_bytes + shard_bytes),
+        data_bytes=int(data_bytes + shard_bytes + sum(nbytes for nbytes, _ in shared)),
         tensor_bytes=int(tensor_bytes),
         pipeline_bytes=int(pipeline_bytes),
         data_link=data_link,
@@ -530,3 +707,7 @@ def _layout(
         step_seconds=step,
         samples_per_second=batch * d / step if step > 0 else math.inf,
     )
+    try:
+        return replace(layout, strategy_arguments=sharded_arguments(layout))
+    except ValueError as err:
+        return replace(layout, not_buildable=str(err))

@@ -214,6 +214,13 @@ class StepTrace:
     each): the block intermediates (the MLP's hidden activations, the split attention's query, key and value) a rank
     of a tensor split holds ``1 / T`` of; every other activation (residual stream, norms, logits) stays whole
     without sequence parallelism."""
+    outside_parameters: int = 0
+    """Parameter bytes (as the step sees them) outside the blocks: the embeddings, the final norm, the head. A
+    pipeline holds them whole on every rank, with their gradients and optimizer state (only the blocks are split
+    into stages)."""
+    outside_tensor_split: int = 0
+    """Of :attr:`outside_parameters`, the bytes the auto plan of tensor parallelism shards (a model's own plan may
+    split its embedding or head)."""
 
     def peak_with_gradients(self, fraction: float) -> int:
         """The largest ``activations(t) + fraction * gradients(t)``: a rank that keeps ``fraction`` of each
@@ -306,6 +313,7 @@ def trace_step(
         params = list(module.parameters())
         named = dict(module.named_parameters())
         split = {id(named[n]): named[n] for n in split_names if n in named}  # a tied parameter once
+        inside = {id(p) for block in blocks for p in block.parameters()}
         return StepTrace(
             precision=precision,
             activation_checkpointing=policy is not None,
@@ -323,6 +331,8 @@ def trace_step(
             colwise_layers=calls["colwise", "forward"],
             tensor_split_bytes=sum(p.numel() * p.element_size() for p in split.values()),
             tensor_split_activations=sum(intermediates.values()),
+            outside_parameters=sum(p.numel() * p.element_size() for p in params if id(p) not in inside),
+            outside_tensor_split=sum(p.numel() * p.element_size() for i, p in split.items() if i not in inside),
         )
 
 

@@ -21,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -238,42 +237,9 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         self.auto_decision = decision
 
 
-def layout_keywords() -> set[str]:
-    """The layout options :class:`~lightning_mgpu.MGPUShardedStrategy` takes in this installation (read from its
-    signature, so that ``mgpu_auto`` proposes a tensor or pipeline split only where the strategy builds one)."""
-    names = ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_microbatches", "pipeline_schedule")
-    return set(names) & set(inspect.signature(MGPUShardedStrategy.__init__).parameters)
-
-
 def layout_arguments(layout: Layout) -> Optional[dict[str, Any]]:
-    """The keywords that build ``layout`` with :class:`~lightning_mgpu.MGPUShardedStrategy`, or None where the
-    strategy of this installation takes no such option or refuses the combination (constructing it checks: nothing
-    starts). With pipeline stages the layouts whose data dimension holds whole replicas of each stage (DDP's
-    memory, the most a data rank holds) are built at the strategy's default stage, and those that shard each stage
-    with ZeRO-3 over the data dimension (``mgpu_zero3``) at ``stage=3``; the other data strategies are not built
-    inside a pipeline. DDP-style replicas without stages are built as ZeRO-1 (the same bytes sent, no more memory
-    per rank)."""
-    if layout.pipeline > 1 and layout.strategy not in ("mgpu_ddp", "mgpu_zero3"):
-        return None
-    sizes: dict[str, Any] = {}
-    if layout.tensor > 1:
-        sizes["tensor_parallel_size"] = layout.tensor
-    if layout.pipeline > 1:
-        sizes.update(
-            pipeline_parallel_size=layout.pipeline,
-            pipeline_microbatches=layout.microbatches,
-            pipeline_schedule=layout.schedule,
-        )
-    if not set(sizes) <= layout_keywords():
-        return None
-    stage = {"mgpu_zero1": 1, "mgpu_sharded": 2}.get(layout.strategy, 3)
-    if layout.strategy == "mgpu_ddp":
-        stage = 2 if layout.pipeline > 1 else 1
-    arguments: dict[str, Any] = {"stage": stage, **sizes}
-    if layout.strategy == "mgpu_hsdp":
-        arguments["mesh"] = "hybrid"
-    try:
-        MGPUShardedStrategy(**arguments)
-    except (TypeError, ValueError):
-        return None
-    return arguments
+    """The keywords that build ``layout`` with :class:`~lightning_mgpu.MGPUShardedStrategy`
+    (:attr:`Layout.strategy_arguments <lightning_mgpu.planning.layouts.Layout.strategy_arguments>`, checked against
+    the strategy's settings when the plan was made), or None where the layout is not buildable
+    (:attr:`~lightning_mgpu.planning.layouts.Layout.not_buildable` says why)."""
+    return dict(layout.strategy_arguments) if layout.buildable else None

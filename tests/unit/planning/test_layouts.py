@@ -14,7 +14,7 @@ import pytest
 from lightning_mgpu.planning import NoPlanFits, PlanError, PlanRequest, plan_layouts
 from lightning_mgpu.planning.candidates import estimate
 from lightning_mgpu.planning.choice import decide_layout
-from lightning_mgpu.planning.layouts import Layout, LayoutPlan, Links, estimate_layouts, group_link
+from lightning_mgpu.planning.layouts import Layout, LayoutPlan, Links, estimate_layouts, group_link, short_reason
 from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
 from lightning_mgpu.planning.measure import fake_process_group
 from lightning_mgpu.planning.trace import ModelStates, StepTrace, count_model_states, trace_step, unit_fractions
@@ -36,9 +36,11 @@ LINKS = Links(intra=100.0, inter=10.0)  # GB/s
 
 
 def _plan(trace: StepTrace = TRACE, memory: Any = "1GiB", microbatches: Optional[int] = 4, **kwargs: Any) -> LayoutPlan:
-    request = PlanRequest(devices=8, device_memory=memory, num_nodes=2, precisions=("32-true",))
+    strategies = kwargs.pop("strategies", None)
+    request = PlanRequest(devices=8, device_memory=memory, num_nodes=2, precisions=("32-true",),
+                          **({"strategies": strategies} if strategies else {}))  # fmt: skip
     result = estimate_layouts(
-        "hand", request, STATES, [trace], UNITS, batch_size=4, links=LINKS, device_tflops=1.0,
+        "hand", request, STATES, [trace], UNITS, batch_size=4, links=kwargs.pop("links", LINKS), device_tflops=1.0,
         microbatches=microbatches, **kwargs,
     )  # fmt: skip
     result.memory = estimate("hand", request, STATES, [trace], UNITS, require_fit=False)
@@ -142,7 +144,7 @@ def test_layouts_that_fit_come_first_fastest_first():
     assert fits == sorted(fits, reverse=True)
     speeds = [x.samples_per_second for x in result.layouts if x.fits]
     assert all(a >= b * (1 - 1e-5) for a, b in zip(speeds, speeds[1:]))  # ties (to 6 digits): the cheaper first
-    assert result.best is result.layouts[0]
+    assert result.best is next(x for x in result.layouts if x.fits and x.buildable)
 
 
 def test_link_names_and_speeds_are_checked():
@@ -197,16 +199,61 @@ def _bytes(params: Any) -> int:
 
 
 def test_a_pipeline_stage_holds_the_parameters_the_plan_gives_a_rank():
+    # a rank of a pipeline holds its stage's blocks and every weight outside the blocks (the embedding, the final
+    # norm, the head: parts/pipeline.py frees only the other stages' blocks)
     x = next(x for x in _lm_plan().layouts if (x.tensor, x.pipeline, x.activation_checkpointing) == (1, 2, False))
     model = _lm()
-    stages = [
-        [*model.embed.parameters(), *model.blocks[:2].parameters()],
-        [*model.blocks[2:].parameters(), *model.norm.parameters(), *model.head.parameters()],
-    ]
-    measured = max(_bytes(stage) for stage in stages)
-    assert abs(x.parameters_bytes - measured) <= 0.01 * measured, (x.parameters_bytes, measured)
-    # negative control: the whole model on the stage misses by half
-    assert abs(_bytes(model.parameters()) - measured) > 0.15 * measured
+    outside = [*model.embed.parameters(), *model.norm.parameters(), *model.head.parameters()]
+    measured = max(_bytes([*stage.parameters(), *outside]) for stage in (model.blocks[:2], model.blocks[2:]))
+    assert x.parameters_bytes == measured, (x.parameters_bytes, measured)
+    # negative control: the stages split as if the embedding went with the first and the head with the last
+    split = [[*model.embed.parameters(), *model.blocks[:2].parameters()], [*model.blocks[2:].parameters(),
+             *model.norm.parameters(), *model.head.parameters()]]  # fmt: skip
+    assert abs(max(_bytes(stage) for stage in split) - measured) > 0.15 * measured
+
+
+class _WideVocabulary(TransformerLM):
+    """Most of its weights in the embedding and the head; SGD with momentum (one buffer per parameter, no step
+    counter), so that the optimizer state has a hand-computed size."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab=4096, d_model=16, heads=2, layers=4)
+
+    def configure_optimizers(self) -> Any:
+        import torch
+
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_zero3_in_a_pipeline_keeps_the_weights_outside_the_blocks_whole_on_every_rank():
+    # ZeRO-3 over 2 data ranks x 2 stages: each stage's blocks sharded over its data ranks (kept gathered from the
+    # first micro-batch to the last), the embedding, final norm and head whole on every rank with their whole
+    # gradients and momentum (parts/pipeline.py: only the stages' blocks are FSDP units)
+    data = RandomTokens(batch_size=4, seq_len=8, vocab=4096)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    result = plan_layouts(_WideVocabulary, devices=4, device_memory="8GiB", batch=batch, precisions=("32-true",),
+                          strategies=("mgpu_zero3",), pipeline_schedules=("1f1b",))  # fmt: skip
+    x = next(x for x in result.layouts if (x.strategy, x.data_shard, x.pipeline, x.activation_checkpointing)
+             == ("mgpu_zero3", 2, 2, False))  # fmt: skip
+    model = _WideVocabulary()
+    outside = _bytes([*model.embed.parameters(), *model.norm.parameters(), *model.head.parameters()])
+    stage = _bytes(model.blocks[:2].parameters())  # the two stages' blocks are the same size
+    assert outside > 4 * stage
+    assert x.buildable and x.strategy_arguments["stage"] == 3
+    assert x.parameters_bytes == stage // 2 + stage + outside  # the shard, the gathered stage, the outside weights
+    assert x.optimizer_state_bytes == stage // 2 + outside  # momentum of the shard and of the outside weights
+    assert x.model_states_bytes == 3 * (stage // 2) + 3 * outside  # between steps: shards, and the outside whole
+    # negative control: the outside weights counted as the blocks are (split by the stages, sharded by the data)
+    trace = trace_step(_WideVocabulary, batch, "32-true")
+    assert trace.outside_parameters == outside
+    request = PlanRequest(devices=4, device_memory="8GiB", precisions=("32-true",), strategies=("mgpu_zero3",))
+    states, units = count_model_states(_WideVocabulary), unit_fractions(_WideVocabulary)
+    old = estimate_layouts("lm", request, states, [replace(trace, outside_parameters=0)], units, batch_size=4,
+                           schedules=("1f1b",))  # fmt: skip
+    y = next(y for y in old.layouts if (y.data_shard, y.pipeline, y.tensor) == (2, 2, 1))
+    assert x.parameters_bytes - y.parameters_bytes > 0.2 * x.parameters_bytes
+    assert y.optimizer_state_bytes < 0.5 * x.optimizer_state_bytes
 
 
 def test_a_tensor_split_counts_what_the_auto_plan_splits_as_a_rank_holds_it_under_zero3():
@@ -305,7 +352,10 @@ def test_the_command_proposes_a_pipeline_when_no_data_parallel_candidate_fits(ca
     assert cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "4", "--device-memory", "3MiB",
                      "--precisions", "32-true"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "No data-parallel candidate fits; the fastest layout that fits is" in out and " x pp " in out
+    assert (
+        "No data-parallel candidate fits; the fastest layout that fits and that the strategy builds is" in out
+        and " x pp " in out
+    )
     with pytest.raises(SystemExit) as exit_:  # nothing fits at all: the memory plan's error, as before
         cli_main(["plan", "--config", "configs/ddp.yaml", "--devices", "4", "--device-memory", "64KiB",
                   "--precisions", "32-true"])  # fmt: skip
@@ -341,24 +391,16 @@ def test_mgpu_auto_splits_the_model_only_when_no_data_parallel_candidate_fits_an
         decide_layout(_plan(tight, memory=700_000), lambda layout: None)
 
 
-def test_mgpu_auto_builds_a_layout_only_with_the_options_the_sharded_strategy_takes_and_accepts(monkeypatch):
+def test_mgpu_auto_builds_a_layout_with_the_keywords_the_sharded_settings_accept():
     import lightning_mgpu.strategies.auto as auto
 
-    class WithTensor:
-        def __init__(self, stage: int = 3, tensor_parallel_size: int = 1) -> None:
-            if stage == 1 and tensor_parallel_size > 2:
-                raise ValueError("refused")
-
-    monkeypatch.setattr(auto, "MGPUShardedStrategy", WithTensor)
-    assert auto.layout_keywords() == {"tensor_parallel_size"}
     result = _plan()
     tensor2 = _find(result, "mgpu_zero3", 1, 4, 2, 1)
     assert auto.layout_arguments(tensor2) == {"stage": 3, "tensor_parallel_size": 2}
-    assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 4, 2, 1)) == {"stage": 1, "tensor_parallel_size": 2}
-    assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 2, 4, 1)) is None  # the strategy refuses it
-    assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 4, 1, 2, "1f1b")) is None  # no pipeline option
-
-    monkeypatch.undo()  # this installation's strategy builds pipeline x tensor layouts (data replicas of both)
+    # DDP-style replicas with a tensor split: stage 1 refuses tensor parallelism, stage 2 would shard the data
+    ddp_tensor = _find(result, "mgpu_ddp", 1, 4, 2, 1)
+    assert auto.layout_arguments(ddp_tensor) is None
+    assert "tensor_parallel_size=2 needs FSDP2" in ddp_tensor.not_buildable
     pipeline_tensor = _find(result, "mgpu_ddp", 1, 2, 2, 2, "1f1b")
     assert auto.layout_arguments(pipeline_tensor) == {
         "stage": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_microbatches": 4,
@@ -370,19 +412,114 @@ def test_mgpu_auto_builds_a_layout_only_with_the_options_the_sharded_strategy_ta
         "stage": 3, "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
         "pipeline_microbatches": zero3_tensor.microbatches, "pipeline_schedule": "1f1b",
     }  # fmt: skip
-    # pipeline stages with DDP-style replicas or ZeRO-3 over the data dimension, not ZeRO-2
+    # pipeline stages with DDP-style replicas or ZeRO-3 over the data dimension, not ZeRO-1 or ZeRO-2
     pipelined = {"pipeline_parallel_size": 2, "pipeline_microbatches": 4, "pipeline_schedule": "1f1b"}
     zero3 = _find(result, "mgpu_zero3", 1, 4, 1, 2, "1f1b")
     assert auto.layout_arguments(zero3) == {"stage": 3, **pipelined, "pipeline_microbatches": zero3.microbatches}
     replicas = _find(result, "mgpu_ddp", 1, 4, 1, 2, "1f1b")
     assert auto.layout_arguments(replicas) == {"stage": 2, **pipelined, "pipeline_microbatches": replicas.microbatches}
-    assert auto.layout_arguments(_find(result, "mgpu_sharded", 1, 4, 1, 2, "1f1b")) is None
+    zero2 = _find(result, "mgpu_sharded", 1, 4, 1, 2, "1f1b")
+    assert auto.layout_arguments(zero2) is None
+    assert "stage=2 builds whole replicas over the data dimension here, not ZeRO-2 shards" in zero2.not_buildable
+    assert auto.layout_arguments(_find(result, "mgpu_zero1", 1, 4, 1, 2, "1f1b")) is None
+    # a data-parallel layout: mgpu_ddp itself (no sharded keywords), the others at their stage
+    assert auto.layout_arguments(_find(result, "mgpu_ddp", 1, 8, 1, 1)) == {}
+    hsdp = {"stage": 3, "mesh": "hybrid", "shard_size": 4}  # the planner's shard group, passed on
+    assert auto.layout_arguments(_find(result, "mgpu_hsdp", 2, 4, 1, 1)) == hsdp
+    # HSDP inside a pipeline builds (stage=3 on a hybrid mesh); no master precision inside a pipeline does
+    from dataclasses import replace
 
-    class Without:
-        def __init__(self, stage: int = 3) -> None: ...
+    from lightning_mgpu.planning.layouts import sharded_arguments
 
-    monkeypatch.setattr(auto, "MGPUShardedStrategy", Without)
-    assert auto.layout_keywords() == set() and auto.layout_arguments(tensor2) is None
+    staged = replace(zero3, strategy="mgpu_hsdp", data_replicate=2, data_shard=2)
+    assert sharded_arguments(staged) == {
+        "stage": 3, "mesh": "hybrid", "shard_size": 2, **pipelined, "pipeline_microbatches": zero3.microbatches
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"MGPUPrecision\('bf16-master'\) with pipeline_parallel_size=2 is not"):
+        sharded_arguments(replace(zero3, precision="bf16-master"))
+    assert sharded_arguments(replace(_find(result, "mgpu_ddp", 1, 8, 1, 1), precision="bf16-master")) == {}
+
+
+def test_buildability_is_what_the_sharded_settings_say(monkeypatch):
+    """No list of refused combinations in the planner: a rule the settings drop (or add) changes which layouts
+    build. Here the settings are made to accept ZeRO-3 with tensor parallelism inside a pipeline, then to refuse
+    every pipeline."""
+    import lightning_mgpu.planning.layouts as layouts
+    from lightning_mgpu.settings import ShardedSettings
+
+    class Accepting(ShardedSettings):
+        def _check_pipeline(self) -> None:
+            if self.tensor_parallel_size > 1 and self.stage == 3:
+                return
+            super()._check_pipeline()
+
+    monkeypatch.setattr(layouts, "ShardedSettings", Accepting)
+    x = _find(_plan(), "mgpu_zero3", 1, 2, 2, 2, "1f1b")
+    assert x.buildable and x.strategy_arguments["stage"] == 3
+
+    class Refusing(ShardedSettings):
+        def _check_pipeline(self) -> None:
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("pipeline_parallel_size is refused here: for this test")
+
+    monkeypatch.setattr(layouts, "ShardedSettings", Refusing)
+    assert not any(x.buildable for x in _plan().layouts if x.pipeline > 1)
+    assert all(x.buildable for x in _plan().layouts if x.pipeline == 1 and x.strategy != "mgpu_ddp" and x.tensor == 1)
+
+
+def _zero2_pipelines_fastest(**kwargs: Any) -> LayoutPlan:
+    """A plan whose fastest layout that fits is ZeRO-2 (or ZeRO-1) inside a pipeline, which the strategy does not
+    build: the activations fit only split into stages, the link within a machine is slow enough for a tensor
+    split's all-reduces to show (the data dimension's collectives still hide behind the compute), 4 stages idle
+    longer than 2, and the memory lies between the peak of ZeRO-2 over 4 data ranks x 2 stages and that of whole
+    replicas (DDP, as fast, ranked first where it fits)."""
+    tight, slow = replace(TRACE, activations=10**6, timeline=((10**6, 8000),)), Links(intra=1e-3, inter=10.0)
+    roomy = _plan(tight, links=slow)
+    ddp, zero2 = (
+        _find(roomy, s, 1, 4, 1, 2, "1f1b").predicted_peak_bytes_per_rank for s in ("mgpu_ddp", "mgpu_sharded")
+    )
+    assert zero2 < ddp
+    return _plan(tight, memory=math.ceil((zero2 + ddp) / 2 / 0.9), links=slow, **kwargs)
+
+
+def test_a_layout_the_settings_refuse_is_never_best_and_the_table_says_why(monkeypatch):
+    result = _zero2_pipelines_fastest()
+    fastest = next(x for x in result.layouts if x.fits)
+    assert not fastest.buildable and fastest.pipeline > 1 and fastest.strategy in ("mgpu_zero1", "mgpu_sharded")
+    best = result.best
+    assert best is not None and best.buildable and best.fits
+    assert all(not x.buildable for x in result.layouts[: result.layouts.index(best)] if x.fits)
+    table = result.table(top=3)
+    assert f"| 1 | {best.name} |" in table and "| 4 |" not in table  # the first row is the best
+    assert f"- {fastest.name} ({fastest.strategy}" in table and "not buildable: " in table
+    assert short_reason(fastest.not_buildable) in table
+    assert f"| {fastest.name} |" not in table
+    assert "of 42 layouts fit and 10 of those are buildable" in table  # ZeRO-3 x tensor x pipeline among them
+    # negative control: every layout taken as buildable, the refused one would have been chosen
+    import lightning_mgpu.planning.layouts as layouts
+
+    monkeypatch.setattr(layouts, "sharded_arguments", lambda layout: {})
+    unfiltered = _zero2_pipelines_fastest()
+    assert unfiltered.best is not None
+    assert (unfiltered.best.name, unfiltered.best.strategy) == (fastest.name, fastest.strategy)
+    assert "Not buildable" not in unfiltered.table() and f"| 1 | {fastest.name} |" in unfiltered.table()
+
+
+def test_mgpu_auto_never_takes_a_refused_layout():
+    import lightning_mgpu.strategies.auto as auto
+
+    result = _zero2_pipelines_fastest()
+    fastest = next(x for x in result.layouts if x.fits)
+    assert result.best is not None
+    decision = decide_layout(result, auto.layout_arguments)
+    assert decision.strategy_arguments == result.best.strategy_arguments
+    assert decision.stage not in (fastest.stage, None)
+    # negative control: a builder that builds every layout takes the refused one
+    assert decide_layout(result, _sizes).strategy_arguments["stage"] == fastest.stage
+    # nothing buildable fits (no tensor split, so no layout of one data rank): the error gives the settings' reason
+    only_zero2 = _zero2_pipelines_fastest(strategies=("mgpu_sharded",), max_tensor=1)
+    with pytest.raises(NoPlanFits, match=r"would fit, but MGPUShardedStrategy here cannot build it \(stage=2 builds"):
+        decide_layout(only_zero2, auto.layout_arguments)
 
 
 def test_flops_of_a_traced_step_count_the_matrix_products_and_the_recomputation():
