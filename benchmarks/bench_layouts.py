@@ -212,7 +212,7 @@ def main() -> None:
         seconds = time.perf_counter() - start
         best = plan.best
         rank, published = _published(plan, run)
-        first = f"{best.name}{', AC' if best.activation_checkpointing else ''}" if best else "nothing fits"
+        first = f"{best.name}{', AC' if best.activation_checkpointing else ''}" if best else "nothing buildable fits"
         cells = [
             run.label,
             run.published,

@@ -119,14 +119,15 @@ class ParallelDims:
             nodes = max(int(num_nodes), 1)
             if shard_size is None and (world_size // tensor) % nodes:
                 raise ValueError(
-                    f"mesh='hybrid' shards within each machine, but the {world_size // tensor} data ranks (world size "
-                    f"{world_size} / tensor {tensor}) do not split evenly over num_nodes={nodes}. Pass shard_size=N "
-                    f"(a divisor of {data})."
+                    f"mesh='hybrid' shards within each machine, but the {world_size // tensor} ranks of each tensor "
+                    f"coordinate (world size {world_size} / tensor {tensor}) do not split evenly over "
+                    f"num_nodes={nodes}. Pass shard_size=N (a divisor of {data})."
                 )
             size = shard_size if shard_size is not None else min(data, world_size // nodes // tensor)
             if size < 1 or data % size:
+                given = f"shard_size={size}" if shard_size is not None else f"The default shard group ({size} ranks)"
                 raise ValueError(
-                    f"shard_size={size} does not divide the {data} data ranks of each "
+                    f"{given} does not divide the {data} data ranks of each "
                     f"{'pipeline stage' if pipeline > 1 else 'tensor coordinate'} (world size {world_size} / tensor "
                     f"{tensor} / pipeline {pipeline}): the hybrid mesh needs data ranks = replicas x shard size. Pass "
                     f"a shard_size that divides {data}, or mesh='flat'."

@@ -875,10 +875,8 @@ class ShardedSettings:
             unsupported.append(f"stage={self.stage}")
         if self.backend != "torch":
             unsupported.append(f"backend={self.backend!r}")
-        if self.mesh != "flat" and (self.stage != 3 or self.tensor_parallel_size != 1):
-            with_ = [f"stage={self.stage}"] if self.stage != 3 else []
-            with_ += [f"tensor_parallel_size={self.tensor_parallel_size}"] if self.tensor_parallel_size != 1 else []
-            unsupported.append(f"mesh={self.mesh!r} with {' and '.join(with_)}")
+        if self.mesh != "flat" and self.stage != 3:
+            unsupported.append(f"mesh={self.mesh!r} with stage={self.stage}")
         if self.micro_batch_size is not None:
             unsupported.append(f"micro_batch_size={self.micro_batch_size!r}")
         if self.wrap_modules is not None:
@@ -891,9 +889,8 @@ class ShardedSettings:
                 f"stages the data dimension holds whole replicas of each stage (stage=2, the default: gradients "
                 f"all-reduced across them, as DDP does) or shards them with FSDP2 (stage=3, ZeRO-3 over the data "
                 f"dimension, or HSDP with mesh='hybrid'); stage=1 inside it is not implemented yet, sharded "
-                f"checkpoints (checkpoint='sharded') are written at stage=3 only, and HSDP does not compose with "
-                f"tensor parallelism within a stage yet. Remove {', '.join(unsupported)} (keep stage=2 or 3, "
-                f"backend='torch', mesh='flat' or, at stage=3 without tensor_parallel_size, 'hybrid', "
+                f"checkpoints (checkpoint='sharded') are written at stage=3 only. Remove {', '.join(unsupported)} "
+                f"(keep stage=2 or 3, backend='torch', mesh='flat' or, at stage=3, 'hybrid', "
                 f"checkpoint='consolidated' or, at stage=3, 'sharded'), or train without pipeline_parallel_size."
             )
 

@@ -13,6 +13,7 @@ by ``max_norm / (total + 1e-6)`` clamped at 1, as ``clip_grad_norm_`` does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
@@ -79,7 +80,7 @@ class GlobalNormClipping:
         ranks = torch.distributed.get_world_size(self.group) if self.weight_copies and comm.group_is_up() else 1
         for g, shard in zip(grads, local):
             norm = torch.linalg.vector_norm(shard, dtype=dtype) ** 2
-            squared += norm / _copies(g, ranks) if self.weight_copies else norm
+            squared += norm / copies_among(g, ranks) if self.weight_copies else norm
         if comm.group_is_up():
             comm.all_reduce(squared, group=self.group, ledger=self.ledger)
         return squared.sqrt()
@@ -99,18 +100,26 @@ class GlobalNormClipping:
         return total
 
 
-def _copies(grad: Tensor, ranks: int) -> int:
-    """How many of the ``ranks`` ranks hold the same local shard of ``grad``: ``ranks`` over the number of
-    distinct shards (the product of its mesh's sizes along the dimensions it is sharded on); the ranks outside its
-    mesh (a layer FSDP shards over the data dimension only, seen by every tensor-parallel rank) hold copies too.
-    1 for a plain tensor, of which each rank holds a distinct share."""
+def copies_among(grad: Tensor, ranks: int, plain: int = 1) -> int:
+    """How many of ``ranks`` ranks, which all hold ``grad``'s parameter, hold the same values of ``grad``: for a
+    ``DTensor``, ``ranks`` over its distinct pieces (the product of its mesh's sizes over the placements that
+    neither replicate nor hold partial sums: ``Shard``, and the strided shard FSDP2 puts over the data dimension of
+    a tensor-parallel weight), so that the replicas of a hybrid mesh, the tensor-parallel ranks of a layer that is
+    not split, and the ranks outside its mesh count as copies; ``plain`` for a plain tensor (1 where each rank's
+    tensor is a distinct share, ``ranks`` where every rank holds it whole).
+
+    Example:
+
+        >>> import torch
+        >>> copies_among(torch.zeros(3), ranks=4), copies_among(torch.zeros(3), ranks=4, plain=4)
+        (1, 4)
+    """
     from torch.distributed.tensor import DTensor
 
     if not isinstance(grad, DTensor):
-        return 1
+        return plain
     mesh = grad.device_mesh
-    distinct = 1
-    for dim, placement in enumerate(grad.placements):
-        if placement.is_shard() or type(placement).__name__ == "_StridedShard":
-            distinct *= mesh.size(dim)
+    distinct = math.prod(
+        mesh.size(d) for d, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial())
+    )
     return max(ranks // distinct, 1)

@@ -90,9 +90,9 @@ from torch.optim import Optimizer
 
 from lightning_mgpu import _compat, comm
 from lightning_mgpu.comm import CommStats
-from lightning_mgpu.mesh import DATA_PARALLEL, PIPELINE, ParallelDims, ParallelMesh
+from lightning_mgpu.mesh import DATA_PARALLEL, PIPELINE, TENSOR_PARALLEL, ParallelDims, ParallelMesh
 from lightning_mgpu.parts.accumulation import BackwardSyncControl
-from lightning_mgpu.parts.clipping import GlobalNormClipping
+from lightning_mgpu.parts.clipping import GlobalNormClipping, copies_among
 from lightning_mgpu.parts.sharding import ShardingBackend, optimizer_params
 from lightning_mgpu.parts.token_loss import TokenNormalization
 
@@ -322,6 +322,10 @@ def check_loader_batches(loader: Any, m: int, batches_run: float) -> None:
     except TypeError:
         return
     size = loader.batch_size
+    if samples < size:  # one batch, of every sample (none with drop_last)
+        if loader.drop_last or not samples or samples % m == 0:
+            return
+        size = samples
     last = 0 if loader.drop_last else samples % size
     if size % m == 0 and (not last or last % m == 0 or batches_run < len(loader)):
         return
@@ -426,26 +430,10 @@ def _like(param: Tensor, local: Tensor) -> Tensor:
     )
 
 
-def _copies_among(grad: Tensor, ranks: int) -> int:
-    """How many of a group of ``ranks`` ranks, which all hold ``grad``'s parameter, hold the same values of
-    ``grad``: ``ranks`` for a plain tensor (a weight the tensor plan leaves whole), ``ranks`` over the number of
-    distinct pieces for a ``DTensor``: the product of its mesh's sizes over the placements that neither replicate
-    nor hold partial sums (``Shard``, and the strided shard FSDP2 puts over the data dimension of a tensor-parallel
-    weight; HSDP's replicas hold the same shard)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(grad, DTensor):
-        return ranks
-    distinct = math.prod(
-        grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial())
-    )
-    return max(ranks // distinct, 1)
-
-
 def _over_data(param: Tensor) -> int:
     """The elements of ``param`` the data dimension shards (``stage=3``): all of them, or this rank's tensor shard
-    of them where the tensor-parallel plan splits ``param`` (a ``DTensor`` sharded over a dimension of its mesh
-    other than ``data_parallel``)."""
+    of them where the tensor-parallel plan splits ``param`` (a ``DTensor`` sharded over the ``tensor_parallel``
+    dimension of its mesh; its data dimensions, flat or HSDP's two, do not count)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(param, DTensor):
@@ -454,7 +442,7 @@ def _over_data(param: Tensor) -> int:
     split = math.prod(
         param.device_mesh.size(d)
         for d, p in enumerate(param.placements)
-        if not (p.is_replicate() or p.is_partial()) and (names[d] if d < len(names) else None) != DATA_PARALLEL
+        if not (p.is_replicate() or p.is_partial()) and (names[d] if d < len(names) else None) == TENSOR_PARALLEL
     )
     return param.numel() // split
 
@@ -480,7 +468,7 @@ class _CopiesWeightedClipping(GlobalNormClipping):
         squared = torch.zeros((), dtype=torch.float64, device=device)
         for g in grads:
             norm = torch.linalg.vector_norm(comm.local_shard(g), dtype=torch.float64) ** 2
-            squared += norm / (_copies_among(g, self.ranks) * self.replicas)
+            squared += norm / (copies_among(g, self.ranks, plain=self.ranks) * self.replicas)
         comm.all_reduce(squared, group=None, ledger=self.ledger)
         return squared.sqrt()
 
@@ -836,10 +824,11 @@ class PipelineBackend(ShardingBackend):
     def _sharded_norm_clipping(self, ledger: CommStats) -> GlobalNormClipping:
         """``stage=3``: the squared norm summed over every rank, each gradient weighted by ``1 / (the ranks of its
         stage holding the same values)``. A stage's ranks are its data x tensor ranks; a gradient's copies among
-        them are their number over its distinct pieces (:func:`_copies_among`): 1 for a block's weight sharded over
-        flat data (and split by the tensor plan), HSDP's replicas for one sharded within a shard group, the tensor
-        size for one sharded over data only (a layer the plan leaves whole, a row-wise bias), data x tensor over the
-        plan's split for the weights outside the blocks (replicated over data), counted on the first stage only."""
+        them are their number over its distinct pieces (:func:`~lightning_mgpu.parts.clipping.copies_among`): 1 for
+        a block's weight sharded over flat data (and split by the tensor plan), HSDP's replicas for one sharded within
+        a shard group, the tensor size for one sharded over data only (a layer the plan leaves whole, a row-wise
+        bias), data x tensor over the plan's split for the weights outside the blocks (replicated over data), counted
+        on the first stage only."""
         assert self.dims is not None
         owned = {id(p) for p in self._sharded_params}
         shared = {id(p) for p in self._shared_params()}
@@ -848,7 +837,7 @@ class PipelineBackend(ShardingBackend):
             ledger,
             replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
             count_replicated=self.pipeline_index == 0,
-            ranks=self.dims.data_parallel * self.dims.tensor,  # the stage's ranks: _copies_among counts among them
+            ranks=self.dims.data_parallel * self.dims.tensor,  # the stage's ranks: copies are counted among them
             replicas=1,
         )
 
@@ -1254,6 +1243,10 @@ class PipelineBackend(ShardingBackend):
         self._loss_scale = float(scale)
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
+        # a half loss times the loss scale in float32, as torch's GradScaler.scale does (in half it overflows at
+        # 65504 where one process does not)
+        if self._loss_scale != 1.0 and output.dtype in (torch.float16, torch.bfloat16):
+            output = output.float()
         return output * (self._scale * self._loss_scale)
 
     # --- the stages, built once per micro-batch shape -------------------------------------------------------

@@ -1056,12 +1056,24 @@ def test_zero3_inside_the_pipeline_validates_unevenly_mid_epoch(tmp_path: Path) 
 
 
 class ShardCopiesCountedTwice(PipelineBackend):
-    """Negative control for HSDP: the clipping norm counts each shard on both replicas that hold it (and the weights
-    outside the blocks on both data ranks of the first stage)."""
+    """Negative control for HSDP: the clipping norm counts each shard whole on both replicas that hold it (the
+    weights outside the blocks still once)."""
 
     def _sharded_norm_clipping(self, ledger: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
         clipping = super()._sharded_norm_clipping(ledger)
-        clipping.ranks = self.dims.data_shard
+        ranks = clipping.ranks
+
+        def total_norm(grads: Any) -> torch.Tensor:
+            squared = torch.zeros((), dtype=torch.float64)
+            for g in grads:
+                local = g.to_local() if isinstance(g, DTensor) else g
+                squared += local.double().pow(2).sum() / (1 if isinstance(g, DTensor) else ranks)
+            torch.distributed.all_reduce(squared)
+            return squared.sqrt()
+
+        clipping.total_norm = total_norm
         return clipping
 
 

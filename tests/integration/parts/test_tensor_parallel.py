@@ -1031,3 +1031,23 @@ def test_zero3_pipeline_tensor_schedules_equal_one_process(
     assert all((r["graphs"] > 0) == compile for r in records)  # torch.compile compiled graphs on every rank
     _assert_weights(records, expected)
     assert _differs(records, reference(make(), token_data(), data_ranks=data, accumulate=accumulate)[0])
+
+
+@pytest.mark.slow
+def test_hsdp_pipeline2_tensor2_equals_one_process(tmp_path: Path):
+    # 8 processes: pipeline 2 x HSDP (2 replicas x 1 shard) x tensor 2, 1F1B, k = 3, clipping that bites every step:
+    # the norm weighs each gradient by 1 / (the stage's ranks holding its values), both replicas of a shard included
+    world = 2 * WORLD
+    strategy = MGPUShardedStrategy(
+        stage=3, mesh="hybrid", shard_size=1, pipeline_parallel_size=2, tensor_parallel_size=2,
+        pipeline_microbatches=2, start_method="fork",
+    )  # fmt: skip
+    records = _fit_stages(tmp_path / "pp", strategy, world, TPModule(bias=True), accumulate_grad_batches=3)
+    expected, norms = reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3, clip=PP_CLIP)
+    assert records[0]["step"] == len(norms) == 2 and min(norms) > 2 * PP_CLIP  # every step is clipped
+    _assert_weights(records, expected)
+    assert _differs(records, reference(TPModule(bias=True), token_data(), data_ranks=[2], accumulate=3)[0])
+    for rank, record in enumerate(records):  # shard groups of 1: each rank holds its tensor split whole
+        own = 0 if rank < WORLD else 1
+        assert record["local"][f"model.layers.{own}.attention.wq.weight"] == 8 * 8 // 2
+        assert record["local"][f"model.layers.{1 - own}.attention.wq.weight"] == 0  # the other stage's: freed

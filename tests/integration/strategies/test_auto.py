@@ -329,10 +329,7 @@ def test_mgpu_auto_splits_the_model_when_no_data_parallel_candidate_fits_where_t
         accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
     )  # fmt: skip
-    if not built:  # this MGPUShardedStrategy takes no tensor/pipeline option
-        with pytest.raises(Exception, match=r"would fit, but MGPUShardedStrategy here cannot build it"):
-            trainer.fit(model(), data())
-        return
+    assert built, "a split layout the strategy builds fits between the two peaks"
     trainer.fit(model(), data())
     decision = trainer.strategy.auto_decision
     assert decision.tensor_parallel_size * decision.pipeline_parallel_size > 1

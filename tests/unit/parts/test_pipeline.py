@@ -91,6 +91,9 @@ def test_a_training_loader_whose_last_batch_does_not_split_is_refused_before_its
     check_loader_batches(DataLoader(range(14), batch_size=4), m=2, batches_run=4)  # a last batch of 2 splits
     check_loader_batches(DataLoader(range(13), batch_size=4), m=2, batches_run=1)  # fast_dev_run: never reached
     check_loader_batches([torch.zeros(3)], m=2, batches_run=1)  # not a DataLoader: checked batch by batch
+    check_loader_batches(DataLoader(range(4), batch_size=5), m=2, batches_run=1)  # its one batch holds 4
+    with pytest.raises(PipelineError, match=r"give a batch of 3\."):
+        check_loader_batches(DataLoader(range(3), batch_size=5), m=2, batches_run=1)
 
 
 def test_logged_values_combine_over_micro_batches_with_their_reduce_fx():
