@@ -716,6 +716,33 @@ def _resume_on_one_process(_: int, tmp_path: Path, name: str = "pp_tp.ckpt", che
                 accumulate_grad_batches=3, ckpt_path=str(tmp_path / name))  # fmt: skip
 
 
+def _assert_validated_saved_and_resumed(
+    records: list[dict[str, Any]], expected: dict[str, Any], tmp_path: Path, ckpt: str, strategy: Any, data: int
+) -> None:
+    """After a pipeline x tensor fit of ``data`` data ranks (k = 3): the validation at the end of the epoch ran
+    through the stages (the one-process loss of the trained weights); the consolidated checkpoint ``ckpt`` holds
+    one process's whole tensors and resumes on one process as the uninterrupted run (its optimizer state gathered
+    over the stages, the data shards and the tensor shards); and back, one process's checkpoint resumed by
+    ``strategy`` (whole tensors and optimizer state cut into its pieces) continues as that run too."""
+    model = TPModule(bias=True).model
+    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
+    with torch.no_grad():
+        one_process = float(lm_loss(model, indexed_data().tensors[0]))
+    assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in records)
+    saved = torch.load(tmp_path / ckpt, weights_only=False)
+    for name, value in expected.items():
+        torch.testing.assert_close(saved["state_dict"][name], value, msg=name)
+    mp.start_processes(_resume_on_one_process, args=(tmp_path, ckpt), nprocs=1, start_method="fork")
+    resumed = torch.load(tmp_path / "one" / "stage0.pt", weights_only=False)
+    uninterrupted, _ = reference(TPModule(bias=True), token_data(), data_ranks=[data, 1], accumulate=3, clip=PP_CLIP)
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed["state"][name], value, msg=name)
+    back = _fit_stages(tmp_path / "back", strategy, len(records), TPModule(bias=True), epochs=3,
+                       accumulate_grad_batches=3, ckpt_path=str(tmp_path / "one.ckpt"))  # fmt: skip
+    three, _ = reference(TPModule(bias=True), token_data(), data_ranks=[data, 1, data], accumulate=3, clip=PP_CLIP)
+    _assert_weights(back, three)
+
+
 def test_pipeline2_tensor2_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_path: Path):
     # pipeline 2 x tensor 2 (data 1), 1F1B, k = 3, clipping that bites (the norm over both stages and both tensor
     # shards, the replicated norms and row-wise biases counted once), the auto plan, biases in every linear layer
@@ -741,29 +768,7 @@ def test_pipeline2_tensor2_equals_one_process_and_its_checkpoint_resumes_on_one_
         assert local[f"model.layers.{own}.feed_forward.w2.weight"] == 8 * 16 // 2  # rowwise: half the columns
         assert local[f"model.layers.{own}.attention_norm.weight"] == 8  # whole on each tensor rank
         assert local["model.tok_embeddings.weight"] == VOCAB * 8
-    # the validation at the end of the epoch ran through the stages: the one-process loss of the trained weights
-    model = TPModule(bias=True).model
-    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
-    with torch.no_grad():
-        one_process = float(lm_loss(model, indexed_data().tensors[0]))
-    assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in records)
-    # the consolidated checkpoint holds one process's whole tensors, and resumes on one process as an uninterrupted
-    # run (its optimizer state gathered from the stages and the tensor shards)
-    saved = torch.load(tmp_path / "pp_tp.ckpt", weights_only=False)
-    for name, value in expected.items():
-        torch.testing.assert_close(saved["state_dict"][name], value, msg=name)
-    mp.start_processes(_resume_on_one_process, args=(tmp_path,), nprocs=1, start_method="fork")
-    resumed = torch.load(tmp_path / "one" / "stage0.pt", weights_only=False)
-    uninterrupted, _ = reference(TPModule(bias=True), token_data(), data_ranks=[1, 1], accumulate=3, clip=PP_CLIP)
-    for name, value in uninterrupted.items():
-        torch.testing.assert_close(resumed["state"][name], value, msg=name)
-    # and back: one process's checkpoint (whole tensors, whole optimizer state) resumed at pipeline 2 x tensor 2
-    back = _fit_stages(tmp_path / "back", _pipeline_tensor("1f1b"), WORLD, TPModule(bias=True), epochs=3,
-                       accumulate_grad_batches=3, ckpt_path=str(tmp_path / "one.ckpt"))  # fmt: skip
-    three, _ = reference(TPModule(bias=True), token_data(), data_ranks=[1, 1, 1], accumulate=3, clip=PP_CLIP)
-    for record in back:
-        for name, value in three.items():
-            torch.testing.assert_close(record["state"][name], value, msg=name)
+    _assert_validated_saved_and_resumed(records, expected, tmp_path, "pp_tp.ckpt", _pipeline_tensor("1f1b"), 1)
 
 
 # (schedule, k, plan, devices, compile): GPipe with a plan of yours (the MLPs split, the attention whole);
@@ -950,27 +955,7 @@ def test_zero3_pipeline2_data2_tensor2_equals_one_process_and_its_checkpoint_res
         # one reduce-scatter per optimizer step of this rank's tensor shards of its stage's whole gradients (float64)
         handed = sum(2 * n for name, n in local.items() if name.startswith(f"model.layers.{own}."))
         assert (record["ledger"].sync_rounds, record["ledger"].round_bytes) == (2, 2 * 8 * handed)
-    # the validation at the end of the epoch ran through the stages: the one-process loss of the trained weights
-    model = TPModule(bias=True).model
-    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
-    with torch.no_grad():
-        one_process = float(lm_loss(model, indexed_data().tensors[0]))
-    assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in records)
-    # the consolidated checkpoint holds one process's whole tensors and resumes on one process as an uninterrupted
-    # run (the optimizer state gathered over the stages, the data shards and the tensor shards)
-    saved = torch.load(tmp_path / "pp.ckpt", weights_only=False)
-    for name, value in expected.items():
-        torch.testing.assert_close(saved["state_dict"][name], value, msg=name)
-    mp.start_processes(_resume_on_one_process, args=(tmp_path, "pp.ckpt"), nprocs=1, start_method="fork")
-    resumed = torch.load(tmp_path / "one" / "stage0.pt", weights_only=False)
-    uninterrupted, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2, 1], accumulate=3, clip=PP_CLIP)
-    for name, value in uninterrupted.items():
-        torch.testing.assert_close(resumed["state"][name], value, msg=name)
-    # and back: one process's checkpoint (whole tensors and optimizer state) cut into the data x tensor shards
-    back = _fit_stages(tmp_path / "back", _zero3_pipeline_tensor(), world, TPModule(bias=True), epochs=3,
-                       accumulate_grad_batches=3, ckpt_path=str(tmp_path / "one.ckpt"))  # fmt: skip
-    three, _ = reference(TPModule(bias=True), token_data(), data_ranks=[2, 1, 2], accumulate=3, clip=PP_CLIP)
-    _assert_weights(back, three)
+    _assert_validated_saved_and_resumed(records, expected, tmp_path, "pp.ckpt", _zero3_pipeline_tensor(), 2)
     # negative control: a norm that counts the split weights' shards over data as copies fails the comparison
     miscounted = StridedShardMiscounted(
         stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=2, start_method="fork"
