@@ -44,6 +44,9 @@ class GlobalNormClipping:
             (where ``count_replicated``, on one rank of the group).
         norm_dtype: the dtype of the squared norm's all-reduce, where a rank may hold no gradient (the same on
             every rank); None: float64 if any local gradient is, else float32.
+        copies: each gradient's number of ranks of ``group`` holding its values, where the group's size does not
+            give it (the pipeline's stages hold different parameters: :func:`copies_among` over a stage's ranks);
+            each adds ``1 / copies`` of its squared norm. Takes the place of ``weight_copies``.
 
     Example::
 
@@ -60,8 +63,10 @@ class GlobalNormClipping:
         count_replicated: bool = True,
         norm_dtype: Optional[torch.dtype] = None,
         weight_copies: bool = False,
+        copies: Optional[Callable[[Tensor], int]] = None,
     ) -> None:
         self.share_of = share_of
+        self.copies = copies
         self.group = group
         self.ledger = ledger
         self.weight_copies = weight_copies
@@ -80,7 +85,11 @@ class GlobalNormClipping:
         ranks = torch.distributed.get_world_size(self.group) if self.weight_copies and comm.group_is_up() else 1
         for g, shard in zip(grads, local):
             norm = torch.linalg.vector_norm(shard, dtype=dtype) ** 2
-            squared += norm / copies_among(g, ranks) if self.weight_copies else norm
+            if self.copies is not None:
+                norm = norm / self.copies(g)
+            elif self.weight_copies:
+                norm = norm / copies_among(g, ranks)
+            squared += norm
         if comm.group_is_up():
             comm.all_reduce(squared, group=self.group, ledger=self.ledger)
         return squared.sqrt()

@@ -447,30 +447,12 @@ def _over_data(param: Tensor) -> int:
     return param.numel() // split
 
 
-class _CopiesWeightedClipping(GlobalNormClipping):
-    """:class:`GlobalNormClipping` over every rank (the default group) where some ranks hold copies of the same
-    gradient values: each adds ``1 / copies`` of its squared norm, the copies counted among the ``ranks`` that hold
-    a parameter (its tensor group with tensor parallelism, its data group at ``stage=3``), times the ``replicas``
-    that hold equal gradients after the sync (:meth:`PipelineBackend._tensor_parallel_clipping`,
-    :meth:`PipelineBackend._sharded_norm_clipping`)."""
-
-    def __init__(
-        self, share_of: Any, ledger: CommStats, replicated: Any, count_replicated: bool, ranks: int, replicas: int
-    ) -> None:
-        super().__init__(
-            share_of, None, ledger, replicated=replicated, count_replicated=count_replicated, norm_dtype=torch.float64
-        )
-        self.ranks, self.replicas = ranks, replicas
-
-    def total_norm(self, grads: Any) -> Tensor:
-        grads = list(grads)
-        device = comm.local_shard(grads[0]).device if grads else comm.collective_device(None)
-        squared = torch.zeros((), dtype=torch.float64, device=device)
-        for g in grads:
-            norm = torch.linalg.vector_norm(comm.local_shard(g), dtype=torch.float64) ** 2
-            squared += norm / (copies_among(g, self.ranks, plain=self.ranks) * self.replicas)
-        comm.all_reduce(squared, group=None, ledger=self.ledger)
-        return squared.sqrt()
+def _copies_over(ranks: int, replicas: int) -> Callable[[Tensor], int]:
+    """Each gradient's copies over every rank where the ``ranks`` that hold its parameter (its tensor group with
+    tensor parallelism, its stage's data x tensor ranks at ``stage=3``) may hold copies of it
+    (:func:`~lightning_mgpu.parts.clipping.copies_among`, a plain tensor whole on each of them), times the
+    ``replicas`` that hold equal gradients after the sync."""
+    return lambda grad: copies_among(grad, ranks, plain=ranks) * replicas
 
 
 class _ChunkedStage(PipelineStage):
@@ -741,13 +723,14 @@ class PipelineBackend(ShardingBackend):
         assert self.dims is not None
         owned = {id(p) for p in self._owned_params()}
         shared = {id(p) for p in self._shared_params()}
-        return _CopiesWeightedClipping(
+        return GlobalNormClipping(
             lambda opt: [p for p in optimizer_params(opt) if id(p) in owned],
+            None,
             ledger,
             replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
             count_replicated=self.pipeline_index == 0,
-            ranks=self.dims.tensor,
-            replicas=self.dims.data_parallel,
+            norm_dtype=torch.float64,  # a stage may hold no gradient: every rank the same dtype
+            copies=_copies_over(self.dims.tensor, self.dims.data_parallel),
         )
 
     # --- stage=3: ZeRO-3 over the data dimension, each local stage one FSDP2 unit -----------------------------
@@ -832,13 +815,14 @@ class PipelineBackend(ShardingBackend):
         assert self.dims is not None
         owned = {id(p) for p in self._sharded_params}
         shared = {id(p) for p in self._shared_params()}
-        return _CopiesWeightedClipping(
+        return GlobalNormClipping(
             lambda opt: [p for p in optimizer_params(opt) if id(p) in owned],
+            None,
             ledger,
             replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
             count_replicated=self.pipeline_index == 0,
-            ranks=self.dims.data_parallel * self.dims.tensor,  # the stage's ranks: copies are counted among them
-            replicas=1,
+            norm_dtype=torch.float64,  # a stage may hold no gradient: every rank the same dtype
+            copies=_copies_over(self.dims.data_parallel * self.dims.tensor, 1),  # copies among the stage's ranks
         )
 
     @staticmethod

@@ -1002,7 +1002,7 @@ class ReplicatedCountedTwice(PipelineBackend):
 
     def _sharded_norm_clipping(self, ledger: Any) -> Any:
         clipping = super()._sharded_norm_clipping(ledger)
-        clipping.ranks = 1  # no copies: the weights outside the blocks counted whole by both data ranks of stage 0
+        clipping.copies = lambda grad: 1  # no copies: the weights outside the blocks whole on both ranks of stage 0
         return clipping
 
 
@@ -1063,7 +1063,7 @@ class ShardCopiesCountedTwice(PipelineBackend):
         from torch.distributed.tensor import DTensor
 
         clipping = super()._sharded_norm_clipping(ledger)
-        ranks = clipping.ranks
+        ranks = self.dims.data_parallel * self.dims.tensor  # the stage's ranks
 
         def total_norm(grads: Any) -> torch.Tensor:
             squared = torch.zeros((), dtype=torch.float64)

@@ -903,7 +903,7 @@ class StridedShardCountedAsCopies(PipelineBackend):
 
     def _sharded_norm_clipping(self, ledger: Any) -> Any:
         clipping = super()._sharded_norm_clipping(ledger)
-        ranks = clipping.ranks  # the stage's data x tensor ranks
+        ranks = self.dims.data_parallel * self.dims.tensor  # the stage's data x tensor ranks
 
         def total_norm(grads: Any) -> torch.Tensor:
             squared = torch.zeros((), dtype=torch.float64)
