@@ -24,6 +24,9 @@ or ``lightning-mgpu[pytorch-lightning]``). With both, ``lightning_mgpu`` serves 
 another name of the same modules: ``from lightning_mgpu import MGPUDDPStrategy`` and ``from
 lightning_mgpu.lightning import MGPUDDPStrategy`` give one class, for ``lightning.Trainer``. With neither, ``import
 lightning_mgpu`` raises an ``ImportError`` naming both install lines.
+It also refuses, with an ``ImportError`` naming the upgrade line, a Lightning release older than
+:data:`OLDEST_LIGHTNING` (:func:`unsafe_lightning_releases`): the declared range starts there for safety, not for
+features.
 ``import lightning_mgpu`` imports the ``lightning`` copy too when ``lightning`` is installed, so the preset
 names are registered in both namespaces whichever Trainer the user builds. The copy is a real package:
 ``lightning_mgpu.lightning.MGPUDDPStrategy`` pickles and unpickles (spawn launches) by its module path.
@@ -36,17 +39,21 @@ from __future__ import annotations
 import ast
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any, Optional
 
 __all__ = [
+    "COMPROMISED_LIGHTNING",
     "LIGHTNING_ONLY_RENAMES",
     "LIGHTNING_RENAMES",
     "NO_LIGHTNING",
+    "OLDEST_LIGHTNING",
     "AliasFinder",
     "MirrorFinder",
     "install",
@@ -55,6 +62,7 @@ __all__ = [
     "rewrite_imports",
     "setup_namespaces",
     "two_namespaces",
+    "unsafe_lightning_releases",
 ]
 
 #: top-level module renames that turn the ``pytorch_lightning`` copy into the ``lightning`` one
@@ -77,6 +85,56 @@ NO_LIGHTNING = (
     "pip install 'lightning-mgpu[lightning]' (or pip install lightning); with `import pytorch_lightning as pl`: "
     "pip install 'lightning-mgpu[pytorch-lightning]' (or pip install pytorch-lightning)."
 )
+
+#: The oldest Lightning release the pack accepts, in both distributions (``lightning``, ``pytorch-lightning``) and
+#: in ``lightning-fabric`` where it is installed on its own. 2.6.6 fixed arbitrary code execution through a
+#: checkpoint's hyper-parameters in ``load_from_checkpoint``, even under ``weights_only=True`` (advisory
+#: GHSA-qqmf-gpg7-g8gw, CVE-2026-58659): the pack's guides treat a checkpoint as data, which holds only from 2.6.6 on.
+OLDEST_LIGHTNING = "2.6.6"
+
+#: Releases that were published with a credential-stealing payload (advisory GHSA-w37p-236h-pfx3): an environment
+#: that has one installed has already run it, so the message says to rotate credentials, not only to upgrade.
+COMPROMISED_LIGHTNING = frozenset({"2.6.2", "2.6.3"})
+
+_LIGHTNING_DISTRIBUTIONS = ("lightning", "pytorch-lightning", "lightning-fabric")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers of ``version`` (``"2.6.6rc1"`` -> ``(2, 6, 6)``): enough to order Lightning's releases
+    without importing ``packaging`` before the user's Lightning."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def unsafe_lightning_releases(version_of: Optional[Any] = None) -> Optional[str]:
+    """The message refusing the installed Lightning distributions older than :data:`OLDEST_LIGHTNING` (naming each,
+    the advisory and the upgrade line), or ``None`` when every installed one is safe. ``version_of`` maps a
+    distribution name to its version and raises ``PackageNotFoundError`` for a missing one (default:
+    ``importlib.metadata.version``)."""
+    version_of = version_of or importlib.metadata.version
+    found = {}
+    for name in _LIGHTNING_DISTRIBUTIONS:
+        try:
+            found[name] = version_of(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    old = {name: v for name, v in found.items() if _release(v) < _release(OLDEST_LIGHTNING)}
+    if not old:
+        return None
+    listed = ", ".join(f"{name} {v}" for name, v in old.items())
+    upgrade = "pip install --upgrade " + " ".join(f"'{name}>={OLDEST_LIGHTNING}'" for name in old)
+    message = (
+        f"lightning-mgpu refuses {listed}: releases before {OLDEST_LIGHTNING} let a checkpoint's hyper-parameters "
+        f"run arbitrary code in load_from_checkpoint, even with weights_only=True (advisory GHSA-qqmf-gpg7-g8gw). "
+        f"Upgrade: {upgrade}"
+    )
+    compromised = sorted(f"{name} {v}" for name, v in old.items() if v in COMPROMISED_LIGHTNING)
+    if compromised:
+        message += (
+            f". {', '.join(compromised)} was published with a credential-stealing payload (advisory "
+            f"GHSA-w37p-236h-pfx3) that ran when it was installed: uninstall it, and rotate the credentials "
+            f"(cloud keys, tokens, SSH keys) this environment could read"
+        )
+    return message + "."
 
 
 def _renamed(module: str, renames: Mapping[str, str]) -> Optional[str]:
@@ -260,8 +318,12 @@ def two_namespaces() -> bool:
 def setup_namespaces(package: str, directory: str) -> bool:
     """Install the finders of ``package`` (``"lightning_mgpu"``, whose files are in ``directory``) for the
     Lightning distributions installed; see the module docstring. Returns :func:`two_namespaces`. Raises
-    ``ImportError`` (:data:`NO_LIGHTNING`) when neither is installed."""
+    ``ImportError`` (:data:`NO_LIGHTNING`) when neither is installed, and when one is older than
+    :data:`OLDEST_LIGHTNING` (:func:`unsafe_lightning_releases`)."""
     global _TWO_NAMESPACES
+    unsafe = unsafe_lightning_releases()
+    if unsafe is not None:
+        raise ImportError(unsafe, name=package)
     if pytorch_lightning_available():
         install(MirrorFinder(package, f"{package}.lightning", [directory], requires="lightning"))
         _TWO_NAMESPACES = True
