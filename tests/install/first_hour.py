@@ -2,7 +2,8 @@
 virtual environment's interpreter): a module written the way a tutorial writes one, in a folder of its own (its
 datasets kept as attributes, `import lightning as L` or `import pytorch_lightning as pl`), then
 
-1. a script: `Trainer(strategy="mgpu_ddp", devices=2)`, fit and test, the ledger printed once;
+1. a script: `Trainer(strategy="mgpu_ddp", devices=2)`, fit and test, the ledger printed once; then the README's
+   example of the namespace, as written;
 2. the command with a config written as the docs write it (`lightning_mgpu.DeviceMonitor`, `lightning_mgpu.
    MGPUDDPStrategy`, `pytorch_lightning.callbacks.ModelCheckpoint`, whatever the module's namespace);
 3. a notebook (nbclient, a Jupyter kernel) with `mgpu_ddp_notebook`;
@@ -147,6 +148,16 @@ def accuracy(name: str, text: str, label: str) -> float:
     return value
 
 
+def readme_example(namespace: str) -> str:
+    """The README's example for ``namespace`` (its ```python block that starts with the namespace's import)."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    first = "import lightning as L\n" if namespace == "lightning" else "import pytorch_lightning as pl\n"
+    examples = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S) if b.startswith(first)]
+    if len(examples) != 1:
+        fail(f"README: {len(examples)} examples start with {first.strip()!r}, expected 1", text)
+    return examples[0]
+
+
 def run(name: str, cmd: list[str], cwd: Path, timeout: float = 600) -> str:
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -178,6 +189,9 @@ def main() -> None:
     if out.count("ledger ") != 1:
         fail("script: the ledger is not printed once", out)
     print(f"[first hour] script: test_acc {acc}, float32, one ledger line")
+
+    (folder / "readme_example.py").write_text(readme_example(namespace))
+    run(f"the README's {import_line} example", [python, "readme_example.py"], folder)
 
     out = run("lightning-mgpu fit --config cfg.yaml", [command, "fit", "--config", "cfg.yaml"], folder)
     if "lightning-mgpu fit: MGPUDDPStrategy on 2 process(es)" not in out:
