@@ -26,7 +26,7 @@ NEWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/pytho
 OLDEST_TORCH ?= torch==2.11.0
 OLDEST_TORCH_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3.12) python3.12)
 
-.PHONY: setup train test test-suite test-slow test-gpu-cpu test-compat test-install test-compat-oldest test-compat-cuda test-compat-torch-oldest test-gpu bench-gpu gpu-proof gpu-wheels bench lint notebooks docs test-lightning
+.PHONY: setup train test test-profile test-suite test-slow test-gpu-cpu test-compat test-install test-compat-oldest test-compat-cuda test-compat-torch-oldest test-gpu bench-gpu gpu-proof gpu-wheels bench lint notebooks docs test-lightning
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,22 @@ train: $(STAMP)
 # suite (`pytest`: everything but the `slow` marker) and the slow tests (launches of every kind, notebooks, the docs'
 # examples, the numerics matrix in the lower precisions), then the GPU tier's CPU checks, then the compatibility
 # tiers, then the install check, then the docs site.
-test: lint test-suite test-slow test-gpu-cpu test-compat test-install docs
+# Each tier prints its time as it finishes ("[make test] TIER: N s"), and the list comes again at the end: the
+# profile of the run by tier (`make test-profile` profiles the tests within one).
+TEST_TIERS := lint test-suite test-slow test-gpu-cpu test-compat test-install docs
+test: $(STAMP)
+	@rm -f .test-times; for tier in $(TEST_TIERS); do start=$$(date +%s); \
+		$(MAKE) --no-print-directory $$tier || exit 1; \
+		echo "[make test] $$tier: $$(( $$(date +%s) - start )) s" | tee -a .test-times; done; \
+	echo "[make test] every tier passed:"; cat .test-times
+
+# Where the suite's time goes (tests/suite_profile.py): the default suite (or PROFILE_ARGS, e.g. "-m slow") with the
+# profiling plugin, then the 30 slowest tests and files with their share of the run and what each spends its time on
+# (start-up, rendezvous, steps, compile, the rest of the fit, the test's own process).
+PROFILE_ARGS ?=
+test-profile: $(STAMP)
+	$(BIN)/python -m pytest -p tests.suite_profile --profile-out .profile -p no:cacheprovider -q $(PROFILE_ARGS)
+	$(BIN)/python tests/suite_profile.py .profile
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest
