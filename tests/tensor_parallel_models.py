@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -180,11 +180,12 @@ def reference(
     accumulate: int = 1,
     clip: Optional[float] = None,
     limit: Optional[int] = None,
+    after_step: Optional[Callable[[nn.Module], None]] = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, the global batch, one epoch per entry of ``data_ranks`` (the data ranks of that epoch): the
     state_dict after training as the LightningModule describes it, with Lightning's loss / k over the k
     micro-batches of each step and clipping by the global norm (``limit``: micro-batches per epoch); and each step's
-    gradient norm before clipping."""
+    gradient norm before clipping. ``after_step``: called with the model after each optimizer step."""
     model = copy.deepcopy(module.model)
     opt = torch.optim.SGD(model.parameters(), lr=module.lr, momentum=0.9)
     norms = []
@@ -196,6 +197,8 @@ def reference(
                 (module.compute(model, tokens) / accumulate).backward()
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))))
             opt.step()
+            if after_step is not None:
+                after_step(model)
     return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 

@@ -72,12 +72,12 @@ class _CompiledForward:
 
 
 class _EagerLog:
-    """Instance ``log`` of a LightningModule whose code the strategy compiles: Lightning's ``log``, run outside any
-    compiled graph (``torch.compiler.disable``). Logging is bookkeeping in Python; since torch 2.12 dynamo traces into
-    the signature check inside ``LightningModule.log`` (``inspect.getfullargspec`` of ``training_step``) and fails
-    with "'method' object has no attribute '__dict__'" where an earlier torch broke the graph there (Lightning's
-    own fix, on its master branch, disables compilation of ``log`` the same way). A copy of the module gets its
-    own."""
+    """Instance ``log`` of a LightningModule whose code is compiled (by the strategy, or by the user before
+    ``Trainer.fit``): Lightning's ``log``, run outside any compiled graph (``torch.compiler.disable``). Logging is
+    bookkeeping in Python; since torch 2.12 dynamo traces into the signature check inside ``LightningModule.log``
+    (``inspect.getfullargspec`` of ``training_step``) and fails with "'method' object has no attribute
+    '__dict__'" where an earlier torch broke the graph there (Lightning's own fix, on its master branch, disables
+    compilation of ``log`` the same way). A copy of the module gets its own."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -198,12 +198,21 @@ class Compilation:
         if sharded_choices:
             raise ValueError(user_compiled_sharded_message(strategy, sharded_choices))
 
+    def log_eagerly(self, module: nn.Module) -> None:
+        """``self.log`` outside compiled code (:func:`log_eagerly`) when the LightningModule's code is compiled: by
+        this strategy (``compile=...``), or by the user (``trainer.fit(torch.compile(model))``, whose
+        ``training_step`` Lightning compiles)."""
+        if self.enabled or _compat.compiled_by_user(module):
+            log_eagerly(module)
+
     def compile_model(self, module: Optional[nn.Module]) -> list[str]:
         """Under DDP: the LightningModule's ``forward`` (the whole model); without a ``forward`` of its own, its
         blocks (:meth:`compile_blocks`). Returns the names compiled."""
-        if module is None or self.options is None:
+        if module is None:
             return []
-        log_eagerly(module)
+        self.log_eagerly(module)
+        if self.options is None:
+            return []
         if defines_forward(module):
             compile_forward(module, self.options)
             return compiled_modules(module)
@@ -214,9 +223,11 @@ class Compilation:
     ) -> list[str]:
         """Under the sharded stages: each block the FSDP unit rule chooses (``wrap_modules`` as the strategy's).
         Returns the names compiled."""
-        if module is None or self.options is None:
+        if module is None:
             return []
-        log_eagerly(module)
+        self.log_eagerly(module)
+        if self.options is None:
+            return []
         for unit in fsdp_unit_roots(module, wrap_modules):
             compile_forward(unit, self.options)
         return compiled_modules(module)
@@ -231,5 +242,5 @@ class Compilation:
         return compiled_modules(module)
 
     def remove(self, module: Optional[nn.Module]) -> None:
-        if module is not None and self.options is not None:
+        if module is not None:
             remove_compilation(module)

@@ -614,10 +614,16 @@ class PipelineBackend(ShardingBackend):
 
     # --- before launch ------------------------------------------------------------------------------------
     def check_model(
-        self, module: nn.Module, precision_plugin: Any, clip_by_norm: bool, callbacks: Sequence[Any] = ()
+        self,
+        module: nn.Module,
+        precision_plugin: Any,
+        clip_by_norm: bool,
+        callbacks: Sequence[Any] = (),
+        trainable_only: bool = False,
     ) -> None:
         """Before any process starts: the split against the model, the clipping against the precision plugin, the
-        callbacks that need every weight on every rank (the sizes against the world size: the settings, at Trainer
+        callbacks that need every weight on every rank, an adapter-only checkpoint (``trainable_only``: what
+        ``checkpoint_params`` makes of this model) (the sizes against the world size: the settings, at Trainer
         construction)."""
         averaging = [
             type(c).__name__
@@ -630,7 +636,18 @@ class PipelineBackend(ShardingBackend):
             raise PipelineError(
                 f"{averaging[0]} under pipeline parallelism: during training each rank holds only the blocks of its "
                 f"own stages, and the callback averages every weight of the model on every rank. Remove "
-                f"{averaging[0]} from the Trainer's callbacks, or train without pipeline_parallel_size."
+                f"{averaging[0]} from the Trainer's callbacks, or train without pipeline_parallel_size: the pack's "
+                f"EMA averages each rank's shard under strategy='mgpu_zero3' and under tensor_parallel_size."
+            )
+        if trainable_only:
+            raise PipelineError(
+                "checkpoint_params='trainable' (or 'auto' with most parameters frozen) under pipeline parallelism: "
+                "during training each rank holds only the blocks of its own stages, and an adapter-only checkpoint "
+                "records the frozen base (each frozen parameter's shape and first row) from global rank 0, which "
+                "no longer holds the other stages' blocks: the checkpoint would not load back onto the same base. "
+                "Use checkpoint_params='all' (a full checkpoint, which resumes under pipeline parallelism), or "
+                "train the adapters without pipeline_parallel_size (strategy='mgpu_zero3', or tensor_parallel_size "
+                "for a model the plan splits)."
             )
         plan = check_stage_count(module, self.split, self.stages)
         blocks = len(plan.names)

@@ -421,6 +421,27 @@ def _pairs(block: nn.Module) -> list[tuple[str, list[str], str]]:
     return found
 
 
+def adapter_layers(module: nn.Module) -> list[str]:
+    """The layers of ``module`` wrapped by an adapter: a ``peft`` tuner layer (LoRA, ...) holds the layer it adapts
+    as its ``base_layer`` child, beside the adapter's own weights (``lora_A``, ``lora_B``)."""
+    return [name for name, m in module.named_modules() if isinstance(getattr(m, "base_layer", None), nn.Module)]
+
+
+def refuse_adapters(module: nn.Module, tensor_size: int) -> None:
+    """Tensor parallelism of a model with adapters is refused: no plan splits an adapted layer (its base layer and
+    the adapter's matrices would have to be split together), so every rank would compute the whole model."""
+    wrapped = adapter_layers(module)
+    if wrapped:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_size} with adapters (peft LoRA or another tuner) on {len(wrapped)} "
+            f"layers of {type(module).__name__} (e.g. {wrapped[0]!r}): the tensor-parallel plans do not split a "
+            f"layer wrapped by an adapter (its base_layer and the adapter's lora_A / lora_B would have to be split "
+            f"together), so every rank would compute the whole model. Fine-tune the adapters with "
+            f"strategy='mgpu_zero3' (each rank holds a shard of the frozen base) or 'mgpu_ddp', without "
+            f"tensor_parallel_size."
+        )
+
+
 def derive_plan(module: nn.Module, tensor_size: int, sequence: bool = False) -> TensorParallelPlan:
     """The auto plan for ``module`` at ``tensor_size`` ranks; ``sequence``: with sequence parallelism and the head
     split by vocabulary (``"auto+sequence"``; see the module's documentation)."""
@@ -772,18 +793,23 @@ class TensorParallelism:
         return _checked(module, plan, self.size, attention_roots=[])
 
     def check_before_launch(self, module: nn.Module) -> None:
-        """``"auto+sequence"``: refuse a model it cannot lay out before any process starts, where the model is
-        built already (no ``configure_model`` of its own that could build or split it later)."""
+        """Refuse before any process starts, where the model is built already (no ``configure_model`` of its own
+        that could build or split it later): layers wrapped by adapters (:func:`refuse_adapters`), and with
+        ``"auto+sequence"`` a model it cannot lay out."""
         own = getattr(getattr(type(module), "configure_model", None), "__module__", "") or ""
         lightnings = own.startswith(("pytorch_lightning.", "lightning.pytorch."))
-        if self.size > 1 and self.plan_setting == "auto+sequence" and (lightnings or not own):
-            self.plan_for(module)
+        if self.size > 1 and (lightnings or not own) and not is_tensor_parallel(module):
+            refuse_adapters(module, self.size)
+            if self.plan_setting == "auto+sequence":
+                self.plan_for(module)
 
     def apply(self, module: nn.Module, mesh: Any) -> Optional[TensorParallelPlan]:
         """Split ``module``'s layers over ``mesh`` (1-D, ``"tensor_parallel"``); None where there is nothing to do
         (one rank, or the model is tensor-parallel already)."""
         if self.size <= 1:
             return None
+        if not is_tensor_parallel(module):  # a model that configure_model built: on every rank, before any step
+            refuse_adapters(module, self.size)
         comm.share_random_state(mesh.get_group())  # one dropout mask on the group's replicated activations
         if is_tensor_parallel(module):
             self._laid_out_before = module in _VOCAB_PARALLEL

@@ -60,6 +60,7 @@ from lightning_mgpu.parts.sharding import (
     rebind_schedulers,
 )
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism
+from lightning_mgpu.parts.trainable_state import saves_trainable_only
 from lightning_mgpu.plugins.async_checkpoint import sharded_directory_write
 from lightning_mgpu.plugins.checkpoint_io import (
     EMA_STATE_KEY,
@@ -776,7 +777,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._tensor.check_before_launch(model)
         if self._pipeline is not None:
             callbacks = getattr(trainer, "callbacks", ())  # set by Lightning's callback connector
-            self._pipeline.check_model(model, self.precision_plugin, bool(clip_by_norm), callbacks)
+            trainable_only = saves_trainable_only(model, self._runtime.settings.checkpoint_params)
+            self._pipeline.check_model(model, self.precision_plugin, bool(clip_by_norm), callbacks, trainable_only)
         if not model.automatic_optimization:
             raise MisconfigurationException(
                 f"{type(model).__name__} uses manual optimization, which MGPUShardedStrategy does not support yet "

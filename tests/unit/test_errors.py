@@ -66,6 +66,27 @@ def fit(model: pl.LightningModule, strategy: Any = "mgpu_ddp_fork", **kwargs: An
     trainer(strategy, **kwargs).fit(model, datamodule=RankData(make_data(), 4))
 
 
+def _first_layer_frozen() -> Regressor:
+    model = Regressor()
+    model.net[0].requires_grad_(False)
+    return model
+
+
+def _lora_regressor() -> Regressor:
+    """The regressor with peft LoRA adapters on its linear layers (a module stands in where peft is missing: a
+    layer holding the layer it adapts as ``base_layer``, as peft's tuner layers do)."""
+    model = Regressor()
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError:
+        adapted = nn.Module()
+        adapted.base_layer = model.net[0]
+        model.net[0] = adapted
+        return model
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["0", "2"]), model.net)
+    return model
+
+
 def sgd() -> torch.optim.Optimizer:
     return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
 
@@ -737,6 +758,21 @@ CASES = [
         ValueError,
         ["pipeline_parallel_size=3", "does not divide the world size 2", "pipeline_parallel_size=1"],
         id="pipeline-size-must-divide-the-world-size",
+    ),
+    pytest.param(
+        lambda: fit(
+            _first_layer_frozen(),
+            MGPUShardedStrategy(pipeline_parallel_size=2, checkpoint_params="trainable", start_method="fork"),
+        ),
+        ValueError,
+        ["checkpoint_params='trainable'", "under pipeline parallelism", "checkpoint_params='all'", "mgpu_zero3"],
+        id="pipeline-adapter-only-checkpoint",
+    ),
+    pytest.param(
+        lambda: fit(_lora_regressor(), MGPUShardedStrategy(tensor_parallel_size=2, start_method="fork")),
+        ValueError,
+        ["tensor_parallel_size=2 with adapters", "'net.0'", "strategy='mgpu_zero3'"],
+        id="tensor-parallel-adapters",
     ),
     pytest.param(
         lambda: fit(Unsplittable(), MGPUShardedStrategy(pipeline_parallel_size=2, start_method="fork")),

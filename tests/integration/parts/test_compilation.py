@@ -346,22 +346,32 @@ def test_self_log_inside_a_compiled_training_step_under_the_compile_option():
     """``self.log`` inside compiled code under ``compile=...`` of mgpu_ddp (the forward it compiles, and a
     ``training_step`` compiled by ``torch.compile`` of the method) and of mgpu_zero3 (the compiled ``training_step``):
     every value (the synchronised per-step and per-epoch loss, a summed value, a mean from the forward) and the
-    weights equal the eager run's. On torch >= 2.12 with Lightning 2.6.6 the compiled runs failed in ``self.log``
-    ("'method' object has no attribute '__dict__'") before the strategy ran ``log`` eagerly. The negative control
-    shows a logged value that differs is caught."""
+    weights equal the eager run's. The same under mgpu_ddp for a model the user compiled
+    (``trainer.fit(torch.compile(model))``: Lightning compiles its ``forward`` and ``training_step``). On torch >=
+    2.12 with Lightning 2.6.6 the compiled runs failed in ``self.log`` ("'method' object has no attribute
+    '__dict__'") before the strategy ran ``log`` eagerly. The negative control shows a logged value that differs is
+    caught."""
 
-    def logging_job(make_strategy: Callable[[], Any], compile_step: bool) -> Callable[[Path], None]:
-        return job(make_strategy, lambda: LoggingBlocks(compile_step).double(), epochs=1, record=RecordLogged)
+    def logging_job(
+        make_strategy: Callable[[], Any], compile_step: bool, by_user: bool = False
+    ) -> Callable[[Path], None]:
+        def make_model() -> Any:
+            model = LoggingBlocks(compile_step).double()
+            return torch.compile(model, **FAST) if by_user else model
 
-    ddp_eager, ddp_compiled, zero3_eager, zero3_compiled = run_jobs(
+        return job(make_strategy, make_model, epochs=1, record=RecordLogged)
+
+    ddp_eager, ddp_compiled, zero3_eager, zero3_compiled, user_compiled = run_jobs(
         [
             logging_job(ddp(), False),
             logging_job(ddp(compile=FAST), True),
             logging_job(sharded(3), False),
             logging_job(sharded(3, compile=FAST), True),
+            logging_job(ddp(), False, by_user=True),
         ]
     )
     logged = {"train_loss", "train_loss_step", "train_loss_epoch", "loss_sum", "out_mean", "val_loss"}
+    assert user_compiled["graphs"]["end"] > 0 and user_compiled["compiled"] == []  # the user's compilation ran
     # each against its own eager run: the ranks' BatchNorm statistics, which validation reads, are rank 0's under
     # DDP (buffers broadcast) and each rank's own under FSDP2
     for compiled, eager in ((ddp_compiled, ddp_eager), (zero3_compiled, zero3_eager)):
@@ -369,6 +379,8 @@ def test_self_log_inside_a_compiled_training_step_under_the_compile_option():
         assert compiled["compiled"], "the compile option compiled nothing"
         assert_same_state(compiled, eager)
         torch.testing.assert_close(compiled["logged"], eager["logged"])
+    assert_same_state(user_compiled, ddp_eager)
+    torch.testing.assert_close(user_compiled["logged"], ddp_eager["logged"])
     changed = {**ddp_eager["logged"], "loss_sum": ddp_eager["logged"]["loss_sum"] * 1.01}
     with pytest.raises(AssertionError):  # negative control
         torch.testing.assert_close(ddp_compiled["logged"], changed)

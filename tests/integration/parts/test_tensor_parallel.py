@@ -10,6 +10,7 @@ import math
 import os
 import tempfile
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -24,10 +25,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu import MGPUShardedStrategy, _compat, export_checkpoint, plan_layouts
+from lightning_mgpu import EMA, MGPUShardedStrategy, _compat, export_checkpoint, plan_layouts
 from lightning_mgpu.comm import local_shard
 from lightning_mgpu.parts.pipeline import PipelineBackend
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism, is_tensor_parallel
+from lightning_mgpu.plugins.checkpoint_io import EMA_STATE_KEY
 from tests.helpers import Recorder, load_ranks
 from tests.tensor_parallel_models import (
     SEQ,
@@ -110,6 +112,7 @@ def _fit(
     epochs: int,
     module: Optional[TPModule] = None,
     save: Optional[Path] = None,
+    callbacks: Sequence[Callback] = (),
     **kwargs: Any,
 ) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
@@ -117,7 +120,7 @@ def _fit(
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs, num_sanity_val_steps=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Recorder(out), Report(out, save)], **kwargs,
+        callbacks=[*callbacks, Recorder(out), Report(out, save)], **kwargs,
     )  # fmt: skip
     trainer.fit(module or TPModule(), datamodule=Data(), ckpt_path=ckpt_path)
     records = load_ranks(out, devices)
@@ -141,13 +144,26 @@ def _differs(records: list[dict[str, Any]], expected: dict[str, torch.Tensor]) -
     return False
 
 
+def _ema_of(decay: float, into: dict[str, torch.Tensor]) -> Callable[[torch.nn.Module], None]:
+    """A one-process EMA of the trainable weights after each step (the first copies them), into ``into``."""
+
+    def update(model: torch.nn.Module) -> None:
+        for name, p in model.named_parameters():
+            key = f"model.{name}"
+            into[key] = p.detach().clone() if key not in into else decay * into[key] + (1 - decay) * p.detach()
+
+    return update
+
+
 def test_tensor2_data2_equals_one_process_evaluates_each_sample_once_and_resumes_across_layouts(tmp_path: Path):
-    # tensor 2 x data 2, k = 1, activation checkpointing of every block, the auto plan, the tensor dimension counted
+    # tensor 2 x data 2, k = 1, activation checkpointing of every block, the auto plan, the tensor dimension counted;
+    # the EMA callback averages each rank's piece of the split layers and evaluates with the average
     tp = MGPUShardedStrategy(
         stage=3, tensor_parallel_size=2, activation_checkpointing=Block, tensor_comm_stats=True, start_method="fork"
     )
-    first = _fit(tmp_path / "tp", WORLD, tp, epochs=1, save=tmp_path / "tp.ckpt")
-    expected, _ = reference(TPModule(), token_data(), data_ranks=[2])
+    first = _fit(tmp_path / "tp", WORLD, tp, epochs=1, save=tmp_path / "tp.ckpt", callbacks=[EMA(decay=0.5)])
+    ema: dict[str, torch.Tensor] = {}
+    expected, _ = reference(TPModule(), token_data(), data_ranks=[2], after_step=_ema_of(0.5, ema))
     _assert_weights(first, expected)
     assert all(r["split"] for r in first)
     # the auto plan alone: the norms see the whole sequence, the head hands out whole logits
@@ -161,15 +177,17 @@ def test_tensor2_data2_equals_one_process_evaluates_each_sample_once_and_resumes
     # exact evaluation: every sample once across the data ranks, the same samples within a tensor-parallel group
     assert first[0]["seen"] == first[1]["seen"] and first[2]["seen"] == first[3]["seen"]
     assert sorted(first[0]["seen"] + first[2]["seen"]) == list(range(10))
-    model = TPModule().model
-    model.load_state_dict({k.removeprefix("model."): v for k, v in expected.items()})
+    model = TPModule().model  # validated with the EMA weights (the trained ones back afterwards: the weights above)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in ema.items()})
     with torch.no_grad():
         one_process = float(lm_loss(model, indexed_data().tensors[0]))
     assert all(r["metrics"]["val_loss"] == pytest.approx(one_process, rel=1e-12) for r in first)
-    # the consolidated checkpoint holds the whole tensors
+    # the consolidated checkpoint holds the whole tensors, of the weights and of their EMA (one process's EMA)
     saved = torch.load(tmp_path / "tp.ckpt", weights_only=False)
     for name, value in expected.items():
         torch.testing.assert_close(saved["state_dict"][name], value)
+    torch.testing.assert_close(saved[EMA_STATE_KEY], ema)
+    assert _differs([{"state": saved[EMA_STATE_KEY]}], expected)  # negative control: the average is not the weights
 
     _assert_tensor_ledger(first)
 
@@ -190,6 +208,38 @@ def test_tensor2_data2_equals_one_process_evaluates_each_sample_once_and_resumes
     back = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, start_method="fork")
     again = _fit(tmp_path / "back", WORLD, back, epochs=4, ckpt_path=str(tmp_path / "one.ckpt"))
     _assert_weights(again, reference(TPModule(), token_data(), data_ranks=[2, 4, 1, 2])[0])
+
+
+class AttentionFrozen(TPModule):
+    """The tiny Llama with its embedding and attention layers frozen (a frozen base, the rest trained)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, p in self.model.named_parameters():
+            p.requires_grad_("attention." not in name and "tok_embeddings" not in name)
+
+
+def test_a_tensor_parallel_adapter_only_checkpoint_leaves_the_base_out_and_resumes_as_the_uninterrupted_run(
+    tmp_path: Path,
+):
+    # tensor 2 (data 1), checkpoint_params="trainable": the checkpoint holds the trained layers whole, not the
+    # frozen (split) attention; the resumed fit ends with one process's weights after both epochs
+    def strategy() -> MGPUShardedStrategy:
+        return MGPUShardedStrategy(tensor_parallel_size=2, checkpoint_params="trainable", start_method="fork")
+
+    first = _fit(tmp_path / "a", 2, strategy(), epochs=1, module=AttentionFrozen(), save=tmp_path / "a.ckpt")
+    _assert_weights(first, reference(AttentionFrozen(), token_data(), data_ranks=[1])[0])
+    assert all(r["split"] for r in first)
+    saved = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    frozen = {f"model.{n}" for n, p in AttentionFrozen().model.named_parameters() if not p.requires_grad}
+    assert frozen and "model.layers.0.attention.wq.weight" in frozen
+    assert set(saved["state_dict"]) == set(first[0]["state"]) - frozen
+    resumed = _fit(
+        tmp_path / "b", 2, strategy(), epochs=2, module=AttentionFrozen(), ckpt_path=str(tmp_path / "a.ckpt")
+    )
+    expected, _ = reference(AttentionFrozen(), token_data(), data_ranks=[1, 1])
+    _assert_weights(resumed, expected)
+    assert _differs(resumed, reference(AttentionFrozen(), token_data(), data_ranks=[1])[0])  # epoch 2 did train
 
 
 def _assert_tensor_ledger(records: list[dict[str, Any]]) -> None:

@@ -160,3 +160,19 @@ def test_the_compile_option_runs_self_log_eagerly_and_teardown_restores_lightnin
     assert calls == [(id(module), "loss", 1.5), (id(twin), "loss", 2.5)]
     part.remove(module)
     assert "log" not in module.__dict__ and compiled_modules(module) == []
+
+
+def test_a_model_compiled_by_the_user_logs_eagerly_without_the_compile_option():
+    """``trainer.fit(torch.compile(model))``: Lightning compiles the model's ``training_step``, which calls
+    ``self.log``; with ``compile=False`` the strategy still runs ``log`` outside compiled graphs (the same path as
+    ``compile=...``), compiles nothing itself, and teardown puts Lightning's ``log`` back."""
+    from pytorch_lightning.utilities.compile import from_compiled
+
+    module = from_compiled(torch.compile(Regressor().double(), **FAST))
+    part = Compilation(False)
+    assert part.compile_model(module) == []
+    assert "log" in module.__dict__
+    part.remove(module)
+    assert "log" not in module.__dict__
+    sharded = from_compiled(torch.compile(Regressor().double(), **FAST))
+    assert Compilation(False).compile_blocks(sharded, None) == [] and "log" in sharded.__dict__

@@ -192,7 +192,7 @@ def test_weight_averaging_callbacks_are_refused_before_launch_with_the_fix():
         _stage0_of_two(Stack()).check_model(Stack(), None, False, [StochasticWeightAveraging(swa_lrs=0.1)])
     from lightning_mgpu import EMA
 
-    with pytest.raises(PipelineError, match=r"EMA under pipeline.*Remove"):
+    with pytest.raises(PipelineError, match=r"EMA under pipeline.*Remove.*mgpu_zero3"):
         _stage0_of_two(Stack()).check_model(Stack(), None, False, [EMA()])
 
 

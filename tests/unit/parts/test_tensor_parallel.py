@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_mgpu.parts.tensor_parallel import (
     TensorParallelism,
+    adapter_layers,
     derive_plan,
     guard_sequence_length,
     is_tensor_parallel,
@@ -271,3 +272,19 @@ def _ledger_case() -> None:
         assert stats.tensor_sent_bytes_per_step == (7 * 768 + 24) / 2
         assert stats.as_metrics()["comm/tensor_calls_per_step"] == 4.0 and "tensor parallelism: 8" in stats.summary()
         assert "comm/tensor_bytes_per_step" not in CommStats().as_metrics()  # nothing counted: no such metric
+
+
+def test_layers_wrapped_by_peft_lora_are_refused_before_any_collective():
+    """No plan splits a layer wrapped by an adapter (the auto plan split none of a LoRA GPT-2's and replicated the
+    whole model on every rank): a model that ``configure_model`` gave adapters is refused when the plan is applied,
+    before the tensor group is used (``mesh`` is not touched); one rank, or the model without adapters, passes."""
+    peft = pytest.importorskip("peft")
+    model = TinyLlama()
+    assert adapter_layers(model) == []
+    peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["wq", "w1"]), model)
+    assert adapter_layers(model) == [f"layers.{i}.{n}" for i in range(2) for n in ("attention.wq", "feed_forward.w1")]
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 with adapters .* 'layers\.0\.attention\.wq'.*mgpu_zero3"
+    ):
+        TensorParallelism(2).apply(model, mesh=None)
+    assert TensorParallelism(1).apply(model, mesh=None) is None
