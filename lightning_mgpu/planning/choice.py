@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_mgpu.planning.candidates import PRECISION_RANK, STRATEGY_RANK, NoPlanFits, Plan, no_fit
-from lightning_mgpu.planning.layouts import Layout, LayoutPlan, short_reason
+from lightning_mgpu.planning.candidates import STRATEGY_RANK
+from lightning_mgpu.planning.layouts import Layout, LayoutPlan, choose, no_layout_fits, short_reason
 from lightning_mgpu.planning.request import PRECISIONS, PlanError, format_bytes, parse_memory
 
 __all__ = [
@@ -70,38 +70,6 @@ class AutoDecision:
     def mesh(self) -> str:
         """``"hybrid"`` for ``mgpu_hsdp`` (sharded within a machine), else ``"flat"``."""
         return "hybrid" if self.strategy == "mgpu_hsdp" else "flat"
-
-
-def choose(layouts: LayoutPlan, build: Optional[Callable[[Layout], Optional[dict[str, Any]]]] = None) -> Layout:
-    """The one recommendation, for ``lightning-mgpu plan`` and ``mgpu_auto`` alike: the memory plan's candidate
-    (:data:`~lightning_mgpu.planning.ORDER`: precision first, no activation checkpointing before it, mgpu_ddp before
-    the ZeRO stages) as its data-parallel layout when one fits; else, in the first precision of that order where
-    one fits, the fastest layout that splits the model among those ``build`` builds (default: the buildable ones,
-    :attr:`Layout.buildable`). A data-parallel layout is kept over a faster split: a split trains fewer data ranks
-    per step and runs the pipeline or tensor code paths the model does not need. Raises the memory plan's
-    :class:`~lightning_mgpu.planning.NoPlanFits` when nothing buildable fits."""
-    memory = layouts.memory
-    assert memory is not None, "plan_layouts sets the memory plan"
-    arguments = build or (lambda x: dict(x.strategy_arguments) if x.buildable else None)
-    row = memory.recommended
-    if row is not None:
-        same = next(
-            (
-                x
-                for x in layouts.layouts
-                if not x.model_parallel
-                and (x.strategy, x.precision, x.activation_checkpointing)
-                == (row.strategy, row.precision, row.activation_checkpointing)
-            ),
-            None,
-        )
-        if same is not None and arguments(same) is not None:
-            return same
-    fitting = [x for x in layouts.layouts if x.fits and x.model_parallel]
-    built = [x for x in fitting if arguments(x) is not None]
-    if not built:
-        raise no_layout_fits(memory, fitting)
-    return min(built, key=lambda x: PRECISION_RANK[x.precision])  # stable: the fastest of the first precision
 
 
 def decide_layout(
@@ -283,19 +251,6 @@ def report(layouts: LayoutPlan, top: int = 20, memory_source: str = "") -> str:
     lines += ["", "Layouts (data replicate x data shard x tensor x pipeline) that fit, the recommended first:", ""]
     lines.append(layouts.table(top))
     return "\n".join(lines)
-
-
-def no_layout_fits(memory: Plan, fitting: list[Layout]) -> NoPlanFits:
-    """The memory plan's error where no data-parallel candidate fits and no layout that fits is built, with one line
-    naming the first of the layouts that would fit (``fitting``) and why the strategy does not build it."""
-    err = no_fit(memory)
-    if fitting:
-        why = short_reason(fitting[0].not_buildable) if fitting[0].not_buildable else "not in that combination"
-        err.args = (
-            f"{err.args[0]} The layout {fitting[0].name} would fit, but MGPUShardedStrategy here cannot build it "
-            f"({why}): only the layouts it builds are chosen.",
-        )
-    return err
 
 
 def fallback(err: BaseException, model: str, usable: int) -> AutoDecision:

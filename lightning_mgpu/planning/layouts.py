@@ -71,10 +71,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from lightning_mgpu.parts.pipeline import master_precision_refusal
-from lightning_mgpu.planning.candidates import PRECISION_RANK, STRATEGY_RANK, Plan, candidate_row
+from lightning_mgpu.planning.candidates import PRECISION_RANK, STRATEGY_RANK, NoPlanFits, Plan, candidate_row, no_fit
 from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes, layout_label
 from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelStates, StepTrace
 from lightning_mgpu.settings import ShardedSettings
@@ -86,9 +86,11 @@ __all__ = [
     "Layout",
     "LayoutPlan",
     "Links",
+    "choose",
     "estimate_layouts",
     "group_link",
     "layout_label",
+    "no_layout_fits",
     "sharded_arguments",
     "short_reason",
 ]
@@ -273,10 +275,8 @@ class LayoutPlan:
 
     @property
     def recommended(self) -> Optional[Layout]:
-        """The one recommendation (:func:`~lightning_mgpu.planning.choice.choose`, what ``lightning-mgpu plan``
+        """The one recommendation (:func:`choose`, what ``lightning-mgpu plan``
         prints first and ``mgpu_auto`` builds), or None where nothing buildable fits."""
-        from lightning_mgpu.planning.choice import choose
-
         try:
             return choose(self)
         except PlanError:
@@ -777,3 +777,48 @@ def _layout(
         return replace(layout, strategy_arguments=sharded_arguments(layout))
     except ValueError as err:
         return replace(layout, not_buildable=str(err))
+
+
+def choose(layouts: LayoutPlan, build: Optional[Callable[[Layout], Optional[dict[str, Any]]]] = None) -> Layout:
+    """The one recommendation, for ``lightning-mgpu plan`` and ``mgpu_auto`` alike: the memory plan's candidate
+    (:data:`~lightning_mgpu.planning.ORDER`: precision first, no activation checkpointing before it, mgpu_ddp before
+    the ZeRO stages) as its data-parallel layout when one fits; else, in the first precision of that order where
+    one fits, the fastest layout that splits the model among those ``build`` builds (default: the buildable ones,
+    :attr:`Layout.buildable`). A data-parallel layout is kept over a faster split: a split trains fewer data ranks
+    per step and runs the pipeline or tensor code paths the model does not need. Raises the memory plan's
+    :class:`~lightning_mgpu.planning.NoPlanFits` when nothing buildable fits."""
+    memory = layouts.memory
+    assert memory is not None, "plan_layouts sets the memory plan"
+    arguments = build or (lambda x: dict(x.strategy_arguments) if x.buildable else None)
+    row = memory.recommended
+    if row is not None:
+        same = next(
+            (
+                x
+                for x in layouts.layouts
+                if not x.model_parallel
+                and (x.strategy, x.precision, x.activation_checkpointing)
+                == (row.strategy, row.precision, row.activation_checkpointing)
+            ),
+            None,
+        )
+        if same is not None and arguments(same) is not None:
+            return same
+    fitting = [x for x in layouts.layouts if x.fits and x.model_parallel]
+    built = [x for x in fitting if arguments(x) is not None]
+    if not built:
+        raise no_layout_fits(memory, fitting)
+    return min(built, key=lambda x: PRECISION_RANK[x.precision])  # stable: the fastest of the first precision
+
+
+def no_layout_fits(memory: Plan, fitting: list[Layout]) -> NoPlanFits:
+    """The memory plan's error where no data-parallel candidate fits and no layout that fits is built, with one line
+    naming the first of the layouts that would fit (``fitting``) and why the strategy does not build it."""
+    err = no_fit(memory)
+    if fitting:
+        why = short_reason(fitting[0].not_buildable) if fitting[0].not_buildable else "not in that combination"
+        err.args = (
+            f"{err.args[0]} The layout {fitting[0].name} would fit, but MGPUShardedStrategy here cannot build it "
+            f"({why}): only the layouts it builds are chosen.",
+        )
+    return err
