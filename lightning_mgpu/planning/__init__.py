@@ -123,7 +123,7 @@ def plan(
         devices, device_memory, num_nodes, headroom, precisions, strategies, activation_checkpointing, bucket_cap_mb
     )
     start = time.perf_counter()
-    source, states, traces, units = _traced(model_or_config, request, batch, datamodule, activation_checkpointing)
+    source, states, traces, units, _ = _traced(model_or_config, request, batch, datamodule, activation_checkpointing)
     return estimate(
         source.name,
         request,
@@ -138,9 +138,10 @@ def plan(
 
 def _traced(
     model_or_config: Any, request: PlanRequest, batch: Any, datamodule: Any, activation_checkpointing: Any
-) -> tuple[Any, ModelStates, list[StepTrace], tuple[float, float]]:
+) -> tuple[Any, ModelStates, list[StepTrace], tuple[float, float], Any]:
     """The model's source, its counted states, one traced step per precision (with and without activation
-    checkpointing) and its FSDP units: what the memory plan and the layout plan combine."""
+    checkpointing), its FSDP units and the checkpointing policy: what the memory plan and the layout plan
+    combine."""
     with torch.random.fork_rng(devices=[]):  # the model's initialisation under fake tensors draws nothing real
         source = resolve_source(model_or_config, batch=batch, datamodule=datamodule)
         try:
@@ -171,7 +172,27 @@ def _traced(
                     "yourself (mgpu_auto takes mgpu_ddp)."
                 )
             raise PlanError(f"{source.name} could not be stepped on fake tensors ({why}): {hint}") from err
-    return source, states, traces, units
+    return source, states, traces, units, policy
+
+
+def policy_source(policy: Any) -> str:
+    """A checkpointing policy as the Python source that names it in a strategy line: the class names of a class or
+    a collection of classes and names (``'["TransformerEncoderLayer"]'``), an ``EveryNth``'s ``repr``, else
+    ``"<your policy>"`` (a function: pass your own).
+
+    >>> from torch import nn
+    >>> policy_source({nn.TransformerEncoderLayer}), policy_source("Block")
+    ('["TransformerEncoderLayer"]', '["Block"]')
+    """
+    from lightning_mgpu.settings import EveryNth
+
+    if isinstance(policy, EveryNth):
+        return repr(policy)
+    items = [policy] if isinstance(policy, (str, type)) else policy
+    if isinstance(items, (list, tuple, set, frozenset)) and all(isinstance(i, (str, type)) for i in items):
+        names = sorted(i if isinstance(i, str) else i.__name__ for i in items)
+        return "[" + ", ".join(f'"{n}"' for n in names) + "]"
+    return "<your policy>"
 
 
 def plan_layouts(
@@ -221,7 +242,7 @@ def plan_layouts(
         >>> p = plan_layouts(lambda: TransformerLM(vocab=256, d_model=32, heads=4, layers=4), devices=4,
         ...                  device_memory="1GiB", batch=(tokens, tokens), precisions=("32-true",))
         >>> p.best.name, p.best.fits
-        ('ddp 4', True)
+        ('mgpu_ddp 4', True)
         >>> p.memory.recommended.strategy  # the memory plan of the data-parallel candidates, from the same trace
         'mgpu_ddp'
     """
@@ -230,7 +251,9 @@ def plan_layouts(
         devices, device_memory, num_nodes, headroom, precisions, strategies, activation_checkpointing, bucket_cap_mb
     )
     start = time.perf_counter()
-    source, states, traces, units = _traced(model_or_config, request, batch, datamodule, activation_checkpointing)
+    source, states, traces, units, policy = _traced(
+        model_or_config, request, batch, datamodule, activation_checkpointing
+    )
     result = estimate_layouts(
         source.name,
         request,
@@ -248,6 +271,7 @@ def plan_layouts(
     result.memory = estimate(
         source.name, request, states, traces, units, seconds=seconds, require_fit=False, built=source.how_built
     )
+    result.checkpointing_source = policy_source(policy) if policy is not None else ""
     return result
 
 

@@ -39,7 +39,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes
+from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes, layout_label
 from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelStates, StepTrace
 
 __all__ = ["ORDER", "NoPlanFits", "Plan", "PlanRow", "candidate_row", "estimate", "no_fit"]
@@ -216,9 +216,17 @@ class Plan:
                 return r
         raise KeyError((strategy, precision, activation_checkpointing))
 
+    def label(self, row: PlanRow) -> str:
+        """The row's layout label, as the layout plan names the same layout (``"mgpu_sharded 8"``,
+        ``"mgpu_hsdp 2x8"``: :func:`~lightning_mgpu.planning.request.layout_label`)."""
+        req = self.request
+        if row.strategy == "mgpu_hsdp":
+            return layout_label(row.strategy, req.num_nodes, req.shard_size)
+        return layout_label(row.strategy, 1, req.devices)
+
     def to_json(self) -> str:
-        """The rows as a JSON list (``lightning-mgpu plan --json``)."""
-        return json.dumps([asdict(r) for r in self.rows], indent=2)
+        """The rows as a JSON list (``lightning-mgpu plan --json``), each with its ``layout`` label."""
+        return json.dumps([{**asdict(r), "layout": self.label(r)} for r in self.rows], indent=2)
 
     def _cell(self, row: PlanRow, column: int, size: int) -> str:
         """A size, and why when it is zero (a zero reads as a component the planner missed otherwise)."""
@@ -235,9 +243,10 @@ class Plan:
             why = "the peak is the optimizer step: none is live then"
         return f"0 B ({why})" if why else format_bytes(size)
 
-    def table(self) -> str:
-        """A markdown table of every candidate, then the recommendation."""
-        head = "| strategy | AC | precision | params | grads | optimizer | activations | comm | peak/rank | fits |"
+    def table(self, recommendation: bool = True) -> str:
+        """A markdown table of every candidate (by its layout label), then the recommendation (not with
+        ``recommendation=False``: ``lightning-mgpu plan`` states its one recommendation above the tables)."""
+        head = "| layout | AC | precision | params | grads | optimizer | activations | comm | peak/rank | fits |"
         lines = [head, "|" + "---|" * 10]
         for r in self.rows:
             mark = " **<- recommended**" if r.recommended else ""
@@ -249,7 +258,7 @@ class Plan:
                 r.communication_bytes,
                 r.predicted_peak_bytes_per_rank,
             ]
-            cells = [r.strategy, "yes" if r.activation_checkpointing else "no", r.precision]
+            cells = [self.label(r), "yes" if r.activation_checkpointing else "no", r.precision]
             cells += [self._cell(r, i, s) for i, s in enumerate(sizes)] + [("yes" if r.fits else "no") + mark]
             lines.append("| " + " | ".join(cells) + " |")
         s, req = self.states, self.request
@@ -261,7 +270,7 @@ class Plan:
             f"{self.seconds:.2f} s ({_BUILT[self.built]})."
         )
         best = self.recommended
-        if best is not None:
+        if best is not None and recommendation:
             lines.append(
                 f"Recommended: strategy={best.strategy!r}, precision={best.precision!r}, activation_checkpointing="
                 f"{best.activation_checkpointing} ({format_bytes(best.predicted_peak_bytes_per_rank)} per rank). "

@@ -7,18 +7,22 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_mgpu.planning.candidates import NoPlanFits, Plan, no_fit
-from lightning_mgpu.planning.layouts import Layout, LayoutPlan, short_reason
+from lightning_mgpu.planning.candidates import STRATEGY_RANK
+from lightning_mgpu.planning.layouts import Layout, LayoutPlan, choose, no_layout_fits, short_reason
 from lightning_mgpu.planning.request import PRECISIONS, PlanError, format_bytes, parse_memory
 
 __all__ = [
     "AutoDecision",
-    "decide",
+    "alternatives",
+    "choose",
     "decide_layout",
     "device_memory_bytes",
+    "device_memory_source",
     "fallback",
     "no_layout_fits",
+    "notes",
     "planner_precision",
+    "report",
 ]
 
 #: the arguments that build each candidate from :class:`~lightning_mgpu.MGPUShardedStrategy` (None: mgpu_ddp)
@@ -52,6 +56,10 @@ class AutoDecision:
     strategy_arguments: dict[str, Any] = field(default_factory=dict)
     """A chosen layout's keywords for :class:`~lightning_mgpu.MGPUShardedStrategy` (``stage``, the sizes, the
     pipeline's micro-batches and schedule); empty for a data-parallel candidate."""
+    layout: str = ""
+    """The chosen layout's label, as every table names it (``"mgpu_sharded 8"``, ``"mgpu_ddp 4 x pp 2 1f1b m=8"``)."""
+    strategy_line: str = ""
+    """The ``Trainer(...)`` call that builds the chosen layout, as ``lightning-mgpu plan`` prints it."""
 
     @property
     def stage(self) -> Optional[int]:
@@ -64,27 +72,27 @@ class AutoDecision:
         return "hybrid" if self.strategy == "mgpu_hsdp" else "flat"
 
 
-def decide(plan: Plan) -> AutoDecision:
-    """The plan's recommendation (the fastest candidate that fits, in :data:`~lightning_mgpu.planning.ORDER`) and
-    the reason, naming the faster candidates that miss and by how much."""
-    best = plan.recommended
-    if best is None:  # plan(require_fit=True) raised already; a plan made without it
-        raise ValueError("the plan recommends nothing: no candidate fits")
-    usable = plan.request.usable_bytes
-    faster = [r for r in plan.rows if r.sort_key < best.sort_key and not r.fits]
-    misses = "; ".join(
-        f"{r.strategy}{' + AC' if r.activation_checkpointing else ''} needs "
-        f"{format_bytes(r.predicted_peak_bytes_per_rank)} ({format_bytes(r.predicted_peak_bytes_per_rank - usable)} "
-        f"over)"
-        for r in faster
-    )
+def decide_layout(
+    layouts: LayoutPlan,
+    build: Optional[Callable[[Layout], Optional[dict[str, Any]]]] = None,
+    memory_source: str = "",
+) -> AutoDecision:
+    """``mgpu_auto``'s decision: :func:`choose`'s layout, the keywords ``build`` gives for it (default its
+    :attr:`~Layout.strategy_arguments`), why, and the whole report (:func:`report`) as ``table``.
+    ``memory_source`` says where the device memory came from (``mgpu_auto`` without ``device_memory``)."""
+    best = choose(layouts, build)
+    arguments = (build or (lambda x: dict(x.strategy_arguments)))(best) or {}
+    memory = layouts.memory
+    assert memory is not None
+    usable = memory.request.usable_bytes
+    line = layouts.strategy_line(best)
+    why = _why_chosen(layouts, best)
     reason = (
-        f"mgpu_auto chose {best.strategy} (precision {best.precision}, activation checkpointing "
-        f"{'on' if best.activation_checkpointing else 'off'}): predicted peak "
+        f"mgpu_auto chose {best.name} (precision {best.precision}, activation checkpointing "
+        f"{'on' if best.activation_checkpointing else 'off'}; {line}): predicted peak "
         f"{format_bytes(best.predicted_peak_bytes_per_rank)} per rank of {format_bytes(usable)} usable "
-        f"({format_bytes(plan.request.device_memory_bytes)} less {plan.request.headroom:.0%} headroom) on "
-        f"{plan.request.devices} ranks. "
-        + (f"Faster candidates that do not fit: {misses}." if misses else "It is the fastest candidate.")
+        f"({format_bytes(memory.request.device_memory_bytes)} less {memory.request.headroom:.0%} headroom"
+        f"{'; ' + memory_source if memory_source else ''}) on {memory.request.devices} ranks. {why}"
     )
     return AutoDecision(
         strategy=best.strategy,
@@ -93,60 +101,156 @@ def decide(plan: Plan) -> AutoDecision:
         predicted_peak_bytes_per_rank=best.predicted_peak_bytes_per_rank,
         usable_bytes=usable,
         reason=reason,
-        table=plan.table(),
-    )
-
-
-def decide_layout(layouts: LayoutPlan, build: Callable[[Layout], Optional[dict[str, Any]]]) -> AutoDecision:
-    """The memory plan's decision when a data-parallel candidate fits; else the fastest layout that fits among those
-    ``build`` can build (it returns the sharded strategy's keywords for a layout, or None). Raises the memory plan's
-    :class:`~lightning_mgpu.planning.NoPlanFits` when none fits, naming in one line the layout that would fit where
-    the strategy cannot build it."""
-    memory = layouts.memory
-    assert memory is not None, "plan_layouts sets the memory plan"
-    if memory.recommended is not None:
-        return decide(memory)
-    fitting = [x for x in layouts.layouts if x.fits and x.model_parallel]
-    best, arguments = next(((x, a) for x in fitting for a in (build(x),) if a is not None), (None, None))
-    if best is None or arguments is None:
-        raise no_layout_fits(memory, fitting)
-    usable = memory.request.usable_bytes
-    smallest = min(memory.rows, key=lambda r: r.predicted_peak_bytes_per_rank)
-    strategy = {1: "mgpu_zero1", 2: "mgpu_sharded"}.get(arguments.get("stage", 3), best.strategy)
-    call = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
-    reason = (
-        f"mgpu_auto chose the layout {best.name} (MGPUShardedStrategy({call}), "
-        f"precision {best.precision}, activation checkpointing {'on' if best.activation_checkpointing else 'off'}): "
-        f"predicted peak {format_bytes(best.predicted_peak_bytes_per_rank)} per rank of {format_bytes(usable)} "
-        f"usable; no data-parallel candidate fits (the smallest, {smallest.strategy}, needs "
-        f"{format_bytes(smallest.predicted_peak_bytes_per_rank)}). It is the fastest of {len(fitting)} layouts that "
-        f"fit (estimated {best.samples_per_second:.3g} samples/s) that this strategy builds."
-    )
-    return AutoDecision(
-        strategy=strategy,
-        activation_checkpointing=best.activation_checkpointing,
-        precision=best.precision,
-        predicted_peak_bytes_per_rank=best.predicted_peak_bytes_per_rank,
-        usable_bytes=usable,
-        reason=reason,
-        table=memory.table() + "\n\n" + layouts.table(),
+        table=report(layouts, memory_source=memory_source),
         tensor_parallel_size=best.tensor,
         pipeline_parallel_size=best.pipeline,
-        strategy_arguments=arguments,
+        strategy_arguments=arguments if best.model_parallel else {},
+        layout=best.name,
+        strategy_line=line,
     )
 
 
-def no_layout_fits(memory: Plan, fitting: list[Layout]) -> NoPlanFits:
-    """The memory plan's error where no data-parallel candidate fits and no layout that fits is built, with one line
-    naming the first of the layouts that would fit (``fitting``) and why the strategy does not build it."""
-    err = no_fit(memory)
-    if fitting:
-        why = short_reason(fitting[0].not_buildable) if fitting[0].not_buildable else "not in that combination"
-        err.args = (
-            f"{err.args[0]} The layout {fitting[0].name} would fit, but MGPUShardedStrategy here cannot build it "
-            f"({why}): only the layouts it builds are chosen.",
+def _why_chosen(layouts: LayoutPlan, best: Layout) -> str:
+    memory = layouts.memory
+    assert memory is not None
+    if not best.model_parallel:
+        faster = [
+            r
+            for r in memory.rows
+            if r.sort_key < memory.row(best.strategy, best.precision, best.activation_checkpointing).sort_key
+        ]
+        if not faster:
+            return "It is the first data-parallel candidate in the order (the fastest)."
+        return f"The {len(faster)} data-parallel candidate(s) before it in the order do not fit."
+    fitting = [x for x in layouts.layouts if x.fits and x.model_parallel and x.buildable]
+    smallest = min(memory.rows, key=lambda r: r.predicted_peak_bytes_per_rank)
+    return (
+        f"No data-parallel candidate fits (the smallest, {memory.label(smallest)}, needs "
+        f"{format_bytes(smallest.predicted_peak_bytes_per_rank)}); it is the fastest of the {len(fitting)} buildable "
+        f"layouts that split the model and fit (estimated {best.samples_per_second:.4g} samples/s)."
+    )
+
+
+def _lost(layouts: LayoutPlan, x: Layout, best: Layout) -> str:
+    """Why ``x`` is not the recommendation, in one clause."""
+    usable = layouts.usable_bytes
+    if not x.fits:
+        over = x.predicted_peak_bytes_per_rank - usable
+        return f"does not fit: {format_bytes(x.predicted_peak_bytes_per_rank)} per rank, {format_bytes(over)} over"
+    if not x.buildable:
+        return f"not buildable: {short_reason(x.not_buildable)}"
+    ratio = x.samples_per_second / best.samples_per_second if best.samples_per_second else 1.0
+    speed = (
+        f"{ratio - 1:.1%} faster" if ratio > 1.0005 else f"{1 - ratio:.1%} slower" if ratio < 0.9995 else "as fast"
+    ) + " (estimated)"
+    if x.precision != best.precision:
+        return f"{speed}, but {x.precision} changes the numerics where {best.precision} fits"
+    if x.model_parallel and not best.model_parallel:
+        return (
+            f"{speed}, but splits the model while a data-parallel layout fits ({x.data_parallel} data ranks, "
+            f"the pipeline or tensor code paths): the plan keeps data parallelism then"
         )
-    return err
+    if ratio >= 0.9995 and x.activation_checkpointing == best.activation_checkpointing:
+        return f"{speed}, later in the order ({best.strategy} before {x.strategy}: less communication per step)"
+    if x.activation_checkpointing and not best.activation_checkpointing:
+        return f"{speed}: activation checkpointing runs each checkpointed block's forward twice"
+    return speed
+
+
+def alternatives(layouts: LayoutPlan, best: Layout, limit: int = 8) -> list[str]:
+    """The layouts that lost to ``best``, each with why (does not fit, not buildable, slower, splits the model,
+    another precision): the faster ones first, then the data-parallel candidates before it in the order, then
+    the next slower ones."""
+    others = [x for x in layouts.layouts if x is not best]
+    faster = [x for x in others if x.fits and x.samples_per_second > best.samples_per_second]
+    ordered = [x for x in faster if x.buildable][:3] + [x for x in faster if not x.buildable][:2]
+    before = [
+        x
+        for x in layouts.layouts
+        if not x.model_parallel
+        and not x.fits
+        and x.precision == best.precision
+        and (x.activation_checkpointing, STRATEGY_RANK[x.strategy])
+        < (best.activation_checkpointing, STRATEGY_RANK[best.strategy])
+    ]
+    ordered += sorted(before, key=lambda x: (x.activation_checkpointing, STRATEGY_RANK[x.strategy]))[:4]
+    slower = [x for x in others if x.fits and x.buildable and x.samples_per_second <= best.samples_per_second]
+    ordered += [x for x in slower if x.precision == best.precision][:2]
+    lines = []
+    for x in ordered[:limit]:
+        ac = ", AC" if x.activation_checkpointing else ""
+        lines.append(f"- {x.name} ({x.precision}{ac}): {_lost(layouts, x, best)}")
+    return lines
+
+
+def notes(layouts: LayoutPlan, best: Layout, memory_source: str = "") -> list[str]:
+    """One line for each figure a reader may find surprising in the report of ``best``."""
+    memory = layouts.memory
+    assert memory is not None
+    lines = []
+    if memory_source:
+        lines.append(f"- Device memory {format_bytes(memory.request.device_memory_bytes)} per rank: {memory_source}.")
+    dp = {(r.strategy, r.precision, r.activation_checkpointing): r for r in memory.rows}
+    for r in memory.rows:
+        twin = dp.get(("mgpu_ddp", r.precision, r.activation_checkpointing))
+        if r.strategy == "mgpu_sharded" and twin and r.parameters_bytes > twin.parameters_bytes:
+            n = memory.request.devices
+            lines.append(
+                f"- {memory.label(r)}'s parameters per rank ({format_bytes(r.parameters_bytes)}) are above "
+                f"{memory.label(twin)}'s ({format_bytes(twin.parameters_bytes)}): at its peak a ZeRO-2 rank holds its "
+                f"own 1/{n} shard of the parameters and every FSDP unit gathered whole, kept from forward to "
+                f"backward (reshard_after_forward=False: one all-gather per step instead of ZeRO-3's two), so "
+                f"P/{n} + P."
+            )
+            break
+    if best.pipeline > 1 and best.strategy == "mgpu_ddp" and best.strategy_arguments.get("stage") == 2:
+        lines.append(
+            f"- {best.name} is built with MGPUShardedStrategy(stage=2, pipeline_parallel_size={best.pipeline}, ...): "
+            f"inside a pipeline stage=2 keeps whole replicas of each stage (mgpu_ddp's data layout), not ZeRO-2 "
+            f"shards."
+        )
+    if best.pipeline > 1 and best.microbatches > 1 and best.strategy in ("mgpu_zero3", "mgpu_hsdp"):
+        lines.append(
+            f"- {best.name}'s parameters include each stage's FSDP units gathered whole: torch's pipelining keeps "
+            f"them gathered from the first micro-batch to the last (one all-gather per step)."
+        )
+    if best.data_parallel < layouts.devices:
+        d, b = best.data_parallel, layouts.batch_size
+        k = layouts.devices // d
+        lines.append(
+            f"- {best.name} has {d} data ranks: an optimizer step takes {d} x {b} samples where {layouts.devices} "
+            f"data ranks take {layouts.devices * b}; accumulate_grad_batches={k} (times any of your own) keeps the "
+            f"global batch, at the same samples/s."
+        )
+    return lines
+
+
+def report(layouts: LayoutPlan, top: int = 20, memory_source: str = "") -> str:
+    """``lightning-mgpu plan``'s text: the one recommendation and the line that builds it, the alternatives and why
+    each lost, notes on the figures that may surprise, then the memory plan and the layout table (whose first row
+    is the recommendation). Raises :class:`~lightning_mgpu.planning.NoPlanFits` when nothing buildable fits."""
+    best = choose(layouts)
+    memory = layouts.memory
+    assert memory is not None
+    ac = "on" if best.activation_checkpointing else "off"
+    lines = [
+        f"Recommended: {best.name}, precision {best.precision}, activation checkpointing {ac}: "
+        f"{format_bytes(best.predicted_peak_bytes_per_rank)} of {format_bytes(layouts.usable_bytes)} usable per "
+        f"rank, estimated {best.samples_per_second:.4g} samples/s. {_why_chosen(layouts, best)}",
+        "",
+        f"    {layouts.strategy_line(best)}",
+        "",
+        "Alternatives, and why each lost:",
+        *alternatives(layouts, best),
+        "(every candidate and layout: the tables below)",
+    ]
+    explained = notes(layouts, best, memory_source)
+    if explained:
+        lines += ["", "Figures that may surprise:", *explained]
+    lines += ["", "Memory plan of the data-parallel candidates:", "", memory.table(recommendation=False)]
+    lines += ["", "Layouts (data replicate x data shard x tensor x pipeline) that fit, the recommended first:", ""]
+    lines.append(layouts.table(top))
+    return "\n".join(lines)
 
 
 def fallback(err: BaseException, model: str, usable: int) -> AutoDecision:
@@ -173,6 +277,22 @@ def device_memory_bytes(given: Any, device: torch.device, processes: int) -> int
     import psutil
 
     return int(psutil.virtual_memory().available // max(1, processes))
+
+
+def device_memory_source(given: Any, device: torch.device, processes: int) -> str:
+    """Where :func:`device_memory_bytes` took the device memory from, in words (``""`` where it was given)."""
+    if given is not None:
+        return ""
+    if device.type == "cuda":
+        return f"no device_memory given: the total memory of {device}"
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    return (
+        f"no device_memory given, and on CPU a rank's device is this machine's memory: the available memory "
+        f"({format_bytes(available)}, psutil.virtual_memory().available) shared by the {processes} processes on it; "
+        f"pass device_memory='24GiB' to plan for another device"
+    )
 
 
 def planner_precision(plugin: Any) -> str:

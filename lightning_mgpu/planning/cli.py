@@ -6,8 +6,9 @@ lightning-mgpu plan --config configs/transformer.yaml --devices 16 --num-nodes 2
 lightning-mgpu plan --config configs/auto.yaml     # devices, nodes, precision and device memory from the config
 lightning-mgpu plan --config lm.yaml --devices 64 --num-nodes 8 --device-memory 80GiB --inter-node-link ethernet
 
-The memory plan of the data-parallel candidates comes first, then the layouts (data replicate x data shard x
-tensor x pipeline) that fit, fastest first (``--layouts --json``: every layout as JSON).
+One recommendation comes first, with the ``Trainer(...)`` line that builds it and the alternatives and why each
+lost; then the memory plan of the data-parallel candidates and the layouts (data replicate x data shard x tensor x
+pipeline) that fit, the recommended first (``--layouts --json``: every layout as JSON, the recommended marked).
 
 ``--devices``, ``--num-nodes`` and ``--precisions`` default to the config's ``trainer.devices`` (times
 ``trainer.num_nodes``: the world), ``trainer.num_nodes`` and ``trainer.precision``; ``--device-memory`` and
@@ -29,7 +30,7 @@ __all__ = ["main"]
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the plan (markdown table, or ``--json`` rows); exit 2 with the reason on bad input or no fit."""
     from lightning_mgpu.planning import NoPlanFits, plan_layouts
-    from lightning_mgpu.planning.choice import no_layout_fits
+    from lightning_mgpu.planning.choice import choose, no_layout_fits, report
 
     parser = argparse.ArgumentParser(prog="lightning-mgpu plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config", "-c", required=True, help="a `lightning-mgpu fit` YAML config (model and data)")
@@ -107,27 +108,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
         result = layouts.memory
         assert result is not None
-        best = layouts.best
-        if result.recommended is None and (best is None or (args.json and not args.layouts)):
-            refused = [x for x in layouts.layouts if x.fits and not x.buildable] if best is None else []
-            raise no_layout_fits(result, refused)
+        if args.json and not args.layouts:
+            if result.recommended is None:  # the rows' JSON marks a data-parallel recommendation only
+                choose(layouts)  # raises where nothing buildable fits
+                raise no_layout_fits(result, [])
+            text = result.to_json()
+        else:
+            text = layouts.to_json() if args.json else report(layouts, args.top)
     except NoPlanFits as err:
         print(err.plan.to_json() if args.json else err.plan.table(), file=sys.stderr)
         parser.exit(2, f"lightning-mgpu plan: error: {err}\n")
     except PlanError as err:
         parser.exit(2, f"lightning-mgpu plan: error: {err}\n")
-    if args.json:
-        print(layouts.to_json() if args.layouts else result.to_json())
-        return 0
-    print(result.table())
-    print("\nLayouts (data replicate x data shard x tensor x pipeline) that fit, fastest first:\n")
-    print(layouts.table(args.top))
-    if result.recommended is None and best is not None:
-        print(
-            f"\nNo data-parallel candidate fits; the fastest layout that fits and that the strategy builds is "
-            f"{best.name} ({best.strategy}, "
-            f"precision {best.precision}, activation checkpointing {'on' if best.activation_checkpointing else 'off'})."
-        )
+    print(text)
     return 0
 
 

@@ -71,11 +71,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from lightning_mgpu.parts.pipeline import master_precision_refusal
-from lightning_mgpu.planning.candidates import PRECISION_RANK, STRATEGY_RANK, Plan, candidate_row
-from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes
+from lightning_mgpu.planning.candidates import PRECISION_RANK, STRATEGY_RANK, NoPlanFits, Plan, candidate_row, no_fit
+from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes, layout_label
 from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelStates, StepTrace
 from lightning_mgpu.settings import ShardedSettings
 
@@ -86,8 +86,11 @@ __all__ = [
     "Layout",
     "LayoutPlan",
     "Links",
+    "choose",
     "estimate_layouts",
     "group_link",
+    "layout_label",
+    "no_layout_fits",
     "sharded_arguments",
     "short_reason",
 ]
@@ -232,13 +235,18 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """``"dp 2 x fsdp 4 x tp 8 x pp 8"``: the sizes above 1 (``dp``: replicas, ``fsdp``: shards)."""
-        shard = {"mgpu_ddp": "ddp", "mgpu_zero1": "zero1", "mgpu_sharded": "zero2"}.get(self.strategy, "zero3")
-        parts = [f"dp {self.data_replicate}"] if self.data_replicate > 1 else []
-        parts += [f"{shard} {self.data_shard}"] if self.data_shard > 1 else []
-        parts += [f"tp {self.tensor}"] if self.tensor > 1 else []
-        parts += [f"pp {self.pipeline} {self.schedule} m={self.microbatches}"] if self.pipeline > 1 else []
-        return " x ".join(parts) or "one rank"
+        """The layout's label, the same in every table, the JSON and ``mgpu_auto``'s message: the data dimension's
+        preset and its ranks, then the splits above 1 (``"mgpu_sharded 8"``, ``"mgpu_ddp 4 x pp 2 1f1b m=8"``,
+        ``"mgpu_hsdp 2x8 x tp 2"``: 2 replicas of 8 shards; ``"tp 2 x pp 4 gpipe m=4"``: one data rank)."""
+        return layout_label(
+            self.strategy,
+            self.data_replicate,
+            self.data_shard,
+            self.tensor,
+            self.pipeline,
+            self.schedule,
+            self.microbatches,
+        )
 
     @property
     def model_parallel(self) -> bool:
@@ -261,6 +269,44 @@ class LayoutPlan:
     memory: Optional[Plan] = None
     """The memory plan of the data-parallel candidates (:func:`~lightning_mgpu.planning.plan`), from the same
     trace (set by :func:`~lightning_mgpu.planning.plan_layouts`)."""
+    checkpointing_source: str = ""
+    """The "with AC" candidates' policy as Python source for the strategy line (``'["TransformerEncoderLayer"]'``,
+    ``"EveryNth(1)"``); set by :func:`~lightning_mgpu.planning.plan_layouts`."""
+
+    @property
+    def recommended(self) -> Optional[Layout]:
+        """The one recommendation (:func:`choose`, what ``lightning-mgpu plan``
+        prints first and ``mgpu_auto`` builds), or None where nothing buildable fits."""
+        try:
+            return choose(self)
+        except PlanError:
+            return None
+
+    def strategy_line(self, layout: Layout) -> str:
+        """The ``Trainer(...)`` call that builds ``layout`` (a preset name where a preset builds it), to paste;
+        ``""`` for a layout the strategy does not build."""
+        if not layout.buildable:
+            return ""
+        arguments = dict(layout.strategy_arguments)
+        presets = {(): "mgpu_ddp", (("stage", 1),): "mgpu_zero1", (("stage", 2),): "mgpu_sharded"}
+        presets[(("stage", 3),)] = "mgpu_zero3"
+        preset = presets.get(tuple(sorted(arguments.items())))
+        if layout.activation_checkpointing:
+            arguments["activation_checkpointing"] = _Source(self.checkpointing_source or "<your policy>")
+        if preset is not None and not layout.activation_checkpointing:
+            strategy = repr(preset)
+        else:
+            cls = "MGPUDDPStrategy" if "stage" not in arguments else "MGPUShardedStrategy"
+            strategy = f"{cls}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
+        trainer = [f"strategy={strategy}", f"devices={self.devices // self.num_nodes}"]
+        trainer += [f"num_nodes={self.num_nodes}"] if self.num_nodes > 1 else []
+        if PRECISION_LAYOUT[layout.precision][2]:  # the master modes are a plugin
+            trainer.append(f"plugins=[MGPUPrecision({layout.precision!r})]")
+        else:
+            trainer.append(f"precision={layout.precision!r}")
+        if layout.data_parallel < self.devices:  # fewer data ranks: accumulate to keep the global batch
+            trainer.append(f"accumulate_grad_batches={self.devices // layout.data_parallel}")
+        return f"Trainer({', '.join(trainer)})"
 
     @property
     def best(self) -> Optional[Layout]:
@@ -276,16 +322,29 @@ class LayoutPlan:
         )
 
     def to_json(self) -> str:
-        return json.dumps([{**asdict(x), "name": x.name} for x in self.layouts], indent=2)
+        """Every layout as JSON, with its label (``name``), whether it is the recommendation and the
+        ``strategy_line`` that builds it."""
+        chosen = self.recommended
+        return json.dumps(
+            [
+                {**asdict(x), "name": x.name, "recommended": x is chosen, "strategy_line": self.strategy_line(x)}
+                for x in self.layouts
+            ],
+            indent=2,
+        )
 
     def table(self, top: int = 20, refused: int = 5) -> str:
-        """A markdown table of the ``top`` fastest buildable layouts that fit (the first is :attr:`best`; when none
-        fits, the smallest first), then a note naming up to ``refused`` layouts that fit and would be faster than
-        the first row but that the strategy does not build, each with the short reason its settings give."""
+        """A markdown table of ``top`` buildable layouts that fit: the recommendation (:attr:`recommended`) first,
+        marked, then the others fastest first (when none fits, the smallest first), then a note naming up to
+        ``refused`` layouts that fit and would be faster than the first row but that the strategy does not build,
+        each with the short reason its settings give."""
         built = [x for x in self.layouts if x.buildable]
         fitting = [x for x in built if x.fits]
+        chosen = self.recommended
+        if chosen is not None:
+            fitting = [chosen] + [x for x in fitting if x is not chosen]
         shown = fitting[:top] if fitting else sorted(built, key=lambda x: x.predicted_peak_bytes_per_rank)[:top]
-        first = self.layouts.index(fitting[0]) if fitting else len(self.layouts)
+        first = min((self.layouts.index(x) for x in fitting), default=len(self.layouts))
         passed_over = [x for x in self.layouts[:first] if x.fits and not x.buildable]
         head = (
             "| # | layout | precision | AC | params | grads | optimizer | activations | comm buf | peak/rank | "
@@ -308,7 +367,7 @@ class LayoutPlan:
                 )
             ]
             cells += [f"{x.bubble:.1%}", f"{x.step_seconds:.3g}", f"{x.samples_per_second:.4g}"]
-            cells.append("yes" if x.fits else "no")
+            cells.append(("yes" if x.fits else "no") + (" **<- recommended**" if x is chosen else ""))
             lines.append("| " + " | ".join(cells) + " |")
         per_node = self.devices // self.num_nodes
         fit = sum(x.fits for x in self.layouts)
@@ -336,6 +395,13 @@ class LayoutPlan:
             f"(not measured)."
         )
         return "\n".join(lines)
+
+
+class _Source(str):
+    """Text shown as is by ``repr`` (a policy's Python source in the strategy line)."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _split_request(request: PlanRequest, strategy: str, data: int, replicas: int) -> PlanRequest:
@@ -711,3 +777,48 @@ def _layout(
         return replace(layout, strategy_arguments=sharded_arguments(layout))
     except ValueError as err:
         return replace(layout, not_buildable=str(err))
+
+
+def choose(layouts: LayoutPlan, build: Optional[Callable[[Layout], Optional[dict[str, Any]]]] = None) -> Layout:
+    """The one recommendation, for ``lightning-mgpu plan`` and ``mgpu_auto`` alike: the memory plan's candidate
+    (:data:`~lightning_mgpu.planning.ORDER`: precision first, no activation checkpointing before it, mgpu_ddp before
+    the ZeRO stages) as its data-parallel layout when one fits; else, in the first precision of that order where
+    one fits, the fastest layout that splits the model among those ``build`` builds (default: the buildable ones,
+    :attr:`Layout.buildable`). A data-parallel layout is kept over a faster split: a split trains fewer data ranks
+    per step and runs the pipeline or tensor code paths the model does not need. Raises the memory plan's
+    :class:`~lightning_mgpu.planning.NoPlanFits` when nothing buildable fits."""
+    memory = layouts.memory
+    assert memory is not None, "plan_layouts sets the memory plan"
+    arguments = build or (lambda x: dict(x.strategy_arguments) if x.buildable else None)
+    row = memory.recommended
+    if row is not None:
+        same = next(
+            (
+                x
+                for x in layouts.layouts
+                if not x.model_parallel
+                and (x.strategy, x.precision, x.activation_checkpointing)
+                == (row.strategy, row.precision, row.activation_checkpointing)
+            ),
+            None,
+        )
+        if same is not None and arguments(same) is not None:
+            return same
+    fitting = [x for x in layouts.layouts if x.fits and x.model_parallel]
+    built = [x for x in fitting if arguments(x) is not None]
+    if not built:
+        raise no_layout_fits(memory, fitting)
+    return min(built, key=lambda x: PRECISION_RANK[x.precision])  # stable: the fastest of the first precision
+
+
+def no_layout_fits(memory: Plan, fitting: list[Layout]) -> NoPlanFits:
+    """The memory plan's error where no data-parallel candidate fits and no layout that fits is built, with one line
+    naming the first of the layouts that would fit (``fitting``) and why the strategy does not build it."""
+    err = no_fit(memory)
+    if fitting:
+        why = short_reason(fitting[0].not_buildable) if fitting[0].not_buildable else "not in that combination"
+        err.args = (
+            f"{err.args[0]} The layout {fitting[0].name} would fit, but MGPUShardedStrategy here cannot build it "
+            f"({why}): only the layouts it builds are chosen.",
+        )
+    return err

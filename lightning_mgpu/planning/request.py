@@ -8,7 +8,16 @@ from typing import Any, Optional, Union
 
 from lightning_mgpu.settings import STRATEGIES
 
-__all__ = ["DEFAULT_PRECISIONS", "PRECISIONS", "STRATEGIES", "PlanError", "PlanRequest", "format_bytes", "parse_memory"]
+__all__ = [
+    "DEFAULT_PRECISIONS",
+    "PRECISIONS",
+    "STRATEGIES",
+    "PlanError",
+    "PlanRequest",
+    "format_bytes",
+    "layout_label",
+    "parse_memory",
+]
 
 #: every precision the planner models; "16-mixed"/"16-master" take the same bytes as their bf16 twins
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-master", "16-master")
@@ -139,3 +148,29 @@ class PlanRequest:
     def usable_bytes(self) -> int:
         """Bytes a plan may use per rank: ``device_memory`` less the headroom."""
         return int(self.device_memory_bytes * (1 - self.headroom))
+
+
+def layout_label(
+    strategy: str,
+    replicas: int,
+    shards: int,
+    tensor: int = 1,
+    pipeline: int = 1,
+    schedule: str = "-",
+    microbatches: int = 1,
+) -> str:
+    """The label of a layout (:attr:`Layout.name`; the memory plan's rows use it too).
+
+    >>> layout_label("mgpu_sharded", 1, 8), layout_label("mgpu_ddp", 1, 4, pipeline=2, schedule="1f1b", microbatches=8)
+    ('mgpu_sharded 8', 'mgpu_ddp 4 x pp 2 1f1b m=8')
+    >>> layout_label("mgpu_hsdp", 2, 8), layout_label("mgpu_ddp", 1, 1, tensor=2, pipeline=4, schedule="gpipe")
+    ('mgpu_hsdp 2x8', 'tp 2 x pp 4 gpipe m=1')
+    """
+    split = tensor > 1 or pipeline > 1
+    if strategy == "mgpu_hsdp":
+        parts = [f"mgpu_hsdp {replicas}x{shards}"]
+    else:
+        parts = [f"{strategy} {replicas * shards}"] if replicas * shards > 1 or not split else []
+    parts += [f"tp {tensor}"] if tensor > 1 else []
+    parts += [f"pp {pipeline} {schedule} m={microbatches}"] if pipeline > 1 else []
+    return " x ".join(parts)

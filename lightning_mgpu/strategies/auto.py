@@ -37,7 +37,14 @@ from typing_extensions import override
 from lightning_mgpu import _compat
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_mgpu.planning import NoPlanFits, PlanError, plan_layouts
-from lightning_mgpu.planning.choice import AutoDecision, decide_layout, device_memory_bytes, fallback, planner_precision
+from lightning_mgpu.planning.choice import (
+    AutoDecision,
+    decide_layout,
+    device_memory_bytes,
+    device_memory_source,
+    fallback,
+    planner_precision,
+)
 from lightning_mgpu.planning.layouts import Layout
 from lightning_mgpu.planning.request import parse_memory
 from lightning_mgpu.planning.source import default_policy
@@ -160,7 +167,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
     def _plan(self, trainer: pl.Trainer) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
-        memory = device_memory_bytes(self._auto["settings"].device_memory, self.root_device, self.num_processes)
+        given = self._auto["settings"].device_memory
+        memory = device_memory_bytes(given, self.root_device, self.num_processes)
         if not module.automatic_optimization:  # the planner traces automatic optimization only
             reason = "mgpu_auto chose mgpu_ddp: the module uses manual optimization, which only mgpu_ddp supports."
             return {"decision": AutoDecision("mgpu_ddp", False, "32-true", 0, memory, reason), "policy": None}
@@ -183,7 +191,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             strategies=self._auto["settings"].strategies,
             activation_checkpointing=policy,
         )
-        decision = decide_layout(result, layout_arguments)
+        source = device_memory_source(given, self.root_device, self.num_processes)
+        decision = decide_layout(result, layout_arguments, memory_source=source)
         # a policy given by the user is on every rank already (and may not pickle); the default one pickles
         return {"decision": decision, "policy": None if self._auto["policy"] else policy}
 

@@ -335,4 +335,4 @@ def test_mgpu_auto_splits_the_model_when_no_data_parallel_candidate_fits_where_t
     assert decision.tensor_parallel_size * decision.pipeline_parallel_size > 1
     assert decision.strategy_arguments == layout_arguments(built[0])
     assert decision.predicted_peak_bytes_per_rank == built[0].predicted_peak_bytes_per_rank
-    assert "no data-parallel candidate fits" in decision.reason
+    assert "No data-parallel candidate fits" in decision.reason and decision.layout == built[0].name
