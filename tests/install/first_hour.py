@@ -204,7 +204,11 @@ def main() -> None:
         [command, "plan", "--config", "cfg.yaml", "--devices", "2", "--device-memory", "1GiB"],
         folder,
     )
-    if "Recommended: strategy='mgpu_ddp'" not in out or "usermodule.UserModel" not in out:
+    if (
+        "Recommended: mgpu_ddp 2," not in out
+        or "Trainer(strategy='mgpu_ddp'" not in out
+        or "usermodule.UserModel" not in out
+    ):
         fail("plan: no recommendation for the user's class", out)
 
     notebook(folder, import_line, base)
