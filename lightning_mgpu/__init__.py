@@ -41,7 +41,7 @@ from lightning_mgpu.planning import plan, plan_layouts
 from lightning_mgpu.plugins.async_checkpoint import CheckpointWriteError
 from lightning_mgpu.plugins.checkpoint_io import AtomicCheckpointIO, IncompleteCheckpointError
 from lightning_mgpu.plugins.precision import MGPUPrecision
-from lightning_mgpu.presets import PRESETS, preset_table, register_presets
+from lightning_mgpu.presets import PRESETS, UnknownPreset, preset_table, register_presets
 from lightning_mgpu.schedules import total_steps, warmup_schedule
 from lightning_mgpu.strategies import (
     MGPUAutoStrategy,
@@ -77,6 +77,7 @@ __all__ = [
     "ScaleLR",
     "ShardMemory",
     "UnevenInputsError",
+    "UnknownPreset",
     "__version__",
     "allreduce_gradients",
     "apply_activation_checkpointing",

@@ -46,26 +46,12 @@ def _version() -> str:
     return __version__
 
 
-def _preset_names() -> list[str]:
-    from lightning_mgpu.presets import PRESETS
-
-    return [p.name for p in PRESETS]
-
-
 def strategy_hint(name: Optional[str] = None) -> str:
-    """The presets, one line; with ``name``, the closest preset or Lightning strategy names first."""
-    presets = _preset_names()
-    lines = []
-    if name is not None:
-        from lightning_mgpu.presets import RENAMED
+    """The presets, one line; with ``name``, the closest preset or Lightning strategy names first
+    (:func:`lightning_mgpu.presets.preset_hint`, which the Trainer's refusal says too); then how to name a class."""
+    from lightning_mgpu.presets import preset_hint
 
-        dropped = {r.old for r in RENAMED if r.registry == "strategy"}  # registered only to explain themselves
-        names = [n for n in presets + StrategyRegistry.available_strategies() if n not in dropped]
-        known = dict.fromkeys(names)  # ordered, no repeats
-        close = difflib.get_close_matches(name.lower(), list(known), n=3)
-        if close:
-            lines.append(f"did you mean {' or '.join(repr(c) for c in close)}?")
-    lines.append(f"lightning-mgpu presets: {', '.join(presets)} (`lightning-mgpu --list` describes them).")
+    lines = [preset_hint(name)]
     lines.append(
         "A strategy class works without importing the pack: "
         f"`strategy: {{class_path: {_PACKAGE}.MGPUDDPStrategy, init_args: {{...}}}}`."

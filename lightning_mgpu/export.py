@@ -279,6 +279,15 @@ def _config_of(
 
 _PEFT_ROOT = "base_model.model."
 ADAPTERS = ("merge", "peft")
+#: ``base_model_name_or_path`` of an adapter folder written alone whose base is not known (a model built from a
+#: config, and no ``base_model`` given). transformers' ``AutoModel...from_pretrained(DIR)`` loads the base named
+#: there: ``None`` made it ask the Hugging Face Hub for a model called "None", retrying for half a minute; this
+#: value is neither a local path nor a valid Hub name, so that call (and peft's ``AutoPeftModel``) fails at once,
+#: with this sentence in its message. ``PeftModel.from_pretrained(base_model, DIR)`` does not read it.
+BASE_NOT_RECORDED = (
+    "base model not recorded: load the base model, then PeftModel.from_pretrained(base_model, this folder); or "
+    "export again with --base-model NAME_OR_PATH"
+)
 
 
 def _adapter_config(recorded: dict[str, Any], path: Path) -> tuple[str, dict[str, Any]]:
@@ -429,6 +438,7 @@ def export_checkpoint(
     prefix: Optional[str] = None,
     config: Optional[PathLike] = None,
     adapters: str = "merge",
+    base_model: Optional[str] = None,
     weights_only: Optional[bool] = True,
 ) -> Path:
     """Write the weights of ``checkpoint`` (a file or a sharded directory of the pack) as a Hugging Face folder
@@ -447,6 +457,11 @@ def export_checkpoint(
             ``PeftModel.from_pretrained(AutoModel...from_pretrained(DIR), DIR)``). An adapter-only checkpoint
             (``checkpoint_params="trainable"``) holds no base: ``"peft"`` writes the adapter folder alone
             (``PeftModel.from_pretrained(base_model, DIR)``); anything else is refused.
+        base_model: the Hugging Face name or local folder of the base model, written as the adapter folder's
+            ``base_model_name_or_path``, so that ``AutoModel...from_pretrained(DIR)`` of an adapter folder written
+            alone loads that base and attaches the adapter; default: the one peft recorded (the name the base was
+            loaded from). Unknown, the folder names :data:`BASE_NOT_RECORDED` there: that call fails at once,
+            naming ``PeftModel.from_pretrained``.
         weights_only: ``torch.load``'s; ``False`` only for a checkpoint you trust.
 
     Example (a checkpoint without a recorded Hugging Face model, as one ``torch.save`` file of its weights):
@@ -490,8 +505,17 @@ def export_checkpoint(
             + "load the checkpoint onto the base in your LightningModule (trainer.validate(model, ckpt_path=...)) "
             "and save a full checkpoint (checkpoint_params='all')."
         )
+    if base_model is not None and not (has_peft and adapters == "peft"):
+        raise ValueError(
+            f"base_model={base_model!r} names the base of a peft adapter folder, which this export does not write: "
+            f"it needs a checkpoint of a peft model and --adapters peft --format hf."
+        )
     if recorded is not None and "peft" in recorded:
         name, peft_config = _adapter_config(recorded, source)
+        if base_model is not None:
+            peft_config["base_model_name_or_path"] = base_model
+        elif adapter_only and not peft_config.get("base_model_name_or_path"):
+            peft_config["base_model_name_or_path"] = BASE_NOT_RECORDED  # AutoModel...from_pretrained fails at once
         base, pairs, saved = _split_peft(tensors, name, source, with_base=not adapter_only)
         if adapter_only:
             tensors, adapter = {}, (peft_config, saved)
@@ -568,6 +592,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="peft LoRA adapters: merge them into the weights (default), or write them as a peft adapter folder",
     )
     parser.add_argument(
+        "--base-model",
+        metavar="NAME_OR_PATH",
+        help="with --adapters peft: the base model's Hugging Face name or folder, written in adapter_config.json "
+        "(default: the one peft recorded) so that AutoModel...from_pretrained(DIR) of an adapter-only export loads it",
+    )
+    parser.add_argument(
         "--trust-checkpoint",
         action="store_true",
         help="load with weights_only=False (only for a checkpoint you trust: unpickling may run code)",
@@ -576,7 +606,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         out = export_checkpoint(
             args.checkpoint, args.output, format=args.format, ema=args.ema, prefix=args.prefix, config=args.config,
-            adapters=args.adapters, weights_only=not args.trust_checkpoint,
+            adapters=args.adapters, base_model=args.base_model, weights_only=not args.trust_checkpoint,
         )  # fmt: skip
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
         parser.exit(2, f"lightning-mgpu export: error: {err}\n")

@@ -75,7 +75,8 @@ def removed_argument_message(name: str, value: Any = "...") -> str:
 
 def guard_trainer(trainer_class: type = pl.Trainer) -> type:
     """Make ``trainer_class(...)`` raise :class:`RemovedTrainerArgument` for Lightning 1.x arguments (all of
-    them at once, with a dropped accelerator name too); idempotent. Returns the class."""
+    them at once, with a dropped accelerator name too), and :class:`~lightning_mgpu.presets.UnknownPreset` for a
+    misspelt preset name (``strategy="mgpu_pipline"``); idempotent. Returns the class."""
     init: Callable[..., None] = vars(trainer_class)["__init__"]
     if getattr(init, "_mgpu_guard", False):
         return trainer_class
@@ -92,6 +93,10 @@ def guard_trainer(trainer_class: type = pl.Trainer) -> type:
             if old is not None:
                 lines.append(old.message)
             raise RemovedTrainerArgument(" ".join(lines))
+        if isinstance(kwargs.get("strategy"), str):  # a misspelt preset names the closest presets
+            from lightning_mgpu.presets import check_strategy_name
+
+            check_strategy_name(kwargs["strategy"])
         init(self, *args, **kwargs)
 
     __init__._mgpu_guard = True  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ harmless because entries are registered with ``override=True``.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -13,6 +14,7 @@ from typing import Any, Optional
 from pytorch_lightning.accelerators import AcceleratorRegistry
 from pytorch_lightning.strategies import StrategyRegistry
 
+from lightning_mgpu.settings import closest_names
 from lightning_mgpu.strategies.auto import MGPUAutoStrategy
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.periodic import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
@@ -258,6 +260,61 @@ RENAMED: tuple[Renamed, ...] = (
 def renamed(registry: str, name: str) -> Optional[Renamed]:
     """The :data:`RENAMED` entry for ``name`` passed as ``registry`` (``"strategy"``/``"accelerator"``), if any."""
     return next((r for r in RENAMED if r.registry == registry and r.old == name.lower()), None)
+
+
+class UnknownPreset(ValueError):
+    """A strategy name that looks like a preset of the pack (``"mgpu_pipline"``, ``"mgpu_zero_3"``) but is not
+    registered: a ``ValueError``, as Lightning's own refusal of an unknown strategy name, with the closest names and
+    the presets in the message. ``import lightning_mgpu`` makes Lightning's ``Trainer`` raise it, before anything
+    starts; names Lightning or anyone else registered are passed through untouched.
+
+    Example:
+
+        >>> import lightning_mgpu
+        >>> from pytorch_lightning import Trainer
+        >>> try:
+        ...     Trainer(strategy="mgpu_pipline")
+        ... except lightning_mgpu.UnknownPreset as err:
+        ...     print(str(err).splitlines()[1])
+        did you mean 'mgpu_pipeline'?
+    """
+
+
+def closest_strategy_names(name: str) -> list[str]:
+    """The preset names and the names in Lightning's strategy registry closest to ``name`` (difflib, at most three,
+    the closest first, none much further than the closest); never a dropped Lightning 1.x name, which is registered
+    only to explain itself."""
+    dropped = {r.old for r in RENAMED if r.registry == "strategy"}
+    names = [n for n in [p.name for p in PRESETS] + StrategyRegistry.available_strategies() if n not in dropped]
+    return closest_names(name.lower(), names)
+
+
+def preset_hint(name: Optional[str] = None) -> str:
+    """The presets, one line; with ``name``, the closest preset or Lightning strategy names first (what the Trainer
+    and the ``lightning-mgpu`` command say for a name that is not registered)."""
+    lines = []
+    close = closest_strategy_names(name) if name is not None else []
+    if close:
+        lines.append(f"did you mean {' or '.join(repr(c) for c in close)}?")
+    presets = ", ".join(p.name for p in PRESETS)
+    lines.append(f"lightning-mgpu presets: {presets} (`lightning-mgpu --list` describes them).")
+    return "\n".join(lines)
+
+
+def looks_like_preset(name: str) -> bool:
+    """Whether ``name`` reads as a preset of the pack: it starts with ``mgpu``, or it is close (difflib) to a preset
+    name, with or without its ``mgpu_`` prefix (``"zero_3"``, ``"pipline"``)."""
+    name = name.lower()
+    presets = [p.name for p in PRESETS] + [p.name.removeprefix("mgpu_") for p in PRESETS]
+    return name.startswith("mgpu") or bool(difflib.get_close_matches(name, presets, n=1, cutoff=0.8))
+
+
+def check_strategy_name(name: str) -> None:
+    """Raise :class:`UnknownPreset` for ``Trainer(strategy=name)`` when ``name`` is not registered with Lightning
+    (in any case, as Lightning lowers it) and :func:`looks_like_preset`; any other name is left to Lightning."""
+    if name.lower() == "auto" or name.lower() in StrategyRegistry or not looks_like_preset(name):
+        return
+    raise UnknownPreset(f"Trainer(strategy={name!r}): no strategy of that name is registered.\n{preset_hint(name)}")
 
 
 class _RenamedName:

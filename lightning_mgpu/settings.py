@@ -201,19 +201,31 @@ def is_default_ddp_kwarg(name: str, value: Any) -> bool:
     return type(value) is type(param.default) and value == param.default
 
 
-def check_keywords(owner: str, given: Iterable[str], valid: Iterable[str]) -> None:
-    """Raise ``TypeError`` for a keyword ``owner`` does not take, naming the closest valid one (difflib)."""
-    valid = sorted(set(valid))
-    unknown = sorted(set(given) - set(valid))
+def closest_names(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
+    """The ``candidates`` closest to ``name`` (difflib ratio at least 0.6, none much further than the closest; at
+    most ``n``, the closest first): what every "did you mean" of the pack names."""
+    scored = [(difflib.SequenceMatcher(None, name, c).ratio(), c) for c in dict.fromkeys(candidates)]
+    best = max((score for score, _ in scored), default=0.0)
+    close = sorted((item for item in scored if item[0] >= max(0.6, best - 0.1)), key=lambda item: -item[0])
+    return [c for _, c in close[:n]]
+
+
+def check_keywords(owner: str, given: Iterable[str], valid: Iterable[str], passed_on: Iterable[str] = ()) -> None:
+    """Raise ``TypeError`` for a keyword ``owner`` does not take, naming the closest valid ones (difflib) and the
+    valid keywords: ``valid`` (the owner's options) and ``passed_on`` (those it hands to DistributedDataParallel)."""
+    options = sorted(set(valid))
+    ddp = sorted(set(passed_on) - set(options))
+    unknown = sorted(set(given) - set(options) - set(ddp))
     if not unknown:
         return
     hints = []
     for name in unknown:
-        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.0)  # cutoff 0: always name the nearest
-        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+        close = closest_names(name, [*options, *ddp])
+        hints.append(f"{name!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(name))
+    also = f"; and DistributedDataParallel's: {', '.join(ddp)}" if ddp else ""
     raise TypeError(
         f"{owner} got unknown keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(hints)}. "
-        f"Valid keywords: {', '.join(valid)}."
+        f"Its options: {', '.join(options)}{also}."
     )
 
 
@@ -616,11 +628,35 @@ def option_doc(name: str, settings: Iterable[type]) -> Optional[str]:
     return None
 
 
-def document_options(*settings: type, var_keyword: str) -> Callable[[type[S]], type[S]]:
-    """Class decorator of a strategy: its docstring's ``Args:`` section, one entry per keyword of its ``__init__``
-    (what LightningCLI's ``--help`` prints), each the docstring of the settings field that keyword sets (from the
-    first of ``settings`` that documents it), Lightning's plugins, and ``var_keyword`` for ``**kwargs``. A keyword
-    without a documented field fails here, at import."""
+_OPTIONS = "_mgpu_options"  # the class attribute holding the keywords a decorated strategy's constructor takes
+
+
+def _keywords_of(cls: type) -> tuple[frozenset[str], frozenset[str]]:
+    """The keywords ``cls(...)`` takes: its constructor's named arguments, plus (for a ``**`` remainder) those of the
+    nearest decorated base it hands them to, else DistributedDataParallel's keywords and the Lightning names refused
+    further on with their replacement (:data:`REPLACED_KWARGS`). Returned as (options, DDP keywords)."""
+    parameters = inspect.signature(cast(Any, cls).__init__).parameters
+    named = {n for n, p in parameters.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return frozenset(named), frozenset()
+    base = next((vars(b)[_OPTIONS] for b in cls.__mro__[1:] if _OPTIONS in vars(b)), None)
+    if base is not None:
+        return frozenset(named | base[0]), base[1]
+    return frozenset(named | set(REPLACED_KWARGS)), frozenset(DDP_KEYWORDS)
+
+
+def strategy_options(*settings: type, var_keyword: str) -> Callable[[type[S]], type[S]]:
+    """Class decorator of every strategy, the one place its keywords are documented and checked.
+
+    Documents: its docstring's ``Args:`` section, one entry per keyword of its ``__init__`` (what LightningCLI's
+    ``--help`` prints), each the docstring of the settings field that keyword sets (from the first of ``settings``
+    that documents it), Lightning's plugins, and ``var_keyword`` for ``**kwargs``. A keyword without a documented
+    field fails here, at import.
+
+    Checks: ``cls(...)`` with a keyword it does not take (``pipline_parallel_size=2``) raises ``TypeError`` naming
+    the closest options and every option (:func:`check_keywords`), before the constructor runs, instead of Python's
+    bare "unexpected keyword argument"; a ``**`` remainder takes what the base it is handed to takes, else
+    DistributedDataParallel's keywords."""
 
     def decorate(cls: type[S]) -> type[S]:
         entries = []
@@ -646,17 +682,27 @@ def document_options(*settings: type, var_keyword: str) -> Callable[[type[S]], t
                 )
             )
         cls.__doc__ = f"{cls.__doc__ or ''}\n\n    Args:\n" + "\n".join(entries) + "\n"
+        options, ddp = _keywords_of(cast(type, cls))
+        setattr(cls, _OPTIONS, (options, ddp))
+        init = vars(cls)["__init__"]
+        shown = sorted(options - set(REPLACED_KWARGS))  # refused further on, naming their replacement
+
+        @functools.wraps(init)  # keeps the signature (``__wrapped__``) that LightningCLI reads
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            if any(k not in options and k not in ddp for k in kwargs):
+                check_keywords(type(self).__name__, [k for k in kwargs if k not in options], shown, ddp)
+            init(self, *args, **kwargs)
+
+        setattr(cls, "__init__", __init__)  # noqa: B010 (a class attribute: mypy refuses the assignment)
         return cls
 
     return decorate
 
 
-def split_ddp_kwargs(owner: str, kwargs: Mapping[str, Any], own: Iterable[str]) -> dict[str, Any]:
+def split_ddp_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword arguments meant for torch's DistributedDataParallel, with the ones LightningCLI passes at
-    their default value dropped; an unknown keyword raises, naming the closest valid one."""
-    given = {k: v for k, v in kwargs.items() if not is_default_ddp_kwarg(k, v)}
-    check_keywords(owner, [k for k in given if k not in REPLACED_KWARGS], [*own, *DDP_KEYWORDS])
-    return given
+    their default value dropped (an unknown keyword was refused by :func:`strategy_options` already)."""
+    return {k: v for k, v in kwargs.items() if not is_default_ddp_kwarg(k, v)}
 
 
 def _wrap_classes(value: Any) -> Optional[tuple[type[nn.Module], ...]]:

@@ -59,15 +59,15 @@ from lightning_mgpu.settings import (
     NonFinite,
     StartMethod,
     arguments_of,
-    document_options,
     from_arguments,
     lightning_arguments,
+    strategy_options,
 )
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
 
-@document_options(AutoSettings, CommonSettings, var_keyword="")
+@strategy_options(AutoSettings, CommonSettings, var_keyword="")
 class MGPUAutoStrategy(MGPUDDPStrategy):
     """Chooses mgpu_ddp, mgpu_zero1, mgpu_sharded, mgpu_hsdp (on several machines: ``num_nodes > 1``) or mgpu_zero3
     (with or without activation checkpointing) at set-up: the fastest that the memory plan says fits (see the

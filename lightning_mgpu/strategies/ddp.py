@@ -40,7 +40,6 @@ from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_directory_message
 from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import (
-    LIGHTNING_KEYWORDS,
     CheckpointParams,
     CommHookName,
     CompileSetting,
@@ -49,17 +48,15 @@ from lightning_mgpu.settings import (
     MicroBatchSetting,
     NonFinite,
     StartMethod,
-    document_options,
     from_arguments,
     lightning_arguments,
     split_ddp_kwargs,
+    strategy_options,
 )
 from lightning_mgpu.strategies.runtime import Runtime
 
-_OWN_KEYWORDS = (*LIGHTNING_KEYWORDS, *DDPSettings.keywords())
 
-
-@document_options(
+@strategy_options(
     DDPSettings,
     var_keyword="passed to :class:`torch.nn.parallel.DistributedDataParallel` (e.g. ``bucket_cap_mb``); an unknown "
     "keyword raises, naming the closest valid one.",
@@ -132,7 +129,7 @@ class MGPUDDPStrategy(DDPStrategy):
         check_uneven_inputs: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
-        ddp_kwargs = split_ddp_kwargs(type(self).__name__, ddp_kwargs, _OWN_KEYWORDS)
+        ddp_kwargs = split_ddp_kwargs(ddp_kwargs)
         settings = from_arguments(DDPSettings, locals())
         if static_graph and not _compat.DDP_HAS_SET_STATIC_GRAPH:  # pragma: no cover - guarded by torch>=2.4
             raise RuntimeError("static_graph=True needs DistributedDataParallel._set_static_graph (torch>=2.4).")

@@ -32,9 +32,9 @@ from lightning_mgpu.settings import (
     LocalSGDSettings,
     StartMethod,
     arguments_of,
-    document_options,
     from_arguments,
     lightning_arguments,
+    strategy_options,
 )
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 
@@ -47,7 +47,7 @@ _DDP_KEYWORDS = (
 )
 
 
-@document_options(LocalSGDSettings, CommonSettings, var_keyword=_DDP_KEYWORDS)
+@strategy_options(LocalSGDSettings, CommonSettings, var_keyword=_DDP_KEYWORDS)
 class MGPULocalSGDStrategy(MGPUDDPStrategy):
     """Local SGD: every rank steps its own optimizer on its own batches; every ``sync_every`` optimizer steps the
     ranks average their weights (one all-reduce of the weights instead of one of the gradients per step: about
@@ -132,7 +132,7 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         return f"{type(self).__name__}(sync_every={s.sync_every}, start_method={self.launch_settings.start_method!r})"
 
 
-@document_options(DiLoCoSettings, CommonSettings, var_keyword=_DDP_KEYWORDS)
+@strategy_options(DiLoCoSettings, CommonSettings, var_keyword=_DDP_KEYWORDS)
 class MGPUDiLoCoStrategy(MGPUDDPStrategy):
     """DiLoCo (the DiLoCo paper; torchft's ``DiLoCo``): ``sync_every`` inner optimizer steps on each rank (the
     LightningModule's own optimizer, AdamW in the paper), then an outer SGD step with Nesterov momentum on the last

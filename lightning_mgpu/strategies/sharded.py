@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -96,10 +95,10 @@ from lightning_mgpu.settings import (
     Stage,
     StartMethod,
     TensorParallelPlanSetting,
-    document_options,
     from_arguments,
     lightning_arguments,
     split_ddp_kwargs,
+    strategy_options,
 )
 from lightning_mgpu.strategies.launchers import launched_weights_only
 from lightning_mgpu.strategies.runtime import Runtime
@@ -143,7 +142,7 @@ _OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
 _EMA_NAMES = "mgpu_sharded_ema"  # the parameter names of the EMA average saved beside state_dict (or absent)
 
 
-@document_options(
+@strategy_options(
     ShardedSettings,
     DDPSettings,
     var_keyword=":class:`~lightning_mgpu.MGPUDDPStrategy` arguments; ``comm_hook``, ``static_graph`` and DDP keyword "
@@ -233,8 +232,7 @@ class MGPUShardedStrategy(ParallelStrategy):
     ) -> None:
         arguments = dict(locals())
         sharded = from_arguments(ShardedSettings, arguments)
-        own = [name for name in inspect.signature(MGPUShardedStrategy.__init__).parameters if name != "self"]
-        ddp_kwargs = split_ddp_kwargs("MGPUShardedStrategy", ddp_kwargs, own[:-1])  # all but **ddp_kwargs
+        ddp_kwargs = split_ddp_kwargs(ddp_kwargs)
         ddp_only = {
             "comm_hook": comm_hook,
             "static_graph": static_graph,

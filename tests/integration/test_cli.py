@@ -4,6 +4,7 @@ subprocess (the popen presets re-run the command once per rank)."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import subprocess
 import sys
@@ -130,6 +131,36 @@ def test_an_unknown_preset_is_refused_with_the_closest_name_and_the_presets(caps
     assert "trainer.strategy: 'mgpu_dpp' is not a registered strategy name" in err
     assert "did you mean 'mgpu_ddp'" in err
     assert all(p.name in err for p in PRESETS)
+
+
+_TYPO_CONFIG = """
+model:
+  class_path: {namespace}.demos.boring_classes.BoringModel
+data:
+  class_path: {namespace}.demos.boring_classes.BoringDataModule
+trainer:
+  accelerator: cpu
+  devices: 2
+  strategy: mgpu_pipline
+"""
+
+
+@pytest.mark.parametrize("namespace", ["pytorch_lightning", "lightning.pytorch"])
+def test_a_misspelt_preset_in_a_config_is_refused_by_the_command_and_by_a_users_own_lightningcli(
+    namespace, capsys, tmp_path
+):
+    config = tmp_path / "typo.yaml"
+    config.write_text(_TYPO_CONFIG.format(namespace=namespace))
+    err = refused(capsys, "--config", str(config))  # lightning-mgpu fit: the parser's usage error and the hint
+    assert "trainer.strategy: 'mgpu_pipline' is not a registered strategy name" in err
+    assert "did you mean 'mgpu_pipeline'?" in err
+    # a user's own LightningCLI (the pack imported): the Trainer it builds refuses the name, naming the preset
+    cli = importlib.import_module(f"{namespace}.cli")
+    with pytest.raises(ValueError) as info:
+        cli.LightningCLI(args=["fit", "--config", str(config)], run=True)
+    assert type(info.value).__name__ == "UnknownPreset"
+    assert "did you mean 'mgpu_pipeline'?" in str(info.value) and "`lightning-mgpu --list`" in str(info.value)
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_misspelled_option_in_a_config_gets_jsonargparse_message_and_the_hint(capsys, tmp_path):

@@ -159,12 +159,12 @@ def test_a_configuration_that_cannot_be_written_never_fails_a_save(caplog: pytes
     assert "is not recorded for export" in caplog.text and "not serialisable" in caplog.text
 
 
-def test_an_adapter_only_checkpoint_exports_its_peft_adapter_folder_alone(tmp_path: Path) -> None:
-    from peft import PeftModel
-
+def _adapter_only_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint as ``checkpoint_params="trainable"`` saves it, of the LoRA GPT-2 (its base built from a config,
+    so peft records no base name) with "trained" adapters; returns them."""
     from lightning_mgpu.export import record_hf_models
     from lightning_mgpu.parts.trainable_state import KEY
-    from tests.corpus import HFGPT2, LoRAGPT2
+    from tests.corpus import LoRAGPT2
 
     module = LoRAGPT2()
     with torch.no_grad():  # "trained" adapters: unlike any fresh initialisation
@@ -172,9 +172,34 @@ def test_an_adapter_only_checkpoint_exports_its_peft_adapter_folder_alone(tmp_pa
             if p.requires_grad:
                 p.add_(0.5)
     trainable = {f"model.{n}": p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
-    checkpoint: dict = {"state_dict": trainable, KEY: {"frozen": {}}}  # as checkpoint_params="trainable" saves
+    checkpoint: dict = {"state_dict": trainable, KEY: {"frozen": {}}}
     record_hf_models(checkpoint, module)
-    torch.save(checkpoint, tmp_path / "adapters.ckpt")
+    torch.save(checkpoint, path)
+    return trainable
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Every attempt to resolve or reach a host is recorded and refused (no download, no retry can happen)."""
+    import socket
+
+    attempts: list[tuple] = []
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        attempts.append(args[:2])
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
+
+
+def test_an_adapter_only_checkpoint_exports_its_peft_adapter_folder_alone(tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    from tests.corpus import HFGPT2, LoRAGPT2
+
+    trainable = _adapter_only_checkpoint(tmp_path / "adapters.ckpt")
     assert main([str(tmp_path / "adapters.ckpt"), "--format", "hf", str(tmp_path / "out"), "--adapters", "peft"]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     loaded = PeftModel.from_pretrained(HFGPT2().model, tmp_path / "out")  # onto the base, as the user loads it
@@ -189,3 +214,68 @@ def test_an_adapter_only_checkpoint_exports_its_peft_adapter_folder_alone(tmp_pa
         with pytest.raises(ValueError, match=r"adapter-only checkpoint.*--adapters peft --format hf"):
             export_checkpoint(tmp_path / "adapters.ckpt", tmp_path / "refused", **kwargs)
         assert not (tmp_path / "refused").exists()
+
+
+def test_an_adapter_folder_without_its_base_fails_at_once_in_automodel_naming_the_documented_call(
+    tmp_path: Path, no_network: list[tuple]
+) -> None:
+    """``AutoModelForCausalLM.from_pretrained(DIR)`` loads the base named in adapter_config.json: unknown (None), it
+    asked the Hub for a model called "None", retrying; now it fails before any network call, naming the call that
+    loads the folder, which works (the documented one)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_mgpu.export import BASE_NOT_RECORDED
+    from tests.corpus import HFGPT2
+
+    trainable = _adapter_only_checkpoint(tmp_path / "adapters.ckpt")
+    export_checkpoint(tmp_path / "adapters.ckpt", tmp_path / "out", adapters="peft")
+    written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == BASE_NOT_RECORDED
+    with pytest.raises(OSError) as raised:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert "PeftModel.from_pretrained(base_model, this folder)" in str(raised.value)
+    assert "--base-model" in str(raised.value)
+    assert no_network == []  # failed at once: no host was even looked up
+    loaded = PeftModel.from_pretrained(HFGPT2().model, tmp_path / "out")  # the documented loading
+    lora = {f"model.{n}": v for n, v in loaded.state_dict().items() if ".lora_" in n}
+    torch.testing.assert_close(lora, trainable, rtol=0, atol=0)
+    assert no_network == []
+
+
+def test_an_adapter_folder_with_its_base_named_loads_with_automodel(tmp_path: Path, no_network: list[tuple]) -> None:
+    """``--base-model`` (a local folder here, a Hub name in practice) makes
+    ``AutoModelForCausalLM.from_pretrained(DIR)`` load that base and attach the adapter; peft's own record of the
+    base, when it has one, is written likewise."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_mgpu.export import record_hf_models
+    from lightning_mgpu.parts.trainable_state import KEY
+    from tests.corpus import HFGPT2
+
+    HFGPT2().model.save_pretrained(tmp_path / "base")  # the base LoRAGPT2 adapts
+    trainable = _adapter_only_checkpoint(tmp_path / "adapters.ckpt")
+    assert main([str(tmp_path / "adapters.ckpt"), str(tmp_path / "out"), "--adapters", "peft", "--base-model",
+                 str(tmp_path / "base")]) == 0  # fmt: skip
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    lora = {f"model.base_model.model.{n}": v for n, v in loaded.state_dict().items() if ".lora_" in n}
+    torch.testing.assert_close(lora, trainable, rtol=0, atol=0)
+    # a base loaded with from_pretrained: peft recorded its name, and the export keeps it
+    module = torch.nn.Module()
+    module.model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base"), LoraConfig(r=2, target_modules=["c_attn"])
+    )
+    state = {f"model.{n}": p.detach() for n, p in module.model.named_parameters() if p.requires_grad}
+    checkpoint: dict = {"state_dict": state, KEY: {"frozen": {}}}
+    record_hf_models(checkpoint, module)
+    torch.save(checkpoint, tmp_path / "recorded.ckpt")
+    export_checkpoint(tmp_path / "recorded.ckpt", tmp_path / "recorded", adapters="peft")
+    written = json.loads((tmp_path / "recorded" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == str(tmp_path / "base")
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "recorded")).__name__ == "GPT2LMHeadModel"
+    assert no_network == []
+    full, _ = _lora_checkpoint(tmp_path)  # merged, there is no adapter folder to name the base in
+    with pytest.raises(ValueError, match=r"base_model='gpt2' names the base of a peft adapter folder.*--adapters peft"):
+        export_checkpoint(full, tmp_path / "merged", base_model="gpt2")
+    assert not (tmp_path / "merged").exists()

@@ -7,13 +7,16 @@ import importlib
 import subprocess
 import sys
 
+import lightning.pytorch
 import pytest
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.strategies import StrategyRegistry
 
 import lightning_mgpu
-from lightning_mgpu import PRESETS, preset_table, register_presets
-from lightning_mgpu.presets import LAUNCH_EXCEPTIONS, LAUNCH_VARIANTS
+import lightning_mgpu.lightning
+from lightning_mgpu import PRESETS, UnknownPreset, preset_table, register_presets
+from lightning_mgpu.presets import LAUNCH_EXCEPTIONS, LAUNCH_VARIANTS, preset_hint
 from lightning_mgpu.strategies.runtime import Runtime
 from tests.helpers import WORLD
 
@@ -81,3 +84,62 @@ def test_every_preset_family_has_every_launch_variant_or_says_why_not():
     assert members | set(LAUNCH_EXCEPTIONS) == set(by_name)
     table = preset_table()
     assert all(f"{name}: {why}" in table for name, why in LAUNCH_EXCEPTIONS.items())
+
+
+# --- a misspelt preset name: named by the Trainer of each namespace, before anything starts -------------------------
+
+TRAINERS = {"pytorch_lightning": pl.Trainer, "lightning": lightning.pytorch.Trainer}
+UNKNOWN = {"pytorch_lightning": UnknownPreset, "lightning": lightning_mgpu.lightning.UnknownPreset}
+REGISTRIES = {"pytorch_lightning": StrategyRegistry, "lightning": lightning.pytorch.strategies.StrategyRegistry}
+
+
+@pytest.mark.parametrize("namespace", list(TRAINERS))
+@pytest.mark.parametrize(
+    ("typo", "closest"),
+    [
+        ("mgpu_pipline", "mgpu_pipeline"),
+        ("mgpu_dpp", "mgpu_ddp"),
+        ("MGPU_ZERO_3", "mgpu_zero3"),
+        ("zero_3", "mgpu_zero3"),
+    ],
+)
+def test_a_misspelt_preset_names_the_closest_presets_and_the_list(namespace, typo, closest):
+    with pytest.raises(UNKNOWN[namespace]) as info:
+        TRAINERS[namespace](accelerator="cpu", devices=WORLD, strategy=typo, logger=False)
+    message = str(info.value)
+    assert message.startswith(f"Trainer(strategy={typo!r}): no strategy of that name is registered.")
+    assert f"did you mean {closest!r}" in message
+    assert all(p.name in message for p in PRESETS) and "`lightning-mgpu --list` describes them" in message
+    assert isinstance(info.value, ValueError)  # what Lightning raises for an unknown strategy name
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("namespace", list(TRAINERS))
+def test_names_lightning_knows_pass_through_untouched(namespace):
+    trainer_class, registry = TRAINERS[namespace], REGISTRIES[namespace]
+    for name, expected in (("ddp", "DDPStrategy"), ("DDP_Spawn", "DDPStrategy"), ("mgpu_ddp", "MGPUDDPStrategy")):
+        strategy = trainer_class(accelerator="cpu", devices=WORLD, strategy=name, logger=False).strategy
+        assert type(strategy).__name__ == expected
+    assert type(trainer_class(accelerator="cpu", devices=1, strategy="auto", logger=False).strategy).__name__ == (
+        "SingleDeviceStrategy"
+    )
+    ddp = registry["ddp"]["strategy"]
+    registry.register("mgpu_someone_elses", ddp, description="a third party's name that reads like a preset")
+    try:
+        strategy = trainer_class(accelerator="cpu", devices=WORLD, strategy="mgpu_someone_elses", logger=False).strategy
+        assert type(strategy) is ddp
+    finally:
+        registry.remove("mgpu_someone_elses")
+    # negative control: a name that reads like no preset is left to Lightning's own refusal
+    with pytest.raises(ValueError, match="You selected an invalid strategy name") as info:
+        trainer_class(accelerator="cpu", devices=WORLD, strategy="deepspeedd", logger=False)
+    assert not isinstance(info.value, UNKNOWN[namespace])
+
+
+def test_the_trainer_and_the_command_name_the_same_closest_presets():
+    from lightning_mgpu.cli import strategy_hint
+
+    with pytest.raises(UnknownPreset) as info:
+        pl.Trainer(strategy="mgpu_shardd", logger=False)
+    assert preset_hint("mgpu_shardd") in str(info.value) and preset_hint("mgpu_shardd") in strategy_hint("mgpu_shardd")
+    assert "did you mean 'mgpu_sharded'" in preset_hint("mgpu_shardd")

@@ -9,8 +9,16 @@ from datetime import timedelta
 import pytest
 from torch import nn
 
+import lightning_mgpu
+import lightning_mgpu.lightning
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
-from lightning_mgpu.settings import DDPSettings, ShardedSettings, check_keywords, split_ddp_kwargs
+from lightning_mgpu.settings import (
+    LIGHTNING_KEYWORDS,
+    DDPSettings,
+    ShardedSettings,
+    check_keywords,
+    split_ddp_kwargs,
+)
 
 
 def test_a_single_wrap_modules_class_is_taken_as_a_one_element_list():
@@ -31,7 +39,7 @@ def test_ddp_keywords_of_torch_are_accepted_and_reach_distributed_data_parallel(
 
 def test_ddp_keywords_at_their_default_count_as_not_given():
     """LightningCLI passes every DistributedDataParallel argument it finds, at its default value."""
-    assert split_ddp_kwargs("S", {"dim": 0, "broadcast_buffers": None, "check_reduction": False}, []) == {}
+    assert split_ddp_kwargs({"dim": 0, "broadcast_buffers": None, "check_reduction": False}) == {}
 
 
 def test_an_unknown_keyword_names_the_closest_valid_one():
@@ -147,3 +155,56 @@ def test_an_explicit_buffer_flag_reaches_ddp_as_given_on_the_installed_torch(val
         assert strategy_ddp_kwargs(cls(broadcast_buffers=value)).get("broadcast_buffers", default) is value
         left_out = strategy_ddp_kwargs(cls())
         assert False in (left_out.get("broadcast_buffers"), left_out.get("forward_sync_buffers"))
+
+
+# --- a misspelt option: one check (settings.strategy_options) for every strategy class, in both namespaces --------
+
+NAMESPACES = {"pytorch_lightning": lightning_mgpu, "lightning": lightning_mgpu.lightning}
+STRATEGIES = [
+    "MGPUDDPStrategy",
+    "MGPUShardedStrategy",
+    "MGPULocalSGDStrategy",
+    "MGPUDiLoCoStrategy",
+    "MGPUAutoStrategy",
+]
+
+
+@pytest.mark.parametrize("namespace", list(NAMESPACES))
+@pytest.mark.parametrize(
+    ("name", "typo", "closest"),
+    [
+        ("MGPUShardedStrategy", "pipline_parallel_size", "pipeline_parallel_size"),
+        ("MGPUDDPStrategy", "comm_hok", "comm_hook"),
+        ("MGPUAutoStrategy", "devise_memory", "device_memory"),  # Python's bare "unexpected keyword" before
+        ("MGPULocalSGDStrategy", "sync_evry", "sync_every"),
+        ("MGPUDiLoCoStrategy", "outer_lrr", "outer_lr"),  # named another class's options before
+    ],
+)
+def test_a_misspelt_option_names_the_closest_and_the_strategys_options(namespace, name, typo, closest):
+    strategy_class = getattr(NAMESPACES[namespace], name)
+    with pytest.raises(TypeError) as info:
+        strategy_class(**{typo: 2})
+    message = str(info.value)
+    assert message.startswith(f"{name} got unknown keyword argument {typo!r} (did you mean {closest!r}")
+    own = [k for k in inspect.signature(strategy_class.__init__).parameters if k not in ("self", "ddp_kwargs")]
+    listed = message.split("Its options: ", 1)[1]
+    assert all(k in listed for k in own if k not in LIGHTNING_KEYWORDS)
+
+
+@pytest.mark.parametrize("namespace", list(NAMESPACES))
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_option_of_every_strategy_is_named_for_its_misspelling(namespace, name):
+    strategy_class = getattr(NAMESPACES[namespace], name)
+    options = [k for k in inspect.signature(strategy_class.__init__).parameters if k not in ("self", "ddp_kwargs")]
+    assert len(options) > 10
+    for option in options:
+        typo = f"{option}_x"
+        with pytest.raises(TypeError, match=rf"unknown keyword argument '{typo}' \(did you mean [^)]*'{option}'"):
+            strategy_class(**{typo: 1})
+
+
+def test_an_unknown_keyword_far_from_every_option_names_none():
+    """Negative control: no "did you mean" for a name close to nothing (the nearest would mislead)."""
+    with pytest.raises(TypeError) as info:
+        MGPUDDPStrategy(completely_unrelated=1)
+    assert "did you mean" not in str(info.value) and "Its options: " in str(info.value)
