@@ -9,8 +9,8 @@ As a pytest plugin (``-p tests.suite_profile --profile-out DIR``) it times every
 in the test's process and the workers it forks (fork launches, the suite's default: they inherit its patches), each
 ``Trainer.fit`` in phases, written as JSON lines to ``DIR/phases.jsonl``:
 
-* ``start-up``: from the test's call of ``Trainer.fit`` to the worker's process-group rendezvous (the fork, the
-  launcher's set-up);
+* ``start-up``: from the test's ``Trainer(...)`` to the worker's process-group rendezvous (the Trainer's set-up, the
+  fork, the launcher's);
 * ``rendezvous``: ``torch.distributed.init_process_group``;
 * ``steps``: the training batches (``on_train_batch_start`` to ``on_train_batch_end``), compile time included;
 * ``compile``: of those, the time torch.compile spent compiling (dynamo's own counters);
@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 _FILE = "MGPU_PROFILE_FILE"  # where the phases go (set by the plugin: the workers inherit it)
 _TEST = "MGPU_PROFILE_TEST"  # the test's node id
-_LAUNCH = "MGPU_PROFILE_LAUNCH"  # time.time() of the test's latest Trainer.fit call
+_LAUNCH = "MGPU_PROFILE_LAUNCH"  # time.time() of the test's latest Trainer(...)
 PHASES = ("start-up", "rendezvous", "steps", "compile", "fit, other")
 
 
@@ -74,7 +74,7 @@ def _profiling_callback(base: type) -> Any:
 
 
 def _install() -> None:
-    """Patch both namespaces' ``Trainer`` (a profiling callback, the launch time) and ``init_process_group`` (the
+    """Patch both namespaces' Trainer set-up (a profiling callback, the launch time) and ``init_process_group`` (the
     rendezvous) in this process. Fork launches (the suite's default) inherit the patches; spawn and popen workers
     are new interpreters without them, so their phases count in the test's "test, other"."""
     import torch.distributed as dist
@@ -94,23 +94,23 @@ def _install() -> None:
     dist.init_process_group = timed_init
     for name in ("pytorch_lightning", "lightning.pytorch"):
         try:
-            pl = __import__(name, fromlist=["Trainer", "Callback"])
+            pl = __import__(name, fromlist=["Callback"])
+            connectors = __import__(f"{name}.trainer.connectors.callback_connector", fromlist=["_CallbackConnector"])
         except ImportError:
             continue
-        trainer_class, callback = pl.Trainer, _profiling_callback(pl.Callback)
-        original_init, original_fit = trainer_class.__init__, trainer_class.fit
+        # the Trainer's own signature stays as it is (LightningCLI and the migration guard read it): the callback joins
+        # the list Lightning builds in Trainer.__init__, which is also when the launch's clock starts
+        connector, callback = connectors._CallbackConnector, _profiling_callback(pl.Callback)
+        original = connector.on_trainer_init
 
-        def patched_init(self: Any, *args: Any, _init: Any = original_init, _cb: Any = callback, **kwargs: Any) -> None:
-            callbacks = kwargs.get("callbacks")
-            callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
-            kwargs["callbacks"] = [*callbacks, _cb()]
-            _init(self, *args, **kwargs)
-
-        def patched_fit(self: Any, *args: Any, _fit: Any = original_fit, **kwargs: Any) -> Any:
+        def on_trainer_init(
+            self: Any, *args: Any, _original: Any = original, _cb: Any = callback, **kwargs: Any
+        ) -> None:
+            _original(self, *args, **kwargs)
+            self.trainer.callbacks.append(_cb())
             os.environ[_LAUNCH] = repr(time.time())
-            return _fit(self, *args, **kwargs)
 
-        trainer_class.__init__, trainer_class.fit = patched_init, patched_fit
+        connector.on_trainer_init = on_trainer_init
 
 
 # --- the pytest plugin ---------------------------------------------------------------------------------------------
