@@ -132,6 +132,7 @@ def pytest_configure(config: Any) -> None:
 
 def pytest_runtest_protocol(item: Any, nextitem: Any) -> Optional[Any]:
     os.environ[_TEST] = item.nodeid
+    os.environ.pop(_LAUNCH, None)  # a launch of an earlier test is not this one's start
     return None
 
 
