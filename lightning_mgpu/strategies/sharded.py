@@ -1094,6 +1094,7 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._runtime.ddp is not None:  # stage 1: DDP's errors name the fix, and the group ends as mgpu_ddp's
+        if self._runtime.ddp is not None:  # stage 1: DDP's errors name the fix
             DDPWrapping.explain(exception, "strategy=MGPUShardedStrategy(stage=1, find_unused_parameters=True)")
-            self._runtime.end_group_after(exception)
+        # every stage and layout: a failed collective names the ranks that failed, and the group ends as mgpu_ddp's
+        self._runtime.end_group_after(exception)
