@@ -465,7 +465,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         return self._parallel_mesh
 
     def setup_distributed(self) -> None:
-        self._runtime.join_elastic_store()  # when torchrun restarted this job (_compat.torchelastic_shares_its_store)
+        self._runtime.set_up_process()  # joins torchrun's store when it restarted this job
         reset_seed()
         self.set_world_ranks()
         if not group_is_up():
