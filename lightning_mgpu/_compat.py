@@ -245,6 +245,31 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
+def leaf_specs_without_warning() -> None:
+    """Lightning's ``utilities._pytree._tree_flatten`` (pytorch-lightning / lightning 2.6.6 checked) builds torch's
+    ``LeafSpec()`` for every loader it flattens (``CombinedLoader``: train, val, test, predict), which torch 2.13
+    deprecates with a FutureWarning ("`isinstance(treespec, LeafSpec)` is deprecated"): every rank printed it at the
+    first loader, and again at the next one after any change of the warning filters. torch's own ``tree_flatten``
+    takes ``treespec_leaf()`` instead, the same leaf spec built once without the warning; Lightning's module gets it
+    in place of the class (its one use of the name is that call). Missing (a torch without ``treespec_leaf`` does not
+    deprecate ``LeafSpec``; a Lightning that does not import it): nothing is changed."""
+    import torch.utils._pytree as torch_pytree
+    from pytorch_lightning.utilities import _pytree as lightning_pytree
+
+    leaf = getattr(torch_pytree, "treespec_leaf", None)
+    if leaf is not None and getattr(lightning_pytree, "LeafSpec", None) is getattr(torch_pytree, "LeafSpec", leaf):
+        lightning_pytree.LeafSpec = leaf  # type: ignore[misc]
+
+
+def process_groups() -> list[Any]:
+    """Every process group this process is in (the default one and the subgroups made since), from torch's
+    ``distributed_c10d._world.pg_map`` (2.13 checked; torch has no public list). Missing: AttributeError (the
+    tests that count the groups a device mesh makes fail)."""
+    import torch.distributed as dist
+
+    return list(dist.distributed_c10d._world.pg_map)
+
+
 def should_accumulate(trainer: Any) -> bool:
     """Whether the current training micro-batch only accumulates (does not end an accumulation window).
 

@@ -960,6 +960,13 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return gather() if callable(gather) else tensor
 
 
+def default_group() -> Any:
+    """The default process group (``torch.distributed.group.WORLD``) while one is up, else None. A process group
+    started again after one ended is another object: what a strategy compares to know whether what it built over
+    the group (its device mesh) still holds."""
+    return dist.group.WORLD if group_is_up() else None
+
+
 def group_is_up() -> bool:
     """True when ``torch.distributed`` is built in and the default process group is initialised.
 

@@ -165,7 +165,7 @@ class MicroBatching:
         size: an int (rows per micro-batch; it may back off below this and grows back up to it) or ``"auto"``
             (start with the whole loader batch, halve on out-of-memory errors, grow back after clean steps).
         grow_after: clean steps at a backed-off size before trying a larger one.
-        rank: this process's global rank (for the log).
+        rank: this process's global rank (rank 0 logs the back-offs).
     """
 
     def __init__(self, size: MicroBatchSize, grow_after: int = 50, rank: int = 0) -> None:
@@ -212,14 +212,15 @@ class MicroBatching:
             )
         smaller = max(1, size // 2)
         self.backoffs.append(BackOff(self.steps, size, smaller, ranks))
-        log.warning(
-            "micro-batching: rank(s) %s ran out of memory at micro_batch_size=%d (step %d); every rank redoes the "
-            "step at micro_batch_size=%d",
-            list(ranks),
-            size,
-            self.steps,
-            smaller,
-        )
+        if self.rank == 0:  # every rank backs off together: said once, by rank 0, naming the ranks that ran out
+            log.warning(
+                "micro-batching: rank(s) %s ran out of memory at micro_batch_size=%d (step %d); every rank redoes the "
+                "step at micro_batch_size=%d",
+                list(ranks),
+                size,
+                self.steps,
+                smaller,
+            )
         self.size = smaller
         self._ceiling = size
         self._clean = 0

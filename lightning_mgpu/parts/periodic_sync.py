@@ -26,11 +26,11 @@ Example::
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import torch
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_mgpu import comm
@@ -213,12 +213,11 @@ class PeriodicSync:
             if int(state["world_size"]) != self.world_size
             else "without each rank's own weights and inner optimizer states"
         )
-        warnings.warn(
+        rank_zero_warn(  # every rank resumes so: said once, by rank 0
             f"Resuming a {kind} checkpoint {why}, so every rank resumes from the last synced weights with rank 0's "
             f"inner optimizer state, and a new period starts "
             f"({state['since_sync']} unsynced steps of the saved period are dropped). Resume on "
-            f"{state['world_size']} ranks, from a checkpoint this strategy wrote, to continue exactly.",
-            stacklevel=2,
+            f"{state['world_size']} ranks, from a checkpoint this strategy wrote, to continue exactly."
         )
         return self.resumed
 

@@ -260,7 +260,7 @@ class MGPUDDPStrategy(DDPStrategy):
     # --- set-up -------------------------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
-        self._runtime.join_elastic_store()  # when torchrun restarted this job
+        self._runtime.set_up_process()  # joins torchrun's store when it restarted this job
         super().setup_distributed()
 
     @override

@@ -315,6 +315,12 @@ class Runtime:
         self.checkpointing.check(model)  # a policy that matches nothing fails here
 
     # --- set-up -----------------------------------------------------------------------------------------------
+    def set_up_process(self) -> None:
+        """In every rank, first at set-up: no warning printed by each rank for what Lightning does in every loop
+        (``_compat.leaf_specs_without_warning``), then the process group's store (:meth:`join_elastic_store`)."""
+        _compat.leaf_specs_without_warning()
+        self.join_elastic_store()
+
     def join_elastic_store(self) -> None:
         """When torchrun restarted this job (``_compat.torchelastic_shares_its_store``): Lightning's init would use
         env:// on the agent's store, which keeps the previous attempt's addresses; join with a per-attempt prefix.

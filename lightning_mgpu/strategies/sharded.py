@@ -266,6 +266,7 @@ class MGPUShardedStrategy(ParallelStrategy):
             self._sharding = self._pipeline
         self._loaded_sharded = False
         self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
+        self._mesh_group: Any = None  # the default process group the mesh was built over
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
         self._gathered_for_evaluation = False  # an evaluation loop runs with its forward's collective done once
         # stage 1: the DDP part of mgpu_ddp, composed (parts/ddp.py), in the runtime; None at stages 2 and 3
@@ -435,12 +436,16 @@ class MGPUShardedStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.setup_distributed()
-        self._parallel_mesh = None  # a new process group: a new mesh, which configure_model reads
-        self._built_mesh()
+        if self._mesh_group is not comm.default_group():
+            # a new process group: a new mesh (the old mesh's groups ended with the old process group). On the same
+            # process group (fit, then validate, test or predict in the same processes) the mesh is the one the
+            # module was sharded over: building another would only add process groups.
+            self._parallel_mesh = None
+        expose_to_module(self.lightning_module, self._built_mesh().device_mesh)  # configure_model reads it
 
     @property
     def device_mesh(self) -> Any:
-        """The ``DeviceMesh`` the LightningModule sees (``self.device_mesh``), built once per set-up
+        """The ``DeviceMesh`` the LightningModule sees (``self.device_mesh``), built once per process group
         (:mod:`lightning_mgpu.mesh`): ``mesh["data_parallel"]`` and ``mesh["tensor_parallel"]``, as under
         Lightning's ``ModelParallelStrategy``."""
         return self._built_mesh().device_mesh
@@ -454,11 +459,12 @@ class MGPUShardedStrategy(ParallelStrategy):
                 )
             dims = self._sharded_settings.parallel_dims(self.world_size, self.num_nodes)
             self._parallel_mesh = dims.build(self.root_device.type)
+            self._mesh_group = comm.default_group()
             expose_to_module(self.lightning_module, self._parallel_mesh.device_mesh)  # self.device_mesh
         return self._parallel_mesh
 
     def setup_distributed(self) -> None:
-        self._runtime.join_elastic_store()  # when torchrun restarted this job (_compat.torchelastic_shares_its_store)
+        self._runtime.set_up_process()  # joins torchrun's store when it restarted this job
         reset_seed()
         self.set_world_ranks()
         if not group_is_up():
@@ -1094,6 +1100,7 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._runtime.ddp is not None:  # stage 1: DDP's errors name the fix, and the group ends as mgpu_ddp's
+        if self._runtime.ddp is not None:  # stage 1: DDP's errors name the fix
             DDPWrapping.explain(exception, "strategy=MGPUShardedStrategy(stage=1, find_unused_parameters=True)")
-            self._runtime.end_group_after(exception)
+        # every stage and layout: a failed collective names the ranks that failed, and the group ends as mgpu_ddp's
+        self._runtime.end_group_after(exception)

@@ -22,7 +22,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
 from tests.helpers import run_isolated
 from tests.models import RankData, Regressor, make_data
 
@@ -152,10 +152,18 @@ def test_a_script_that_catches_the_failure_can_fit_again(tmp_path):
         assert ranks[r]["second_fit_steps"] > 0
 
 
-def test_a_hung_rank_is_named_in_a_fork_launch(tmp_path):
-    strategy = MGPUDDPStrategy(start_method="fork", timeout=timedelta(seconds=2))
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        lambda: MGPUDDPStrategy(start_method="fork", timeout=timedelta(seconds=2)),
+        lambda: MGPUShardedStrategy(stage=2, start_method="fork", timeout=timedelta(seconds=2)),
+        lambda: MGPUShardedStrategy(stage=3, start_method="fork", timeout=timedelta(seconds=2)),
+    ],
+    ids=["ddp", "zero2", "zero3"],
+)
+def test_a_hung_rank_is_named_in_a_fork_launch(tmp_path, strategy):
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=2, strategy=strategy(), max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
     )  # fmt: skip
     before = {p.pid for p in psutil.Process().children()}  # e.g. multiprocessing's resource tracker

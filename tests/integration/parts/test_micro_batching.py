@@ -92,13 +92,14 @@ def auto_run(tmp_path_factory) -> tuple[torch.Tensor, list[dict[str, Any]]]:
 @pytest.mark.slow
 def test_an_oom_on_one_rank_backs_off_every_rank_and_the_weights_match_the_whole_batch(auto_run):
     expected, ranks = auto_run
-    for r in ranks:
+    for rank, r in enumerate(ranks):
         assert r["global_step"] == EPOCHS * len(make_data()) // (WORLD * B * 2)
         torch.testing.assert_close(r["weights"], expected)
         # both ranks backed off together, 8 -> 4 -> 2, and know that rank 1 hit it
         assert r["backoffs"] == [(8, 4, (1,)), (4, 2, (1,))]
         assert r["size"] == 2
-        assert len(r["log"]) == 2 and all("rank(s) [1] ran out of memory" in m for m in r["log"])
+        # said once per job: by rank 0, naming rank 1
+        assert len(r["log"]) == (2 if rank == 0 else 0) and all("rank(s) [1] ran out of memory" in m for m in r["log"])
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ What is checked: float64 parity with one process (stage 3 at k = 1 and 3, stage 
 bites), the collectives per group counted by torch.profiler (FSDP2's reduce-scatter within the shard group, its
 all-reduce of the shards across replicas, none of either on a non-stepping micro-batch; the flat mesh and an
 accumulation that forgets to block the sync as negative controls), the ledger's split of the traffic, and
-checkpoints that resume at other mesh shapes (2 x 2 -> 1 x 4 -> 4 x 1; the consolidated layout in the slow tests).
+checkpoints that resume at other mesh shapes (2 x 2 -> 1 x 4 -> 4 x 1; the consolidated layout in the slow tests),
+and one mesh per process group across Trainer calls in the same processes (2 processes started as torchrun does).
 
 Tolerance: ``assert_close`` defaults in float64, as in ``tests/integration/strategies/test_sharded.py``.
 """
@@ -16,6 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import tempfile
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,13 +27,15 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.multiprocessing as mp
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu import MGPUShardedStrategy
+from lightning_mgpu import MGPUShardedStrategy, _compat, comm
 from tests.helpers import NODES, PER_NODE, Job, full, run_on_two_machines
 from tests.models import OptRegressor, RankData, configure, make_data, reference_run
 
@@ -337,3 +343,64 @@ def test_sharded_checkpoint_resumes_at_other_mesh_shapes(tmp_path):
 @pytest.mark.timeout(600)
 def test_consolidated_checkpoint_resumes_at_other_mesh_shapes(tmp_path):
     _assert_resumed_like_straight(_resume_chain(tmp_path, "consolidated"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one mesh per process group: several Trainer calls in the same processes (as under torchrun)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ValidatedRegressor(MeshRegressor):
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+
+def _fit_then_validate(rank: int, port: int, out: str) -> None:
+    # what torchrun sets for each process: Lightning starts no process of its own, the process group stays up
+    # from one Trainer call to the next
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank))
+    os.environ["WORLD_SIZE"] = "2"
+    torch.set_num_threads(1)
+    try:
+        strategy = MGPUShardedStrategy(stage=3, mesh="hybrid", shard_size=1)  # 2 replicas of 1 shard
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        )  # fmt: skip
+        model, data = ValidatedRegressor("sgd").double(), RankData(make_data(n=16), B)
+        trainer.fit(model, datamodule=data)
+        mesh, groups_after_fit = strategy.device_mesh, len(_compat.process_groups())
+        data_mesh = strategy._parallel_mesh.data  # type: ignore[union-attr]  # HSDP's (data_replicate, data_shard)
+        trainer.validate(model, dataloaders=DataLoader(make_data(n=8), batch_size=B))
+        trainer.validate(model, dataloaders=DataLoader(make_data(n=8), batch_size=B))
+        record = {
+            "same_mesh": strategy.device_mesh is mesh and model.device_mesh is mesh,
+            "groups": (groups_after_fit, len(_compat.process_groups())),
+        }
+        mesh_groups = [*mesh.get_all_groups(), *data_mesh.get_all_groups()]
+        comm.destroy_group()  # the process group's end
+        record["left_behind"] = [g for g in mesh_groups if g in _compat.process_groups()]
+        torch.save(record, Path(out) / f"rank{rank}.pt")
+    except BaseException:
+        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.timeout(300)
+def test_the_mesh_is_built_once_per_process_group_and_ends_with_it():
+    """fit, then validate twice, with the same strategy in the same processes: one mesh (the one the module was
+    sharded over), no new process groups (before, each call built another hybrid mesh: 2 more groups per call on 2
+    processes, never destroyed); the mesh's groups end with the process group."""
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            mp.start_processes(_fit_then_validate, nprocs=2, start_method="fork", args=(find_free_network_port(), out))
+        except Exception as err:
+            errors = "\n".join(p.read_text() for p in sorted(Path(out).glob("*.err")))
+            raise AssertionError(f"a rank failed:\n{errors}") from err
+        ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for record in ranks:
+        assert record["same_mesh"]
+        after_fit, after_validate = record["groups"]
+        assert after_validate == after_fit
+        assert record["left_behind"] == []

@@ -93,6 +93,19 @@ def test_an_out_of_memory_error_redoes_the_step_at_half_size_without_losing_or_r
     torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), expected)
 
 
+@pytest.mark.parametrize(("rank", "logged"), [(0, 1), (1, 0)])
+def test_a_back_off_is_logged_once_per_job_by_rank_0(caplog, rank, logged):
+    def forward(micro):
+        if micro[0].shape[0] > 5:
+            raise torch.OutOfMemoryError("CUDA out of memory (raised on purpose)")
+        return F.mse_loss(model(micro[0]), micro[1])
+
+    model = _model()
+    with caplog.at_level("WARNING", logger="lightning_mgpu.parts.micro_batching"):
+        _run(MicroBatching("auto", rank=rank), model, _batch(10), forward)
+    assert sum("every rank redoes the step at micro_batch_size=5" in r.getMessage() for r in caplog.records) == logged
+
+
 def test_the_gradients_survive_lightnings_zero_grad_between_step_and_backward():
     """Lightning's closure runs training_step, then zero_grad, then backward on the returned loss."""
     model, batch = _model(), _batch(10)

@@ -4,10 +4,12 @@ The checks that need two ranks run in one forked pair of gloo processes (one lau
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Callable
 
 import pytest
@@ -182,6 +184,19 @@ def test_warmup_steps_do_not_sync_and_the_anchor_starts_after_them():
     in_one_rank_group(check)
 
 
+@contextlib.contextmanager
+def _as_rank(rank: int) -> Iterator[None]:
+    """Lightning's record of this process's global rank (what its rank-zero-only warnings read)."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    was = getattr(rank_zero_only, "rank", 0)
+    rank_zero_only.rank = rank  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        rank_zero_only.rank = was  # type: ignore[attr-defined]
+
+
 def test_another_world_size_resumes_from_the_last_synced_weights_and_says_so():
     def check() -> None:
         params = [torch.zeros(2, dtype=torch.float64, requires_grad=True)]
@@ -201,6 +216,13 @@ def test_another_world_size_resumes_from_the_last_synced_weights_and_says_so():
         assert any("last synced weights" in str(w.message) and "4 ranks" in str(w.message) for w in caught)
         torch.testing.assert_close(fresh[0].detach(), torch.full((2,), 2.0, dtype=torch.float64))
         assert restored.since_sync == 0 and restored.steps == 3
+        # every rank resumes so, and rank 0 alone says it (once per job, not once per rank)
+        again = PeriodicSync(LocalSGDSettings(sync_every=2))
+        again.setup([torch.zeros(2, dtype=torch.float64, requires_grad=True)], group=None, world_size=1)
+        with warnings.catch_warnings(record=True) as caught, _as_rank(1):
+            warnings.simplefilter("always")
+            assert again.load_state_dict(state, sync.local_weights()) == "synced"
+        assert caught == []
 
     in_one_rank_group(check)
 
