@@ -114,14 +114,19 @@ def _why_chosen(layouts: LayoutPlan, best: Layout) -> str:
     memory = layouts.memory
     assert memory is not None
     if not best.model_parallel:
-        faster = [
-            r
-            for r in memory.rows
-            if r.sort_key < memory.row(best.strategy, best.precision, best.activation_checkpointing).sort_key
-        ]
+        chosen = memory.row(best.strategy, best.precision, best.activation_checkpointing)
+        faster = [r for r in memory.rows if r.sort_key < chosen.sort_key and not r.fits]
         if not faster:
             return "It is the first data-parallel candidate in the order (the fastest)."
-        return f"The {len(faster)} data-parallel candidate(s) before it in the order do not fit."
+        usable = memory.request.usable_bytes
+        misses = "; ".join(
+            f"{memory.label(r)}{' + AC' if r.activation_checkpointing else ''} ({r.precision}) needs "
+            f"{format_bytes(r.predicted_peak_bytes_per_rank)} "
+            f"({format_bytes(r.predicted_peak_bytes_per_rank - usable)} over)"
+            for r in faster[:3]
+        )
+        more = f"; and {len(faster) - 3} more (the alternatives below)" if len(faster) > 3 else ""
+        return f"Faster candidates that do not fit: {misses}{more}."
     fitting = [x for x in layouts.layouts if x.fits and x.model_parallel and x.buildable]
     smallest = min(memory.rows, key=lambda r: r.predicted_peak_bytes_per_rank)
     return (

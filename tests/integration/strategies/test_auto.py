@@ -119,7 +119,7 @@ def test_mgpu_auto_takes_the_fastest_candidate_that_fits_and_trains_it(tmp_path,
         assert f"mgpu_auto chose {name}" in r["reason"]
         torch.testing.assert_close(r["weights"], reference)
     if name != "mgpu_ddp" or checkpointing:
-        assert "Faster candidates that do not fit: mgpu_ddp needs" in ranks[0]["reason"]
+        assert "Faster candidates that do not fit: mgpu_ddp 2 (32-true) needs" in ranks[0]["reason"]
 
 
 @pytest.mark.slow
