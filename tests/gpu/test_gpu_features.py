@@ -86,7 +86,7 @@ def test_mgpu_auto_records_its_decision_and_fits_on_cuda() -> None:
     if ON_CUDA:
         assert device["usable_bytes"] == int(r["device_total_bytes"] * 0.9), r  # the device's own memory, 10% kept
     assert tight["decision"] == ["mgpu_ddp", True] and tight["checkpointing"], r
-    assert "Faster candidates that do not fit: mgpu_ddp needs" in tight["reason"], r
+    assert "Faster candidates that do not fit: mgpu_ddp 1 (32-true) needs" in tight["reason"], r
     for fit in (device, tight):
         assert fit["steps"] == 4 and fit["finite"], r
 
