@@ -115,9 +115,12 @@ def _why_chosen(layouts: LayoutPlan, best: Layout) -> str:
     assert memory is not None
     if not best.model_parallel:
         chosen = memory.row(best.strategy, best.precision, best.activation_checkpointing)
-        faster = [r for r in memory.rows if r.sort_key < chosen.sort_key and not r.fits]
-        if not faster:
+        ahead = [r for r in memory.rows if r.sort_key < chosen.sort_key]
+        faster = [r for r in ahead if not r.fits]
+        if not ahead:
             return "It is the first data-parallel candidate in the order (the fastest)."
+        if not faster:  # the ones ahead fit, in a precision that changes the numerics: the alternatives say so
+            return "The candidates before it in the order fit but are not taken (the alternatives below say why)."
         usable = memory.request.usable_bytes
         misses = "; ".join(
             f"{memory.label(r)}{' + AC' if r.activation_checkpointing else ''} ({r.precision}) needs "
