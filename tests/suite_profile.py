@@ -53,7 +53,11 @@ def _compile_seconds() -> float:
     return sum(sum(times) for name, times in metrics.items() if name.endswith("compile_inner"))
 
 
-def _profiling_callback(base: type) -> Any:
+def _profiling_callback(namespace: str) -> Any:
+    """The profiling callback of one Lightning namespace: a class this module's ``__getattr__`` also builds by name, so
+    a spawn launch (which pickles the Trainer's callbacks into a new interpreter) finds it there."""
+    base = __import__(namespace, fromlist=["Callback"]).Callback
+
     class Profile(base):  # type: ignore[misc, valid-type]
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             self.fit_start, self.steps, self.compile0 = time.time(), 0.0, _compile_seconds()
@@ -70,13 +74,31 @@ def _profiling_callback(base: type) -> Any:
             _record("compile", _compile_seconds() - self.compile0, rank)
             _record("fit, other", time.time() - self.fit_start - self.steps, rank)
 
+    Profile.__qualname__ = Profile.__name__ = _CALLBACK + namespace.replace(".", "_")
     return Profile
+
+
+_CALLBACK = "_Profile_"
+_BUILT: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith(_CALLBACK):
+        namespace = {"pytorch_lightning": "pytorch_lightning", "lightning_pytorch": "lightning.pytorch"}.get(
+            name.removeprefix(_CALLBACK)
+        )
+        if namespace is not None:
+            if name not in _BUILT:
+                _BUILT[name] = _profiling_callback(namespace)
+            return _BUILT[name]
+    raise AttributeError(name)
 
 
 def _install() -> None:
     """Patch both namespaces' Trainer set-up (a profiling callback, the launch time) and ``init_process_group`` (the
     rendezvous) in this process. Fork launches (the suite's default) inherit the patches; spawn and popen workers
-    are new interpreters without them, so their phases count in the test's "test, other"."""
+    are new interpreters without them (a spawn launch unpickles the callback, so its steps and the rest of its fit are
+    counted; its start-up and rendezvous count in the test's "test, other")."""
     import torch.distributed as dist
 
     init = dist.init_process_group
@@ -100,7 +122,7 @@ def _install() -> None:
             continue
         # the Trainer's own signature stays as it is (LightningCLI and the migration guard read it): the callback joins
         # the list Lightning builds in Trainer.__init__, which is also when the launch's clock starts
-        connector, callback = connectors._CallbackConnector, _profiling_callback(pl.Callback)
+        connector, callback = connectors._CallbackConnector, __getattr__(_CALLBACK + name.replace(".", "_"))
         original = connector.on_trainer_init
 
         def on_trainer_init(
