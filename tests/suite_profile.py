@@ -116,7 +116,6 @@ def _install() -> None:
     dist.init_process_group = timed_init
     for name in ("pytorch_lightning", "lightning.pytorch"):
         try:
-            pl = __import__(name, fromlist=["Callback"])
             connectors = __import__(f"{name}.trainer.connectors.callback_connector", fromlist=["_CallbackConnector"])
         except ImportError:
             continue

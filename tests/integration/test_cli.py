@@ -97,10 +97,10 @@ def launch_of(config: Path) -> str:
     return str(strategy["init_args"].get("start_method", "popen"))  # type: ignore[index]
 
 
-#: the popen configs run as a user runs them, a new interpreter per rank: one per kind of runtime (data parallel, sharded
-#: with a precision plugin, the pipeline, the tensor plan). The popen launch itself is the same for every strategy
-#: (tests/integration/test_presets.py launches four more presets so); the other popen configs train under a fork launch
-#: of the same strategy and settings (about 17 s less each: no interpreter to start per rank).
+#: the popen configs run as a user runs them, a new interpreter per rank: one per kind of runtime (data parallel,
+#: sharded with a precision plugin, the pipeline, the tensor plan). The popen launch itself is the same for every
+#: strategy (tests/integration/test_presets.py launches four more presets so); the other popen configs train under a
+#: fork launch of the same strategy and settings (about 17 s less each: no interpreter to start per rank).
 POPEN_AS_WRITTEN = {"ddp.yaml", "zero3.yaml", "pipeline.yaml", "tensor_parallel.yaml"}
 
 
