@@ -26,7 +26,10 @@ again over the data dimension.
   ``num_heads``, ``split_size`` and ``embed_dim`` become the local values.
 
 Anything not matched (embeddings, norms, the output head, the packed query/key/value projection of
-``nn.MultiheadAttention``) stays replicated and is listed in one line at start-up.
+``nn.MultiheadAttention``) stays replicated and is listed in one line at start-up, with the share of the linear
+layers' parameters the plan splits (:func:`split_share`). An auto plan that splits nothing or under
+:data:`MIN_SPLIT_SHARE` of them is refused (:func:`refuse_unsplit`): each layer left whole named with why, a plan to
+paste (:func:`suggested_plan`), and ``tensor_parallel_plan={}`` to train with every layer whole.
 
 ``tensor_parallel_plan="auto+sequence"`` adds sequence parallelism to that plan for a Llama-style model (torchtitan's
 plan): one module whose only children with parameters are an ``nn.Embedding``, a list of blocks, a norm and an
@@ -551,8 +554,8 @@ def suggested_plan(module: nn.Module, plan: TensorParallelPlan, size: int) -> di
         while i + 1 < len(children):
             (a_name, a), (b_name, b) = children[i], children[i + 1]
             a_full, b_full = (f"{owner}.{n}" if owner else n for n in (a_name, b_name))
-            pair = isinstance(a, nn.Linear) and isinstance(b, nn.Linear) and {a_full, b_full} <= whole
-            if pair and a.out_features == b.in_features and a.out_features % size == 0:
+            linear = isinstance(a, nn.Linear) and isinstance(b, nn.Linear) and {a_full, b_full} <= whole
+            if linear and _widths(a)[1] == _widths(b)[0] and _widths(a)[1] % size == 0:
                 guess[a_full], guess[b_full] = "colwise", "rowwise"
                 i += 2
             else:
