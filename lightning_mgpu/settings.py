@@ -751,7 +751,10 @@ class ShardedSettings:
     Llama-style model, sequence parallelism of the norms and the head split by vocabulary with the loss computed over
     the sharded vocabulary (the logits a step sees are a ``DTensor``; see the tensor-parallel guide); or a dict of
     module-name patterns (``*`` for any one name) to ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` or a
-    ``ParallelStyle``. A ``configure_model`` that applies tensor parallelism itself overrides any of them."""
+    ``ParallelStyle``. A ``configure_model`` that applies tensor parallelism itself overrides any of them. An auto
+    plan that splits nothing or under half of the linear layers' parameters is refused, with a plan to paste; a dict
+    is your choice, never refused for its share: ``{}`` splits nothing (each rank of the tensor group computes the
+    whole model)."""
     tensor_comm_stats: bool = False
     """Count in the ledger (``comm_stats.tensor_*``, logged as ``comm/tensor_*``) the collectives that tensor
     parallelism issues over the ``"tensor_parallel"`` group in each training step, measured as they are dispatched:

@@ -26,7 +26,10 @@ again over the data dimension.
   ``num_heads``, ``split_size`` and ``embed_dim`` become the local values.
 
 Anything not matched (embeddings, norms, the output head, the packed query/key/value projection of
-``nn.MultiheadAttention``) stays replicated and is listed in one line at start-up.
+``nn.MultiheadAttention``) stays replicated and is listed in one line at start-up, with the share of the linear
+layers' parameters the plan splits (:func:`split_share`). An auto plan that splits nothing or under
+:data:`MIN_SPLIT_SHARE` of them is refused (:func:`refuse_unsplit`): each layer left whole named with why, a plan to
+paste (:func:`suggested_plan`), and ``tensor_parallel_plan={}`` to train with every layer whole.
 
 ``tensor_parallel_plan="auto+sequence"`` adds sequence parallelism to that plan for a Llama-style model (torchtitan's
 plan): one module whose only children with parameters are an ``nn.Embedding``, a list of blocks, a norm and an
@@ -116,6 +119,9 @@ class TensorParallelPlan:
     tied: list[tuple[str, str]] = field(default_factory=list)
     """``(head, embedding)`` whose weight is one parameter (tied): both are split by vocabulary row (``Shard(0)``), and
     the head is given the embedding's split parameter again after the plan is applied."""
+    share: Optional[float] = None
+    """The share of the linear layers' parameters this plan splits (:func:`split_share`), for the start-up line;
+    None where it was not measured."""
 
     def kinds(self) -> dict[str, str]:
         """Module name -> how it is split: ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` (or a style's
@@ -142,6 +148,7 @@ class TensorParallelPlan:
         """The one start-up line: what is split, how, and what stays replicated."""
         split = _grouped(f"{name} {_style_name(style)}" for name, style in self.styles.items())
         text = f"tensor parallelism over {tensor_size} ranks ({self.source}): split {len(self.styles)} layers"
+        text += f", {self.share:.0%} of the linear layers' parameters" if self.share is not None else ""
         text += f" ({', '.join(split)})" if split else ""
         if self.replicated:
             text += f"; replicated: {', '.join(_grouped(self.replicated))}"
@@ -440,6 +447,165 @@ def refuse_adapters(module: nn.Module, tensor_size: int) -> None:
             f"strategy='mgpu_zero3' (each rank holds a shard of the frozen base) or 'mgpu_ddp', without "
             f"tensor_parallel_size."
         )
+
+
+#: the auto plan is refused where it splits less than this share of the linear layers' parameters (:func:`split_share`)
+MIN_SPLIT_SHARE = 0.5
+#: the names of the layers the auto plan pairs (:func:`_pairs`), for the reason a layer is left whole
+_PAIRED_NAMES = (*_ATTENTION_IN, *_ATTENTION_OUT, *_MLP_IN, *_MLP_OUT, "c_attn", "c_fc", "c_proj", "dense")
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def output_heads(module: nn.Module) -> list[str]:
+    """The output heads of ``module``: each ``nn.Linear`` whose weight is an ``nn.Embedding``'s (tied), and the last
+    linear layer of the model where it maps an embedding's width to its vocabulary (``in_features ==
+    embedding_dim``, ``out_features == num_embeddings``)."""
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    weights = {id(e.weight) for e in embeddings}
+    shapes = {(e.embedding_dim, e.num_embeddings) for e in embeddings}
+    linears = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+    heads = [n for n, m in linears if id(m.weight) in weights]
+    if linears and (linears[-1][1].in_features, linears[-1][1].out_features) in shapes:
+        heads.append(linears[-1][0])
+    return list(dict.fromkeys(heads))
+
+
+def measured_layers(module: nn.Module) -> list[str]:
+    """The layers whose parameters :func:`split_share` measures: every ``nn.Linear`` and transformers ``Conv1D`` of
+    ``module`` but its output heads (:func:`output_heads`; embeddings and norms are no linear layers)."""
+    heads = set(output_heads(module))
+    return [n for n, m in module.named_modules() if n and _is_linear(m) and n not in heads]
+
+
+def split_share(module: nn.Module, plan: TensorParallelPlan) -> tuple[int, int]:
+    """``(split, total)``: the parameters (elements) of the linear layers of ``module`` (:func:`measured_layers`), and
+    of them those ``plan`` splits (:meth:`TensorParallelPlan.split_parameters`); a parameter two layers share, once.
+
+    >>> plan = derive_plan(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), tensor_size=2)
+    >>> split_share(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), plan)
+    (0, 76)
+    """
+    names = set(plan.split_parameters(module))
+    seen: set[int] = set()
+    split = total = 0
+    for name in measured_layers(module):
+        for pname, param in module.get_submodule(name).named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            total += param.numel()
+            split += param.numel() if f"{name}.{pname}" in names else 0
+    return split, total
+
+
+def _why_whole(module: nn.Module, name: str, plan: TensorParallelPlan) -> str:
+    """Why the auto plan leaves linear layer ``name`` whole, in words."""
+    owner, _, leaf = name.rpartition(".")
+    for skipped in plan.skipped:  # "block (reason)"
+        block, _, reason = skipped.partition(" (")
+        if name.startswith(f"{block}.") or block == type(module).__name__:
+            return f"its block {_layer_pattern(block)} stays whole: {reason.rstrip(')')}"
+    parent = module.get_submodule(owner) if owner else module
+    if isinstance(parent, nn.MultiheadAttention):
+        return (
+            "the output projection of an nn.MultiheadAttention, whose packed query/key/value projection "
+            "(in_proj_weight) the plan does not split"
+        )
+    if leaf not in _PAIRED_NAMES:
+        return (
+            f"its name {leaf!r} is not one the plan pairs in an attention or MLP block (wq/wo, q_proj/o_proj, "
+            f"w1/w2, fc1/fc2, ...)"
+        )
+    others = sorted(n for n in _children_with_params(parent) if n != leaf)
+    if others:
+        return (
+            f"{owner or type(module).__name__} holds other layers beside it ({', '.join(others)}): a norm or another "
+            f"layer could sit between the split layers, so the block stays whole"
+        )
+    return "not in an attention or MLP pair the plan recognises"
+
+
+def _layer_pattern(name: str) -> str:
+    """``name`` with each layer index but the last name as ``*`` (``layers.3.net.0`` -> ``layers.*.net.0``)."""
+    parts = name.split(".")
+    return ".".join(["*" if p.isdigit() else p for p in parts[:-1]] + parts[-1:])
+
+
+def suggested_plan(module: nn.Module, plan: TensorParallelPlan, size: int) -> dict[str, str]:
+    """A plan of patterns to paste and edit, a best guess: the ``nn.Linear`` layers ``plan`` splits as it splits them,
+    and within each module, two consecutive children with parameters that are both ``nn.Linear`` left whole, the
+    first's output as wide as the second's input and divisible by ``size``, as a pair (the first ``"colwise"``, the
+    second ``"rowwise"``); layer indices as ``*`` where every layer so named is split alike."""
+    guess = {
+        n: kind
+        for n, kind in plan.kinds().items()
+        if kind in ("colwise", "rowwise") and isinstance(module.get_submodule(n), nn.Linear)
+    }
+    skipped = [entry.partition(" (")[0] for entry in plan.skipped]  # indivisible: a plan cannot help there
+    whole = {
+        n for n in measured_layers(module) if n not in plan.styles and not any(n.startswith(f"{b}.") for b in skipped)
+    }
+    for owner, parent in module.named_modules():
+        children = list(_children_with_params(parent).items())
+        i = 0
+        while i + 1 < len(children):
+            (a_name, a), (b_name, b) = children[i], children[i + 1]
+            a_full, b_full = (f"{owner}.{n}" if owner else n for n in (a_name, b_name))
+            linear = isinstance(a, nn.Linear) and isinstance(b, nn.Linear) and {a_full, b_full} <= whole
+            if linear and _widths(a)[1] == _widths(b)[0] and _widths(a)[1] % size == 0:
+                guess[a_full], guess[b_full] = "colwise", "rowwise"
+                i += 2
+            else:
+                i += 1
+    patterns: dict[str, set[str]] = {}
+    for n, kind in guess.items():
+        patterns.setdefault(_layer_pattern(n), set()).add(kind)
+    names = [n for n, _ in module.named_modules() if n]
+    grouped: dict[str, str] = {}
+    for n, kind in guess.items():
+        pattern = _layer_pattern(n)
+        alike = len(patterns[pattern]) == 1 and all(guess.get(m) == kind for m in names if matches(pattern, m))
+        grouped[pattern if alike else n] = kind
+    return grouped
+
+
+def refuse_unsplit(module: nn.Module, plan: TensorParallelPlan, size: int, setting: str = "auto") -> None:
+    """Measure the share ``plan`` (the auto plan) splits (:attr:`TensorParallelPlan.share`), and refuse a plan that
+    splits nothing or less than :data:`MIN_SPLIT_SHARE` of the linear layers' parameters: every rank of the tensor
+    group would compute (nearly) the whole model. The error names each layer left whole and why, a plan to paste,
+    and the explicit empty plan ``{}`` that trains anyway."""
+    split, total = split_share(module, plan)
+    plan.share = split / total if total else None
+    if plan.styles and (not total or split >= MIN_SPLIT_SHARE * total):
+        return
+    whole = [n for n in measured_layers(module) if n not in plan.styles]
+    found: dict[str, tuple[str, int]] = {}
+    for n in whole:
+        layer = module.get_submodule(n)
+        width_in, width_out = _widths(layer)
+        key = f"{_layer_pattern(n)} ({type(layer).__name__} {width_in} -> {width_out})"
+        reason, count = found.get(key, (_why_whole(module, n, plan), 0))
+        found[key] = (reason, count + 1)
+    listed = [f"  - {key}{f' x{count}' if count > 1 else ''}: {reason}" for key, (reason, count) in found.items()]
+    if len(listed) > 12:
+        listed = [*listed[:12], f"  - ... and {len(listed) - 12} more"]
+    share = f"{split / total:.0%}" if total else "none"
+    guess = suggested_plan(module, plan, size)
+    raise ValueError(
+        f"tensor_parallel_size={size} with tensor_parallel_plan={setting!r}: the auto plan splits {len(plan.styles)} "
+        f"layers of {type(module).__name__}, {share} of its linear layers' parameters ({split:,} of {total:,}, the "
+        f"output head aside), under the {MIN_SPLIT_SHARE:.0%} it needs, so every rank of the tensor group would "
+        f"compute (nearly) the whole model. Linear layers left whole:\n" + "\n".join(listed or ["  (none)"]) + "\n"
+        f"To split them, pass a plan of your own; a guess to paste and edit (consecutive linear layers paired, the "
+        f"first split by output column, the second by input row: check that nothing between the two mixes the hidden "
+        f"units, and divide by {size} any head count the forward reads):\n"
+        f"    tensor_parallel_plan={guess!r}\n"
+        f"To train with every layer whole on each rank, pass the explicit empty plan tensor_parallel_plan={{}}, or use "
+        f"tensor_parallel_size=1 (every rank then shards the data instead)."
+    )
 
 
 def derive_plan(module: nn.Module, tensor_size: int, sequence: bool = False) -> TensorParallelPlan:
@@ -788,19 +954,23 @@ class TensorParallelism:
     def plan_for(self, module: nn.Module) -> TensorParallelPlan:
         """The plan this part applies to ``module`` (no communication)."""
         if self.plan_setting in ("auto", "auto+sequence"):
-            return derive_plan(module, self.size, sequence=self.plan_setting == "auto+sequence")
-        plan = plan_from_patterns(module, self.plan_setting, "your plan")
-        return _checked(module, plan, self.size, attention_roots=[])
+            plan = derive_plan(module, self.size, sequence=self.plan_setting == "auto+sequence")
+            refuse_unsplit(module, plan, self.size, self.plan_setting)  # too little split: refused on every rank
+            return plan
+        plan = _checked(module, plan_from_patterns(module, self.plan_setting, "your plan"), self.size, [])
+        split, total = split_share(module, plan)
+        plan.share = split / total if total else None
+        return plan
 
     def check_before_launch(self, module: nn.Module) -> None:
         """Refuse before any process starts, where the model is built already (no ``configure_model`` of its own
-        that could build or split it later): layers wrapped by adapters (:func:`refuse_adapters`), and with
-        ``"auto+sequence"`` a model it cannot lay out."""
+        that could build or split it later): layers wrapped by adapters (:func:`refuse_adapters`), a model the auto
+        plan splits too little of (:func:`refuse_unsplit`), and with ``"auto+sequence"`` a model it cannot lay out."""
         own = getattr(getattr(type(module), "configure_model", None), "__module__", "") or ""
         lightnings = own.startswith(("pytorch_lightning.", "lightning.pytorch."))
         if self.size > 1 and (lightnings or not own) and not is_tensor_parallel(module):
             refuse_adapters(module, self.size)
-            if self.plan_setting == "auto+sequence":
+            if self.plan_setting in ("auto", "auto+sequence"):
                 self.plan_for(module)
 
     def apply(self, module: nn.Module, mesh: Any) -> Optional[TensorParallelPlan]:
@@ -810,6 +980,8 @@ class TensorParallelism:
             return None
         if not is_tensor_parallel(module):  # a model that configure_model built: on every rank, before any step
             refuse_adapters(module, self.size)
+            if self.plan_setting in ("auto", "auto+sequence"):
+                self.plan_for(module)  # the same on every rank: each refuses before the group's first collective
         comm.share_random_state(mesh.get_group())  # one dropout mask on the group's replicated activations
         if is_tensor_parallel(module):
             self._laid_out_before = module in _VOCAB_PARALLEL

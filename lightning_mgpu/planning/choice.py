@@ -222,6 +222,8 @@ def notes(layouts: LayoutPlan, best: Layout, memory_source: str = "") -> list[st
             f"- {best.name}'s parameters include each stage's FSDP units gathered whole: torch's pipelining keeps "
             f"them gathered from the first micro-batch to the last (one all-gather per step)."
         )
+    if layouts.tensor_note:
+        lines.append(f"- {layouts.tensor_note}")
     if best.data_parallel < layouts.devices:
         d, b = best.data_parallel, layouts.batch_size
         k = layouts.devices // d

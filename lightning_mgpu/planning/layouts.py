@@ -272,6 +272,10 @@ class LayoutPlan:
     checkpointing_source: str = ""
     """The "with AC" candidates' policy as Python source for the strategy line (``'["TransformerEncoderLayer"]'``,
     ``"EveryNth(1)"``); set by :func:`~lightning_mgpu.planning.plan_layouts`."""
+    tensor_note: str = ""
+    """Why no layout splits the model by tensor where the devices would allow one (the auto plan of tensor
+    parallelism splits too little of it: :attr:`~lightning_mgpu.planning.trace.StepTrace.tensor_refused`);
+    ``""`` otherwise."""
 
     @property
     def recommended(self) -> Optional[Layout]:
@@ -586,12 +590,17 @@ def estimate_layouts(
     n, per_node = request.devices, request.devices // request.num_nodes
     usable = request.usable_bytes
     layouts: list[Layout] = []
+    tensor_note = ""
     for trace in traces:
         blocks, heads = trace.blocks, trace.attention_heads
+        possible = _divisors(n if tensor_across_machines else math.gcd(n, per_node))
+        if trace.tensor_refused and len(possible) > 1:
+            tensor_note = f"No tensor-parallel layout: {trace.tensor_refused}."
         tensor_sizes = [
             t
-            for t in _divisors(n if tensor_across_machines else math.gcd(n, per_node))
-            if t == 1 or (heads and heads % t == 0 and (max_tensor is None or t <= max_tensor))
+            for t in possible
+            if t == 1
+            or (heads and heads % t == 0 and not trace.tensor_refused and (max_tensor is None or t <= max_tensor))
         ]
         for t in tensor_sizes:
             for p in _divisors(n // t):
@@ -622,7 +631,9 @@ def estimate_layouts(
             x.predicted_peak_bytes_per_rank,
         )
     )
-    return LayoutPlan(name, n, request.num_nodes, usable, links, device_tflops, batch_size, layouts)
+    done = LayoutPlan(name, n, request.num_nodes, usable, links, device_tflops, batch_size, layouts)
+    done.tensor_note = tensor_note
+    return done
 
 
 def _replicas(strategy: str, data: int, tensor: int, per_node: int) -> Optional[int]:

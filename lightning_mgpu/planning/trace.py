@@ -221,6 +221,10 @@ class StepTrace:
     outside_tensor_split: int = 0
     """Of :attr:`outside_parameters`, the bytes the auto plan of tensor parallelism shards (a model's own plan may
     split its embedding or head)."""
+    tensor_refused: str = ""
+    """Why the auto plan of tensor parallelism would be refused for this model (it splits too little of the linear
+    layers' parameters: :func:`~lightning_mgpu.parts.tensor_parallel.refuse_unsplit`), in words; ``""`` where it
+    splits enough. No tensor split is proposed then."""
 
     def peak_with_gradients(self, fraction: float) -> int:
         """The largest ``activations(t) + fraction * gradients(t)``: a rank that keeps ``fraction`` of each
@@ -290,7 +294,7 @@ def trace_step(
         # call's input gradient is all-reduced once in backward)
         calls = {("rowwise", "forward"): 0, ("rowwise", "backward"): 0, ("colwise", "forward"): 0}
         phase = ["forward"]
-        split_layers, split_names = _split_layers(module, blocks)
+        split_layers, split_names, tensor_refused = _split_layers(module, blocks)
         for layer, kind in split_layers:
             handles.append(layer.register_forward_hook(lambda *_, k=kind: _count(calls, (k, phase[0]))))
         intermediates: dict[int, int] = {}  # the column-wise layers' outputs, first call each
@@ -333,6 +337,7 @@ def trace_step(
             tensor_split_activations=sum(intermediates.values()),
             outside_parameters=sum(p.numel() * p.element_size() for p in params if id(p) not in inside),
             outside_tensor_split=sum(p.numel() * p.element_size() for i, p in split.items() if i not in inside),
+            tensor_refused=tensor_refused,
         )
 
 
@@ -341,19 +346,30 @@ def _count(calls: dict[tuple[str, str], int], key: tuple[str, str]) -> None:
         calls[key] += 1
 
 
-def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[tuple[nn.Module, str]], list[str]]:
+def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[tuple[nn.Module, str]], list[str], str]:
     """The layers within ``blocks`` that the auto plan of tensor parallelism splits in ``module``, each with how
     (``"rowwise"``, ``"colwise"``; :func:`~lightning_mgpu.parts.tensor_parallel.derive_plan`: shapes only, no
-    communication), and the names of the parameters the plan shards (within the blocks or not)."""
-    from lightning_mgpu.parts.tensor_parallel import derive_plan
+    communication), the names of the parameters the plan shards (within the blocks or not), and why the plan would
+    be refused (``""`` where it splits enough: :data:`~lightning_mgpu.parts.tensor_parallel.MIN_SPLIT_SHARE` of the
+    linear layers' parameters)."""
+    from lightning_mgpu.parts.tensor_parallel import MIN_SPLIT_SHARE, derive_plan, split_share
 
     try:
         plan = derive_plan(module, tensor_size=1)
-    except ValueError:  # a model's own plan that names what this module does not have: no split
-        return [], []
+    except ValueError as err:  # a model's own plan that names what this module does not have: no split
+        return [], [], f"its auto plan cannot be derived ({str(err).splitlines()[0]})"
     inside = {id(m) for block in blocks for m in block.modules()}
     split = [(module.get_submodule(name), kind) for name, kind in plan.kinds().items()]
-    return [(layer, kind) for layer, kind in split if id(layer) in inside], plan.split_parameters(module)
+    done, total = split_share(module, plan)
+    refused = ""
+    if not plan.styles or (total and done < MIN_SPLIT_SHARE * total):
+        share = f"{done / total:.0%}" if total else "none"
+        refused = (
+            f"the auto plan splits {share} of {type(module).__name__}'s linear layers' parameters, under the "
+            f"{MIN_SPLIT_SHARE:.0%} it needs, so tensor_parallel_size > 1 with it is refused (a "
+            f"tensor_parallel_plan of your own splits it)"
+        )
+    return [(layer, kind) for layer, kind in split if id(layer) in inside], plan.split_parameters(module), refused
 
 
 def pipeline_blocks(module: nn.Module) -> list[nn.Module]:

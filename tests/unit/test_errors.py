@@ -780,6 +780,17 @@ CASES = [
         ["tensor_parallel_size=2 with adapters", "'net.0'", "strategy='mgpu_zero3'"],
         id="tensor-parallel-adapters",
     ),
+    pytest.param(  # a plain MLP: the auto plan splits none of it; refused before any process starts
+        lambda: fit(Regressor(), MGPUShardedStrategy(tensor_parallel_size=2, start_method="fork")),
+        ValueError,
+        [
+            "tensor_parallel_plan='auto': the auto plan splits 0 layers of Regressor",
+            "net.0 (Linear 6 -> 16)",
+            "tensor_parallel_plan={'net.0': 'colwise', 'net.2': 'rowwise'}",
+            "tensor_parallel_plan={}",
+        ],
+        id="tensor-parallel-auto-plan-splitting-nothing",
+    ),
     pytest.param(
         lambda: fit(Unsplittable(), MGPUShardedStrategy(pipeline_parallel_size=2, start_method="fork")),
         ValueError,

@@ -632,11 +632,63 @@ def test_lightnings_example_module_trains_as_under_model_parallel_strategy():
     assert ours[0] == ours[1] and ours[2] == ours[3] and ours[0] != ours[2]
 
 
+class BuiltMLP(pl.LightningModule):
+    """A plain MLP built in ``configure_model`` (on each rank, after launch): the auto plan splits none of it."""
+
+    def configure_model(self) -> None:
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(120)
+def test_a_model_built_in_configure_model_that_the_auto_plan_cannot_split_is_refused_on_every_rank() -> None:
+    """Each rank derives the same plan and refuses it before the tensor group's first collective: the fit raises
+    the refusal (naming the layers and a plan to paste) instead of training the whole model on every rank, and no
+    rank waits for another."""
+    strategy = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, start_method="fork")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(Exception, match=r"the auto plan splits 0 layers of BuiltMLP(.|\n)*'net.0': 'colwise'"):
+        trainer.fit(BuiltMLP())
+
+
 def test_the_lightning_namespace_trains_a_tensor_parallel_model():
     import lightning as L
 
     from lightning_mgpu.lightning import MGPUShardedStrategy as Strategy
     from lightning_mgpu.lightning.examples import DigitsDataModule, DigitsTransformer
+
+    class MLP(L.LightningModule):  # layers built in __init__ that the auto plan cannot split: refused before launch
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.net(batch[0]).pow(2).mean()
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    refusing = L.Trainer(
+        accelerator="cpu", devices=2, strategy=Strategy(stage=3, tensor_parallel_size=2, start_method="fork"),
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"the auto plan splits 0 layers of MLP(.|\n)*tensor_parallel_plan=\{\}"):
+        refusing.fit(MLP())
+    assert not torch.distributed.is_initialized()  # refused in this process, before any rank started
 
     class Check(L.Callback):
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

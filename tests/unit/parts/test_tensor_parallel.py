@@ -3,6 +3,8 @@ local, what stays replicated, and the refusals of a plan that cannot apply."""
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 import torch
 from torch import nn
@@ -14,8 +16,10 @@ from lightning_mgpu.parts.tensor_parallel import (
     guard_sequence_length,
     is_tensor_parallel,
     matches,
+    plan_from_patterns,
+    split_share,
 )
-from tests.tensor_parallel_models import TinyLlama
+from tests.tensor_parallel_models import Block, TinyLlama
 
 
 def _kinds(plan) -> dict[str, str]:
@@ -288,3 +292,74 @@ def test_layers_wrapped_by_peft_lora_are_refused_before_any_collective():
     ):
         TensorParallelism(2).apply(model, mesh=None)
     assert TensorParallelism(1).apply(model, mesh=None) is None
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _pasted_plan(message: str) -> dict[str, str]:
+    line = next(line for line in message.splitlines() if line.strip().startswith("tensor_parallel_plan={"))
+    return ast.literal_eval(line.strip().removeprefix("tensor_parallel_plan="))
+
+
+def test_a_model_the_auto_plan_splits_none_of_is_refused_naming_each_layer_and_a_plan_to_paste():
+    """A plain MLP: the auto plan recognises none of its layers, so every rank of the tensor group would compute the
+    whole model. The error names each linear layer and why it stays whole, and prints a plan that resolves against
+    the model and splits most of it; that plan, or the explicit empty plan, is taken."""
+    model = _MLP()
+    with pytest.raises(ValueError) as refused:
+        TensorParallelism(size=2).plan_for(model)
+    message = str(refused.value)
+    assert (
+        "tensor_parallel_size=2 with tensor_parallel_plan='auto': the auto plan splits 0 layers of _MLP, 0%" in message
+    )
+    for layer in ("net.0 (Linear 32 -> 64)", "net.2 (Linear 64 -> 64)", "net.4 (Linear 64 -> 4)"):
+        assert f"  - {layer}: its name '{layer[4]}' is not one the plan pairs" in message
+    assert "pass the explicit empty plan tensor_parallel_plan={}" in message
+    pasted = _pasted_plan(message)
+    assert pasted == {"net.0": "colwise", "net.2": "rowwise"}
+    plan = plan_from_patterns(model, pasted, "your plan")
+    assert plan.kinds() == {"net.0": "colwise", "net.2": "rowwise"}
+    split, total = split_share(model, plan)
+    assert split >= total / 2
+    assert TensorParallelism(size=2, plan=pasted).plan_for(model).share == split / total
+    assert TensorParallelism(size=2, plan={}).plan_for(model).styles == {}  # the user's choice: nothing split
+
+
+def test_a_refusal_says_when_a_norm_sits_between_or_the_heads_do_not_divide_and_pastes_layer_patterns():
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+    with pytest.raises(ValueError, match=r"fc1 \(Linear 8 -> 16\): Normed holds other layers beside it \(fc2, norm\)"):
+        TensorParallelism(size=2).plan_for(Normed())
+    # at 4 ranks the attention stays whole (2 key/value heads), and it holds 80% of the linear parameters
+    model = nn.Module()
+    model.layers = nn.ModuleList(Block(16, n_heads=4, n_kv_heads=2, hidden=4) for _ in range(2))
+    with pytest.raises(ValueError) as refused:
+        TensorParallelism(size=4).plan_for(model)
+    message = str(refused.value)
+    assert "the auto plan splits 6 layers of Module, 20% of its linear layers' parameters" in message
+    assert (
+        "layers.*.attention.wk (Linear 16 -> 8) x2: its block layers.*.attention stays whole: n_kv_heads=2" in message
+    )
+    # the layers it splits, as patterns; the attention it cannot split at this size is left out of the guess
+    pasted = _pasted_plan(message)
+    assert pasted == {"layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+                      "layers.*.feed_forward.w2": "rowwise"}  # fmt: skip
+    assert len(plan_from_patterns(model, pasted, "your plan").styles) == 6
+
+
+def test_the_start_up_line_says_the_share_of_the_linear_layers_parameters_split():
+    """The head (as wide as the vocabulary) is not counted: a Llama-style model is split whole."""
+    plan = TensorParallelism(size=2).plan_for(TinyLlama(layers=2))
+    assert plan.summary(2).startswith(
+        "tensor parallelism over 2 ranks (auto plan): split 14 layers, 100% of the linear layers' parameters ("
+    )
+    # its MLP split (the row-wise bias whole), the attention's output projection whole: 1,056 of 1,344
+    layer = nn.TransformerEncoderLayer(16, 4, 32)
+    assert ", 79% of the linear layers' parameters (" in TensorParallelism(size=2).plan_for(layer).summary(2)

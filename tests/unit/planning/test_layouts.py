@@ -10,14 +10,16 @@ from dataclasses import fields, replace
 from typing import Any, Optional
 
 import pytest
+import torch
 
 from lightning_mgpu.planning import NoPlanFits, PlanError, PlanRequest, plan_layouts
 from lightning_mgpu.planning.candidates import estimate
-from lightning_mgpu.planning.choice import decide_layout
+from lightning_mgpu.planning.choice import choose, decide_layout, notes
 from lightning_mgpu.planning.layouts import Layout, LayoutPlan, Links, estimate_layouts, group_link, short_reason
 from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
 from lightning_mgpu.planning.measure import fake_process_group
 from lightning_mgpu.planning.trace import ModelStates, StepTrace, count_model_states, trace_step, unit_fractions
+from tests.models import Regressor
 
 # A model of 2,000 FP32 parameters (8,000 bytes), Adam (16,000 bytes of state), 4 blocks of 8 heads whose output is
 # 100 bytes for the loader's batch of 4, split by tensor parallelism as a Llama block is (2 row-wise, 5 column-wise
@@ -100,6 +102,19 @@ def test_activation_checkpointing_recomputes_the_tensor_all_reduces_of_the_forwa
     no_attention = _find(_plan(replace(TRACE, attention_heads=0)), "mgpu_ddp", 1, 8, 1, 1)
     assert no_attention.tensor == 1
     assert all(x.tensor == 1 for x in _plan(replace(TRACE, attention_heads=0)).layouts)  # nothing to split
+
+
+def test_no_tensor_split_is_proposed_for_a_model_the_auto_plan_splits_too_little_of_and_the_plan_says_why():
+    """A plain MLP: the auto plan splits none of its layers (training it so is refused), so the planner proposes no
+    tensor-parallel layout for it and says why in one line; a model it splits whole keeps its tensor layouts."""
+    trace = trace_step(Regressor, (torch.randn(4, 6), torch.randn(4, 3)), "32-true")
+    assert trace.tensor_refused.startswith("the auto plan splits 0% of Regressor's linear layers' parameters")
+    assert trace_step(_lm, _batch(), "32-true").tensor_refused == ""
+    refused = _plan(replace(TRACE, tensor_refused=trace.tensor_refused))
+    assert {x.tensor for x in refused.layouts} == {1} and {x.tensor for x in _plan().layouts} > {1}
+    line = f"- No tensor-parallel layout: {trace.tensor_refused}."
+    assert line in notes(refused, choose(refused)) and "\n" not in line
+    assert not any("tensor-parallel layout" in n for n in notes(_plan(), choose(_plan())))
 
 
 def test_the_bubble_and_in_flight_activations_of_1f1b_and_gpipe():
