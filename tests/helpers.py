@@ -309,9 +309,9 @@ def plain_ddp_weights(
     return torch.load(out)
 
 
-def run_sample_config(module: str, config: str, out_dir: Path) -> str:
-    """Run ``python -m lightning_mgpu.examples.<module> fit --config configs/<config>`` as a user does, with
-    logs under ``out_dir``; asserts exit 0 and returns its standard output."""
+def run_sample_config(module: str, config: str, out_dir: Path, *overrides: str) -> str:
+    """Run ``python -m lightning_mgpu.examples.<module> fit --config configs/<config> [overrides]`` as a user does,
+    with logs under ``out_dir``; asserts exit 0 and returns its standard output."""
     import sys
 
     root = Path(__file__).resolve().parents[1]
@@ -319,7 +319,7 @@ def run_sample_config(module: str, config: str, out_dir: Path) -> str:
         [
             sys.executable, "-m", f"lightning_mgpu.examples.{module}", "fit",
             "--config", str(root / "configs" / config),
-            "--trainer.default_root_dir", str(out_dir),
+            "--trainer.default_root_dir", str(out_dir), *overrides,
         ],
         timeout=300, cwd=out_dir,
     )  # fmt: skip

@@ -11,9 +11,10 @@ from tests.helpers import run_sample_config
 
 @pytest.mark.slow
 def test_transformer_config_trains_with_checkpointed_blocks(tmp_path):
-    stdout = run_sample_config("transformer", "transformer.yaml", tmp_path)
+    # half the config's 6 epochs: the claim is that checkpointed blocks learn, not the config's last point
+    stdout = run_sample_config("transformer", "transformer.yaml", tmp_path, "--trainer.max_epochs", "3")
     summary = stdout.split("held-out test accuracy ")[1]
-    assert float(summary.split(";")[0]) >= 0.85, summary  # measured: 0.9325 (10 classes: chance is 0.1)
+    assert float(summary.split(";")[0]) >= 0.85, summary  # measured: 0.9575 after 3 epochs (10 classes: chance 0.1)
     assert "activation_checkpointing=['TransformerEncoderLayer', 'ConvBlock']" in summary
 
 
