@@ -348,7 +348,7 @@ def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[tupl
     from lightning_mgpu.parts.tensor_parallel import derive_plan
 
     try:
-        plan = derive_plan(module, tensor_size=1)
+        plan = derive_plan(module, tensor_size=1, structure=False)  # fake tensors: a forward proves no split
     except ValueError:  # a model's own plan that names what this module does not have: no split
         return [], []
     inside = {id(m) for block in blocks for m in block.modules()}

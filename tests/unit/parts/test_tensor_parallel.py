@@ -13,9 +13,19 @@ from lightning_mgpu.parts.tensor_parallel import (
     derive_plan,
     guard_sequence_length,
     is_tensor_parallel,
+    local_head_counts,
     matches,
 )
-from tests.tensor_parallel_models import TinyLlama
+from tests.tensor_parallel_models import (
+    LitConfig,
+    LitGPT,
+    NanoConfig,
+    NanoGPT,
+    TimmViT,
+    TinyLlama,
+    litgpt_model,
+    plain_mlp,
+)
 
 
 def _kinds(plan) -> dict[str, str]:
@@ -46,6 +56,120 @@ def test_a_block_whose_heads_do_not_divide_stays_replicated_and_says_why():
 
 def _transformers():
     return pytest.importorskip("transformers")
+
+
+def test_a_plain_mlp_is_split_by_its_structure_and_the_start_up_line_says_the_share():
+    mlp = plain_mlp()  # nn.Sequential(Linear, ReLU, Linear, ReLU, Linear): no name the rules know
+    plan = derive_plan(mlp, tensor_size=2)
+    assert plan.kinds() == {"0": "colwise", "2": "rowwise"}  # the last Linear is the output: whole
+    split = 32 * 96 + 32 + 32 * 32  # the first layer's weight and bias, the second's weight (its bias is added whole)
+    assert plan.split_share(mlp) == (split, sum(p.numel() for p in mlp.parameters()))
+    assert "split 2 layers (88% of parameters)" in plan.summary(2, mlp)
+
+
+def test_litgpts_packed_qkv_and_gated_mlp_are_split_and_each_attention_gets_a_config_of_local_head_counts():
+    gpt = LitGPT(LitConfig(n_query_groups=4))
+    plan = derive_plan(gpt, tensor_size=2)
+    for i in range(2):
+        block = f"transformer.h.{i}"
+        assert repr(plan.styles[f"{block}.attn.qkv"]) == "PackedLinearColwiseParallel(chunks=3)"
+        assert plan.kinds()[f"{block}.attn.proj"] == "rowwise"
+        assert [plan.kinds()[f"{block}.mlp.{n}"] for n in ("fc_1", "fc_2", "proj")] == ["colwise", "colwise", "rowwise"]
+        assert (f"{block}.attn", "config.n_head", 4) in plan.heads
+        assert (f"{block}.attn", "config.n_query_groups", 4) in plan.heads
+    assert "(86% of parameters)" in plan.summary(2, gpt)
+    # applied: each attention reads a copy with the local counts; the model's and the blocks' config stay global
+    shared = gpt.config
+    local_head_counts(gpt, plan, size=2)
+    attn = gpt.transformer.h[0].attn
+    assert attn.config is not shared and (attn.config.n_head, attn.config.n_query_groups) == (2, 2)
+    assert gpt.transformer.h[1].attn.config is not attn.config
+    assert (shared.n_head, gpt.transformer.h[0].config.n_head, gpt.transformer.h[0].mlp.config.n_head) == (4, 4, 4)
+
+
+def test_grouped_query_litgpt_keeps_its_attention_whole_and_says_why_and_nanogpt_its_attention():
+    # litgpt packs q (4 heads) | k (2) | v (2): no equal chunks a rank could take its piece of; the check that runs the
+    # attention as each rank would finds the shares do not add up. nanoGPT's forward reads the width from its input
+    # (view(B, T, C)): it cannot run with half the heads. Both keep their MLP split
+    plan = derive_plan(LitGPT(LitConfig(n_query_groups=2)), tensor_size=2)
+    assert set(plan.kinds()) == {f"transformer.h.{i}.mlp.{n}" for i in range(2) for n in ("fc_1", "fc_2", "proj")}
+    assert "transformer.h.0.attn (its forward does not compute the split pair: the ranks' shares do not add up" in (
+        plan.summary(2)
+    )
+    nano = NanoGPT(NanoConfig())
+    plan = derive_plan(nano, tensor_size=2)
+    assert plan.kinds() == {
+        f"transformer.h.{i}.mlp.{n}": k for i in range(2) for n, k in [("c_fc", "colwise"), ("c_proj", "rowwise")]
+    }
+    assert "transformer.h.1.attn (its forward does not compute the split pair: ValueError" in plan.summary(2)
+    assert "(61% of parameters)" in plan.summary(2, nano)
+
+
+def test_timms_vit_attention_is_split_with_its_local_heads_and_width():
+    vit = TimmViT()
+    plan = derive_plan(vit, tensor_size=2)
+    assert repr(plan.styles["blocks.0.attn.qkv"]) == "PackedLinearColwiseParallel(chunks=3)"
+    assert plan.kinds()["blocks.1.attn.proj"] == "rowwise" and plan.kinds()["blocks.1.mlp.fc1"] == "colwise"
+    assert sorted(h for h in plan.heads if h[0] == "blocks.0.attn") == [
+        ("blocks.0.attn", "attn_dim", 16), ("blocks.0.attn", "num_heads", 4)
+    ]  # fmt: skip
+    assert "(87% of parameters)" in plan.summary(2, vit)
+
+
+def test_a_norm_or_a_second_consumer_between_two_linear_layers_keeps_them_whole():
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.norm, self.down = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down(self.norm(self.up(x)))
+
+    class Leaky(nn.Module):  # the hidden units also leave the module: a rank holds only its share of them
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            h = torch.relu(self.up(x))
+            return self.down(h), h.sum(-1)
+
+    class Residual(nn.Module):  # the whole input added to the hidden units
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.down(self.up(x) + x)
+
+    class Plain(Leaky):
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    assert derive_plan(Plain(), tensor_size=2).kinds() == {"up": "colwise", "down": "rowwise"}
+    for model in (Normed(), Leaky(), Residual()):
+        assert derive_plan(model, tensor_size=2).styles == {}, type(model).__name__
+
+
+def test_finding_the_structure_leaves_the_random_state_the_training_mode_and_the_weights_as_they_were():
+    torch.manual_seed(5)
+    model = TimmViT().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.get_rng_state()
+    assert derive_plan(model, tensor_size=2).styles  # one forward ran
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(m.training for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_litgpt_copy_computes_as_litgpt_itself():
+    pytest.importorskip("litgpt")
+    torch.manual_seed(0)
+    real = litgpt_model(2)
+    copy = LitGPT(LitConfig(n_query_groups=2))
+    copy.load_state_dict(real.state_dict())
+    tokens = torch.randint(16, (2, 6))
+    torch.testing.assert_close(copy(tokens), real(tokens))
 
 
 def test_a_hugging_face_llama_gets_its_own_base_model_tp_plan():
