@@ -493,6 +493,7 @@ FAMILY_SHARDS = {
 }
 
 
+@pytest.mark.timeout(300)
 def test_the_families_found_by_their_structure_equal_one_process_each(tmp_path: Path):
     # litgpt (multi-head and grouped-query), nanoGPT, timm's ViT and a plain MLP side by side in one module, at tensor 2
     # x data 2: the auto plan finds their pairs by one forward (no name rule matches litgpt's, nanoGPT's attention or
