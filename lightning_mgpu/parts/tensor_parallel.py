@@ -541,14 +541,13 @@ def _derive_blocks(module: nn.Module, tensor_size: int, structure: bool = True) 
                 styles[f] = conv1d_style("colwise") if conv else ColwiseParallel()
             styles[full[-1]] = conv1d_style("rowwise") if conv else RowwiseParallel()
             heads += [(f"{name}.{owner}".strip(".") if owner else name, a, v) for owner, a, v in counts]
-    found: dict[str, Any] = {}
-    counts: list[tuple[str, str, int]] = []
-    not_split: list[str] = []
-    if structure:
-        found, counts, not_split = _structural_plan(module, tensor_size, taken=recognised)
-    styles.update(found)
-    plan = TensorParallelPlan(styles, "auto plan", heads=heads + counts, replicated=_replicated(module, styles))
-    plan.skipped = skipped + not_split
+    if structure:  # the linear layers no name rule matched
+        found, local, not_split = _structural_plan(module, tensor_size, taken=recognised)
+        styles.update(found)
+        heads += local
+        skipped += not_split
+    plan = TensorParallelPlan(styles, "auto plan", heads=heads, replicated=_replicated(module, styles))
+    plan.skipped = skipped
     return plan
 
 
