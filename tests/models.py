@@ -33,6 +33,17 @@ class Regressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class NormedRegressor(Regressor):
+    """The two-layer MLP with its hidden units normalised between the layers (``nn.LayerNorm`` without weights): no
+    tensor-parallel pair (the norm mixes the hidden units each rank of a tensor group would hold a share of)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        norm = nn.LayerNorm(16, elementwise_affine=False)
+        self.net = nn.Sequential(nn.Linear(6, 16), norm, nn.Tanh(), nn.Linear(16, 3))
+
+
 class ManualRegressor(Regressor):
     """Manual optimization without :class:`~lightning_mgpu.ManualAccumulation` (what the strategies refuse
     to accumulate, and what the sharded strategies refuse outright)."""

@@ -6,9 +6,10 @@ module written for Lightning's ``ModelParallelStrategy`` applies in ``configure_
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import pytorch_lightning as pl
 import torch
@@ -401,3 +402,451 @@ class Llama3(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(example_tokens(), batch_size=2)
+
+
+# --- the families the auto plan recognises by their structure, written as their projects write them ---------------
+# litgpt 0.5.13 (``litgpt/model.py``: ``GPT``, ``Block``, ``CausalSelfAttention``, ``LLaMAMLP``, ``GptNeoxMLP``,
+# ``build_rope_cache``, ``apply_rope``; without the key/value cache), used where the ``litgpt`` package is not installed
+
+
+@dataclass
+class LitConfig:
+    """The fields of litgpt's ``Config`` its GPT reads here (``n_query_groups``: key/value heads)."""
+
+    n_embd: int = 16
+    n_head: int = 4
+    n_query_groups: int = 4
+    n_layer: int = 2
+    block_size: int = 8
+    padded_vocab_size: int = VOCAB
+    intermediate_size: int = 32
+    mlp_class_name: str = "LLaMAMLP"
+    parallel_residual: bool = False
+    bias: bool = True
+    norm_eps: float = 1e-5
+    rope_base: int = 10000
+    head_size: Optional[int] = None
+    rope_n_elem: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head_size is None:
+            self.head_size = self.n_embd // self.n_head
+        self.rope_n_elem = self.head_size  # rotary_percentage=1.0
+
+
+def build_rope_cache(seq_len: int, n_elem: int, base: int = 10000) -> tuple[torch.Tensor, torch.Tensor]:
+    theta = 1.0 / (base ** (torch.arange(0, n_elem, 2).float() / n_elem))
+    seq_idx = torch.arange(seq_len).float()
+    idx_theta = torch.outer(seq_idx, theta).repeat(1, 2)
+    return torch.cos(idx_theta), torch.sin(idx_theta)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    head_size_half = x.size(-1) // 2
+    x1 = x[..., :head_size_half]
+    x2 = x[..., head_size_half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    dims_diff = x.dim() - cos.dim()
+    if dims_diff > 0:
+        new_shape = cos.shape[0:1] + (1,) * dims_diff + cos.shape[1:]
+        cos = cos.view(*new_shape)
+        sin = sin.view(*new_shape)
+    roped = (x * cos) + (rotated * sin)
+    return roped.to(dtype=x.dtype)
+
+
+class LitCausalSelfAttention(nn.Module):
+    def __init__(self, config: LitConfig, block_idx: int) -> None:
+        super().__init__()
+        head_size = cast(int, config.head_size)
+        self.qkv = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_query_groups) * head_size, bias=config.bias)
+        self.proj = nn.Linear(head_size * config.n_head, config.n_embd, bias=config.bias)
+        self.config = config
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        head_size = cast(int, self.config.head_size)
+        n_head = self.config.n_head
+        n_query_groups = self.config.n_query_groups
+        rope_n_elem = self.config.rope_n_elem
+        B, T, _ = x.size()
+        qkv = self.qkv(x)
+        query_size = n_head * head_size
+        key_size = value_size = n_query_groups * head_size
+        q, k, v = qkv.split((query_size, key_size, value_size), dim=-1)
+        q = q.view(B, T, n_head, head_size)
+        k = k.view(B, T, n_query_groups, head_size)
+        v = v.view(B, T, n_query_groups, head_size)
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2)
+        v = v.transpose(1, 2)
+        q_roped = apply_rope(q[..., :rope_n_elem], cos, sin)
+        k_roped = apply_rope(k[..., :rope_n_elem], cos, sin)
+        q = torch.cat((q_roped, q[..., rope_n_elem:]), dim=-1)
+        k = torch.cat((k_roped, k[..., rope_n_elem:]), dim=-1)
+        if n_query_groups != n_head:
+            q_per_kv = n_head // n_query_groups
+            k = k.repeat_interleave(q_per_kv, dim=1)
+            v = v.repeat_interleave(q_per_kv, dim=1)
+        scale = 1.0 / math.sqrt(head_size)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale, is_causal=mask is None)
+        y = y.transpose(1, 2)
+        y = y.reshape(B, T, head_size * n_head)
+        return self.proj(y)
+
+
+class LitLLaMAMLP(nn.Module):
+    def __init__(self, config: LitConfig) -> None:
+        super().__init__()
+        self.fc_1 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.fc_2 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fc_1 = self.fc_1(x)
+        x_fc_2 = self.fc_2(x)
+        x = F.silu(x_fc_1) * x_fc_2
+        return self.proj(x)
+
+
+class LitGptNeoxMLP(nn.Module):
+    def __init__(self, config: LitConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x)
+        x = F.gelu(x, approximate="none")
+        return self.proj(x)
+
+
+class LitBlock(nn.Module):
+    def __init__(self, config: LitConfig, block_idx: int) -> None:
+        super().__init__()
+        self.norm_1 = nn.LayerNorm(config.n_embd, eps=config.norm_eps)
+        self.attn = LitCausalSelfAttention(config, block_idx)
+        self.post_attention_norm = nn.Identity()
+        self.norm_2 = nn.LayerNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp = LitLLaMAMLP(config) if config.mlp_class_name == "LLaMAMLP" else LitGptNeoxMLP(config)
+        self.post_mlp_norm = nn.Identity()
+        self.config = config
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        x_normed = self.norm_1(x)
+        attention_output = self.attn(x_normed, cos, sin, mask)
+        attention_output = self.post_attention_norm(attention_output)
+        if self.config.parallel_residual:
+            x_normed = self.norm_2(x)
+            x = attention_output + x
+        else:
+            x = attention_output + x
+            x_normed = self.norm_2(x)
+        return self.post_mlp_norm(self.mlp(x_normed)) + x
+
+
+class LitGPT(nn.Module):
+    def __init__(self, config: LitConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+                h=nn.ModuleList(LitBlock(config, block_idx) for block_idx in range(config.n_layer)),
+                ln_f=nn.LayerNorm(config.n_embd, eps=config.norm_eps),
+            )
+        )
+        cos, sin = build_rope_cache(config.block_size, config.rope_n_elem, config.rope_base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        cos = self.cos[:T].unsqueeze(0)
+        sin = self.sin[:T].unsqueeze(0)
+        x = self.transformer.wte(idx)
+        for block in self.transformer.h:
+            x = block(x, cos, sin, None)
+        x = self.transformer.ln_f(x)
+        return self.lm_head(x)
+
+
+def litgpt_model(n_query_groups: int = 4, mlp_class_name: str = "LLaMAMLP") -> nn.Module:
+    """litgpt's ``GPT`` from a tiny config: the ``litgpt`` package where it is installed, else the copy above."""
+    sizes: dict[str, Any] = dict(n_embd=16, n_head=4, n_query_groups=n_query_groups, n_layer=2, block_size=8)
+    sizes.update(padded_vocab_size=VOCAB, intermediate_size=32, mlp_class_name=mlp_class_name, bias=True)
+    try:
+        from litgpt.config import Config
+        from litgpt.model import GPT
+    except ImportError:
+        return LitGPT(LitConfig(**sizes))
+    config = Config(
+        **sizes, vocab_size=VOCAB, rotary_percentage=1.0, parallel_residual=False, norm_class_name="LayerNorm",
+        norm_eps=1e-5, lm_head_bias=False,
+    )  # fmt: skip
+    return GPT(config)
+
+
+# nanoGPT (``model.py``: ``LayerNorm``, ``CausalSelfAttention``, ``MLP``, ``Block``, ``GPT``; without generation)
+
+
+@dataclass
+class NanoConfig:
+    block_size: int = 8
+    vocab_size: int = VOCAB
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 16
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class NanoLayerNorm(nn.Module):
+    """LayerNorm but with an optional bias."""
+
+    def __init__(self, ndim: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class NanoCausalSelfAttention(nn.Module):
+    def __init__(self, config: NanoConfig) -> None:
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = self.resid_dropout(self.c_proj(y))
+        return y
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, config: NanoConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.c_fc(x)
+        x = self.gelu(x)
+        x = self.c_proj(x)
+        x = self.dropout(x)
+        return x
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, config: NanoConfig) -> None:
+        super().__init__()
+        self.ln_1 = NanoLayerNorm(config.n_embd, bias=config.bias)
+        self.attn = NanoCausalSelfAttention(config)
+        self.ln_2 = NanoLayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = NanoMLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, config: NanoConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([NanoBlock(config) for _ in range(config.n_layer)]),
+                ln_f=NanoLayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> Any:
+        device = idx.device
+        b, t = idx.size()  # noqa: RUF059 - as nanoGPT writes it
+        assert t <= self.config.block_size, f"Cannot forward sequence of length {t}"
+        pos = torch.arange(0, t, dtype=torch.long, device=device)
+        tok_emb = self.transformer.wte(idx)
+        pos_emb = self.transformer.wpe(pos)
+        x = self.transformer.drop(tok_emb + pos_emb)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])
+            loss = None
+        return logits, loss
+
+
+# timm's ViT (``timm/layers``: ``PatchEmbed``, ``Attention``, ``Mlp``; ``timm/models/vision_transformer.py``: ``Block``,
+# ``VisionTransformer`` with class-token pooling; no drop-path, no layer scale)
+
+
+class TimmPatchEmbed(nn.Module):
+    def __init__(self, img_size: int = 8, patch_size: int = 4, in_chans: int = 1, embed_dim: int = 16) -> None:
+        super().__init__()
+        self.img_size = (img_size, img_size)
+        self.patch_size = (patch_size, patch_size)
+        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.norm = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        x = x.flatten(2).transpose(1, 2)  # NCHW -> NLC
+        return self.norm(x)
+
+
+class TimmAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.attn_dim = num_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.fused_attn = True
+        self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias)
+        self.q_norm = nn.Identity()
+        self.k_norm = nn.Identity()
+        self.attn_drop = nn.Dropout(0.0)
+        self.norm = nn.Identity()
+        self.proj = nn.Linear(self.attn_dim, dim)
+        self.proj_drop = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape  # noqa: RUF059 - as timm writes it
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
+        x = self.norm(x)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+class TimmMlp(nn.Module):
+    def __init__(self, in_features: int, hidden_features: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden_features)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(0.0)
+        self.norm = nn.Identity()
+        self.fc2 = nn.Linear(hidden_features, in_features)
+        self.drop2 = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc1(x)
+        x = self.act(x)
+        x = self.drop1(x)
+        x = self.norm(x)
+        x = self.fc2(x)
+        x = self.drop2(x)
+        return x
+
+
+class TimmBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = TimmAttention(dim, num_heads=num_heads)
+        self.ls1 = nn.Identity()
+        self.drop_path1 = nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = TimmMlp(dim, int(dim * mlp_ratio))
+        self.ls2 = nn.Identity()
+        self.drop_path2 = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x
+
+
+class TimmViT(nn.Module):
+    def __init__(self, img_size: int = 8, patch_size: int = 4, num_classes: int = VOCAB, embed_dim: int = 16,
+                 depth: int = 2, num_heads: int = 4) -> None:  # fmt: skip
+        super().__init__()
+        self.patch_embed = TimmPatchEmbed(img_size, patch_size, 1, embed_dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, self.patch_embed.num_patches + 1, embed_dim) * 0.02)
+        self.pos_drop = nn.Dropout(0.0)
+        self.blocks = nn.Sequential(*[TimmBlock(embed_dim, num_heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.head = nn.Linear(embed_dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        x = self.blocks(x)
+        x = self.norm(x)
+        return self.head(x[:, 0])
+
+
+def images_of(tokens: torch.Tensor) -> torch.Tensor:
+    """8 x 8 one-channel images from the token rows (their first four tokens one-hot), for the ViT."""
+    return F.one_hot(tokens[:, :4], VOCAB).to(torch.float64).view(-1, 1, 8, 8)
+
+
+def plain_mlp() -> nn.Sequential:
+    """A plain MLP as tutorials write one: the one-hot input tokens in, the next token's logits out."""
+    return nn.Sequential(nn.Linear(SEQ * VOCAB, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, VOCAB))
+
+
+#: family -> (its model, the loss of that model on a batch of token rows)
+FAMILIES: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, torch.Tensor], torch.Tensor]]] = {
+    "litgpt": (lambda: litgpt_model(4), lambda m, t: lm_loss(m, t)),
+    "litgpt_gqa": (lambda: litgpt_model(2), lambda m, t: lm_loss(m, t)),
+    "nanogpt": (lambda: NanoGPT(NanoConfig()), lambda m, t: m(t[:, :-1], t[:, 1:].contiguous())[1]),
+    "vit": (lambda: TimmViT(), lambda m, t: F.cross_entropy(m(images_of(t)), t[:, -1])),
+    "mlp": (plain_mlp, lambda m, t: F.cross_entropy(m(F.one_hot(t[:, :-1], VOCAB).flatten(1).double()), t[:, -1])),
+}
+
+
+class FamiliesModule(TPModule):
+    """Several families side by side (``model.<family>``), trained on one loss, their sum: each family's weights
+    depend on its own loss only."""
+
+    def __init__(self, families: Sequence[str] = tuple(FAMILIES)) -> None:
+        super().__init__(lr=0.1)
+        torch.manual_seed(0)
+        self.model = nn.ModuleDict({f: FAMILIES[f][0]().double() for f in families})
+
+    @staticmethod
+    def compute(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return sum(
+            (FAMILIES[f][1](m, tokens) for f, m in cast(nn.ModuleDict, model).items()),
+            torch.zeros((), dtype=torch.float64),
+        )

@@ -758,13 +758,15 @@ class PipelineBackend(ShardingBackend):
         and the parameters outside the blocks stay plain tensors (those outside replicated on every rank)."""
         from torch.distributed.fsdp import fully_shard
 
+        from lightning_mgpu.parts.tensor_parallel import fsdp_dim
+
         for s in self._local:
             if s not in self._sharded_stages:  # a second fit in the same process keeps its units
                 runner = _Stage(self, s, self._stage_blocks(s))
                 # gathered at the step's first forward and kept until its reduce-scatter (torchtitan's choice
                 # with a pipeline): the gradients are whole for the step anyway; one all-gather per step, not two
                 # per micro-batch
-                fully_shard(runner, mesh=parallel.data, reshard_after_forward=False)
+                fully_shard(runner, mesh=parallel.data, reshard_after_forward=False, shard_placement_fn=fsdp_dim)
                 self._sharded_stages[s] = runner
         self._sharded_params = [
             p for s in self._local for b in self._stage_blocks(s) for p in b.parameters() if p.requires_grad

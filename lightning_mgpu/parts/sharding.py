@@ -41,6 +41,7 @@ from lightning_mgpu.parts.accumulation import (
     ShardedDDPSyncControl,
 )
 from lightning_mgpu.parts.clipping import GlobalNormClipping
+from lightning_mgpu.parts.tensor_parallel import fsdp_dim
 
 # Optimizers whose state is not one elementwise tensor per parameter: no backend can split them.
 _UNSHARDABLE = {
@@ -508,8 +509,10 @@ class FSDP2Backend(ShardingBackend):
         # innermost first: fully_shard on a parent leaves parameters already owned by a child unit alone
         for unit in reversed(self._unit_roots(module)):
             if not isinstance(unit, FSDPModule):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+                fully_shard(
+                    unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=fsdp_dim
+                )
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=fsdp_dim)
         return module
 
     def sync_layout(self, model: nn.Module) -> list[int]:

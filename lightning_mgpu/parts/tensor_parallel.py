@@ -25,6 +25,14 @@ again over the data dimension.
   unsplit layout, so a gathered or saved tensor is the original one), ``c_proj`` by row, and the attention's
   ``num_heads``, ``split_size`` and ``embed_dim`` become the local values.
 
+* the ``nn.Linear`` layers no name rule matches are paired by the model's structure (:func:`_structural_plan`): one
+  forward on a small random input under a ``TorchFunctionMode`` follows each layer's output to the layer it feeds,
+  through elementwise work, reshapes and attention's products, and a pair with nothing between them that has
+  parameters, reduces, adds a residual or leaves the module is split once running its module as each rank would adds
+  up to the whole output. One fan-out layer ``k`` times as wide as the fan-in layer's input packs ``k`` projections
+  (litgpt's, nanoGPT's and timm's ``qkv``): :func:`packed_linear_style`. The head counts made local are the
+  attention module's attributes and those of the ``config`` its forward reads (litgpt), on a copy of it.
+
 Anything not matched (embeddings, norms, the output head, the packed query/key/value projection of
 ``nn.MultiheadAttention``) stays replicated and is listed in one line at start-up, with the share of the linear
 layers' parameters the plan splits (:func:`split_share`). An auto plan that splits nothing or under
@@ -57,6 +65,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import re
 import types
 import weakref
@@ -107,7 +116,8 @@ class TensorParallelPlan:
     source: str
     """Where the plan comes from (for the start-up line)."""
     heads: list[tuple[str, str, int]] = field(default_factory=list)
-    """``(module name, attribute, global count)`` of each head count made local."""
+    """``(module name, attribute, global count)`` of each head count made local; an attribute ``config.<name>`` is
+    one of the module's ``config`` (litgpt's), which the module then holds a copy of."""
     replicated: list[str] = field(default_factory=list)
     """Modules holding parameters that no style splits."""
     skipped: list[str] = field(default_factory=list)
@@ -144,11 +154,16 @@ class TensorParallelPlan:
                     split.append(f"{name}.{pname}")
         return split
 
-    def summary(self, tensor_size: int) -> str:
-        """The one start-up line: what is split, how, and what stays replicated."""
+    def summary(self, tensor_size: int, module: Optional[nn.Module] = None) -> str:
+        """The one start-up line: what is split (with ``module``, which share of its parameters), how, and what
+        stays replicated."""
         split = _grouped(f"{name} {_style_name(style)}" for name, style in self.styles.items())
         text = f"tensor parallelism over {tensor_size} ranks ({self.source}): split {len(self.styles)} layers"
-        text += f", {self.share:.0%} of the linear layers' parameters" if self.share is not None else ""
+        share = self.share
+        if share is None and module is not None:
+            done, total = split_share(module, self)
+            share = done / total if total else None
+        text += f", {share:.0%} of the linear layers' parameters" if share is not None else ""
         text += f" ({', '.join(split)})" if split else ""
         if self.replicated:
             text += f"; replicated: {', '.join(_grouped(self.replicated))}"
@@ -160,7 +175,7 @@ class TensorParallelPlan:
 def _style_name(style: Any) -> str:
     names = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "SequenceParallel": "sequence_parallel"}
     names["PrepareModuleInput"] = "input gathered"
-    if type(style).__name__ == "PackedConv1DParallel":
+    if type(style).__name__ == "PackedParallel":
         return "colwise packed"
     if type(style).__name__ == "Conv1DParallel":
         return "colwise" if "Colwise" in repr(style) else "rowwise"
@@ -340,6 +355,18 @@ def packed_conv1d_style(chunks: int) -> Any:
     key and value, packed as the whole layer packs them; the weight keeps its unsplit layout (a gathered or saved
     tensor is the original one, in the original order). The gradients of the input and of the bias are summed over
     the group, as ``ColwiseParallel`` sums the input's."""
+    return _packed_style(chunks, dim=1)
+
+
+def packed_linear_style(chunks: int) -> Any:
+    """:func:`packed_conv1d_style` for an ``nn.Linear`` packing ``chunks`` projections of equal width in its output
+    (weight ``[chunks * width, in]``, split as ``_StridedShard(0, split_factor=chunks)``): nanoGPT's and timm's
+    ``qkv`` / ``c_attn`` (query | key | value), litgpt's ``qkv`` with as many key/value heads as query heads, a
+    fused gate | up projection."""
+    return _packed_style(chunks, dim=0)
+
+
+def _packed_style(chunks: int, dim: int) -> Any:
     from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -348,26 +375,26 @@ def packed_conv1d_style(chunks: int) -> Any:
     def partition(name: str, module: nn.Module, mesh: Any) -> None:
         for pname, param in list(module.named_parameters(recurse=False)):
             # the bias stays whole (FSDP2 shards dim 0 again, which a strided split of a 1-D tensor cannot share)
-            placement = strided_shard(1, chunks) if pname == "weight" else Replicate()
+            placement = strided_shard(dim, chunks) if pname == "weight" else Replicate()
             module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement])))
 
-    class PackedConv1DParallel(ParallelStyle):
+    class PackedParallel(ParallelStyle):
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
             distribute_module(module, device_mesh, partition)
             module.forward = types.MethodType(_packed_conv1d_forward, module)
             return module
 
         def __repr__(self) -> str:
-            return f"PackedConv1DColwiseParallel(chunks={chunks})"
+            return f"Packed{'Conv1D' if dim else 'Linear'}ColwiseParallel(chunks={chunks})"
 
-    return PackedConv1DParallel()
+    return PackedParallel()
 
 
 def _packed_conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The forward of a packed ``Conv1D`` split by :func:`packed_conv1d_style`, on the local pieces: rank ``r``'s
-    columns are no contiguous block of the whole weight, so the multiplication runs on this rank's pieces (its output
-    is local, as ``ColwiseParallel``'s is) and the input's gradient is summed over the group (a partial sum on each
-    rank, as ``ColwiseParallel`` sums it)."""
+    """The forward of a packed ``Conv1D`` (or ``nn.Linear``) split by :func:`packed_conv1d_style`, on the local
+    pieces: rank ``r``'s columns (an ``nn.Linear``'s rows) are no contiguous block of the whole weight, so the
+    multiplication runs on this rank's pieces (its output is local, as ``ColwiseParallel``'s is) and the input's
+    gradient is summed over the group (a partial sum on each rank, as ``ColwiseParallel`` sums it)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     weight = self.weight
@@ -377,6 +404,8 @@ def _packed_conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
     x = x.to_local(grad_placements=[Partial()])
     local = weight.to_local()
+    if isinstance(self, nn.Linear):  # weight [out, in]: this rank's rows
+        local = local.t()
     out = x.reshape(-1, x.size(-1)) @ local
     bias = self.bias
     if isinstance(bias, DTensor):  # whole on every rank: this rank's piece of each chunk, its gradient summed
@@ -384,6 +413,20 @@ def _packed_conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         pieces = bias.to_local(grad_placements=[Partial()]).view(chunks, mesh.size(), -1)[:, mesh.get_local_rank()]
         out = out + pieces.reshape(-1)
     return out.view(*x.shape[:-1], local.shape[-1])
+
+
+def fsdp_dim(param: nn.Parameter) -> Any:
+    """FSDP2's placement for ``param`` over the data dimension (``fully_shard``'s ``shard_placement_fn``): dim 1 for
+    a weight the tensor dimension splits strided along dim 0 (a packed ``nn.Linear``, :func:`packed_linear_style`),
+    whose pieces FSDP's dim-0 split would interleave in the wrong order; None (dim 0, FSDP's default) otherwise."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_mgpu._compat import is_strided_shard
+
+    if isinstance(param, DTensor) and param.dim() == 2:
+        if any(is_strided_shard(p) and p.dim == 0 for p in param.placements):  # type: ignore[attr-defined]
+            return Shard(1)
+    return None
 
 
 def _is_gpt2_attention(block: nn.Module) -> bool:
@@ -516,8 +559,9 @@ def _why_whole(module: nn.Module, name: str, plan: TensorParallelPlan) -> str:
         )
     if leaf not in _PAIRED_NAMES:
         return (
-            f"its name {leaf!r} is not one the plan pairs in an attention or MLP block (wq/wo, q_proj/o_proj, "
-            f"w1/w2, fc1/fc2, ...)"
+            "neither a name rule (wq/wo, q_proj/o_proj, w1/w2, fc1/fc2, ...) nor the model's structure pairs it: no "
+            "other linear layer's output reaches it, or its output reaches another, through elementwise work, "
+            "reshapes or attention alone (a norm, a reduction, a residual or the model's output sits between)"
         )
     others = sorted(n for n in _children_with_params(parent) if n != leaf)
     if others:
@@ -594,25 +638,34 @@ def refuse_unsplit(module: nn.Module, plan: TensorParallelPlan, size: int, setti
         listed = [*listed[:12], f"  - ... and {len(listed) - 12} more"]
     share = f"{split / total:.0%}" if total else "none"
     guess = suggested_plan(module, plan, size)
+    paste = (
+        f"To split them, pass a plan of your own; a guess to paste and edit (consecutive linear layers paired, the "
+        f"first split by output column, the second by input row: check that nothing between the two mixes the hidden "
+        f"units, and divide by {size} any head count the forward reads):\n    tensor_parallel_plan={guess!r}\n"
+        if guess
+        else "No two consecutive linear layers of one module to pair were found: to split some, write a "
+        "tensor_parallel_plan of your own (module-name patterns to 'colwise' / 'rowwise'; the tensor-parallel guide "
+        "shows how).\n"
+    )
     raise ValueError(
         f"tensor_parallel_size={size} with tensor_parallel_plan={setting!r}: the auto plan splits {len(plan.styles)} "
         f"layers of {type(module).__name__}, {share} of its linear layers' parameters ({split:,} of {total:,}, the "
         f"output head aside), under the {MIN_SPLIT_SHARE:.0%} it needs, so every rank of the tensor group would "
         f"compute (nearly) the whole model. Linear layers left whole:\n" + "\n".join(listed or ["  (none)"]) + "\n"
-        f"To split them, pass a plan of your own; a guess to paste and edit (consecutive linear layers paired, the "
-        f"first split by output column, the second by input row: check that nothing between the two mixes the hidden "
-        f"units, and divide by {size} any head count the forward reads):\n"
-        f"    tensor_parallel_plan={guess!r}\n"
+        f"{paste}"
         f"To train with every layer whole on each rank, pass the explicit empty plan tensor_parallel_plan={{}}, or use "
         f"tensor_parallel_size=1 (every rank then shards the data instead)."
     )
 
 
-def derive_plan(module: nn.Module, tensor_size: int, sequence: bool = False) -> TensorParallelPlan:
+def derive_plan(
+    module: nn.Module, tensor_size: int, sequence: bool = False, structure: bool = True
+) -> TensorParallelPlan:
     """The auto plan for ``module`` at ``tensor_size`` ranks; ``sequence``: with sequence parallelism and the head
-    split by vocabulary (``"auto+sequence"``; see the module's documentation)."""
+    split by vocabulary (``"auto+sequence"``; see the module's documentation); ``structure``: the layers no name rule
+    matches are paired by one forward (:func:`_structural_plan`; False: by their names only)."""
     if sequence:
-        return _with_sequence(module, _derive_blocks(module, tensor_size), tensor_size)
+        return _with_sequence(module, _derive_blocks(module, tensor_size, structure), tensor_size)
     hf = _hf_plan(module)
     if hf is not None:
         prefix, patterns = hf
@@ -622,14 +675,15 @@ def derive_plan(module: nn.Module, tensor_size: int, sequence: bool = False) -> 
             f"{prefix}.{k} ({v!r}: a style this plan does not apply)" for k, v in patterns.items() if k not in supported
         ]
         return _checked(module, plan, tensor_size, attention_roots=_hf_attention_roots(module, plan))
-    return _derive_blocks(module, tensor_size)
+    return _derive_blocks(module, tensor_size, structure)
 
 
-def _derive_blocks(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
+def _derive_blocks(module: nn.Module, tensor_size: int, structure: bool = True) -> TensorParallelPlan:
     """The attention and MLP blocks recognised by the names of their layers."""
     styles: dict[str, Any] = {}
     heads: list[tuple[str, str, int]] = []
     skipped: list[str] = []
+    recognised: set[str] = set()  # by their names, split or not: the structure is not asked about them again
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     for name, block in module.named_modules():
@@ -637,6 +691,7 @@ def _derive_blocks(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
             full = [f"{name}.{n}" if name else n for n in [*fan_out, fan_in]]
             if any(f in styles for f in full):
                 continue
+            recognised.update(full)
             reason = _indivisible(block, fan_out, fan_in, tensor_size, chunks=3 if kind == "packed_attention" else 1)
             counts = _head_counts(block, fan_out[0]) if kind != "mlp" else []
             if kind == "packed_attention":  # the forward splits c_attn's output by these widths
@@ -654,6 +709,11 @@ def _derive_blocks(module: nn.Module, tensor_size: int) -> TensorParallelPlan:
                 styles[f] = conv1d_style("colwise") if conv else ColwiseParallel()
             styles[full[-1]] = conv1d_style("rowwise") if conv else RowwiseParallel()
             heads += [(f"{name}.{owner}".strip(".") if owner else name, a, v) for owner, a, v in counts]
+    if structure:  # the linear layers no name rule matched
+        found, local, not_split = _structural_plan(module, tensor_size, taken=recognised)
+        styles.update(found)
+        heads += local
+        skipped += not_split
     plan = TensorParallelPlan(styles, "auto plan", heads=heads, replicated=_replicated(module, styles))
     plan.skipped = skipped
     return plan
@@ -894,6 +954,21 @@ def _checked(module: nn.Module, plan: TensorParallelPlan, size: int, attention_r
     return plan
 
 
+def local_head_counts(module: nn.Module, plan: TensorParallelPlan, size: int) -> None:
+    """Set the head counts of ``plan.heads`` to their local values (divided by ``size``); a count kept on a module's
+    ``config`` (``config.<name>``) is set on a copy of that config the module then holds, so the other modules
+    reading the shared config (the model, the blocks, the MLPs) keep the global values."""
+    copied: set[int] = set()
+    for owner, attribute, count in plan.heads:
+        holder: Any = module.get_submodule(owner) if owner else module
+        if attribute.startswith("config."):
+            if id(holder) not in copied:
+                holder.config = copy.copy(holder.config)
+                copied.add(id(holder))
+            holder, attribute = holder.config, attribute.removeprefix("config.")
+        setattr(holder, attribute, count // size)
+
+
 class TensorParallelism:
     """The strategy's tensor-parallel part: applies the plan over the ``"tensor_parallel"`` mesh at set-up, before
     activation checkpointing and sharding (torchtitan's order), unless the user's ``configure_model`` did.
@@ -1000,9 +1075,8 @@ class TensorParallelism:
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan = self.plan_for(module)
-        for owner, attribute, count in plan.heads:
-            holder = module.get_submodule(owner) if owner else module
-            setattr(holder, attribute, count // self.size)
+        line = plan.summary(self.size, module)
+        local_head_counts(module, plan, self.size)
         if plan.styles:
             parallelize_module(module, mesh, plan.styles)
         for head, embedding in plan.tied:  # each got its own split copy: one parameter again, as before
@@ -1010,6 +1084,417 @@ class TensorParallelism:
         if plan.sequence_entry:
             guard_sequence_length(module.get_submodule(plan.sequence_entry), self.size)
             _VOCAB_PARALLEL.add(module)
-        rank_zero_info(plan.summary(self.size))
+        rank_zero_info(line)
         self.applied = plan
         return plan
+
+
+# --- the plan found from the model's structure: one forward, the dataflow between its linear layers -------------
+
+#: functions whose result mixes the numbers along the split dimension (a rank's share cannot compute it alone)
+_MIXING = frozenset(
+    ("mean", "sum", "var", "std", "norm", "amax", "amin", "logsumexp", "var_mean", "std_mean", "layer_norm",
+     "rms_norm", "group_norm", "batch_norm", "instance_norm", "normalize", "cumsum", "prod")
+)  # fmt: skip
+#: functions combining the heads' query and key (or the scores and the values): the path goes through attention
+_ATTENDING = frozenset(("scaled_dot_product_attention", "matmul", "__matmul__", "bmm", "einsum"))
+_ELEMENTWISE = frozenset(("add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "mul", "__mul__", "__rmul__"))
+#: attributes holding an attention module's width across all its heads (timm's ``attn_dim``): made local too
+_HEAD_WIDTHS = ("attn_dim",)
+#: head counts kept on a config object the attention's forward reads (litgpt: ``self.config.n_head``)
+_CONFIG_HEAD_COUNTS = ("n_head", "n_query_groups", "num_heads", "n_heads", "n_kv_heads", "num_key_value_heads")
+
+
+@dataclass
+class _Flow:
+    """What one forward showed of the linear layers: which fan-out layers reach each layer's input (through work
+    that keeps each number's position: elementwise functions, reshapes, attention's products), whether the path
+    went through attention, and the layers whose output also goes elsewhere (a norm, a reduction, the output)."""
+
+    reach: dict[str, set[str]] = field(default_factory=dict)
+    attention: dict[str, bool] = field(default_factory=dict)
+    consumers: dict[str, set[str]] = field(default_factory=dict)
+    escaped: set[str] = field(default_factory=set)
+    order: list[str] = field(default_factory=list)
+    inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
+    """The first call's arguments of each module holding linear layers (copies), to check a split on."""
+
+
+_TAG = "_mgpu_tensor_parallel_sources"
+
+
+def _tags(tree: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(tree, torch.Tensor):
+        found.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            _tags(item, found)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            _tags(item, found)
+
+
+def _sources(tensors: Iterable[torch.Tensor]) -> tuple[set[str], bool]:
+    sources: set[str] = set()
+    attended = False
+    for t in tensors:
+        tag = getattr(t, _TAG, None)
+        if tag is not None:
+            sources |= tag[0]
+            attended = attended or tag[1]
+    return sources, attended
+
+
+def _mark(tree: Any, sources: set[str], attended: bool) -> None:
+    out: list[torch.Tensor] = []
+    _tags(tree, out)
+    for t in out:
+        old = getattr(t, _TAG, None)
+        if old is not None:  # an in-place function returns its input
+            sources, attended = sources | old[0], attended or old[1]
+        try:
+            setattr(t, _TAG, (frozenset(sources), attended))
+        except (AttributeError, RuntimeError):
+            pass
+
+
+def _flow_mode(flow: _Flow, widths: dict[str, int]) -> Any:
+    from torch.overrides import TorchFunctionMode
+
+    class FlowMode(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            result = func(*args, **kwargs)
+            inputs: list[torch.Tensor] = []
+            _tags((args, kwargs), inputs)
+            sources, attended = _sources(inputs)
+            if not sources:
+                return result
+            name = getattr(func, "__name__", "")
+            tagged = [t for t in inputs if getattr(t, _TAG, None) is not None]
+            if name in _MIXING:
+                flow.escaped |= sources
+                return result
+            if name in _ATTENDING and (name == "scaled_dot_product_attention" or len(tagged) >= 2):
+                attended = True
+            if name in ("cat", "concat", "concatenate", "stack") and isinstance(result, torch.Tensor):
+                dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+                if isinstance(dim, int) and result.shape[dim] >= min(widths[s] for s in sources):
+                    flow.escaped |= sources  # projections side by side: a rank's pieces are not where they were
+                    return result
+            if name in _ELEMENTWISE and not attended:
+                whole = [t for t in inputs if getattr(t, _TAG, None) is None and t.numel() > 1 and t.dim() > 0]
+                if any(t.shape[-1] in {widths[s] for s in sources} for t in whole):
+                    flow.escaped |= sources  # a whole tensor (a residual) added to a rank's share
+                    return result
+            _mark(result, sources, attended)
+            return result
+
+    return FlowMode()
+
+
+def _guess_input(module: nn.Module, length: int) -> Optional[torch.Tensor]:
+    """A random input (a generator of its own) of the kind the module's first layer takes: token ids where it holds
+    an embedding, images where a patch embedding states its ``img_size``, else features as wide as its first linear
+    layer's input."""
+    params = [p for p in module.parameters() if p.is_floating_point()]
+    if not params or params[0].device.type == "meta":
+        return None
+    dtype, device = params[0].dtype, params[0].device
+    g = torch.Generator().manual_seed(0)
+    tables = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+    if tables:
+        return torch.randint(min(tables), (2, length), generator=g).to(device)
+    for m in module.modules():
+        size = getattr(m, "img_size", None)
+        conv = next((c for c in m.modules() if isinstance(c, nn.Conv2d)), None)
+        if conv is not None and isinstance(size, (tuple, list)) and len(size) == 2:
+            shape = (2, conv.in_channels, int(size[0]), int(size[1]))
+            return torch.randn(shape, generator=g, dtype=dtype).to(device)
+    first = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
+    if first is None:
+        return None
+    return torch.randn(2, length, first.in_features, generator=g, dtype=dtype).to(device)
+
+
+def _trace_flow(module: nn.Module) -> _Flow:
+    """One forward of each outermost module that runs on a guessed input (no gradient, in evaluation mode, the
+    random state left as it was), recording the dataflow between its linear layers."""
+    flow = _Flow()
+    names = {m: n for n, m in module.named_modules()}
+    linears: dict[nn.Module, str] = {m: n for m, n in names.items() if isinstance(m, nn.Linear)}
+    if len(linears) < 2:
+        return flow
+    widths = {n: int(cast(nn.Linear, m).out_features) for m, n in linears.items()}
+    current = [flow]
+    handles = []
+
+    def before_linear(m: nn.Module, args: tuple[Any, ...]) -> None:
+        name, now = linears[m], current[0]
+        sources, attended = _sources(a for a in args if isinstance(a, torch.Tensor))
+        now.order.append(name)
+        now.reach.setdefault(name, set()).update(sources)
+        now.attention[name] = now.attention.get(name, False) or attended
+        for s in sources:
+            now.consumers.setdefault(s, set()).add(name)
+
+    def after_linear(m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            setattr(out, _TAG, (frozenset((linears[m],)), False))
+
+    def before_other(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        inputs: list[torch.Tensor] = []
+        _tags((args, kwargs), inputs)
+        current[0].escaped.update(_sources(inputs)[0])  # a norm (or any layer with weights) between two linears
+
+    def record(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def copied(x: Any) -> Any:
+            return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+        current[0].inputs.setdefault(
+            names[m], (tuple(copied(a) for a in args), {k: copied(v) for k, v in kwargs.items()})
+        )
+
+    for m in names:
+        if isinstance(m, nn.Linear):
+            handles += [m.register_forward_pre_hook(before_linear), m.register_forward_hook(after_linear)]
+        elif any(True for _ in m.parameters(recurse=False)):
+            handles.append(m.register_forward_pre_hook(before_other, with_kwargs=True))
+        if not isinstance(m, nn.Linear) and any(isinstance(c, nn.Linear) for c in m.modules()):
+            handles.append(m.register_forward_pre_hook(record, with_kwargs=True))
+    modes = {m: m.training for m in names}
+    try:
+        module.eval()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            _run_outermost(module, flow, current, widths)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+    return flow
+
+
+def _run_outermost(module: nn.Module, flow: _Flow, current: list[_Flow], widths: dict[str, int]) -> None:
+    """Run ``module`` on a guessed input and keep what its forward showed; where it cannot run so (it takes other
+    inputs), its children, each on its own."""
+    if not any(isinstance(m, nn.Linear) for m in module.modules()):
+        return
+    for length in (4, 2):
+        x = _guess_input(module, length)
+        if x is None:
+            break
+        current[0] = trial = _Flow()
+        try:
+            with _flow_mode(trial, widths):
+                out = module(x)
+        except Exception:  # a forward that needs other inputs: its children are tried one by one
+            continue
+        finally:
+            current[0] = flow
+        ends: list[torch.Tensor] = []
+        _tags(out, ends)
+        trial.escaped |= _sources(ends)[0]
+        flow.escaped |= trial.escaped
+        flow.order += trial.order
+        flow.attention.update(trial.attention)
+        for key, value in trial.reach.items():
+            flow.reach.setdefault(key, set()).update(value)
+        for key, value in trial.consumers.items():
+            flow.consumers.setdefault(key, set()).update(value)
+        for key, called in trial.inputs.items():
+            flow.inputs.setdefault(key, called)
+        return
+    for child in module.children():
+        _run_outermost(child, flow, current, widths)
+
+
+def _structural_pairs(module: nn.Module, taken: set[str]) -> tuple[_Flow, list[tuple[str, list[str], str, int]]]:
+    """``(kind, fan-out names, fan-in name, chunks)`` found by one forward: a fan-in linear layer whose input comes
+    only from fan-out linear layers (through elementwise work, reshapes and attention's products), each of which
+    feeds nothing else (no norm, no reduction, not the output, no other layer). ``kind`` is ``"attention"`` where the
+    path goes through attention; ``chunks`` > 1 where one fan-out layer packs that many projections, each as wide as
+    the fan-in layer's input (query | key | value)."""
+    flow = _trace_flow(module)
+    found: list[tuple[str, list[str], str, int]] = []
+    used = set(taken)
+    for fan_in in dict.fromkeys(flow.order):
+        sources = sorted(flow.reach.get(fan_in, set()))
+        if not sources or fan_in in used or any(s in used or s == fan_in for s in sources):
+            continue
+        if any(flow.consumers.get(s) != {fan_in} or s in flow.escaped for s in sources):
+            continue
+        layer = cast(nn.Linear, module.get_submodule(fan_in))
+        chunks = 1
+        if len(sources) == 1:
+            out = int(cast(nn.Linear, module.get_submodule(sources[0])).out_features)
+            chunks = out // layer.in_features if out % layer.in_features == 0 else 0
+        kind = "attention" if flow.attention.get(fan_in) else "mlp"
+        found.append((kind, sources, fan_in, chunks))
+        used |= {fan_in, *sources}
+    return flow, found
+
+
+def _local_rows(width: int, chunks: int, size: int, rank: int) -> torch.Tensor:
+    """The output rows of a fan-out layer ``width`` wide that rank ``rank`` holds: its piece of each of the
+    ``chunks`` projections packed side by side (one: its contiguous block)."""
+    chunk = width // chunks
+    piece = chunk // size
+    return torch.cat([torch.arange(i * chunk + rank * piece, i * chunk + (rank + 1) * piece) for i in range(chunks)])
+
+
+def _runner(flow: _Flow, names: list[str]) -> Optional[str]:
+    """The innermost module whose call was recorded and which holds all of ``names``."""
+    found = [p for p in flow.inputs if all(p == "" or n.startswith(f"{p}.") for n in names)]
+    return max(found, key=lambda p: p.count(".") + bool(p), default=None)
+
+
+@contextmanager
+def _as_rank(
+    module: nn.Module,
+    fan_out: list[str],
+    fan_in: str,
+    chunks: int,
+    size: int,
+    rank: int,
+    local: list[tuple[str, str, int]],
+) -> Generator[None, None, None]:
+    """``module`` as rank ``rank`` of ``size`` computes it once the pair is split: the fan-out layers hold their
+    rows, the fan-in layer its columns (the bias on rank 0 only: the sum adds it once), and ``local``'s
+    ``(holder, attribute, global count)`` the local count (``config.<name>``: on a copy of the holder's config)."""
+    saved: list[tuple[nn.Module, str, Any]] = []
+
+    def swap(owner: Any, name: str, value: Any) -> None:
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    try:
+        for name in fan_out:
+            layer = cast(nn.Linear, module.get_submodule(name))
+            rows = _local_rows(layer.out_features, chunks, size, rank)
+            swap(layer, "weight", nn.Parameter(layer.weight[rows], requires_grad=False))
+            if layer.bias is not None:
+                swap(layer, "bias", nn.Parameter(layer.bias[rows], requires_grad=False))
+            swap(layer, "out_features", len(rows))
+        layer = cast(nn.Linear, module.get_submodule(fan_in))
+        cols = _local_rows(layer.in_features, 1, size, rank)
+        swap(layer, "weight", nn.Parameter(layer.weight[:, cols], requires_grad=False))
+        if layer.bias is not None and rank:
+            swap(layer, "bias", nn.Parameter(torch.zeros_like(layer.bias), requires_grad=False))
+        swap(layer, "in_features", len(cols))
+        copies: dict[int, Any] = {}
+        for holder_name, attribute, count in local:
+            holder: Any = module.get_submodule(holder_name) if holder_name else module
+            if attribute.startswith("config."):
+                if id(holder) not in copies:
+                    swap(holder, "config", copy.copy(holder.config))
+                    copies[id(holder)] = holder.config
+                holder, attribute = holder.config, attribute.removeprefix("config.")
+            swap(holder, attribute, count // size)
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def _check_split(
+    module: nn.Module, flow: _Flow, fan_out: list[str], fan_in: str, chunks: int, size: int, local: list[Any]
+) -> str:
+    """Run the recorded call of the innermost module holding the pair once whole and once as each rank computes it
+    split: "" where the ranks' outputs of the fan-in layer sum to the whole one, else what went wrong."""
+    runner = _runner(flow, [*fan_out, fan_in])
+    if runner is None:
+        return "no recorded call holds it"
+    holder = module.get_submodule(runner) if runner else module
+    args, kwargs = flow.inputs[runner]
+    outputs: list[torch.Tensor] = []
+
+    def capture(m: nn.Module, a: Any, out: Any) -> None:
+        outputs.append(out)
+
+    handle = module.get_submodule(fan_in).register_forward_hook(capture)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            holder(*args, **kwargs)
+            whole, parts = outputs[0], []
+            for rank in range(size):
+                outputs.clear()
+                with _as_rank(module, fan_out, fan_in, chunks, size, rank, local):
+                    holder(*args, **kwargs)
+                parts.append(outputs[0])
+            summed = torch.stack(parts).sum(0)
+            scale = 1 + float(whole.abs().max())
+            equal = summed.shape == whole.shape and torch.allclose(summed, whole, rtol=1e-4, atol=1e-5 * scale)
+    except Exception as error:  # the forward cannot run split this way (or compare): said in the reason
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".strip()
+    finally:
+        handle.remove()
+    if not equal:
+        packed = f" ({fan_out[0]} does not pack {chunks} projections of equal width side by side)" if chunks > 1 else ""
+        return f"the ranks' shares do not add up to the whole output{packed}"
+    return ""
+
+
+def _structural_plan(module: nn.Module, size: int, taken: set[str]) -> tuple[dict[str, Any], list[Any], list[str]]:
+    """``(styles, local counts, skipped)`` for the pairs :func:`_structural_pairs` finds among the linear layers not
+    in ``taken``, each checked by running its recorded call as each rank would (:func:`_check_split`)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles: dict[str, Any] = {}
+    counts: list[tuple[str, str, int]] = []
+    skipped: list[str] = []
+    if sum(isinstance(m, nn.Linear) for m in module.modules()) - len(taken) < 2:
+        return styles, counts, skipped
+    training = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        flow, found = _structural_pairs(module, taken)
+        for kind, fan_out, fan_in, chunks in found:
+            holder_name = fan_in.rpartition(".")[0]
+            where = holder_name or type(module).__name__
+            if chunks == 0:
+                out = int(cast(nn.Linear, module.get_submodule(fan_out[0])).out_features)
+                width = int(cast(nn.Linear, module.get_submodule(fan_in)).in_features)
+                skipped.append(f"{where} ({fan_out[0]} packs projections of unequal widths: {out} for {width})")
+                continue
+            reason = _indivisible(module, fan_out, fan_in, size, chunks=chunks)
+            options: list[list[tuple[str, str, int]]] = [[]]
+            if kind == "attention":
+                holder: Any = module.get_submodule(holder_name) if holder_name else module
+                config = getattr(holder, "config", None)
+                if isinstance(config, nn.Module):
+                    config = None
+                heads = [(holder_name, a, v) for a in _HEAD_COUNTS if (v := _count(getattr(holder, a, None)))]
+                heads += [  # litgpt's config, read by the forward
+                    (holder_name, f"config.{a}", v)
+                    for a in _CONFIG_HEAD_COUNTS
+                    if (v := _count(getattr(config, a, None)))
+                ]
+                w = [
+                    (holder_name, a, v)
+                    for a in (*_HEAD_WIDTHS, *_PACKED_WIDTHS)
+                    if (v := _count(getattr(holder, a, None)))
+                ]
+                options = [heads, heads + w] if w else [heads]
+                bad = [f"{a.removeprefix('config.')}={v}" for _, a, v in heads if v % size]
+                reason = reason or ", ".join(bad)
+            if reason:
+                skipped.append(f"{where} ({reason} not divisible by {size})")
+                continue
+            errors = [_check_split(module, flow, fan_out, fan_in, chunks, size, local) for local in options]
+            if all(errors):
+                skipped.append(f"{where} (its forward does not compute the split pair: {errors[0]})")
+                continue
+            counts += options[errors.index("")]
+            for name in fan_out:
+                styles[name] = packed_linear_style(chunks) if chunks > 1 else ColwiseParallel()
+            styles[fan_in] = RowwiseParallel()
+    finally:
+        for m, mode in training.items():
+            m.training = mode
+    return styles, counts, skipped
+
+
+def _count(value: Any) -> int:
+    """``value`` where it is a positive count, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

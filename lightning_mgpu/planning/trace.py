@@ -355,7 +355,7 @@ def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[tupl
     from lightning_mgpu.parts.tensor_parallel import MIN_SPLIT_SHARE, derive_plan, split_share
 
     try:
-        plan = derive_plan(module, tensor_size=1)
+        plan = derive_plan(module, tensor_size=1, structure=False)  # fake tensors: a forward proves no split
     except ValueError as err:  # a model's own plan that names what this module does not have: no split
         return [], [], f"its auto plan cannot be derived ({str(err).splitlines()[0]})"
     inside = {id(m) for block in blocks for m in block.modules()}
@@ -365,9 +365,9 @@ def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[tupl
     if not plan.styles or (total and done < MIN_SPLIT_SHARE * total):
         share = f"{done / total:.0%}" if total else "none"
         refused = (
-            f"the auto plan splits {share} of {type(module).__name__}'s linear layers' parameters, under the "
-            f"{MIN_SPLIT_SHARE:.0%} it needs, so tensor_parallel_size > 1 with it is refused (a "
-            f"tensor_parallel_plan of your own splits it)"
+            f"the auto plan's name rules split {share} of {type(module).__name__}'s linear layers' parameters, under "
+            f"the {MIN_SPLIT_SHARE:.0%} it needs (the pairs its structure gives are found at start-up, on real "
+            f"tensors, and not estimated here; a tensor_parallel_plan of your own splits it)"
         )
     return [(layer, kind) for layer, kind in split if id(layer) in inside], plan.split_parameters(module), refused
 

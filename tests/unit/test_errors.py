@@ -38,7 +38,7 @@ from lightning_mgpu import (
     warmup_schedule,
 )
 from tests.helpers import WORLD
-from tests.models import BlockRegressor, ManualRegressor, RankData, Regressor, make_data
+from tests.models import BlockRegressor, ManualRegressor, NormedRegressor, RankData, Regressor, make_data
 
 
 class Unsplittable(Regressor):
@@ -780,13 +780,13 @@ CASES = [
         ["tensor_parallel_size=2 with adapters", "'net.0'", "strategy='mgpu_zero3'"],
         id="tensor-parallel-adapters",
     ),
-    pytest.param(  # a plain MLP: the auto plan splits none of it; refused before any process starts
-        lambda: fit(Regressor(), MGPUShardedStrategy(tensor_parallel_size=2, start_method="fork")),
+    pytest.param(  # an MLP with a norm between its layers: the auto plan splits none of it; refused before launch
+        lambda: fit(NormedRegressor(), MGPUShardedStrategy(tensor_parallel_size=2, start_method="fork")),
         ValueError,
         [
-            "tensor_parallel_plan='auto': the auto plan splits 0 layers of Regressor",
+            "tensor_parallel_plan='auto': the auto plan splits 0 layers of NormedRegressor",
             "net.0 (Linear 6 -> 16)",
-            "tensor_parallel_plan={'net.0': 'colwise', 'net.2': 'rowwise'}",
+            "tensor_parallel_plan={'net.0': 'colwise', 'net.3': 'rowwise'}",
             "tensor_parallel_plan={}",
         ],
         id="tensor-parallel-auto-plan-splitting-nothing",

@@ -35,6 +35,7 @@ from tests.tensor_parallel_models import (
     SEQ,
     VOCAB,
     Block,
+    FamiliesModule,
     HFModule,
     ListTPModule,
     Llama3,
@@ -481,6 +482,36 @@ def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: 
         assert records[0]["local"][f"{attn}.c_proj.weight"] == (8, 16)
 
 
+#: family -> (a split weight, its shape on each of the 4 ranks: split over the tensor dimension, then over the data one;
+#: a packed query | key | value weight by rows over the tensor dimension, by columns over the data one)
+FAMILY_SHARDS = {
+    "litgpt": ("transformer.h.0.attn.qkv.weight", (24, 8)),  # of (48, 16): 2 of 4 heads' q, k, v; half the columns
+    "litgpt_gqa": ("transformer.h.0.mlp.fc_1.weight", (8, 16)),  # of (32, 16)
+    "nanogpt": ("transformer.h.0.mlp.c_fc.weight", (16, 16)),  # of (64, 16)
+    "vit": ("blocks.0.attn.qkv.weight", (24, 8)),  # of (48, 16)
+    "mlp": ("0.weight", (8, SEQ * VOCAB)),  # of (32, 96)
+}
+
+
+@pytest.mark.timeout(300)
+def test_the_families_found_by_their_structure_equal_one_process_each(tmp_path: Path):
+    # litgpt (multi-head and grouped-query), nanoGPT, timm's ViT and a plain MLP side by side in one module, at tensor 2
+    # x data 2: the auto plan finds their pairs by one forward (no name rule matches litgpt's, nanoGPT's attention or
+    # the MLP's), and each family's weights are one process's with the global batch
+    strategy = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, start_method="fork")  # type: ignore[arg-type]
+    records = _fit(tmp_path, WORLD, strategy, epochs=1, module=FamiliesModule(), limit_train_batches=3)
+    expected, _ = reference(FamiliesModule(), token_data(), data_ranks=[2], limit=3)
+    wrong, _ = reference(FamiliesModule(), token_data(), data_ranks=[4], limit=3)  # other batches on each rank
+    assert all(r["split"] for r in records)
+    for family, (weight, shape) in FAMILY_SHARDS.items():
+        mine = {k: v for k, v in expected.items() if k.startswith(f"model.{family}.")}
+        for record in records:
+            for name, value in mine.items():
+                torch.testing.assert_close(record["state"][name], value, msg=f"{family}: {name}")
+        assert _differs([{"state": {k: records[0]["state"][k] for k in mine}}], {k: wrong[k] for k in mine}), family
+        assert all(r["local"][f"model.{family}.{weight}"] == shape for r in records), family
+
+
 def test_a_tensor_parallel_gpt2_saves_its_packed_attention_whole_and_resumes_from_either_layout(tmp_path: Path):
     # the split c_attn keeps the unsplit layout in checkpoints: consolidated (gathered on rank 0), sharded (DCP,
     # read back by the export, which knows nothing of the split), and both resume into the split model at another
@@ -632,11 +663,17 @@ def test_lightnings_example_module_trains_as_under_model_parallel_strategy():
     assert ours[0] == ours[1] and ours[2] == ours[3] and ours[0] != ours[2]
 
 
+def _normed_mlp() -> torch.nn.Sequential:
+    """An MLP with a norm between its layers (no weights of its own): no pair the auto plan may split."""
+    norm = torch.nn.LayerNorm(8, elementwise_affine=False)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), norm, torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
 class BuiltMLP(pl.LightningModule):
-    """A plain MLP built in ``configure_model`` (on each rank, after launch): the auto plan splits none of it."""
+    """An MLP built in ``configure_model`` (on each rank, after launch): the auto plan splits none of it."""
 
     def configure_model(self) -> None:
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        self.net = _normed_mlp()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.net(batch[0]).pow(2).mean()
@@ -671,7 +708,7 @@ def test_the_lightning_namespace_trains_a_tensor_parallel_model():
     class MLP(L.LightningModule):  # layers built in __init__ that the auto plan cannot split: refused before launch
         def __init__(self) -> None:
             super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+            self.net = _normed_mlp()
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return self.net(batch[0]).pow(2).mean()

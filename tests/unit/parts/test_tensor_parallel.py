@@ -15,11 +15,22 @@ from lightning_mgpu.parts.tensor_parallel import (
     derive_plan,
     guard_sequence_length,
     is_tensor_parallel,
+    local_head_counts,
     matches,
     plan_from_patterns,
     split_share,
 )
-from tests.tensor_parallel_models import Block, TinyLlama
+from tests.tensor_parallel_models import (
+    Block,
+    LitConfig,
+    LitGPT,
+    NanoConfig,
+    NanoGPT,
+    TimmViT,
+    TinyLlama,
+    litgpt_model,
+    plain_mlp,
+)
 
 
 def _kinds(plan) -> dict[str, str]:
@@ -50,6 +61,120 @@ def test_a_block_whose_heads_do_not_divide_stays_replicated_and_says_why():
 
 def _transformers():
     return pytest.importorskip("transformers")
+
+
+def test_a_plain_mlp_is_split_by_its_structure_and_the_start_up_line_says_the_share():
+    mlp = plain_mlp()  # nn.Sequential(Linear, ReLU, Linear, ReLU, Linear): no name the rules know
+    plan = derive_plan(mlp, tensor_size=2)
+    assert plan.kinds() == {"0": "colwise", "2": "rowwise"}  # the last Linear is the output: whole
+    split = 32 * 96 + 32 + 32 * 32  # the first layer's weight and bias, the second's weight (its bias is added whole)
+    assert split_share(mlp, plan) == (split, sum(p.numel() for p in mlp.parameters()))  # no embedding: no head aside
+    assert "split 2 layers, 88% of the linear layers' parameters" in plan.summary(2, mlp)
+
+
+def test_litgpts_packed_qkv_and_gated_mlp_are_split_and_each_attention_gets_a_config_of_local_head_counts():
+    gpt = LitGPT(LitConfig(n_query_groups=4))
+    plan = derive_plan(gpt, tensor_size=2)
+    for i in range(2):
+        block = f"transformer.h.{i}"
+        assert repr(plan.styles[f"{block}.attn.qkv"]) == "PackedLinearColwiseParallel(chunks=3)"
+        assert plan.kinds()[f"{block}.attn.proj"] == "rowwise"
+        assert [plan.kinds()[f"{block}.mlp.{n}"] for n in ("fc_1", "fc_2", "proj")] == ["colwise", "colwise", "rowwise"]
+        assert (f"{block}.attn", "config.n_head", 4) in plan.heads
+        assert (f"{block}.attn", "config.n_query_groups", 4) in plan.heads
+    assert "10 layers, 93% of the linear layers' parameters" in plan.summary(2, gpt)
+    # applied: each attention reads a copy with the local counts; the model's and the blocks' config stay global
+    shared = gpt.config
+    local_head_counts(gpt, plan, size=2)
+    attn = gpt.transformer.h[0].attn
+    assert attn.config is not shared and (attn.config.n_head, attn.config.n_query_groups) == (2, 2)
+    assert gpt.transformer.h[1].attn.config is not attn.config
+    assert (shared.n_head, gpt.transformer.h[0].config.n_head, gpt.transformer.h[0].mlp.config.n_head) == (4, 4, 4)
+
+
+def test_grouped_query_litgpt_keeps_its_attention_whole_and_says_why_and_nanogpt_its_attention():
+    # litgpt packs q (4 heads) | k (2) | v (2): no equal chunks a rank could take its piece of; the check that runs the
+    # attention as each rank would finds the shares do not add up. nanoGPT's forward reads the width from its input
+    # (view(B, T, C)): it cannot run with half the heads. Both keep their MLP split
+    plan = derive_plan(LitGPT(LitConfig(n_query_groups=2)), tensor_size=2)
+    assert set(plan.kinds()) == {f"transformer.h.{i}.mlp.{n}" for i in range(2) for n in ("fc_1", "fc_2", "proj")}
+    assert "transformer.h.0.attn (its forward does not compute the split pair: the ranks' shares do not add up" in (
+        plan.summary(2)
+    )
+    nano = NanoGPT(NanoConfig())
+    plan = derive_plan(nano, tensor_size=2)
+    assert plan.kinds() == {
+        f"transformer.h.{i}.mlp.{n}": k for i in range(2) for n, k in [("c_fc", "colwise"), ("c_proj", "rowwise")]
+    }
+    assert "transformer.h.1.attn (its forward does not compute the split pair: ValueError" in plan.summary(2)
+    assert "4 layers, 66% of the linear layers' parameters" in plan.summary(2, nano)
+
+
+def test_timms_vit_attention_is_split_with_its_local_heads_and_width():
+    vit = TimmViT()
+    plan = derive_plan(vit, tensor_size=2)
+    assert repr(plan.styles["blocks.0.attn.qkv"]) == "PackedLinearColwiseParallel(chunks=3)"
+    assert plan.kinds()["blocks.1.attn.proj"] == "rowwise" and plan.kinds()["blocks.1.mlp.fc1"] == "colwise"
+    assert sorted(h for h in plan.heads if h[0] == "blocks.0.attn") == [
+        ("blocks.0.attn", "attn_dim", 16), ("blocks.0.attn", "num_heads", 4)
+    ]  # fmt: skip
+    assert "8 layers, 94% of the linear layers' parameters" in plan.summary(2, vit)
+
+
+def test_a_norm_or_a_second_consumer_between_two_linear_layers_keeps_them_whole():
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.norm, self.down = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down(self.norm(self.up(x)))
+
+    class Leaky(nn.Module):  # the hidden units also leave the module: a rank holds only its share of them
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            h = torch.relu(self.up(x))
+            return self.down(h), h.sum(-1)
+
+    class Residual(nn.Module):  # the whole input added to the hidden units
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.down(self.up(x) + x)
+
+    class Plain(Leaky):
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    assert derive_plan(Plain(), tensor_size=2).kinds() == {"up": "colwise", "down": "rowwise"}
+    for model in (Normed(), Leaky(), Residual()):
+        assert derive_plan(model, tensor_size=2).styles == {}, type(model).__name__
+
+
+def test_finding_the_structure_leaves_the_random_state_the_training_mode_and_the_weights_as_they_were():
+    torch.manual_seed(5)
+    model = TimmViT().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.get_rng_state()
+    assert "blocks.0.attn.qkv" in derive_plan(model, tensor_size=2).styles  # one forward ran
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(m.training for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_litgpt_copy_computes_as_litgpt_itself():
+    pytest.importorskip("litgpt")
+    torch.manual_seed(0)
+    real = litgpt_model(2)
+    copy = LitGPT(LitConfig(n_query_groups=2))
+    copy.load_state_dict(real.state_dict())
+    tokens = torch.randint(16, (2, 6))
+    torch.testing.assert_close(copy(tokens), real(tokens))
 
 
 def test_a_hugging_face_llama_gets_its_own_base_model_tp_plan():
@@ -295,9 +420,18 @@ def test_layers_wrapped_by_peft_lora_are_refused_before_any_collective():
 
 
 class _MLP(nn.Module):
+    """An MLP with a norm (no weights of its own) after each hidden layer: the norm mixes the hidden units, so the
+    structure gives no pair, and no name rule knows the layers."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        norms = [nn.LayerNorm(64, elementwise_affine=False) for _ in range(2)]
+        self.net = nn.Sequential(
+            nn.Linear(32, 64), norms[0], nn.ReLU(), nn.Linear(64, 64), norms[1], nn.ReLU(), nn.Linear(64, 4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
 
 def _pasted_plan(message: str) -> dict[str, str]:
@@ -306,9 +440,10 @@ def _pasted_plan(message: str) -> dict[str, str]:
 
 
 def test_a_model_the_auto_plan_splits_none_of_is_refused_naming_each_layer_and_a_plan_to_paste():
-    """A plain MLP: the auto plan recognises none of its layers, so every rank of the tensor group would compute the
-    whole model. The error names each linear layer and why it stays whole, and prints a plan that resolves against
-    the model and splits most of it; that plan, or the explicit empty plan, is taken."""
+    """An MLP whose hidden layers are normalised: the auto plan pairs none of its layers (neither by name nor by its
+    structure), so every rank of the tensor group would compute the whole model. The error names each linear layer and
+    why it stays whole, and prints a plan that resolves against the model and splits most of it (a guess: the user
+    checks the norm); that plan, or the explicit empty plan, is taken."""
     model = _MLP()
     with pytest.raises(ValueError) as refused:
         TensorParallelism(size=2).plan_for(model)
@@ -316,13 +451,14 @@ def test_a_model_the_auto_plan_splits_none_of_is_refused_naming_each_layer_and_a
     assert (
         "tensor_parallel_size=2 with tensor_parallel_plan='auto': the auto plan splits 0 layers of _MLP, 0%" in message
     )
-    for layer in ("net.0 (Linear 32 -> 64)", "net.2 (Linear 64 -> 64)", "net.4 (Linear 64 -> 4)"):
-        assert f"  - {layer}: its name '{layer[4]}' is not one the plan pairs" in message
+    for layer in ("net.0 (Linear 32 -> 64)", "net.3 (Linear 64 -> 64)", "net.6 (Linear 64 -> 4)"):
+        assert f"  - {layer}: neither a name rule (wq/wo, " in message
+    assert "nor the model's structure pairs it" in message
     assert "pass the explicit empty plan tensor_parallel_plan={}" in message
     pasted = _pasted_plan(message)
-    assert pasted == {"net.0": "colwise", "net.2": "rowwise"}
+    assert pasted == {"net.0": "colwise", "net.3": "rowwise"}
     plan = plan_from_patterns(model, pasted, "your plan")
-    assert plan.kinds() == {"net.0": "colwise", "net.2": "rowwise"}
+    assert plan.kinds() == {"net.0": "colwise", "net.3": "rowwise"}
     split, total = split_share(model, plan)
     assert split >= total / 2
     assert TensorParallelism(size=2, plan=pasted).plan_for(model).share == split / total
