@@ -7,6 +7,10 @@ TORCH ?= torch==2.13.0
 # litdata's StreamingDataLoader is tested (mid-epoch resume); it is installed without its dependencies, as
 # pyproject.toml's `test` extra explains (its torchvision would break `import lightning` next to the CPU torch)
 LITDATA ?= litdata==0.2.76
+# litgpt's GPT is one of the model families tensor parallelism is tested on (tests/tensor_parallel_models.py); its
+# model code needs only torch, so it is installed without its dependencies too (its pinned huggingface_hub would
+# replace the one transformers needs)
+LITGPT ?= litgpt==0.5.13
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -32,7 +36,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
 	$(BIN)/python -m pip install -q -e ".[test]"
-	$(BIN)/python -m pip install -q --no-deps "$(LITDATA)"
+	$(BIN)/python -m pip install -q --no-deps "$(LITDATA)" "$(LITGPT)"
 	touch $(STAMP)
 
 setup: $(STAMP)
