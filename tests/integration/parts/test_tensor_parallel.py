@@ -669,11 +669,10 @@ def _normed_mlp() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), norm, torch.nn.ReLU(), torch.nn.Linear(8, 2))
 
 
-class BuiltMLP(pl.LightningModule):
-    """An MLP built in ``configure_model`` (on each rank, after launch): the auto plan splits none of it."""
+class _MLPSteps:
+    """The steps, data and optimizer of a module holding ``net`` (either namespace's ``LightningModule`` after it)."""
 
-    def configure_model(self) -> None:
-        self.net = _normed_mlp()
+    net: torch.nn.Module
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.net(batch[0]).pow(2).mean()
@@ -682,7 +681,14 @@ class BuiltMLP(pl.LightningModule):
         return DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+
+class BuiltMLP(_MLPSteps, pl.LightningModule):
+    """An MLP built in ``configure_model`` (on each rank, after launch): the auto plan splits none of it."""
+
+    def configure_model(self) -> None:
+        self.net = _normed_mlp()
 
 
 @pytest.mark.timeout(120)
@@ -705,19 +711,10 @@ def test_the_lightning_namespace_trains_a_tensor_parallel_model():
     from lightning_mgpu.lightning import MGPUShardedStrategy as Strategy
     from lightning_mgpu.lightning.examples import DigitsDataModule, DigitsTransformer
 
-    class MLP(L.LightningModule):  # layers built in __init__ that the auto plan cannot split: refused before launch
+    class MLP(_MLPSteps, L.LightningModule):  # built in __init__, the auto plan cannot split it: refused before launch
         def __init__(self) -> None:
             super().__init__()
             self.net = _normed_mlp()
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return self.net(batch[0]).pow(2).mean()
-
-        def train_dataloader(self) -> DataLoader:
-            return DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     refusing = L.Trainer(
         accelerator="cpu", devices=2, strategy=Strategy(stage=3, tensor_parallel_size=2, start_method="fork"),
