@@ -527,9 +527,9 @@ def split_share(module: nn.Module, plan: TensorParallelPlan) -> tuple[int, int]:
     """``(split, total)``: the parameters (elements) of the linear layers of ``module`` (:func:`measured_layers`), and
     of them those ``plan`` splits (:meth:`TensorParallelPlan.split_parameters`); a parameter two layers share, once.
 
-    >>> plan = derive_plan(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), tensor_size=2)
-    >>> split_share(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), plan)
-    (0, 76)
+    >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    >>> split_share(mlp, derive_plan(mlp, tensor_size=2))  # all but the row-wise layer's bias (added after the sum)
+    (72, 76)
     """
     names = set(plan.split_parameters(module))
     seen: set[int] = set()
