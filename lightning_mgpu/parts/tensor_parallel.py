@@ -154,6 +154,12 @@ class TensorParallelPlan:
                     split.append(f"{name}.{pname}")
         return split
 
+    def measure(self, module: nn.Module) -> tuple[int, int]:
+        """:func:`split_share` of ``module``, kept as :attr:`share` for the start-up line."""
+        split, total = split_share(module, self)
+        self.share = split / total if total else None
+        return split, total
+
     def summary(self, tensor_size: int, module: Optional[nn.Module] = None) -> str:
         """The one start-up line: what is split (with ``module``, which share of its parameters), how, and what
         stays replicated."""
@@ -616,14 +622,19 @@ def suggested_plan(module: nn.Module, plan: TensorParallelPlan, size: int) -> di
     return grouped
 
 
+def splits_too_little(plan: TensorParallelPlan, split: int, total: int) -> bool:
+    """Whether ``plan``, splitting ``split`` of the ``total`` numbers :func:`split_share` counts, splits nothing or
+    less than :data:`MIN_SPLIT_SHARE` of them (an auto plan so is refused)."""
+    return not plan.styles or bool(total and split < MIN_SPLIT_SHARE * total)
+
+
 def refuse_unsplit(module: nn.Module, plan: TensorParallelPlan, size: int, setting: str = "auto") -> None:
     """Measure the share ``plan`` (the auto plan) splits (:attr:`TensorParallelPlan.share`), and refuse a plan that
     splits nothing or less than :data:`MIN_SPLIT_SHARE` of the linear layers' parameters: every rank of the tensor
     group would compute (nearly) the whole model. The error names each layer left whole and why, a plan to paste,
     and the explicit empty plan ``{}`` that trains anyway."""
-    split, total = split_share(module, plan)
-    plan.share = split / total if total else None
-    if plan.styles and (not total or split >= MIN_SPLIT_SHARE * total):
+    split, total = plan.measure(module)
+    if not splits_too_little(plan, split, total):
         return
     whole = [n for n in measured_layers(module) if n not in plan.styles]
     found: dict[str, tuple[str, int]] = {}
@@ -1033,8 +1044,7 @@ class TensorParallelism:
             refuse_unsplit(module, plan, self.size, self.plan_setting)  # too little split: refused on every rank
             return plan
         plan = _checked(module, plan_from_patterns(module, self.plan_setting, "your plan"), self.size, [])
-        split, total = split_share(module, plan)
-        plan.share = split / total if total else None
+        plan.measure(module)
         return plan
 
     def check_before_launch(self, module: nn.Module) -> None:
@@ -1053,28 +1063,27 @@ class TensorParallelism:
         (one rank, or the model is tensor-parallel already)."""
         if self.size <= 1:
             return None
-        if not is_tensor_parallel(module):  # a model that configure_model built: on every rank, before any step
+        from torch.distributed.fsdp import FSDPModule
+
+        plan: Optional[TensorParallelPlan] = None
+        if not is_tensor_parallel(module):  # on every rank alike, so each refuses before the group's first collective
             refuse_adapters(module, self.size)
-            if self.plan_setting in ("auto", "auto+sequence"):
-                self.plan_for(module)  # the same on every rank: each refuses before the group's first collective
+            if any(isinstance(m, FSDPModule) for m in module.modules()):
+                raise ValueError(
+                    f"tensor_parallel_size={self.size}, but {type(module).__name__}'s configure_model applied FSDP "
+                    f"(fully_shard) without tensor parallelism, and a sharded model cannot be split any more. Apply "
+                    f"parallelize_module(..., self.device_mesh['tensor_parallel'], plan) before fully_shard in "
+                    f"configure_model, or leave the sharding to the strategy (remove fully_shard), or use "
+                    f"tensor_parallel_size=1."
+                )
+            plan = self.plan_for(module)  # derived once: an auto plan that splits too little is refused here
         comm.share_random_state(mesh.get_group())  # one dropout mask on the group's replicated activations
-        if is_tensor_parallel(module):
+        if plan is None:
             self._laid_out_before = module in _VOCAB_PARALLEL
             rank_zero_info(f"tensor parallelism over {self.size} ranks: applied by {type(module).__name__} itself")
             return None
-        from torch.distributed.fsdp import FSDPModule
-
-        if any(isinstance(m, FSDPModule) for m in module.modules()):
-            raise ValueError(
-                f"tensor_parallel_size={self.size}, but {type(module).__name__}'s configure_model applied FSDP "
-                f"(fully_shard) without tensor parallelism, and a sharded model cannot be split any more. Apply "
-                f"parallelize_module(..., self.device_mesh['tensor_parallel'], plan) before fully_shard in "
-                f"configure_model, or leave the sharding to the strategy (remove fully_shard), or use "
-                f"tensor_parallel_size=1."
-            )
         from torch.distributed.tensor.parallel import parallelize_module
 
-        plan = self.plan_for(module)
         line = plan.summary(self.size, module)
         local_head_counts(module, plan, self.size)
         if plan.styles:

@@ -352,7 +352,7 @@ def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[tupl
     communication), the names of the parameters the plan shards (within the blocks or not), and why the plan would
     be refused (``""`` where it splits enough: :data:`~lightning_mgpu.parts.tensor_parallel.MIN_SPLIT_SHARE` of the
     linear layers' parameters)."""
-    from lightning_mgpu.parts.tensor_parallel import MIN_SPLIT_SHARE, derive_plan, split_share
+    from lightning_mgpu.parts.tensor_parallel import MIN_SPLIT_SHARE, derive_plan, split_share, splits_too_little
 
     try:
         plan = derive_plan(module, tensor_size=1, structure=False)  # fake tensors: a forward proves no split
@@ -362,7 +362,7 @@ def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[tupl
     split = [(module.get_submodule(name), kind) for name, kind in plan.kinds().items()]
     done, total = split_share(module, plan)
     refused = ""
-    if not plan.styles or (total and done < MIN_SPLIT_SHARE * total):
+    if splits_too_little(plan, done, total):
         share = f"{done / total:.0%}" if total else "none"
         refused = (
             f"the auto plan's name rules split {share} of {type(module).__name__}'s linear layers' parameters, under "
