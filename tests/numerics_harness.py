@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import datetime
+import multiprocessing.connection
 import os
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,11 +185,26 @@ def _worker(
             try:
                 job(Path(out) / f"{i}_rank{rank}.pt")
             except BaseException:
-                with open(Path(out) / f"{i}_rank{rank}.err", "w") as f:
-                    f.write(f"job {i}:\n{traceback.format_exc()}")
+                # written whole, then renamed: a rank terminated while it writes leaves no empty record
+                part = Path(out) / f"{i}_rank{rank}.err.part"
+                part.write_text(f"job {i}, rank {rank}:\n{traceback.format_exc()}")
+                os.replace(part, part.with_suffix(""))
                 raise
     finally:
         dist.destroy_process_group()
+
+
+def _let_the_others_fail(processes: list[Any], grace: float) -> None:
+    """Wait for every rank; once one has failed, give the others ``grace`` seconds to end on their own (a rank
+    waiting in a collective ends at the group's timeout) before torch's join terminates them, so that every
+    rank's traceback is recorded, not only the first one's."""
+    while any(p.is_alive() for p in processes):
+        multiprocessing.connection.wait([p.sentinel for p in processes if p.is_alive()])
+        if any(p.exitcode not in (None, 0) for p in processes):
+            deadline = time.monotonic() + grace
+            for p in processes:
+                p.join(max(0.0, deadline - time.monotonic()))
+            return
 
 
 def run_jobs(
@@ -199,10 +216,14 @@ def run_jobs(
     with tempfile.TemporaryDirectory() as out:
         try:
             port = find_free_network_port()
-            mp.start_processes(_worker, nprocs=WORLD, start_method="fork", args=(jobs, port, out, timeout))
+            context = mp.start_processes(
+                _worker, nprocs=WORLD, start_method="fork", args=(jobs, port, out, timeout), join=False
+            )
+            _let_the_others_fail(context.processes, grace=5.0 if timeout is None else timeout + 5.0)
+            while not context.join():
+                pass
         except Exception as err:
-            errors = sorted(Path(out).glob("*.err"))
-            text = errors[0].read_text() if errors else ""
+            text = "\n".join(e.read_text() for e in sorted(Path(out).glob("*.err")))
             raise AssertionError(f"a job failed in the shared launch:\n{text}") from err
         records = []
         for i in range(len(jobs)):
