@@ -17,7 +17,9 @@ STAMP := $(VENV)/.installed
 
 # The compatibility tiers (`make test-compat`): the `-m compat` subset (parity of every preset at k=1, 2, manual
 # accumulation, sharded resume at another world size, CLI round trip; each also from the `lightning` copy of
-# the tests) in a venv of its own per tier. Oldest declared Lightning, both distributions, on the CPU wheel (skipped,
+# the tests) in a venv of its own per tier; the two torch tiers split the namespaces between them (`--compat-namespace`,
+# tests/conftest.py: the newest torch runs the `pytorch_lightning` originals, the oldest the `lightning` copies, what
+# has no copy runs in both), so each torch meets one namespace and each namespace a torch besides the suite's. Oldest declared Lightning, both distributions, on the CPU wheel (skipped,
 # saying so, while the suite's own environment already has exactly that release: the newest is the oldest today);
 # the newest declared Lightning on the newest declared torch (.ci/requirements-newest.txt: its CUDA wheel, which
 # installs and runs without a GPU, about 5 GB downloaded) and the newest declared Python (pyenv's 3.13, else

@@ -106,3 +106,40 @@ def _nothing_left_behind():
     found = leftovers(threads_before, children_before)
     if found:
         pytest.fail("the test left behind: " + "; ".join(found), pytrace=False)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--compat-namespace",
+        choices=("pytorch_lightning", "lightning"),
+        default=None,
+        help="run each test of the compatibility subset in this namespace only: the original where that is "
+        "pytorch_lightning, its copy from tests.lightning_ns (tests/integration/test_namespaces.py) where that is "
+        "lightning; a test without a copy runs either way (the compatibility tiers: each meets one namespace)",
+    )
+
+
+def _copy_name(item: pytest.Item) -> str:
+    """The name the `lightning` copy of ``item`` has in tests/integration/test_namespaces.py."""
+    where = ".".join(item.path.relative_to(os.path.dirname(__file__)).with_suffix("").parts)
+    where = where.replace(".test_", "_").replace(".", "_")
+    return f"test_lightning__{where}__{item.originalname.removeprefix('test_')}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    namespace = config.getoption("--compat-namespace")
+    if namespace is None:
+        return
+    names = {id(i): getattr(i, "originalname", "") for i in items}
+    copies = {n for n in names.values() if n.startswith("test_lightning__")}
+    if namespace == "pytorch_lightning":
+        drop = [i for i in items if names[id(i)] in copies]
+    else:
+        drop = [i for i in items if isinstance(i, pytest.Function) and _copy_name(i) in copies]
+        copied = sum(n in copies for n in names.values())
+        if len(drop) != copied:  # the copies' naming (test_namespaces.py) and _copy_name disagree
+            raise pytest.UsageError(f"--compat-namespace: {copied} lightning copies, but {len(drop)} originals found")
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        kept = set(map(id, items)) - set(map(id, drop))
+        items[:] = [i for i in items if id(i) in kept]
