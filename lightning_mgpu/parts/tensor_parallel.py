@@ -31,7 +31,9 @@ again over the data dimension.
   parameters, reduces, adds a residual or leaves the module is split once running its module as each rank would adds
   up to the whole output. One fan-out layer ``k`` times as wide as the fan-in layer's input packs ``k`` projections
   (litgpt's, nanoGPT's and timm's ``qkv``): :func:`packed_linear_style`. The head counts made local are the
-  attention module's attributes and those of the ``config`` its forward reads (litgpt), on a copy of it.
+  attention module's attributes and those of the ``config`` its forward reads (litgpt), on a copy of it. An attention
+  laid out as nanoGPT's, whose forward reads its width from its input, is checked and split with nanoGPT's
+  computation on local widths as its forward (:func:`_nanogpt_attention_forward`, installed when the plan is applied).
 
 Anything not matched (embeddings, norms, the output head, the packed query/key/value projection of
 ``nn.MultiheadAttention``) stays replicated and is listed in one line at start-up, with the share of the linear
@@ -66,6 +68,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import math
 import re
 import types
 import weakref
@@ -77,6 +80,7 @@ from typing import Any, Optional, cast
 import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.nn import functional as F
 
 from lightning_mgpu import comm
 from lightning_mgpu.comm import CollectiveCounter, CommStats
@@ -132,6 +136,10 @@ class TensorParallelPlan:
     share: Optional[float] = None
     """The share of the linear layers' parameters this plan splits (:func:`split_share`), for the start-up line;
     None where it was not measured."""
+    forwards: dict[str, Any] = field(default_factory=dict)
+    """Module name -> the function installed as its forward (``types.MethodType``) when the plan is applied: the
+    local forward of an attention whose own reads its width from its input (nanoGPT's,
+    :func:`_nanogpt_attention_forward`), checked like any split (:func:`_check_split`)."""
 
     def kinds(self) -> dict[str, str]:
         """Module name -> how it is split: ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` (or a style's
@@ -695,6 +703,7 @@ def _derive_blocks(module: nn.Module, tensor_size: int, structure: bool = True) 
     heads: list[tuple[str, str, int]] = []
     skipped: list[str] = []
     recognised: set[str] = set()  # by their names, split or not: the structure is not asked about them again
+    forwards: dict[str, Any] = {}
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     for name, block in module.named_modules():
@@ -721,12 +730,12 @@ def _derive_blocks(module: nn.Module, tensor_size: int, structure: bool = True) 
             styles[full[-1]] = conv1d_style("rowwise") if conv else RowwiseParallel()
             heads += [(f"{name}.{owner}".strip(".") if owner else name, a, v) for owner, a, v in counts]
     if structure:  # the linear layers no name rule matched
-        found, local, not_split = _structural_plan(module, tensor_size, taken=recognised)
+        found, local, forwards, not_split = _structural_plan(module, tensor_size, taken=recognised)
         styles.update(found)
         heads += local
         skipped += not_split
     plan = TensorParallelPlan(styles, "auto plan", heads=heads, replicated=_replicated(module, styles))
-    plan.skipped = skipped
+    plan.skipped, plan.forwards = skipped, forwards
     return plan
 
 
@@ -900,6 +909,7 @@ def _with_sequence(module: nn.Module, plan: TensorParallelPlan, size: int) -> Te
     styles[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     source = "auto plan with sequence parallelism"
     done = TensorParallelPlan(styles, source, heads=plan.heads, replicated=_replicated(module, styles))
+    done.forwards = plan.forwards
     done.vocab_parallel, done.sequence_entry, done.tied = True, embedding, tied
     return done
 
@@ -968,7 +978,11 @@ def _checked(module: nn.Module, plan: TensorParallelPlan, size: int, attention_r
 def local_head_counts(module: nn.Module, plan: TensorParallelPlan, size: int) -> None:
     """Set the head counts of ``plan.heads`` to their local values (divided by ``size``); a count kept on a module's
     ``config`` (``config.<name>``) is set on a copy of that config the module then holds, so the other modules
-    reading the shared config (the model, the blocks, the MLPs) keep the global values."""
+    reading the shared config (the model, the blocks, the MLPs) keep the global values. The forwards of
+    ``plan.forwards``, which compute with those local counts, are installed on their modules."""
+    for name, forward in plan.forwards.items():
+        runs = module.get_submodule(name) if name else module
+        runs.forward = types.MethodType(forward, runs)
     copied: set[int] = set()
     for owner, attribute, count in plan.heads:
         holder: Any = module.get_submodule(owner) if owner else module
@@ -1367,11 +1381,14 @@ def _as_rank(
     size: int,
     rank: int,
     local: list[tuple[str, str, int]],
+    forwards: Optional[Mapping[str, Any]] = None,
 ) -> Generator[None, None, None]:
     """``module`` as rank ``rank`` of ``size`` computes it once the pair is split: the fan-out layers hold their
-    rows, the fan-in layer its columns (the bias on rank 0 only: the sum adds it once), and ``local``'s
-    ``(holder, attribute, global count)`` the local count (``config.<name>``: on a copy of the holder's config)."""
+    rows, the fan-in layer its columns (the bias on rank 0 only: the sum adds it once), ``local``'s
+    ``(holder, attribute, global count)`` the local count (``config.<name>``: on a copy of the holder's config), and
+    each module of ``forwards`` runs that function as its forward."""
     saved: list[tuple[nn.Module, str, Any]] = []
+    installed: list[nn.Module] = []
 
     def swap(owner: Any, name: str, value: Any) -> None:
         saved.append((owner, name, getattr(owner, name)))
@@ -1400,17 +1417,32 @@ def _as_rank(
                     copies[id(holder)] = holder.config
                 holder, attribute = holder.config, attribute.removeprefix("config.")
             swap(holder, attribute, count // size)
+        for owner_name, forward in (forwards or {}).items():
+            owner = module.get_submodule(owner_name) if owner_name else module
+            if "forward" not in vars(owner):  # a forward of the instance's own (another split's) is left alone
+                installed.append(owner)
+                owner.forward = types.MethodType(forward, owner)
         yield
     finally:
+        for owner in installed:
+            del owner.forward
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
 
 
 def _check_split(
-    module: nn.Module, flow: _Flow, fan_out: list[str], fan_in: str, chunks: int, size: int, local: list[Any]
+    module: nn.Module,
+    flow: _Flow,
+    fan_out: list[str],
+    fan_in: str,
+    chunks: int,
+    size: int,
+    local: list[Any],
+    forwards: Optional[Mapping[str, Any]] = None,
 ) -> str:
-    """Run the recorded call of the innermost module holding the pair once whole and once as each rank computes it
-    split: "" where the ranks' outputs of the fan-in layer sum to the whole one, else what went wrong."""
+    """Run the recorded call of the innermost module holding the pair once whole (its own forward) and once as each
+    rank computes it split (with ``forwards`` installed: :func:`_as_rank`): "" where the ranks' outputs of the fan-in
+    layer sum to the whole one, else what went wrong."""
     runner = _runner(flow, [*fan_out, fan_in])
     if runner is None:
         return "no recorded call holds it"
@@ -1428,7 +1460,7 @@ def _check_split(
             whole, parts = outputs[0], []
             for rank in range(size):
                 outputs.clear()
-                with _as_rank(module, fan_out, fan_in, chunks, size, rank, local):
+                with _as_rank(module, fan_out, fan_in, chunks, size, rank, local, forwards):
                     holder(*args, **kwargs)
                 parts.append(outputs[0])
             summed = torch.stack(parts).sum(0)
@@ -1439,21 +1471,27 @@ def _check_split(
     finally:
         handle.remove()
     if not equal:
-        packed = f" ({fan_out[0]} does not pack {chunks} projections of equal width side by side)" if chunks > 1 else ""
-        return f"the ranks' shares do not add up to the whole output{packed}"
+        why = f" ({fan_out[0]} does not pack {chunks} projections of equal width side by side)" if chunks > 1 else ""
+        why = " (its own forward computes something else)" if forwards else why
+        return f"the ranks' shares do not add up to the whole output{why}"
     return ""
 
 
-def _structural_plan(module: nn.Module, size: int, taken: set[str]) -> tuple[dict[str, Any], list[Any], list[str]]:
-    """``(styles, local counts, skipped)`` for the pairs :func:`_structural_pairs` finds among the linear layers not
-    in ``taken``, each checked by running its recorded call as each rank would (:func:`_check_split`)."""
+def _structural_plan(
+    module: nn.Module, size: int, taken: set[str]
+) -> tuple[dict[str, Any], list[Any], dict[str, Any], list[str]]:
+    """``(styles, local counts, local forwards, skipped)`` for the pairs :func:`_structural_pairs` finds among the
+    linear layers not in ``taken``, each checked by running its recorded call as each rank would
+    (:func:`_check_split`): with its head counts (and widths) local, and where that does not add up and the module is
+    laid out as nanoGPT's attention, with :func:`_nanogpt_attention_forward` as its forward."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles: dict[str, Any] = {}
     counts: list[tuple[str, str, int]] = []
+    forwards: dict[str, Any] = {}
     skipped: list[str] = []
     if sum(isinstance(m, nn.Linear) for m in module.modules()) - len(taken) < 2:
-        return styles, counts, skipped
+        return styles, counts, forwards, skipped
     training = {m: m.training for m in module.modules()}
     module.eval()
     try:
@@ -1467,7 +1505,7 @@ def _structural_plan(module: nn.Module, size: int, taken: set[str]) -> tuple[dic
                 skipped.append(f"{where} ({fan_out[0]} packs projections of unequal widths: {out} for {width})")
                 continue
             reason = _indivisible(module, fan_out, fan_in, size, chunks=chunks)
-            options: list[list[tuple[str, str, int]]] = [[]]
+            options: list[tuple[list[tuple[str, str, int]], dict[str, Any]]] = [([], {})]
             if kind == "attention":
                 holder: Any = module.get_submodule(holder_name) if holder_name else module
                 config = getattr(holder, "config", None)
@@ -1484,24 +1522,77 @@ def _structural_plan(module: nn.Module, size: int, taken: set[str]) -> tuple[dic
                     for a in (*_HEAD_WIDTHS, *_PACKED_WIDTHS)
                     if (v := _count(getattr(holder, a, None)))
                 ]
-                options = [heads, heads + w] if w else [heads]
+                options = [(heads, {}), (heads + w, {})] if w else [(heads, {})]
+                if _is_nanogpt_attention(holder, holder_name, fan_out, fan_in, chunks):
+                    nano = [(holder_name, "n_head", holder.n_head), (holder_name, "n_embd", holder.n_embd)]
+                    options.append((nano, {holder_name: _nanogpt_attention_forward}))
                 bad = [f"{a.removeprefix('config.')}={v}" for _, a, v in heads if v % size]
                 reason = reason or ", ".join(bad)
             if reason:
                 skipped.append(f"{where} ({reason} not divisible by {size})")
                 continue
-            errors = [_check_split(module, flow, fan_out, fan_in, chunks, size, local) for local in options]
+            errors = [_check_split(module, flow, fan_out, fan_in, chunks, size, *option) for option in options]
             if all(errors):
-                skipped.append(f"{where} (its forward does not compute the split pair: {errors[0]})")
+                tried = [e for (_, f), e in zip(options, errors) if f]
+                also = f"; nor does nanoGPT's attention with its local heads: {tried[0]}" if tried else ""
+                skipped.append(f"{where} (its forward does not compute the split pair: {errors[0]}{also})")
                 continue
-            counts += options[errors.index("")]
+            local, forward = options[errors.index("")]
+            counts += local
+            forwards.update(forward)
             for name in fan_out:
                 styles[name] = packed_linear_style(chunks) if chunks > 1 else ColwiseParallel()
             styles[fan_in] = RowwiseParallel()
     finally:
         for m, mode in training.items():
             m.training = mode
-    return styles, counts, skipped
+    return styles, counts, forwards, skipped
+
+
+def _is_nanogpt_attention(holder: nn.Module, holder_name: str, fan_out: list[str], fan_in: str, chunks: int) -> bool:
+    """``holder`` is laid out as nanoGPT's ``CausalSelfAttention``: the pair is its ``c_attn`` (an ``nn.Linear``
+    packing query | key | value, each ``n_embd`` wide) and ``c_proj`` (``n_embd`` in), and it keeps ``n_head``,
+    ``n_embd``, ``dropout``, ``attn_dropout`` and ``resid_dropout``. Whether its forward computes what
+    :func:`_nanogpt_attention_forward` does is not assumed: :func:`_check_split` runs both."""
+    prefix = f"{holder_name}." if holder_name else ""
+    attn, proj = getattr(holder, "c_attn", None), getattr(holder, "c_proj", None)
+    width, heads = _count(getattr(holder, "n_embd", None)), _count(getattr(holder, "n_head", None))
+    if not (isinstance(attn, nn.Linear) and isinstance(proj, nn.Linear) and width and heads and chunks == 3):
+        return False
+    dropouts = all(isinstance(getattr(holder, n, None), nn.Dropout) for n in ("attn_dropout", "resid_dropout"))
+    return (
+        fan_out == [f"{prefix}c_attn"]
+        and fan_in == f"{prefix}c_proj"
+        and attn.out_features == 3 * width == 3 * proj.in_features
+        and width % heads == 0
+        and dropouts
+        and isinstance(getattr(holder, "dropout", None), (int, float))
+    )
+
+
+def _nanogpt_attention_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """nanoGPT's ``CausalSelfAttention.forward`` on a rank's share: ``n_head`` and ``n_embd`` are the local counts,
+    and the width of the heads' output is ``n_embd``, not the input's (nanoGPT's ``view(B, T, C)``). The flash path
+    (``scaled_dot_product_attention(is_causal=True)``), or where the module says ``flash`` is False (or keeps no
+    ``flash`` but a ``bias`` buffer, the causal mask), the masked one with ``attn_dropout``; ``resid_dropout`` after
+    ``c_proj``."""
+    B, T, _ = x.size()
+    q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+    size = self.n_embd // self.n_head
+    q, k, v = (t.view(B, T, self.n_head, size).transpose(1, 2) for t in (q, k, v))
+    flash = getattr(self, "flash", None)
+    if flash is None:
+        flash = "bias" not in dict(self.named_buffers(recurse=False))
+    if flash:
+        dropout = self.dropout if self.training else 0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=dropout, is_causal=True)
+    else:
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        y = att @ v
+    y = y.transpose(1, 2).contiguous().view(B, T, self.n_embd)
+    return self.resid_dropout(self.c_proj(y))
 
 
 def _count(value: Any) -> int:

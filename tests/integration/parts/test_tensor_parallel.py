@@ -488,7 +488,7 @@ def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: 
 FAMILY_SHARDS = {
     "litgpt": ("transformer.h.0.attn.qkv.weight", (24, 8)),  # of (48, 16): 2 of 4 heads' q, k, v; half the columns
     "litgpt_gqa": ("transformer.h.0.mlp.fc_1.weight", (8, 16)),  # of (32, 16)
-    "nanogpt": ("transformer.h.0.mlp.c_fc.weight", (16, 16)),  # of (64, 16)
+    "nanogpt": ("transformer.h.0.attn.c_attn.weight", (24, 8)),  # of (48, 16): 2 of 4 heads' q, k, v (its local forward)
     "vit": ("blocks.0.attn.qkv.weight", (24, 8)),  # of (48, 16)
     "mlp": ("0.weight", (8, SEQ * VOCAB)),  # of (32, 96)
 }

@@ -92,21 +92,83 @@ def test_litgpts_packed_qkv_and_gated_mlp_are_split_and_each_attention_gets_a_co
     assert (shared.n_head, gpt.transformer.h[0].config.n_head, gpt.transformer.h[0].mlp.config.n_head) == (4, 4, 4)
 
 
-def test_grouped_query_litgpt_keeps_its_attention_whole_and_says_why_and_nanogpt_its_attention():
+def test_grouped_query_litgpt_keeps_its_attention_whole_and_says_why():
     # litgpt packs q (4 heads) | k (2) | v (2): no equal chunks a rank could take its piece of; the check that runs the
-    # attention as each rank would finds the shares do not add up. nanoGPT's forward reads the width from its input
-    # (view(B, T, C)): it cannot run with half the heads. Both keep their MLP split
+    # attention as each rank would finds the shares do not add up. Its MLP is split
     plan = derive_plan(LitGPT(LitConfig(n_query_groups=2)), tensor_size=2)
     assert set(plan.kinds()) == {f"transformer.h.{i}.mlp.{n}" for i in range(2) for n in ("fc_1", "fc_2", "proj")}
     assert "transformer.h.0.attn (its forward does not compute the split pair: the ranks' shares do not add up" in (
         plan.summary(2)
     )
+
+
+def _nano_plan_kinds() -> dict[str, str]:
+    return {
+        f"transformer.h.{i}.{n}": k
+        for i in range(2)
+        for n, k in [("attn.c_attn", "colwise packed"), ("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"),
+                     ("mlp.c_proj", "rowwise")]
+    }  # fmt: skip
+
+
+def test_nanogpts_attention_is_split_with_a_local_forward_checked_against_its_own(monkeypatch):
+    # nanoGPT's forward reads the width from its input (view(B, T, C)), so no local attribute makes a rank's share
+    # right; its attention runs nanoGPT's computation with local heads and width instead, checked against its own
     nano = NanoGPT(NanoConfig())
     plan = derive_plan(nano, tensor_size=2)
-    assert plan.kinds() == {
-        f"transformer.h.{i}.mlp.{n}": k for i in range(2) for n, k in [("c_fc", "colwise"), ("c_proj", "rowwise")]
-    }
-    assert "transformer.h.1.attn (its forward does not compute the split pair: ValueError" in plan.summary(2)
+    assert plan.kinds() == _nano_plan_kinds() and plan.skipped == []
+    assert repr(plan.styles["transformer.h.0.attn.c_attn"]) == "PackedLinearColwiseParallel(chunks=3)"
+    assert sorted(h for h in plan.heads if h[0] == "transformer.h.1.attn") == [
+        ("transformer.h.1.attn", "n_embd", 16), ("transformer.h.1.attn", "n_head", 4)
+    ]  # fmt: skip
+    assert set(plan.forwards) == {"transformer.h.0.attn", "transformer.h.1.attn"}
+    assert "8 layers, 98% of the linear layers' parameters" in plan.summary(2, nano)
+    local_head_counts(nano, plan, size=2)  # applied: the local counts, and the local forward on each attention
+    attn = nano.transformer.h[0].attn
+    assert (attn.n_head, attn.n_embd) == (2, 8) and attn.forward.__func__ is plan.forwards["transformer.h.0.attn"]
+    assert "forward" not in vars(NanoGPT(NanoConfig()).transformer.h[0].attn)  # deriving the plan installed nothing
+    # nanoGPT without flash attention (an older torch): the masked path with its causal-mask buffer is split alike
+    monkeypatch.delattr(torch.nn.functional, "scaled_dot_product_attention")
+    masked = NanoGPT(NanoConfig())
+    monkeypatch.undo()
+    assert not masked.transformer.h[0].attn.flash and masked.transformer.h[0].attn.bias.shape == (1, 1, 8, 8)
+    plan = derive_plan(masked, tensor_size=2)
+    assert plan.kinds() == _nano_plan_kinds() and set(plan.forwards) == {f"transformer.h.{i}.attn" for i in range(2)}
+
+
+@pytest.mark.parametrize("change", ["not causal", "another scale", "a mask of its own"])
+def test_an_attention_laid_out_as_nanogpts_that_computes_otherwise_stays_whole_and_says_why(change: str):
+    # negative control: the same layers and attributes as nanoGPT's attention, another computation; the check runs
+    # the module's own forward whole against nanoGPT's with local heads as each rank, and refuses the split
+    from torch.nn import functional as F
+
+    from tests.tensor_parallel_models import NanoCausalSelfAttention
+
+    class Variant(NanoCausalSelfAttention):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            B, T, C = x.size()
+            q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+            if change == "not causal":
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+            elif change == "another scale":
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+            else:  # a mask of its own: each position attends to itself only
+                y = F.softmax((q @ k.transpose(-2, -1)).masked_fill(self.bias[:, :, :T, :T] == 0, -1e9), -1) @ v
+            return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+    nano = NanoGPT(NanoConfig())
+    for block in nano.transformer.h:
+        block.attn.__class__ = Variant
+        block.attn.register_buffer("bias", torch.eye(8).view(1, 1, 8, 8))  # flash stays True: nanoGPT ignores it
+    plan = derive_plan(nano, tensor_size=2)
+    assert set(plan.kinds()) == {f"transformer.h.{i}.mlp.{n}" for i in range(2) for n in ("c_fc", "c_proj")}
+    assert plan.forwards == {} and not any(a == "n_embd" for _, a, _ in plan.heads)
+    line = plan.summary(2)
+    assert "transformer.h.1.attn (its forward does not compute the split pair: RuntimeError: shape " in line
+    assert (
+        "; nor does nanoGPT's attention with its local heads: the ranks' shares do not add up to the whole output "
+        "(its own forward computes something else))" in line
+    )
     assert "4 layers, 66% of the linear layers' parameters" in plan.summary(2, nano)
 
 
