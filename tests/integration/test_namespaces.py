@@ -377,6 +377,15 @@ def test_the_lightning_copies_run_on_lightning():
     assert torch.equal(torch.ones(1), torch.ones(1))
 
 
+@pytest.mark.timeout(300)
+def test_the_tensor_parallel_families_equal_one_process_in_the_lightning_namespace(tmp_path):
+    # litgpt, nanoGPT, timm's ViT and a plain MLP split by their structure (tensor 2 x data 2), each one process's
+    # weights with the global batch and its negative control: the parity test, from the lightning copy
+    module = importlib.import_module("tests.lightning_ns.integration.parts.test_tensor_parallel")
+    assert module.pl is lightning.pytorch and module.MGPUShardedStrategy is lightning_mgpu.lightning.MGPUShardedStrategy
+    module.test_the_families_found_by_their_structure_equal_one_process_each(tmp_path)
+
+
 @pytest.mark.parametrize("name", ["DeviceMonitor", "ScaleLR"])
 def test_a_callback_given_to_the_other_namespaces_trainer_says_which_to_use(name, tmp_path):
     """Lightning takes any object with hook methods as a callback; ours refuse the other namespace's Trainer."""

@@ -43,7 +43,6 @@ from tests.tensor_parallel_models import (
     TPModule,
     global_batches,
     indexed_data,
-    litgpt_model,
     lm_loss,
     reference,
     token_data,
@@ -488,7 +487,10 @@ def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: 
 FAMILY_SHARDS = {
     "litgpt": ("transformer.h.0.attn.qkv.weight", (24, 8)),  # of (48, 16): 2 of 4 heads' q, k, v; half the columns
     "litgpt_gqa": ("transformer.h.0.mlp.fc_1.weight", (8, 16)),  # of (32, 16)
-    "nanogpt": ("transformer.h.0.attn.c_attn.weight", (24, 8)),  # of (48, 16): 2 of 4 heads' q, k, v (its local forward)
+    "nanogpt": (
+        "transformer.h.0.attn.c_attn.weight",
+        (24, 8),
+    ),  # of (48, 16): 2 heads of 4 (its local forward)
     "vit": ("blocks.0.attn.qkv.weight", (24, 8)),  # of (48, 16)
     "mlp": ("0.weight", (8, SEQ * VOCAB)),  # of (32, 96)
 }
@@ -763,28 +765,8 @@ def test_the_lightning_namespace_trains_a_tensor_parallel_model():
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Sharded()],
     )  # fmt: skip
     trainer.fit(LanguageModel())
-
-    # a model no name rule knows, paired by its structure: litgpt's GPT, its packed qkv split by heads
-    class LitGPTModel(LanguageModel):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = litgpt_model(4).double()
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return lm_loss(self.model, batch[0])
-
-    class Split(L.Callback):
-        def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-            qkv = pl_module.model.transformer.h[0].attn.qkv.weight  # (48, 16): q | k | v of 4 heads
-            assert is_tensor_parallel(pl_module) and trainer.global_step == 2
-            assert tuple(local_shard(qkv).shape) == (24, 16)  # 2 heads' q, k and v on each rank of the tensor group
-
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=Strategy(stage=3, tensor_parallel_size=2, start_method="fork"),
-        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Split()],
-    )  # fmt: skip
-    trainer.fit(LitGPTModel())
+    # the families the structure pairs (litgpt's GPT among them): the lightning copy of their parity test,
+    # tests/integration/test_namespaces.py
 
 
 def lm_loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
