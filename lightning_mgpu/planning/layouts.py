@@ -592,15 +592,16 @@ def estimate_layouts(
     layouts: list[Layout] = []
     tensor_note = ""
     for trace in traces:
-        blocks, heads = trace.blocks, trace.attention_heads
+        blocks, divisor = trace.blocks, trace.tensor_divisor
         possible = _divisors(n if tensor_across_machines else math.gcd(n, per_node))
         if trace.tensor_refused and len(possible) > 1:
             tensor_note = f"No tensor-parallel layout: {trace.tensor_refused}."
+        # a tensor size that divides every width and head count the auto plan splits (it keeps every pair split)
         tensor_sizes = [
             t
             for t in possible
             if t == 1
-            or (heads and heads % t == 0 and not trace.tensor_refused and (max_tensor is None or t <= max_tensor))
+            or (divisor and divisor % t == 0 and not trace.tensor_refused and (max_tensor is None or t <= max_tensor))
         ]
         for t in tensor_sizes:
             for p in _divisors(n // t):

@@ -55,6 +55,10 @@ class PlanSource:
     """How the factory builds the model: ``"fake"`` (constructed under FakeTensorMode), ``"meta"`` or ``"cpu"``
     (constructed once on the meta device, or for real on CPU, when construction under fake tensors fails;
     each build is then a stand-in of it with fake tensors: :mod:`~lightning_mgpu.planning.stand_in`)."""
+    real: Optional[nn.Module] = None
+    """The model with real weights where the planner was given one (an instance, ready as Lightning makes it) or
+    built one (on CPU): tensor parallelism's auto plan is derived on it as at start-up, its structure included
+    (:func:`~lightning_mgpu.planning.trace.tensor_split`). None where every build is fake or on the meta device."""
 
 
 def _class_spec(spec: Any, what: str) -> tuple[type, dict[str, Any]]:
@@ -169,7 +173,7 @@ def _why(err: BaseException) -> str:
 
 def buildable(
     factory: Callable[[], nn.Module], name: str, batch: Any = None, forward: bool = False, configure: bool = True
-) -> tuple[Callable[[], nn.Module], str]:
+) -> tuple[Callable[[], nn.Module], str, Optional[nn.Module]]:
     """A factory of the model made ready as Lightning makes it before training (:func:`ready`): ``factory``'s
     builds under FakeTensorMode when that works, else fake stand-ins of one build on the meta device, else of one
     real build on CPU; with how it builds (``"fake"``, ``"meta"``, ``"cpu"``).
@@ -178,7 +182,8 @@ def buildable(
     ``.to(dtype)`` in ``__init__`` swap tensors in place, which fake tensors refuse, and lazy layers
     (``nn.LazyLinear``) cannot be made or materialized there. The meta device builds those without allocating;
     a real CPU build (memory of one replica) is the last resort. A :class:`PlanError` naming each failure when
-    none of the three builds the model. ``configure=False``: ``configure_model()`` ran already (a module attached
+    none of the three builds the model; with the build on CPU, where that is the one (else None).
+    ``configure=False``: ``configure_model()`` ran already (a module attached
     to a Trainer, whose ``fit`` calls it before the strategy sets up)."""
     from lightning_mgpu._compat import fake_tensor_mode
 
@@ -190,7 +195,7 @@ def buildable(
     try:
         with fake_tensor_mode(), _quiet():
             fake_build()
-        return fake_build, "fake"
+        return fake_build, "fake", None
     except PlanError:
         raise
     except Exception as err:
@@ -201,7 +206,7 @@ def buildable(
                 template = ready(factory(), batch, forward, device, configure)
             with fake_tensor_mode(), _quiet():
                 stand_in_factory(template)()
-            return stand_in_factory(template), device
+            return stand_in_factory(template), device, template if device == "cpu" else None
         except PlanError:
             raise
         except Exception as err:
@@ -323,8 +328,17 @@ def resolve_source(model_or_config: Any, batch: Any = None, datamodule: Any = No
                 f"datamodule=..., or a config with a 'data' section."
             )
     configured = instance is not None and attached_trainer(instance) is not None  # Lightning called configure_model
-    factory, how_built = buildable(factory, name, batch, forward, configure=not configured)
-    return PlanSource(factory=factory, batch=batch, name=name, policy=policy, forward=forward, how_built=how_built)
+    factory, how_built, real = buildable(factory, name, batch, forward, configure=not configured)
+    if real is None and isinstance(model_or_config, nn.Module) and (configured or not _configures(model_or_config)):
+        real = model_or_config  # as it trains: no configure_model of its own still to make layers
+    return PlanSource(
+        factory=factory, batch=batch, name=name, policy=policy, forward=forward, how_built=how_built, real=real
+    )
+
+
+def _configures(module: nn.Module) -> bool:
+    """Whether ``module`` has a ``configure_model`` of its own (which may make layers the instance lacks yet)."""
+    return hasattr(module, "configure_model") and not _is_lightning_default(type(module), "configure_model")
 
 
 def _data_instance(factory: Callable[[], nn.Module]) -> Optional[nn.Module]:

@@ -10,6 +10,7 @@ tool torchtitan's ``scripts/estimate/estimation.py`` uses the same way.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +23,15 @@ from lightning_mgpu._compat import fake_tensor_mode, mem_tracker, timeline_mem_t
 from lightning_mgpu.parts.sharding import fsdp_unit_roots
 from lightning_mgpu.planning.request import PlanError
 
-__all__ = ["ModelStates", "StepTrace", "count_model_states", "pipeline_blocks", "trace_step"]
+__all__ = [
+    "ModelStates",
+    "StepTrace",
+    "TensorSplit",
+    "count_model_states",
+    "pipeline_blocks",
+    "tensor_split",
+    "trace_step",
+]
 
 #: precision -> (dtype the weights and activations are stored in, autocast dtype or None, FP32 master copy)
 PRECISION_LAYOUT: dict[str, tuple[torch.dtype, Optional[torch.dtype], bool]] = {
@@ -193,7 +202,8 @@ class StepTrace:
     """The largest output of one block for this micro-batch: what a pipeline stage sends to the next, and the
     activation a tensor-parallel block all-reduces."""
     attention_heads: int = 0
-    """The fewest attention heads of a block (0: no attention found, so no tensor split is proposed)."""
+    """The fewest attention heads of a block (0: no attention found). Which tensor sizes are proposed is
+    :attr:`tensor_divisor`'s to say."""
     rowwise_layers: int = 0
     """Calls, in the traced forward, of the layers of the blocks that tensor parallelism's auto plan splits by
     input row (attention's output, the MLP's down projection): each all-reduces its output, one block output's
@@ -224,7 +234,9 @@ class StepTrace:
     tensor_refused: str = ""
     """Why the auto plan of tensor parallelism would be refused for this model (it splits too little of the linear
     layers' parameters: :func:`~lightning_mgpu.parts.tensor_parallel.refuse_unsplit`), in words; ``""`` where it
-    splits enough. No tensor split is proposed then."""
+    splits enough. No tensor split is proposed then (:attr:`TensorSplit.refused`)."""
+    tensor_divisor: int = 0
+    """:attr:`TensorSplit.divisor`: a tensor size is proposed only where it divides this (0: nothing split)."""
 
     def peak_with_gradients(self, fraction: float) -> int:
         """The largest ``activations(t) + fraction * gradients(t)``: a rank that keeps ``fraction`` of each
@@ -270,11 +282,18 @@ def _loss(module: nn.Module, batch: Any, forward: bool = False) -> torch.Tensor:
 
 
 def trace_step(
-    factory: ModelFactory, batch: Any, precision: str, policy: Any = None, forward: bool = False
+    factory: ModelFactory,
+    batch: Any,
+    precision: str,
+    policy: Any = None,
+    forward: bool = False,
+    split: Optional[TensorSplit] = None,
 ) -> StepTrace:
     """Forward + backward of one micro-batch of ``batch`` (a sample batch: real, meta or fake tensors) under
     FakeTensorMode and ``TimelineTracker``; ``policy``: checkpoint these blocks (None: no checkpointing);
-    ``forward``: ``batch`` is the input of ``module(...)`` (``example_input_array``), not of ``training_step``."""
+    ``forward``: ``batch`` is the input of ``module(...)`` (``example_input_array``), not of ``training_step``;
+    ``split``: what tensor parallelism's auto plan splits, derived before on the model's real weights
+    (:func:`tensor_split`; None: derived here, on the fake build, by the name rules only)."""
     from lightning_mgpu.parts.activation_checkpointing import apply_activation_checkpointing
 
     dtype, autocast, _ = PRECISION_LAYOUT[precision]
@@ -294,7 +313,12 @@ def trace_step(
         # call's input gradient is all-reduced once in backward)
         calls = {("rowwise", "forward"): 0, ("rowwise", "backward"): 0, ("colwise", "forward"): 0}
         phase = ["forward"]
-        split_layers, split_names, tensor_refused = _split_layers(module, blocks)
+        plan = split if split is not None else tensor_split(module, real=False)
+        inside_blocks = {id(m) for block in blocks for m in block.modules()}
+        split_layers = [
+            (layer, kind) for name, kind in plan.kinds if id(layer := module.get_submodule(name)) in inside_blocks
+        ]
+        split_names = plan.parameters
         for layer, kind in split_layers:
             handles.append(layer.register_forward_hook(lambda *_, k=kind: _count(calls, (k, phase[0]))))
         intermediates: dict[int, int] = {}  # the column-wise layers' outputs, first call each
@@ -316,7 +340,7 @@ def trace_step(
             handle.remove()
         params = list(module.parameters())
         named = dict(module.named_parameters())
-        split = {id(named[n]): named[n] for n in split_names if n in named}  # a tied parameter once
+        shards = {id(named[n]): named[n] for n in split_names if n in named}  # a tied parameter once
         inside = {id(p) for block in blocks for p in block.parameters()}
         return StepTrace(
             precision=precision,
@@ -333,11 +357,12 @@ def trace_step(
             rowwise_layers=calls["rowwise", "forward"],
             rowwise_recomputed=calls["rowwise", "backward"],
             colwise_layers=calls["colwise", "forward"],
-            tensor_split_bytes=sum(p.numel() * p.element_size() for p in split.values()),
+            tensor_split_bytes=sum(p.numel() * p.element_size() for p in shards.values()),
             tensor_split_activations=sum(intermediates.values()),
             outside_parameters=sum(p.numel() * p.element_size() for p in params if id(p) not in inside),
-            outside_tensor_split=sum(p.numel() * p.element_size() for i, p in split.items() if i not in inside),
-            tensor_refused=tensor_refused,
+            outside_tensor_split=sum(p.numel() * p.element_size() for i, p in shards.items() if i not in inside),
+            tensor_refused=plan.refused,
+            tensor_divisor=plan.divisor,
         )
 
 
@@ -346,30 +371,78 @@ def _count(calls: dict[tuple[str, str], int], key: tuple[str, str]) -> None:
         calls[key] += 1
 
 
-def _split_layers(module: nn.Module, blocks: list[nn.Module]) -> tuple[list[tuple[nn.Module, str]], list[str], str]:
-    """The layers within ``blocks`` that the auto plan of tensor parallelism splits in ``module``, each with how
-    (``"rowwise"``, ``"colwise"``; :func:`~lightning_mgpu.parts.tensor_parallel.derive_plan`: shapes only, no
-    communication), the names of the parameters the plan shards (within the blocks or not), and why the plan would
-    be refused (``""`` where it splits enough: :data:`~lightning_mgpu.parts.tensor_parallel.MIN_SPLIT_SHARE` of the
-    linear layers' parameters)."""
-    from lightning_mgpu.parts.tensor_parallel import MIN_SPLIT_SHARE, derive_plan, split_share, splits_too_little
+#: the tensor size the planner derives the auto plan at: the smallest split. The pairs the plan finds do not depend
+#: on the size but through what it divides (:attr:`TensorSplit.divisor` says which larger sizes keep them all).
+PLANNED_TENSOR_SIZE = 2
 
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """What tensor parallelism's auto plan splits of a model, derived once for a plan (:func:`tensor_split`)."""
+
+    kinds: tuple[tuple[str, str], ...] = ()
+    """``(layer name, "colwise" | "rowwise")`` of each layer the plan splits."""
+    parameters: tuple[str, ...] = ()
+    """The names of the parameters the plan shards (within the blocks or not)."""
+    refused: str = ""
+    """Why the plan would be refused (it splits too little:
+    :func:`~lightning_mgpu.parts.tensor_parallel.splits_too_little`), in words; ``""`` where it splits enough."""
+    divisor: int = 0
+    """The greatest common divisor of the widths the plan splits (each split layer's output, or input where it is
+    split by row) and of the head counts it makes local: a tensor size that divides it keeps every pair split, one
+    that does not would leave some whole. 0 where it splits nothing."""
+
+
+def _real_weights(module: nn.Module) -> bool:
+    return not any(p.device.type == "meta" for p in module.parameters())
+
+
+def tensor_split(module: nn.Module, real: bool) -> TensorSplit:
+    """What the auto plan of tensor parallelism splits of ``module`` at :data:`PLANNED_TENSOR_SIZE` ranks, as the
+    launch derives it (:func:`~lightning_mgpu.parts.tensor_parallel.derive_plan`), and whether it splits too little
+    (the launch's condition: :func:`~lightning_mgpu.parts.tensor_parallel.splits_too_little`). ``real``: the
+    parameters hold real numbers (not fake, not on the meta device): the layers no name rule matches are paired by
+    the model's structure, one forward on a small random input with each pair checked, as at launch; else by the
+    name rules only (a forward of fake or meta tensors proves no split), and a refusal says so."""
+    from lightning_mgpu.parts.tensor_parallel import (
+        MIN_SPLIT_SHARE,
+        _widths,
+        derive_plan,
+        split_share,
+        splits_too_little,
+    )
+
+    structure = real and _real_weights(module)
+    size = PLANNED_TENSOR_SIZE
     try:
-        plan = derive_plan(module, tensor_size=1, structure=False)  # fake tensors: a forward proves no split
+        plan = derive_plan(module, tensor_size=size, structure=structure)
     except ValueError as err:  # a model's own plan that names what this module does not have: no split
-        return [], [], f"its auto plan cannot be derived ({str(err).splitlines()[0]})"
-    inside = {id(m) for block in blocks for m in block.modules()}
-    split = [(module.get_submodule(name), kind) for name, kind in plan.kinds().items()]
+        return TensorSplit(refused=f"its auto plan cannot be derived ({str(err).splitlines()[0]})")
+    kinds = {n: "colwise" if k.startswith("colwise") else k for n, k in plan.kinds().items()}  # packed: colwise
+    divisor = 0
+    for name, kind in kinds.items():
+        width_in, width_out = _widths(module.get_submodule(name))
+        divisor = math.gcd(divisor, width_in if kind == "rowwise" else width_out)
+    for _, _, count in plan.heads:
+        divisor = math.gcd(divisor, count)
     done, total = split_share(module, plan)
     refused = ""
     if splits_too_little(plan, done, total):
         share = f"{done / total:.0%}" if total else "none"
-        refused = (
-            f"the auto plan's name rules split {share} of {type(module).__name__}'s linear layers' parameters, under "
-            f"the {MIN_SPLIT_SHARE:.0%} it needs (the pairs its structure gives are found at start-up, on real "
-            f"tensors, and not estimated here; a tensor_parallel_plan of your own splits it)"
+        needs = (
+            f"{share} of {type(module).__name__}'s linear layers' parameters, under the {MIN_SPLIT_SHARE:.0%} it needs"
         )
-    return [(layer, kind) for layer, kind in split if id(layer) in inside], plan.split_parameters(module), refused
+        if structure:
+            more = "neither its name rules nor its structure pair more"
+            refused = f"the auto plan at tensor size {size} splits {needs} ({more})"
+        else:
+            built = "on the meta device" if real else "under fake tensors"
+            refused = (
+                f"the auto plan's name rules split {needs}; the pairs its structure gives could not be checked "
+                f"without real weights (the model was built {built}). Plan an instance built with real weights "
+                f"(plan(model, ...)) to have them checked as at start-up, or pass a tensor_parallel_plan of your own"
+            )
+    return TensorSplit(tuple(kinds.items()), tuple(plan.split_parameters(module)), refused, divisor)
 
 
 def pipeline_blocks(module: nn.Module) -> list[nn.Module]:

@@ -12,14 +12,24 @@ from typing import Any, Optional
 import pytest
 import torch
 
+from lightning_mgpu.parts.tensor_parallel import TensorParallelism, derive_plan
 from lightning_mgpu.planning import NoPlanFits, PlanError, PlanRequest, plan_layouts
 from lightning_mgpu.planning.candidates import estimate
 from lightning_mgpu.planning.choice import choose, decide_layout, notes
 from lightning_mgpu.planning.layouts import Layout, LayoutPlan, Links, estimate_layouts, group_link, short_reason
 from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
 from lightning_mgpu.planning.measure import fake_process_group
-from lightning_mgpu.planning.trace import ModelStates, StepTrace, count_model_states, trace_step, unit_fractions
-from tests.models import NormedRegressor
+from lightning_mgpu.planning.trace import (
+    PLANNED_TENSOR_SIZE,
+    ModelStates,
+    StepTrace,
+    count_model_states,
+    tensor_split,
+    trace_step,
+    unit_fractions,
+)
+from tests.models import NormedRegressor, Regressor
+from tests.tensor_parallel_models import VOCAB, litgpt_model
 
 # A model of 2,000 FP32 parameters (8,000 bytes), Adam (16,000 bytes of state), 4 blocks of 8 heads whose output is
 # 100 bytes for the loader's batch of 4, split by tensor parallelism as a Llama block is (2 row-wise, 5 column-wise
@@ -32,6 +42,7 @@ STATES = ModelStates(**{f.name: _GIVEN[f.name] for f in fields(ModelStates)})
 TRACE = StepTrace(
     "32-true", False, 8000, 8000, 1000, (), ((1000, 8000),), flops=3 * 10**12, blocks=4, block_output_bytes=100,
     attention_heads=8, rowwise_layers=8, colwise_layers=20, tensor_split_bytes=8000, tensor_split_activations=1000,
+    tensor_divisor=8,
 )  # fmt: skip
 UNITS = (0.25, 0.0)
 LINKS = Links(intra=100.0, inter=10.0)  # GB/s
@@ -99,23 +110,92 @@ def test_activation_checkpointing_recomputes_the_tensor_all_reduces_of_the_forwa
     ac = _find(_plan(replace(TRACE, activation_checkpointing=True, rowwise_recomputed=4)), "mgpu_ddp", 1, 2, 4, 1)
     assert plain.tensor_bytes == 4200  # (8 + 20) all-reduces * 2*3/4*100
     assert ac.tensor_bytes == 4800  # 4 of the 8 row-wise outputs recomputed (a block's last is not): (12 + 20) * 150
-    no_attention = _find(_plan(replace(TRACE, attention_heads=0)), "mgpu_ddp", 1, 8, 1, 1)
-    assert no_attention.tensor == 1
-    assert all(x.tensor == 1 for x in _plan(replace(TRACE, attention_heads=0)).layouts)  # nothing to split
+    nothing_split = _find(_plan(replace(TRACE, tensor_divisor=0)), "mgpu_ddp", 1, 8, 1, 1)
+    assert nothing_split.tensor == 1
+    assert all(x.tensor == 1 for x in _plan(replace(TRACE, tensor_divisor=0)).layouts)  # nothing to split
+    # a tensor size that does not divide every split width (or head count) is not proposed: 2 divides 6, 4 does not
+    assert {x.tensor for x in _plan(replace(TRACE, tensor_divisor=6)).layouts} == {1, 2}
 
 
 def test_no_tensor_split_is_proposed_for_a_model_the_auto_plan_splits_too_little_of_and_the_plan_says_why():
-    """An MLP no name rule knows: the planner (fake tensors: the structure's pairs are checked only at start-up, on
-    real ones) counts no split of it, so it proposes no tensor-parallel layout and says why in one line; a model it
-    splits whole keeps its tensor layouts."""
+    """An MLP no name rule knows, built under fake tensors (a class): the planner cannot check the structure's pairs
+    (a forward of fake tensors proves no split), counts no split of it, proposes no tensor-parallel layout and says
+    why in one line, with how to have them checked; a model it splits whole keeps its tensor layouts."""
     trace = trace_step(NormedRegressor, (torch.randn(4, 6), torch.randn(4, 3)), "32-true")
     assert trace.tensor_refused.startswith("the auto plan's name rules split 0% of NormedRegressor's linear layers'")
+    assert "could not be checked without real weights (the model was built under fake tensors)" in trace.tensor_refused
+    assert "plan(model, ...)" in trace.tensor_refused and "tensor_parallel_plan" in trace.tensor_refused
     assert trace_step(_lm, _batch(), "32-true").tensor_refused == ""
     refused = _plan(replace(TRACE, tensor_refused=trace.tensor_refused))
     assert {x.tensor for x in refused.layouts} == {1} and {x.tensor for x in _plan().layouts} > {1}
     line = f"- No tensor-parallel layout: {trace.tensor_refused}."
     assert line in notes(refused, choose(refused)) and "\n" not in line
     assert not any("tensor-parallel layout" in n for n in notes(_plan(), choose(_plan())))
+
+
+def _layouts(model: Any, batch: Any, devices: int = 4) -> LayoutPlan:
+    return plan_layouts(model, devices=devices, device_memory="1GiB", batch=batch, precisions=("32-true",))
+
+
+@pytest.mark.parametrize("name", ["litgpt", "mlp"])
+def test_the_planner_splits_by_tensor_a_model_the_launch_splits_by_its_structure(name):
+    """litgpt's GPT and a plain MLP, whose layers no name rule knows: given with real weights (an instance), the
+    planner derives the auto plan as the launch does (its structure paired and checked on real tensors, before the
+    fake trace) and proposes tensor layouts at every size that divides what it splits; the same model built under
+    fake tensors (negative control) gets none, with the reason."""
+    if name == "litgpt":
+        model, batch, divisor = litgpt_model(), (torch.randint(VOCAB, (4, 8)),), 4  # 4 heads of 4 columns
+    else:
+        model, batch, divisor = Regressor(hidden=16), (torch.randn(4, 6), torch.randn(4, 3)), 16
+    split = tensor_split(model, real=True)
+    launch = derive_plan(model, tensor_size=PLANNED_TENSOR_SIZE)  # what TensorParallelism.plan_for derives
+    assert dict(split.kinds) == {n: k.replace("colwise packed", "colwise") for n, k in launch.kinds().items()}
+    assert len(split.kinds) >= 2 and split.refused == "" and split.divisor == divisor
+    assert split.parameters == tuple(launch.split_parameters(model))
+    result = _layouts(model, batch)
+    assert {x.tensor for x in result.layouts} == {1, 2, 4} and result.tensor_note == ""
+    named = dict(model.named_parameters())
+    trace = next(t for t in _traces(model, batch))
+    assert trace.tensor_split_bytes == sum(named[n].numel() * 4 for n in split.parameters) > 0
+    assert trace.tensor_divisor == divisor and trace.tensor_refused == ""
+    fake = _layouts(type(model) if name == "mlp" else litgpt_model, batch)  # built under fake tensors
+    assert {x.tensor for x in fake.layouts} == {1}
+    assert "could not be checked without real weights" in fake.tensor_note
+
+
+def _traces(model: Any, batch: Any) -> list[StepTrace]:
+    from lightning_mgpu.planning import _traced
+
+    request = PlanRequest(devices=4, device_memory="1GiB", precisions=("32-true",))
+    return _traced(model, request, batch, None, None)[2]
+
+
+def test_a_model_its_structure_cannot_split_is_refused_with_the_launchs_reason():
+    """The hidden units normalised between the two layers: with real weights the structure is asked too and pairs
+    nothing, so the planner refuses a tensor layout for the launch's reason (which refuses it too)."""
+    model = NormedRegressor()
+    result = _layouts(model, (torch.randn(4, 6), torch.randn(4, 3)))
+    assert {x.tensor for x in result.layouts} == {1}
+    assert result.tensor_note == (
+        "No tensor-parallel layout: the auto plan at tensor size 2 splits 0% of NormedRegressor's linear layers' "
+        "parameters, under the 50% it needs (neither its name rules nor its structure pair more)."
+    )
+    with pytest.raises(ValueError, match="under the 50% it needs"):
+        TensorParallelism(size=2).check_before_launch(model)
+
+
+def test_a_model_on_the_meta_device_keeps_the_name_rules_and_says_how_to_have_its_structure_checked():
+    """litgpt's GPT built on the meta device (too big to build): no forward proves a split, so the planner keeps
+    the name rules (which split none of it) and says the structure's pairs could not be checked, and how."""
+    with torch.device("meta"):
+        model = litgpt_model()
+    split = tensor_split(model, real=True)
+    assert split.kinds == () and split.divisor == 0
+    assert split.refused.startswith("the auto plan's name rules split 0% of GPT's linear layers' parameters")
+    assert "could not be checked without real weights (the model was built on the meta device)" in split.refused
+    assert "tensor_parallel_plan of your own" in split.refused
+    result = _layouts(model, (torch.randint(VOCAB, (4, 8), device="meta"),))
+    assert {x.tensor for x in result.layouts} == {1} and split.refused in result.tensor_note
 
 
 def test_the_bubble_and_in_flight_activations_of_1f1b_and_gpipe():

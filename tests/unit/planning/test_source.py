@@ -184,3 +184,29 @@ def test_lightning_mgpu_plan_takes_devices_nodes_precision_and_memory_from_the_c
     with pytest.raises(SystemExit):
         cli_main(["plan", "--config", str(config)])
     assert "--device-memory not given" in capsys.readouterr().err
+
+
+class LayersInConfigureModel(TwoLayer):
+    """Its layers made in ``configure_model``: the instance lacks them until Lightning calls it."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "fc1"):
+            self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+
+def test_the_source_keeps_the_model_with_real_weights_for_the_tensor_plan_where_there_is_one():
+    """Tensor parallelism's auto plan is derived on real weights (its structure checked as at launch) where the
+    planner has them: an instance as it trains, or the one build on CPU; none where every build is fake or meta, or
+    where the instance's configure_model has still to make its layers."""
+    from lightning_mgpu.planning.source import resolve_source
+
+    instance = TwoLayer()
+    assert resolve_source(instance, batch=_batch()).real is instance
+    cpu = resolve_source(ItemInInit, batch=_batch())
+    assert cpu.how_built == "cpu" and cpu.real is not None and isinstance(cpu.real, ItemInInit)
+    assert all(p.device.type == "cpu" and not p.is_meta for p in cpu.real.parameters())
+    assert resolve_source(TwoLayer, batch=_batch()).real is None  # built under fake tensors
+    assert resolve_source(LayersInConfigureModel(), batch=_batch()).real is None
