@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import copy
 import datetime
-import multiprocessing.connection
 import os
 import tempfile
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,19 +192,6 @@ def _worker(
         dist.destroy_process_group()
 
 
-def _let_the_others_fail(processes: list[Any], grace: float) -> None:
-    """Wait for every rank; once one has failed, give the others ``grace`` seconds to end on their own (a rank
-    waiting in a collective ends at the group's timeout) before torch's join terminates them, so that every
-    rank's traceback is recorded, not only the first one's."""
-    while any(p.is_alive() for p in processes):
-        multiprocessing.connection.wait([p.sentinel for p in processes if p.is_alive()])
-        if any(p.exitcode not in (None, 0) for p in processes):
-            deadline = time.monotonic() + grace
-            for p in processes:
-                p.join(max(0.0, deadline - time.monotonic()))
-            return
-
-
 def run_jobs(
     jobs: list[Callable[[Path], None]], agree: bool = True, timeout: Optional[float] = None
 ) -> list[dict[str, Any]]:
@@ -219,8 +204,10 @@ def run_jobs(
             context = mp.start_processes(
                 _worker, nprocs=WORLD, start_method="fork", args=(jobs, port, out, timeout), join=False
             )
-            _let_the_others_fail(context.processes, grace=5.0 if timeout is None else timeout + 5.0)
-            while not context.join():
+            # once a rank has failed, the others get the group's timeout to end on their own (a rank waiting in a
+            # collective ends there) before they are terminated, so that every rank's traceback is recorded
+            grace = 5.0 if timeout is None else timeout + 5.0
+            while not context.join(grace_period=grace):
                 pass
         except Exception as err:
             text = "\n".join(e.read_text() for e in sorted(Path(out).glob("*.err")))
