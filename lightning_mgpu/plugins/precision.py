@@ -680,7 +680,11 @@ class PrecisionAdoption:
 
     @staticmethod
     def loss_scale(plugin: Precision) -> float:
-        """The scale the plugin's loss scaler multiplies the next backward's loss by (fp16); 1.0 without one."""
+        """The scale the plugin's loss scaler multiplies the next backward's loss by (fp16); 1.0 without one.
+        :class:`MGPUPrecision`'s is the value it keeps after each step (read per step, it does not wait for the
+        device as ``GradScaler.get_scale`` does)."""
+        if isinstance(plugin, MGPUPrecision):
+            return plugin.loss_scale
         scaler = getattr(plugin, "scaler", None)
         return float(scaler.get_scale()) if isinstance(scaler, torch.amp.GradScaler) else 1.0
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_mgpu import MGPUPrecision
 from lightning_mgpu.plugins.precision import PrecisionAdoption
+from tests.host_syncs import HostSyncs
 
 
 def test_lightnings_default_and_mixed_plugins_become_mgpu_precision():
@@ -48,10 +49,28 @@ def test_the_loss_scale_is_the_scalers_and_one_without_a_scaler():
     plugin = MGPUPrecision("16-mixed", init_scale=2.0**10)
     plugin.connect(nn.Linear(2, 1), [], [])
     assert PrecisionAdoption.loss_scale(plugin) == 2.0**10
-    plugin.scaler.scale(torch.ones(()))  # type: ignore[union-attr]
-    plugin.scaler.update(2.0**4)  # type: ignore[union-attr]
-    assert PrecisionAdoption.loss_scale(plugin) == 2.0**4
+    state = plugin.state_dict()
+    state["scaler"]["scale"] = 2.0**4  # a resumed scale
+    plugin.load_state_dict(state)
+    assert PrecisionAdoption.loss_scale(plugin) == 2.0**4 == plugin.scaler.get_scale()  # type: ignore[union-attr]
     assert PrecisionAdoption.loss_scale(MGPUPrecision("bf16-mixed")) == 1.0
     assert PrecisionAdoption.loss_scale(Precision()) == 1.0
     lightning = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
     assert PrecisionAdoption.loss_scale(lightning) == 8.0
+
+
+def test_reading_the_loss_scale_does_not_wait_for_the_device():
+    """The pipeline reads the scale every step: the plugin's kept value, not ``GradScaler.get_scale`` (an
+    ``item`` on a GPU); Lightning's own plugin has only its scaler to ask (the counter's negative control)."""
+    plugin = MGPUPrecision("16-mixed", init_scale=2.0**10)
+    plugin.connect(nn.Linear(2, 1), [], [])
+    lightning = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
+    lightning.scaler.scale(torch.ones(()))  # type: ignore[union-attr]  # the scaler's scale tensor exists
+    with HostSyncs() as syncs:
+        for read in (plugin, lightning):
+            syncs.open()
+            PrecisionAdoption.loss_scale(read)
+        syncs.close()
+    assert syncs.counts() == [0, 1], syncs.per_step
+    (site,) = syncs.per_step[1]
+    assert site.startswith("get_scale @ lightning_mgpu/plugins/precision.py:"), site
