@@ -185,7 +185,7 @@ def _worker(
             except BaseException:
                 # written whole, then renamed: a rank terminated while it writes leaves no empty record
                 part = Path(out) / f"{i}_rank{rank}.err.part"
-                part.write_text(f"job {i}, rank {rank}:\n{traceback.format_exc()}")
+                part.write_text(f"job {i}: rank {rank}\n{traceback.format_exc()}")
                 os.replace(part, part.with_suffix(""))
                 raise
     finally:
