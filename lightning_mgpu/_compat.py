@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightning_fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch.nn.parallel import DistributedDataParallel
 
@@ -625,8 +626,6 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 
         opt = unwrap_optimizer(self.optimizers())  # in a LightningModule: the torch.optim object
     """
-    from pytorch_lightning.core.optimizer import LightningOptimizer
-
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 

@@ -396,11 +396,10 @@ class MGPUPrecision(Precision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        inner = unwrap_optimizer(optimizer)
         if clip_val > 0 and self.dtype != torch.float32:
-            self._prepare_gradients(inner)
+            self._prepare_gradients(unwrap_optimizer(optimizer))
         elif clip_val > 0 and self._sync_gradients is not None:
-            self._sync_gradients(inner)
+            self._sync_gradients(unwrap_optimizer(optimizer))
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     @override
