@@ -124,7 +124,7 @@ test-compat-oldest: $(STAMP)
 test-compat-cuda: .venv-cuda/.installed
 	.venv-cuda/bin/python -c "import sys, lightning, torch; \
 		print('compat tier: python', sys.version.split()[0], 'lightning', lightning.__version__, 'torch', torch.__version__, 'CUDA build', torch.version.cuda)"
-	.venv-cuda/bin/python -m pytest -m compat -p no:cacheprovider
+	.venv-cuda/bin/python -m pytest -m compat -p no:cacheprovider --compat-namespace pytorch_lightning
 
 # The required dependencies only (pyproject.toml's `dependencies` less jsonargparse, which only the `lightning-mgpu`
 # command needs), one Lightning distribution of each kind, and pytest.
@@ -144,7 +144,7 @@ TORCH_OLDEST_SKIP = --ignore=tests/meta --ignore=tests/integration/test_cli.py \
 test-compat-torch-oldest: .venv-torch-oldest/.installed
 	.venv-torch-oldest/bin/python -c "import sys, lightning, torch; \
 		print('compat tier: python', sys.version.split()[0], 'lightning', lightning.__version__, 'torch', torch.__version__)"
-	.venv-torch-oldest/bin/python -m pytest -m compat -p no:cacheprovider $(TORCH_OLDEST_SKIP)
+	.venv-torch-oldest/bin/python -m pytest -m compat -p no:cacheprovider --compat-namespace lightning $(TORCH_OLDEST_SKIP)
 
 # The pack as users install it (.ci/test-install): the wheel built from this checkout, installed into a fresh
 # virtual environment with torch and one Lightning distribution (`lightning-mgpu[pytorch-lightning]`, then
