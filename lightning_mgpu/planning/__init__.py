@@ -48,11 +48,10 @@ from lightning_mgpu.planning.request import (
     format_bytes,
     parse_memory,
 )
-from lightning_mgpu.planning.source import PlanSource, default_policy, resolve_source
+from lightning_mgpu.planning.source import default_policy, resolve_source
 from lightning_mgpu.planning.trace import (
     ModelStates,
     StepTrace,
-    TensorSplit,
     count_model_states,
     tensor_split,
     trace_step,
@@ -155,9 +154,9 @@ def _traced(
         try:
             policy = activation_checkpointing or source.policy or default_policy(source.factory)
             states = count_model_states(source.factory)
-            # tensor parallelism's auto plan, once: on the real weights (its structure checked as at start-up,
-            # outside FakeTensorMode) where there are any, else on one fake build by the name rules
-            split = _tensor_split(source)
+            # tensor parallelism's auto plan, once, on the real weights where there are any (its structure checked
+            # as at start-up, outside FakeTensorMode); else each trace derives it on its fake build by the name rules
+            split = tensor_split(source.real, real=True) if source.real is not None else None
             # no policy: the model has no blocks to checkpoint (no transformer layers, no Sequential/ModuleList),
             # so every candidate runs without activation checkpointing
             traces = [
@@ -184,18 +183,6 @@ def _traced(
                 )
             raise PlanError(f"{source.name} could not be stepped on fake tensors ({why}): {hint}") from err
     return source, states, traces, units, policy
-
-
-def _tensor_split(source: PlanSource) -> TensorSplit:
-    """:func:`~lightning_mgpu.planning.trace.tensor_split` of ``source``'s model with real weights where it has one,
-    else of one fake build."""
-    from lightning_mgpu._compat import fake_tensor_mode
-    from lightning_mgpu.planning.trace import _quiet
-
-    if source.real is not None:
-        return tensor_split(source.real, real=True)
-    with fake_tensor_mode(), _quiet():
-        return tensor_split(source.factory(), real=False)
 
 
 def policy_source(policy: Any) -> str:

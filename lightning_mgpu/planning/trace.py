@@ -201,9 +201,6 @@ class StepTrace:
     block_output_bytes: int = 0
     """The largest output of one block for this micro-batch: what a pipeline stage sends to the next, and the
     activation a tensor-parallel block all-reduces."""
-    attention_heads: int = 0
-    """The fewest attention heads of a block (0: no attention found). Which tensor sizes are proposed is
-    :attr:`tensor_divisor`'s to say."""
     rowwise_layers: int = 0
     """Calls, in the traced forward, of the layers of the blocks that tensor parallelism's auto plan splits by
     input row (attention's output, the MLP's down projection): each all-reduces its output, one block output's
@@ -353,7 +350,6 @@ def trace_step(
             flops=int(flops.get_total_flops()),
             blocks=len(blocks),
             block_output_bytes=max(outputs.values(), default=0),
-            attention_heads=min((h for h in map(_heads, blocks) if h), default=0),
             rowwise_layers=calls["rowwise", "forward"],
             rowwise_recomputed=calls["rowwise", "backward"],
             colwise_layers=calls["colwise", "forward"],
@@ -460,18 +456,6 @@ def pipeline_blocks(module: nn.Module) -> list[nn.Module]:
         return [block for _, block in select_modules(module, EveryNth(1))]
     except ValueError:
         return []
-
-
-def _heads(block: nn.Module) -> int:
-    """Attention heads of ``block`` (``nn.MultiheadAttention``'s ``num_heads``, a Hugging Face attention's
-    ``num_heads``/``num_attention_heads``/``n_head``, or a Llama-style one's ``n_heads``); 0 when it has no
-    attention."""
-    for m in block.modules():
-        for name in ("num_heads", "num_attention_heads", "n_head", "n_heads"):
-            value = getattr(m, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return 0
 
 
 def _tensor_bytes(out: Any) -> int:

@@ -41,7 +41,7 @@ _GIVEN = {"parameters": {"float32": 8000}, "parameter_count": 2000, "trainable_c
 STATES = ModelStates(**{f.name: _GIVEN[f.name] for f in fields(ModelStates)})
 TRACE = StepTrace(
     "32-true", False, 8000, 8000, 1000, (), ((1000, 8000),), flops=3 * 10**12, blocks=4, block_output_bytes=100,
-    attention_heads=8, rowwise_layers=8, colwise_layers=20, tensor_split_bytes=8000, tensor_split_activations=1000,
+    rowwise_layers=8, colwise_layers=20, tensor_split_bytes=8000, tensor_split_activations=1000,
     tensor_divisor=8,
 )  # fmt: skip
 UNITS = (0.25, 0.0)
