@@ -99,5 +99,6 @@ guard_trainer()  # Trainer(gpus=2) and the other Lightning 1.x arguments name th
 
 if __name__ == "lightning_mgpu" and _namespace.two_namespaces() and _namespace.lightning_available():
     # the `lightning` namespace: the same package loaded again with its imports rewritten (_namespace.py);
-    # importing it registers the presets in lightning.pytorch's StrategyRegistry
-    import lightning_mgpu.lightning  # noqa: F401
+    # importing it registers the presets in lightning.pytorch's StrategyRegistry. Now if `lightning` is imported,
+    # else as soon as it is: a `pytorch_lightning` script does not pay for importing `lightning` too
+    _namespace.import_after("lightning", "lightning_mgpu.lightning")

@@ -27,8 +27,9 @@ lightning_mgpu`` raises an ``ImportError`` naming both install lines.
 It also refuses, with an ``ImportError`` naming the upgrade line, a Lightning release older than
 :data:`OLDEST_LIGHTNING` (:func:`unsafe_lightning_releases`): the declared range starts there for safety, not for
 features.
-``import lightning_mgpu`` imports the ``lightning`` copy too when ``lightning`` is installed, so the preset
-names are registered in both namespaces whichever Trainer the user builds. The copy is a real package:
+``import lightning_mgpu`` imports the ``lightning`` copy too when ``lightning`` is installed (then, or as soon as
+``lightning`` is imported: :func:`import_after`), so the preset names are registered in both namespaces whichever
+Trainer the user builds. The copy is a real package:
 ``lightning_mgpu.lightning.MGPUDDPStrategy`` pickles and unpickles (spawn launches) by its module path.
 
 This module imports nothing of torch or Lightning, so that it can be loaded on its own.
@@ -54,8 +55,10 @@ __all__ = [
     "LIGHTNING_RENAMES",
     "NO_LIGHTNING",
     "OLDEST_LIGHTNING",
+    "AfterImport",
     "AliasFinder",
     "MirrorFinder",
+    "import_after",
     "install",
     "lightning_available",
     "pytorch_lightning_available",
@@ -304,6 +307,64 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         if importlib.util.find_spec(real) is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real))
+
+
+class _ThenLoader(importlib.abc.Loader):
+    """The loader of a package that, once the package has run, imports another module (:class:`AfterImport`); every
+    other attribute is the wrapped loader's."""
+
+    def __init__(self, loader: Any, then: str) -> None:
+        self.loader, self.then = loader, then
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the package's own loader back first: importlib.resources, inspect and pickling read it
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        importlib.import_module(self.then)
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Imports ``then`` right after the top-level package ``package`` has run, the first time it is imported; once.
+
+    ``import lightning_mgpu`` registers the preset names in ``lightning.pytorch``'s ``StrategyRegistry`` by importing
+    the ``lightning`` copy, which imports ``lightning`` itself: about a second and a half, and half of a
+    ``pytorch_lightning`` script's start-up, spent on a namespace it may never use. So where ``lightning`` is
+    installed but not imported yet, the copy is imported when ``lightning`` is (whatever the user imports first:
+    ``import lightning as L``, ``from lightning.pytorch import Trainer``, a ``LightningCLI`` config naming
+    ``lightning.pytorch`` classes): ``lightning``'s own ``__init__`` imports ``lightning.pytorch`` whole, so the copy
+    runs after the whole of it, as it would have under ``import lightning_mgpu`` after ``import lightning``.
+    """
+
+    def __init__(self, package: str, then: str) -> None:
+        self.package, self.then = package, then
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[ModuleType] = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != self.package:
+            return None
+        sys.meta_path.remove(self)  # once, and not asked again by the lookup below
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenLoader(spec.loader, self.then)
+        return spec
+
+
+def import_after(package: str, then: str) -> None:
+    """Import ``then`` now if ``package`` (top-level) is imported already, else right after it is
+    (:class:`AfterImport`)."""
+    if package in sys.modules:
+        importlib.import_module(then)
+    elif not any(isinstance(f, AfterImport) and (f.package, f.then) == (package, then) for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport(package, then))
 
 
 _TWO_NAMESPACES: Optional[bool] = None

@@ -70,3 +70,29 @@ def test_import_refuses_an_environment_with_a_compromised_release(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "refuses lightning 2.6.3" in out.stdout and "credential-stealing payload" in out.stdout
     assert out.stdout.strip().endswith("False")  # refused before anything of torch ran
+
+
+def test_the_lightning_copy_is_imported_with_lightning_not_before_it():
+    """``import lightning_mgpu`` in a ``pytorch_lightning`` script does not import ``lightning`` (about a second and a
+    half of start-up); the preset names reach ``lightning.pytorch``'s registry as soon as ``lightning`` is imported,
+    whichever submodule the user names first, and ``lightning``'s own loader is left in place."""
+    code = (
+        "import sys, lightning_mgpu\n"
+        "print('before', 'lightning' in sys.modules, 'lightning_mgpu.lightning' in sys.modules)\n"
+        "from lightning.pytorch import Trainer\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "import lightning, importlib.machinery as m\n"
+        "print('after', 'mgpu_ddp' in StrategyRegistry, 'mgpu_zero3' in StrategyRegistry)\n"
+        "strategy = Trainer(strategy='mgpu_ddp', accelerator='cpu', devices=2, logger=False).strategy\n"
+        "print('strategy', type(strategy).__module__)\n"
+        "loader = lightning.__spec__.loader\n"
+        "print('loader', isinstance(loader, m.SourceFileLoader), lightning.__loader__ is loader)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "before False False" in lines, out.stdout
+    assert "after True True" in lines, out.stdout
+    assert "strategy lightning_mgpu.lightning.strategies.ddp" in lines, out.stdout
+    assert "loader True True" in lines, out.stdout
