@@ -35,7 +35,7 @@ NEWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/pytho
 OLDEST_TORCH ?= torch==2.11.0
 OLDEST_TORCH_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3.12) python3.12)
 
-.PHONY: setup train test test-profile test-suite test-slow test-gpu-cpu test-compat test-install test-compat-oldest test-compat-cuda test-compat-torch-oldest test-gpu bench-gpu gpu-proof gpu-wheels bench lint notebooks docs test-lightning
+.PHONY: setup train test test-profile test-suite test-slow test-gpu-cpu test-compat test-install test-compat-oldest test-compat-cuda test-compat-torch-oldest compat-clean test-gpu bench-gpu gpu-proof gpu-wheels bench lint notebooks docs test-lightning
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -115,25 +115,43 @@ test-compat-oldest: $(STAMP)
 		.venv-oldest/bin/python -m pytest -m compat -p no:cacheprovider; \
 	fi
 
-.venv-cuda/.installed: pyproject.toml Makefile .ci/requirements-newest.txt
-	$(NEWEST_PYTHON) -m venv .venv-cuda
-	.venv-cuda/bin/python -m pip install -q --no-compile -r .ci/requirements-newest.txt
-	.venv-cuda/bin/python -m pip install -q --no-compile -e ".[test]"
-	touch $@
+# The two torch tiers' environments hold a torch of several GB (its CUDA libraries), which takes minutes to install on
+# 2 cores: each is built once per machine under COMPAT_CACHE, in a folder named by a hash of what it is built from
+# (Python, torch, Lightning), and linked from the checkout (.venv-cuda, .venv-torch-oldest); each checkout then installs
+# itself (and the test extra, already there after the first time) into it, so a new clone pays seconds, not minutes.
+# `make compat-clean` removes the cache.
+COMPAT_CACHE ?= $(HOME)/.cache/lightning-mgpu
+CUDA_BASE := $(COMPAT_CACHE)/venv-cuda-$(shell cat .ci/requirements-newest.txt | $(NEWEST_PYTHON) -c "import hashlib, sys; \
+	print(hashlib.sha1((sys.version + sys.stdin.read()).encode()).hexdigest()[:12])" 2>/dev/null)
+TORCH_OLDEST_REQS := "$(OLDEST_TORCH)" "lightning>=2.6.6,<2.7" "pytorch-lightning>=2.6.6,<2.7" "torchmetrics>=1.4" \
+	"psutil>=5.9" "typing-extensions>=4.7" "pytest>=8" "pytest-timeout>=2.3"
+TORCH_OLDEST_BASE := $(COMPAT_CACHE)/venv-torch-oldest-$(shell echo '$(TORCH_OLDEST_REQS)' | $(OLDEST_TORCH_PYTHON) -c \
+	"import hashlib, sys; print(hashlib.sha1((sys.version + sys.stdin.read()).encode()).hexdigest()[:12])" 2>/dev/null)
 
-test-compat-cuda: .venv-cuda/.installed
+.venv-cuda.installed: pyproject.toml Makefile .ci/requirements-newest.txt
+	test -f $(CUDA_BASE)/.base || { rm -rf $(CUDA_BASE) && $(NEWEST_PYTHON) -m venv $(CUDA_BASE) && \
+		$(CUDA_BASE)/bin/python -m pip install -q --no-compile -r .ci/requirements-newest.txt && touch $(CUDA_BASE)/.base; }
+	rm -rf .venv-cuda && ln -s $(CUDA_BASE) .venv-cuda
+	.venv-cuda/bin/python -m pip install -q --no-compile -e ".[test]"
+	touch .venv-cuda.installed
+
+test-compat-cuda: .venv-cuda.installed
 	.venv-cuda/bin/python -c "import sys, lightning, torch; \
 		print('compat tier: python', sys.version.split()[0], 'lightning', lightning.__version__, 'torch', torch.__version__, 'CUDA build', torch.version.cuda)"
 	.venv-cuda/bin/python -m pytest -m compat -p no:cacheprovider --compat-namespace pytorch_lightning
 
 # The required dependencies only (pyproject.toml's `dependencies` less jsonargparse, which only the `lightning-mgpu`
 # command needs), one Lightning distribution of each kind, and pytest.
-.venv-torch-oldest/.installed: pyproject.toml Makefile
-	$(OLDEST_TORCH_PYTHON) -m venv .venv-torch-oldest
-	.venv-torch-oldest/bin/python -m pip install -q --no-compile "$(OLDEST_TORCH)" "lightning>=2.6.6,<2.7" "pytorch-lightning>=2.6.6,<2.7" \
-		"torchmetrics>=1.4" "psutil>=5.9" "typing-extensions>=4.7" "pytest>=8" "pytest-timeout>=2.3"
+.venv-torch-oldest.installed: pyproject.toml Makefile
+	test -f $(TORCH_OLDEST_BASE)/.base || { rm -rf $(TORCH_OLDEST_BASE) && $(OLDEST_TORCH_PYTHON) -m venv $(TORCH_OLDEST_BASE) && \
+		$(TORCH_OLDEST_BASE)/bin/python -m pip install -q --no-compile $(TORCH_OLDEST_REQS) && touch $(TORCH_OLDEST_BASE)/.base; }
+	rm -rf .venv-torch-oldest && ln -s $(TORCH_OLDEST_BASE) .venv-torch-oldest
 	.venv-torch-oldest/bin/python -m pip install -q --no-compile --no-deps -e .
 	touch $@
+
+compat-clean:
+	rm -rf $(COMPAT_CACHE)/venv-cuda-* $(COMPAT_CACHE)/venv-torch-oldest-* .venv-cuda .venv-torch-oldest \
+		.venv-cuda.installed .venv-torch-oldest.installed
 
 # The compatibility subset without what needs the missing packages (the CLI, fairscale) and without tests/meta (checks
 # of the sources, the same on every torch; some read docstrings with jsonargparse's parser).
@@ -141,7 +159,7 @@ TORCH_OLDEST_SKIP = --ignore=tests/meta --ignore=tests/integration/test_cli.py \
 	--ignore=tests/unit/planning/test_planning.py --ignore=tests/unit/planning/test_source.py \
 	-k "not fairscale and not print_config"
 
-test-compat-torch-oldest: .venv-torch-oldest/.installed
+test-compat-torch-oldest: .venv-torch-oldest.installed
 	.venv-torch-oldest/bin/python -c "import sys, lightning, torch; \
 		print('compat tier: python', sys.version.split()[0], 'lightning', lightning.__version__, 'torch', torch.__version__)"
 	.venv-torch-oldest/bin/python -m pytest -m compat -p no:cacheprovider --compat-namespace lightning $(TORCH_OLDEST_SKIP)
@@ -151,8 +169,9 @@ test-compat-torch-oldest: .venv-torch-oldest/.installed
 # `lightning-mgpu[lightning]`), and from a folder holding a user's mymodel.py and cfg.yaml (tests/install/): the
 # main job, `lightning-mgpu --help`, `lightning-mgpu plan --config cfg.yaml` and `lightning-mgpu fit --config
 # cfg.yaml`; then a new user's first hour (tests/install/first_hour.py: a tutorial-style module of the distribution's
-# namespace as a script, through the command, in a notebook, planned, under mgpu_auto). About 5 minutes for
-# pytorch-lightning and 7 for lightning (checked twice) here before the first hour, half of it pip.
+# namespace as a script, through the command, in a notebook, planned, under mgpu_auto). About 3 minutes for
+# pytorch-lightning and 4 for lightning here, first hour included (158 s and 264 s in a clean-clone run before the
+# lightning-only state ran only the main job and the first hour).
 test-install: $(STAMP)
 	PYTHON=$(PYTHON) BUILD_PYTHON=$(BIN)/python TORCH="$(TORCH)" .ci/test-install pytorch-lightning
 	PYTHON=$(PYTHON) BUILD_PYTHON=$(BIN)/python TORCH="$(TORCH)" .ci/test-install lightning
@@ -170,7 +189,7 @@ test-install: $(STAMP)
 # and the benchmarks together are estimated at about 11 minutes on an H100 (docs/gpu.md: each part's estimate).
 GPU_PYTHON ?= python3
 GPU_PY = $$($(GPU_PYTHON) -c "import torch, pytorch_lightning, lightning" 2>/dev/null && echo $(GPU_PYTHON) || \
-	{ $(MAKE) -s .venv-cuda/.installed >&2 && echo .venv-cuda/bin/python; })
+	{ $(MAKE) -s .venv-cuda.installed >&2 && echo .venv-cuda/bin/python; })
 
 test-gpu:
 	py=$(GPU_PY); PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/env.py && \
