@@ -12,6 +12,7 @@ Lightning's ``_PATH``, the BatchNorm classes for torch's ``_BatchNorm``, ``Light
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -360,6 +361,26 @@ def cpu_fork_despite_cuda_probe() -> Iterator[None]:
         yield
     finally:
         launchers._check_bad_cuda_fork = original
+
+
+def forget_inherited_compile_threads() -> None:
+    """In a forked child, forget torch inductor's compile thread pool inherited from the parent.
+
+    Inductor compiles kernels through ``torch._inductor.async_compile.AsyncCompile.pool()``, a
+    ``functools.lru_cache``'d ``ThreadPoolExecutor``. torch's own at-fork hook (``async_compile.after_fork``) resets
+    its process pool but not this one (torch 2.11.0 and 2.13.0 checked; 2.15.0 resets a ``thread_pool`` of the same
+    kind and not ``pool``). In a fork child the executor's threads do not exist while its idle count says they do, so
+    the first kernel the child compiles is queued to no thread and the rank hangs in its first forward: a notebook
+    that compiled a model with inductor, then ``Trainer(strategy="mgpu_ddp_notebook")`` with ``compile=True``
+    (reproduced here with a bare ``os.fork``, and in the suite before compiling tests ran in subprocesses). Clearing
+    the caches makes the child build its own pool. Where the names are missing (another torch), nothing happens; where
+    inductor never ran in the parent, its module is not loaded and nothing was inherited."""
+    module = sys.modules.get("torch._inductor.async_compile")
+    compile_pools = getattr(module, "AsyncCompile", None)
+    for name in ("pool", "thread_pool"):
+        cache_clear = getattr(getattr(compile_pools, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
 
 
 def sync_param_groups(wrapper: Any, local: Any) -> None:

@@ -26,6 +26,7 @@ from lightning_mgpu._compat import (
     SubprocessScriptLauncher,
     call_children_scripts,
     cpu_fork_despite_cuda_probe,
+    forget_inherited_compile_threads,
     set_num_threads_if_needed,
     worker_output,
 )
@@ -298,6 +299,8 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
 
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        if self._forks:  # the parent's compile threads do not exist here (_compat.py)
+            forget_inherited_compile_threads()
         try:
             super()._wrapping_function(*args, **kwargs)
         except BaseException as exception:

@@ -340,3 +340,57 @@ def test_hsdp_under_torchrun_on_two_nodes_shards_within_each_node(tmp_path):
         assert seen["mesh"] == (2, 2)  # 2 replicas (the nodes) of shard groups of 2 (the processes of a node)
         assert seen["syncs"] == (2, 2)  # 4 batches, accumulate_grad_batches 2: one sync per optimizer step
         torch.testing.assert_close(seen["weights"], ranks[0]["weights"], rtol=0, atol=0)
+
+
+# --- fork launches after inductor compiled in the parent ---
+
+
+class _CompilesInItsRanks(Regressor):
+    """Each training step hands a task to inductor's compile thread pool, as compiling a kernel does, and waits a
+    bounded time for it: a rank whose pool has no thread raises ``TimeoutError`` instead of hanging."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        from torch._inductor.async_compile import AsyncCompile
+
+        assert AsyncCompile.submit(lambda: 7).result(timeout=15) == 7
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_after_compiling(strategy: Any, out: Path) -> None:
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile
+
+    try:
+        config.compile_threads = 2  # inductor's pool path, as on any machine of 2 cores or more
+        AsyncCompile.pool().submit(lambda: None).result()  # what compiling a model here leaves: a pool with a thread
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        )  # fmt: skip
+        trainer.fit(_CompilesInItsRanks().double(), datamodule=RankData(make_data(n=16), 4))
+        out.write_text("ok")
+    except BaseException:
+        out.write_text(traceback.format_exc())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["mgpu_ddp_notebook", "lightning_ddp_notebook"])
+def test_a_fork_launch_after_inductor_compiled_in_the_parent_does_not_hang(strategy, tmp_path):
+    """A notebook that compiled a model with inductor, then ``Trainer(strategy="mgpu_ddp_notebook")``: torch's
+    at-fork hook resets inductor's compile process pool but not its thread pool, so each fork child inherits an
+    executor whose threads do not exist, and its first kernel compile waits for ever (reproduced with
+    ``torch.compile`` and a bare ``os.fork``). The pack's fork launch gives each rank a pool of its own
+    (``_compat.forget_inherited_compile_threads``); Lightning's ``ddp_notebook`` is the negative control, its ranks
+    bounded here by the step's 15 s wait. The whole is run in a fork child, so this process keeps no pool."""
+    out = tmp_path / "result.txt"
+    name = strategy.removeprefix("lightning_")  # Lightning's own preset: "ddp_notebook"
+    child = multiprocessing.get_context("fork").Process(target=_fit_after_compiling, args=(name, out))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked fit did not end")
+    if strategy == "mgpu_ddp_notebook":
+        assert out.read_text() == "ok"
+    else:
+        assert "TimeoutError" in out.read_text()
