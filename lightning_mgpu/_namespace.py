@@ -38,6 +38,7 @@ This module imports nothing of torch or Lightning, so that it can be loaded on i
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -313,8 +314,8 @@ class _ThenLoader(importlib.abc.Loader):
     """The loader of a package that, once the package has run, imports another module (:class:`AfterImport`); every
     other attribute is the wrapped loader's."""
 
-    def __init__(self, loader: Any, then: str) -> None:
-        self.loader, self.then = loader, then
+    def __init__(self, loader: Any, then: str, finder: AfterImport) -> None:
+        self.loader, self.then, self.finder = loader, then, finder
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
@@ -323,6 +324,8 @@ class _ThenLoader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        with contextlib.suppress(ValueError):  # imported now: the finder has done its work
+            sys.meta_path.remove(self.finder)
         # the package's own loader back first: importlib.resources, inspect and pickling read it
         module.__loader__ = self.loader
         if module.__spec__ is not None:
@@ -345,16 +348,22 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
     def __init__(self, package: str, then: str) -> None:
         self.package, self.then = package, then
+        self._looking = False
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[ModuleType] = None
     ) -> Optional[importlib.machinery.ModuleSpec]:
-        if fullname != self.package:
+        if fullname != self.package or self._looking:
             return None
-        sys.meta_path.remove(self)  # once, and not asked again by the lookup below
-        spec = importlib.util.find_spec(fullname)
+        # the other finders' spec, its loader wrapped; the finder stays until the package is imported (a look-up
+        # without an import, `importlib.util.find_spec("lightning")`, leaves it in place)
+        self._looking = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._looking = False
         if spec is not None and spec.loader is not None:
-            spec.loader = _ThenLoader(spec.loader, self.then)
+            spec.loader = _ThenLoader(spec.loader, self.then, self)
         return spec
 
 

@@ -75,10 +75,13 @@ def test_import_refuses_an_environment_with_a_compromised_release(tmp_path):
 def test_the_lightning_copy_is_imported_with_lightning_not_before_it():
     """``import lightning_mgpu`` in a ``pytorch_lightning`` script does not import ``lightning`` (about a second and a
     half of start-up); the preset names reach ``lightning.pytorch``'s registry as soon as ``lightning`` is imported,
-    whichever submodule the user names first, and ``lightning``'s own loader is left in place."""
+    whichever submodule the user names first (after a look-up of ``lightning`` that imports nothing), and
+    ``lightning``'s own loader is left in place."""
     code = (
         "import sys, lightning_mgpu\n"
         "print('before', 'lightning' in sys.modules, 'lightning_mgpu.lightning' in sys.modules)\n"
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('lightning') is not None  # a look-up, as availability checks make\n"
         "from lightning.pytorch import Trainer\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "import lightning, importlib.machinery as m\n"
