@@ -170,7 +170,10 @@ def test_rank_slow_in_its_data_path_is_reported_as_the_straggler(tmp_path, model
         assert busy1 - busy0 == pytest.approx(1000 * EXTRA_DELAY, rel=0.25)
         # the ratio follows the injected delay: (base + extra + compute) / (base + compute)
         assert row["device/imbalance/straggler_ratio"] == pytest.approx(busy1 / busy0)
-        assert 1.6 < row["device/imbalance/straggler_ratio"] < (BASE_DELAY + EXTRA_DELAY) / BASE_DELAY
+        # at least half the injected delay over rank 0's own busy time (which grows with the machine's load: 1.6 as a
+        # fixed bound failed once on 2 cores shared with another suite, at 1.58 with rank 0 busy 68 ms a batch)
+        ratio = row["device/imbalance/straggler_ratio"]
+        assert 1.0 + 0.5 * 1000 * EXTRA_DELAY / busy0 < ratio < (BASE_DELAY + EXTRA_DELAY) / BASE_DELAY
         assert row["device/rank1/data_ms"] - row["device/rank0/data_ms"] == pytest.approx(1000 * EXTRA_DELAY, rel=0.25)
         for rank in range(WORLD):  # per-rank memory, written by rank 0 for both ranks
             assert row[f"device/rank{rank}/mem_peak_mb"] >= row[f"device/rank{rank}/mem_mb"] > 10.0
