@@ -259,9 +259,10 @@ def _fit_in_a_fork_child(strategy: Any, out: Path) -> None:
         out.write_text(traceback.format_exc())
 
 
-def _run(strategy: Any, tmp_path: Path) -> str:
+def _run(strategy: Any, tmp_path: Path, target: Any = None) -> str:
+    """``target(strategy, out)`` (default: the bad-fork fit) in a fork child of this process, bounded; what it wrote."""
     out = tmp_path / "result.txt"
-    child = multiprocessing.get_context("fork").Process(target=_fit_in_a_fork_child, args=(strategy, out))
+    child = multiprocessing.get_context("fork").Process(target=target or _fit_in_a_fork_child, args=(strategy, out))
     child.start()
     child.join(timeout=120)
     if child.is_alive():
@@ -382,15 +383,8 @@ def test_a_fork_launch_after_inductor_compiled_in_the_parent_does_not_hang(strat
     ``torch.compile`` and a bare ``os.fork``). The pack's fork launch gives each rank a pool of its own
     (``_compat.forget_inherited_compile_threads``); Lightning's ``ddp_notebook`` is the negative control, its ranks
     bounded here by the step's 15 s wait. The whole is run in a fork child, so this process keeps no pool."""
-    out = tmp_path / "result.txt"
-    name = strategy.removeprefix("lightning_")  # Lightning's own preset: "ddp_notebook"
-    child = multiprocessing.get_context("fork").Process(target=_fit_after_compiling, args=(name, out))
-    child.start()
-    child.join(timeout=120)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("the forked fit did not end")
+    result = _run(strategy.removeprefix("lightning_"), tmp_path, _fit_after_compiling)  # Lightning's: "ddp_notebook"
     if strategy == "mgpu_ddp_notebook":
-        assert out.read_text() == "ok"
+        assert result == "ok"
     else:
-        assert "TimeoutError" in out.read_text()
+        assert "TimeoutError" in result
