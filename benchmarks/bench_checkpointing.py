@@ -9,11 +9,14 @@ Variants, measured in one run with their steps interleaved (so machine noise hit
                   uses; BatchNorm statistics updated twice per step
   mgpu            lightning_mgpu.apply_activation_checkpointing on every block (BatchNorm-safe)
   mgpu_reentrant  the same, reentrant mode
+  mgpu_matmuls    lightning_mgpu, every block, keeping its matmuls and attention (selective, save="matmuls")
+  mgpu_budget50   lightning_mgpu, every block, keeping half its operator outputs' bytes (save=0.5)
   mgpu_every2     lightning_mgpu, EveryNth(2): every other block
   mgpu_first6     lightning_mgpu, a callable policy: the first 6 of the 8 blocks
 
-"bytes" are the distinct storages autograd keeps for backward (``saved_tensors_hooks``; a checkpointed block
-keeps its input only). Targets (issue 5): mgpu <= 0.40x the bytes of none, at <= 1.35x the step time.
+"bytes" are the distinct storages the forward made that are alive when backward starts: what autograd saved and
+what selective checkpointing kept (a whole checkpointed block keeps its input only). Targets (issue 5): mgpu <=
+0.40x the bytes of none, at <= 1.35x the step time.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import argparse
 import copy
 import statistics
 import time
+import weakref
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_ac
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mgpu import EveryNth, apply_activation_checkpointing
 
@@ -59,6 +64,10 @@ def variant(name: str, base: nn.Module) -> nn.Module:
         apply_activation_checkpointing(model, nn.TransformerEncoderLayer)
     elif name == "mgpu_reentrant":
         apply_activation_checkpointing(model, nn.TransformerEncoderLayer, use_reentrant=True)
+    elif name == "mgpu_matmuls":
+        apply_activation_checkpointing(model, nn.TransformerEncoderLayer, save="matmuls")
+    elif name == "mgpu_budget50":
+        apply_activation_checkpointing(model, nn.TransformerEncoderLayer, save=0.5)
     elif name == "mgpu_every2":
         apply_activation_checkpointing(model, EveryNth(2, container="blocks"))
     elif name == "mgpu_first6":
@@ -67,19 +76,32 @@ def variant(name: str, base: nn.Module) -> nn.Module:
     return model
 
 
+class _Made(TorchDispatchMode):
+    """Weak references to the storage of every tensor the forward makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.made.append(weakref.ref(t.untyped_storage()))
+        return out
+
+
 def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x)
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    return sum(seen.values())
+    """Bytes of the storages the forward made that are still alive when backward starts: what autograd saved and
+    what selective checkpointing kept (a second forward: a memory budget measures in its first)."""
+    for _ in range(2):
+        made = _Made()
+        with made:
+            out = model(x).sum()
+        held = sum({s.data_ptr(): s.nbytes() for r in made.made if (s := r()) is not None}.values())
+        out.backward()
+        model.zero_grad(set_to_none=True)
+    return held
 
 
 def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
@@ -123,7 +145,7 @@ def main() -> None:
     torch.manual_seed(0)
     base = Transformer(args.blocks, args.d_model, args.heads).to(device)
     x = torch.randn(args.batch, args.seq, args.d_model, device=device)
-    names = ["none", "torch", "mgpu", "mgpu_reentrant", "mgpu_every2", "mgpu_first6"]
+    names = ["none", "torch", "mgpu", "mgpu_reentrant", "mgpu_matmuls", "mgpu_budget50", "mgpu_every2", "mgpu_first6"]
     models = {n: variant(n, base) for n in names}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in models.items()}
     bytes_ = {n: saved_bytes(models[n], x) for n in names}

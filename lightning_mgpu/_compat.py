@@ -775,3 +775,28 @@ def local_storage(tensor: Any) -> Any:
         return local
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
+
+
+def outside_dispatch_modes() -> Any:
+    """``torch.utils._python_dispatch._disable_current_modes()``: run tensor operations past the Python dispatch
+    modes active now (selective activation checkpointing's recording and replaying modes, which must see only the
+    block's own operations). Checked on torch 2.11 and 2.13. Missing: a no-op context (the operations are then
+    seen by the modes, and selective checkpointing of a block with BatchNorm fails with torch's mismatch error)."""
+    from torch.utils import _python_dispatch
+
+    disable = getattr(_python_dispatch, "_disable_current_modes", None)
+    return disable() if disable is not None else contextlib.nullcontext()
+
+
+def dispatch_mode_base() -> Any:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: the base class of an operator-level recorder (selective
+    checkpointing's memory budget measures each operator's output with one). Checked on torch 2.11 and 2.13."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def operator_schema(op: Any) -> Any:
+    """``OpOverload._schema``: an operator's schema (whether it mutates an input, whether an output aliases one;
+    there is no public getter). Checked on torch 2.11 and 2.13."""
+    return op._schema

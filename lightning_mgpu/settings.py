@@ -90,6 +90,82 @@ ActivationCheckpointingPolicy = Union[
 recomputed with it anyway)."""
 
 
+CheckpointSave = Union[None, str, Sequence[str], float]
+"""What a checkpointed block keeps for backward (selective checkpointing): ``None`` its input only (the whole block
+is recomputed), ``"matmuls"`` (:data:`MATMUL_OPS`), a list of torch ``aten`` operator names, or a memory budget, a
+float strictly between 0 and 1 (the fraction of the bytes of the block's operator outputs kept, the costliest to
+recompute per byte first)."""
+
+#: The operators ``save="matmuls"`` keeps: matrix multiplications, convolutions and attention (those present in the
+#: installed torch), whose recompute costs the most per byte kept.
+MATMUL_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "convolution",
+    "_scaled_mm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+
+
+def resolve_save(save: Union[str, Sequence[str]]) -> frozenset[Any]:
+    """The ``aten`` operators (overload packets) that ``save`` names."""
+    import torch
+
+    names = [n for n in MATMUL_OPS if hasattr(torch.ops.aten, n)] if save == "matmuls" else list(save)
+    ops = []
+    for name in names:
+        bare = name.removeprefix("aten.").removeprefix("torch.ops.aten.").split(".")[0]
+        if not hasattr(torch.ops.aten, bare):
+            raise ValueError(
+                f"activation_checkpointing_save: {name!r} is not a torch aten operator. Name operators as torch "
+                f"does, e.g. ['mm', 'addmm', 'convolution'], or pass 'matmuls' for {', '.join(MATMUL_OPS[:5])} "
+                f"and attention."
+            )
+        ops.append(getattr(torch.ops.aten, bare))
+    return frozenset(ops)
+
+
+def validate_save(save: Any, reentrant: bool = False) -> None:
+    """Check ``activation_checkpointing_save`` without a model."""
+    if save is None:
+        return
+    if reentrant:
+        raise ValueError(
+            f"activation_checkpointing_save={save!r} needs the non-reentrant mode (torch's selective checkpointing "
+            f"runs in it only): drop activation_checkpointing_reentrant=True."
+        )
+    if isinstance(save, bool) or not isinstance(save, (str, float, list, tuple)):
+        raise TypeError(
+            f"activation_checkpointing_save={save!r} is not a choice: pass 'matmuls', a list of operator names such "
+            f"as ['mm', 'addmm'], or a memory budget between 0 and 1 such as 0.5."
+        )
+    if isinstance(save, float):
+        if not 0.0 < save < 1.0:
+            raise ValueError(
+                f"activation_checkpointing_save={save!r} is a memory budget outside (0, 1): it is the fraction of a "
+                f"block's operator outputs kept for backward. Use e.g. 0.5; None recomputes the whole block, and no "
+                f"checkpointing (activation_checkpointing=None) keeps everything."
+            )
+        return
+    if isinstance(save, str) and save != "matmuls":
+        raise ValueError(
+            f"activation_checkpointing_save={save!r} is unknown: pass 'matmuls', a list of operator names such as "
+            f"[{save!r}], or a memory budget between 0 and 1."
+        )
+    if not isinstance(save, str) and (not save or not all(isinstance(n, str) for n in save)):
+        raise ValueError(
+            f"activation_checkpointing_save={save!r} must list operator names (strings), e.g. ['mm', 'addmm']."
+        )
+    resolve_save(save)
+
+
 def import_policy_class(path: str) -> type[nn.Module]:
     module_name, _, attr = path.rpartition(".")
     try:
@@ -306,6 +382,11 @@ class CommonSettings:
     :func:`lightning_mgpu.apply_activation_checkpointing`. Checked against the model before any process starts."""
     activation_checkpointing_reentrant: bool = False
     """Use torch's reentrant checkpointing instead of the non-reentrant default."""
+    activation_checkpointing_save: CheckpointSave = None
+    """What each checkpointed block keeps for backward instead of recomputing (selective checkpointing):
+    ``None`` its input only, ``"matmuls"`` its matrix multiplications, convolutions and attention, a list of
+    torch operator names, or a memory budget between 0 and 1; see
+    :func:`lightning_mgpu.apply_activation_checkpointing`."""
     loss_normalization: Optional[LossNormalization] = None
     """``None``: Lightning's (the loss of each micro-batch as returned); ``"tokens"``: ``training_step`` returns
     ``{"loss": <sum of per-token losses>, "num_tokens": <count>}`` and the gradient is that of the mean over every
@@ -383,6 +464,7 @@ class CommonSettings:
         _check_bool("log_comm_stats", self.log_comm_stats)
         validate_policy(self.activation_checkpointing)
         _check_bool("activation_checkpointing_reentrant", self.activation_checkpointing_reentrant)
+        validate_save(self.activation_checkpointing_save, self.activation_checkpointing_reentrant)
         _check_bool("async_checkpoint", self.async_checkpoint)
         if self.checkpoint_params not in CHECKPOINT_PARAMS:
             raise ValueError(

@@ -38,9 +38,23 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mgpu import comm
-from lightning_mgpu._compat import check_norm_input_dim, tensor_version
+from lightning_mgpu._compat import (
+    check_norm_input_dim,
+    dispatch_mode_base,
+    operator_schema,
+    outside_dispatch_modes,
+    tensor_version,
+)
 from lightning_mgpu.comm import group_is_up
-from lightning_mgpu.settings import ActivationCheckpointingPolicy, EveryNth, import_policy_class, validate_policy
+from lightning_mgpu.settings import (
+    ActivationCheckpointingPolicy,
+    CheckpointSave,
+    EveryNth,
+    import_policy_class,
+    resolve_save,
+    validate_policy,
+    validate_save,
+)
 
 # torch's public normalisation layers with running statistics (their common bases _BatchNorm/_InstanceNorm are
 # private; a lazy layer becomes its plain class once initialised)
@@ -225,9 +239,12 @@ class _Region:
             # forward's update and their version counters (the reentrant backward checks them).
             self.cursor = 0
             # (assigning a tensor to a registered buffer's name replaces the buffer: nn.Module.__setattr__)
+            # The copies are made past selective checkpointing's replaying mode: it must see the block's own
+            # operations only, in the first forward's order.
             originals = [(m, n, b) for m, n in self.mutated if (b := getattr(m, n)) is not None]
-            for m, n, b in originals:
-                setattr(m, n, b.detach().clone())
+            with outside_dispatch_modes():
+                for m, n, b in originals:
+                    setattr(m, n, b.detach().clone())
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -308,27 +325,143 @@ class _SyncBNForward:
         return _sync_batch_norm(bn, x, region, group)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Selective checkpointing: inside a checkpointed block, which operator outputs are kept for backward instead of
+# recomputed (torch's ``create_selective_checkpoint_contexts``; torchtitan's per-operator policy keeps the matrix
+# multiplications, whose recompute costs the most per byte kept).
+
+
+def _output_bytes(out: Any) -> int:
+    return sum(t.untyped_storage().nbytes() for t in _tensors(out))
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+# Allocations whose memory a later in-place operation fills (dropout's mask: empty_like, then bernoulli_): keeping
+# one would keep a tensor the forward mutates after it was kept, which torch's selective checkpointing refuses.
+_ALLOCATIONS = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "ones",
+     "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full"}
+)  # fmt: skip
+
+
+def _keepable(func: Any) -> bool:
+    """An operator whose outputs may be kept: computed from its inputs (not an allocation, not random), neither
+    mutating its inputs nor returning a view of them (a view keeps its base alive, counted where the base is made)."""
+    schema = operator_schema(func)
+    return (
+        func.overloadpacket.__name__ not in _ALLOCATIONS
+        and torch.Tag.nondeterministic_seeded not in func.tags
+        and not schema.is_mutable
+        and all(r.alias_info is None for r in schema.returns)
+    )
+
+
+class _OperatorCosts(dispatch_mode_base()):  # type: ignore[misc]
+    """Records, for one forward of a block, each operator's output bytes and its cost to recompute (its FLOPs by
+    torch's flop counter formulas where it has one, else one per output element: memory-bound)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.costs: dict[Any, list[float]] = {}  # operator -> [bytes, recompute cost]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _keepable(func):
+            size = _output_bytes(out)
+            formula = flop_registry.get(func.overloadpacket)
+            cost = (
+                formula(*args, **kwargs, out_val=out) if formula is not None else sum(t.numel() for t in _tensors(out))
+            )
+            entry = self.costs.setdefault(func.overloadpacket, [0.0, 0.0])
+            entry[0] += size
+            entry[1] += float(cost)
+        return out
+
+
+def budget_choice(costs: dict[Any, list[float]], budget: float) -> frozenset[Any]:
+    """The operators whose outputs a block keeps under ``budget`` (the fraction of its operator outputs' bytes): the
+    costliest to recompute per byte first, while the bytes kept stay within the budget."""
+    total = sum(size for size, _ in costs.values())
+    kept: set[Any] = set()
+    used = 0.0
+    for op, (size, _) in sorted(costs.items(), key=lambda kv: -kv[1][1] / max(kv[1][0], 1.0)):
+        if size and used + size <= budget * total:
+            kept.add(op)
+            used += size
+    return frozenset(kept)
+
+
+class _Selection:
+    """What one checkpointed module keeps: a fixed set of operators, or (a memory budget) the set chosen from the
+    costs measured in its first training forward, which itself keeps nothing (whole-block checkpointing, the least
+    memory, while it measures)."""
+
+    def __init__(self, save: CheckpointSave) -> None:
+        self.budget = save if isinstance(save, float) else None
+        self.ops: Optional[frozenset[Any]] = None
+        if not isinstance(save, float) and save is not None:
+            self.ops = resolve_save(save)
+
+    def context(self, measure: Optional[_OperatorCosts]) -> Any:
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        ops = self.ops or frozenset()
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            keep = func.overloadpacket in ops and _keepable(func)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    def measuring(self) -> Optional[_OperatorCosts]:
+        return _OperatorCosts() if self.budget is not None and self.ops is None else None
+
+    def measured(self, recorder: _OperatorCosts) -> None:
+        assert self.budget is not None
+        self.ops = budget_choice(recorder.costs, self.budget)
+
+
 class _CheckpointedForward:
     """Instance ``forward`` of a checkpointed module. Its class's ``forward`` runs inside
     ``torch.utils.checkpoint.checkpoint``; ``module(...)`` still runs the module's hooks once per call (FSDP's
     unshard/reshard stay outside the recompute, as with torch's ``checkpoint_wrapper`` applied before
     ``fully_shard``). Module structure and state-dict keys are unchanged."""
 
-    def __init__(self, module: nn.Module, use_reentrant: bool, preserve_rng_state: bool) -> None:
+    def __init__(
+        self, module: nn.Module, use_reentrant: bool, preserve_rng_state: bool, save: CheckpointSave = None
+    ) -> None:
         self.module = module
         self.use_reentrant = use_reentrant
         self.preserve_rng_state = preserve_rng_state
+        self.selection = _Selection(save) if save is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         forward = functools.partial(type(module).forward, module)
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)  # evaluation: nothing is saved for backward anyway
+        selection = self.selection
         if torch.compiler.is_compiling():
             # Under torch.compile, AOTAutograd recomputes from the traced graph, where the normalisation
             # layers' buffer updates are applied once, after the graph: torch's checkpoint is already
             # BatchNorm-safe there (checked in tests), and our region's Python bookkeeping would not trace.
-            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **kwargs)
+            # (A memory budget is chosen in an eager forward: compiled, it keeps the operators chosen, if any.)
+            extra: dict[str, Any] = (
+                {} if selection is None else {"context_fn": functools.partial(selection.context, None)}
+            )
+            return checkpoint(
+                forward, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **extra, **kwargs
+            )
         region = _Region(module)
         if self.use_reentrant:
             # Reentrant checkpointing returns outputs without a graph when no input requires grad (the
@@ -340,10 +473,24 @@ class _CheckpointedForward:
 
             return checkpoint(run, dummy, *args, use_reentrant=True, preserve_rng_state=self.preserve_rng_state)
 
-        def run_kw(*inner: Any, **inner_kwargs: Any) -> Any:
-            return region.run(forward, inner, inner_kwargs)
+        measure = selection.measuring() if selection is not None else None
 
-        return checkpoint(run_kw, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **kwargs)
+        def run_kw(*inner: Any, **inner_kwargs: Any) -> Any:
+            if measure is None or region.runs:
+                return region.run(forward, inner, inner_kwargs)
+            with measure:  # the first forward of a block under a memory budget: its operators' costs
+                return region.run(forward, inner, inner_kwargs)
+
+        context: dict[str, Any] = (
+            {} if selection is None else {"context_fn": functools.partial(selection.context, measure)}
+        )
+        out = checkpoint(
+            run_kw, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **context, **kwargs
+        )
+        if measure is not None:
+            assert selection is not None
+            selection.measured(measure)
+        return out
 
 
 def apply_activation_checkpointing(
@@ -352,6 +499,7 @@ def apply_activation_checkpointing(
     *,
     use_reentrant: bool = False,
     preserve_rng_state: bool = True,
+    save: CheckpointSave = None,
 ) -> list[str]:
     """Checkpoint the blocks of ``model`` that ``policy`` selects, in place; returns their names.
 
@@ -365,6 +513,12 @@ def apply_activation_checkpointing(
         use_reentrant: torch's reentrant mode (``torch.utils.checkpoint`` with ``use_reentrant=True``). The
             default, non-reentrant, is torch's recommendation and works with DDP without ``static_graph``.
         preserve_rng_state: restore the RNG state for the recompute (dropout masks equal the first forward).
+        save: what a checkpointed block keeps for backward (selective checkpointing, non-reentrant mode only):
+            ``None`` nothing but its input (the whole block is recomputed); ``"matmuls"`` the outputs of its matrix
+            multiplications, convolutions and attention (the costliest to recompute per byte); a list of operator
+            names (``["mm", "addmm"]``, torch's ``aten`` operators); or a memory budget, a float between 0 and 1:
+            the fraction of the bytes of its operator outputs it may keep, the costliest to recompute per byte
+            first (chosen from the block's first training forward, which keeps nothing).
 
     Example:
 
@@ -376,9 +530,10 @@ def apply_activation_checkpointing(
     """
     if not isinstance(use_reentrant, bool):
         raise TypeError(f"use_reentrant must be True or False, got {use_reentrant!r}.")
+    validate_save(save, use_reentrant)
     chosen = select_modules(model, policy)
     for _, m in chosen:
-        m.__dict__["forward"] = _CheckpointedForward(m, use_reentrant, preserve_rng_state)
+        m.__dict__["forward"] = _CheckpointedForward(m, use_reentrant, preserve_rng_state, save)
         for sub in m.modules():
             if isinstance(sub, nn.SyncBatchNorm):
                 sub.__dict__["forward"] = _SyncBNForward(sub)
@@ -437,9 +592,12 @@ class ActivationCheckpointing:
     part.remove(module)  # teardown: the user's module back unchanged
     """
 
-    def __init__(self, policy: Optional[ActivationCheckpointingPolicy], reentrant: bool = False) -> None:
+    def __init__(
+        self, policy: Optional[ActivationCheckpointingPolicy], reentrant: bool = False, save: CheckpointSave = None
+    ) -> None:
         self.policy = policy
         self.reentrant = reentrant
+        self.save = save
 
     def check(self, module: nn.Module) -> None:
         if self.policy is not None:
@@ -450,7 +608,7 @@ class ActivationCheckpointing:
         # wrapping) -> activation checkpointing -> DDP / sharding. Checkpointing patches the blocks' forward in
         # place, so DDP/FSDP see the same module tree and state-dict keys as without it.
         if self.policy is not None and module is not None:
-            apply_activation_checkpointing(module, self.policy, use_reentrant=self.reentrant)
+            apply_activation_checkpointing(module, self.policy, use_reentrant=self.reentrant, save=self.save)
 
     def remove(self, module: Optional[nn.Module]) -> None:
         if self.policy is not None and module is not None:

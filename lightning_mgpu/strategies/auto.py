@@ -212,7 +212,11 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         num_nodes, module = self.num_nodes, self.lightning_module
         auto = self._auto
         # what every mgpu strategy has is handed on as given; the plan decides activation checkpointing
-        handed_on = set(CommonSettings.keywords()) - {"activation_checkpointing", "activation_checkpointing_reentrant"}
+        handed_on = set(CommonSettings.keywords()) - {
+            "activation_checkpointing",
+            "activation_checkpointing_reentrant",
+            "activation_checkpointing_save",
+        }
         kwargs: dict[str, Any] = {**kept, **{name: getattr(self.launch_settings, name) for name in handed_on}}
         kwargs.pop("micro_batch_size")
         if auto["settings"].micro_batch_size is not None:

@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from lightning_mgpu import _compat
 from lightning_mgpu.comm import CommStats
-from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_directory_message
@@ -119,6 +119,7 @@ class MGPUDDPStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        activation_checkpointing_save: CheckpointSave = None,
         loss_normalization: Optional[LossNormalization] = None,
         nonfinite: Optional[NonFinite] = None,
         micro_batch_size: Optional[MicroBatchSetting] = None,

@@ -22,7 +22,7 @@ from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from pytorch_lightning.plugins.precision import Precision
 
-from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave
 from lightning_mgpu.parts.periodic_sync import CHECKPOINT_KEY, PeriodicSync
 from lightning_mgpu.settings import (
     CommDtype,
@@ -101,6 +101,7 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         log_comm_stats: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        activation_checkpointing_save: CheckpointSave = None,
         compile: CompileSetting = False,
         exact_evaluation: bool = True,
         check_uneven_inputs: bool = True,
@@ -179,6 +180,7 @@ class MGPUDiLoCoStrategy(MGPUDDPStrategy):
         log_comm_stats: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        activation_checkpointing_save: CheckpointSave = None,
         compile: CompileSetting = False,
         exact_evaluation: bool = True,
         check_uneven_inputs: bool = True,

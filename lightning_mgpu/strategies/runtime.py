@@ -171,7 +171,9 @@ class Runtime:
         self.evaluation = ExactEvaluation(settings.exact_evaluation)
         self.uneven = UnevenInputs(settings.check_uneven_inputs)
         self.checkpointing = ActivationCheckpointing(
-            settings.activation_checkpointing, settings.activation_checkpointing_reentrant
+            settings.activation_checkpointing,
+            settings.activation_checkpointing_reentrant,
+            settings.activation_checkpointing_save,
         )
         self.compilation = Compilation(settings.compile)
         tokens = settings.loss_normalization == "tokens"

@@ -45,7 +45,7 @@ from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import unwrap_optimizer
 from lightning_mgpu.comm import CommStats, attached_trainer, group_is_up
 from lightning_mgpu.mesh import DATA_PARALLEL, ParallelMesh, expose_to_module
-from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, classes_present
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave, classes_present
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import planned_counts_differ
 from lightning_mgpu.parts.micro_batching import MicroBatching
@@ -206,6 +206,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         log_comm_stats: bool = True,
         activation_checkpointing: Optional[ActivationCheckpointingPolicy] = None,
         activation_checkpointing_reentrant: bool = False,
+        activation_checkpointing_save: CheckpointSave = None,
         loss_normalization: Optional[LossNormalization] = None,
         nonfinite: Optional[NonFinite] = None,
         async_checkpoint: bool = False,

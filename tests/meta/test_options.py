@@ -57,7 +57,7 @@ NOT_NAMED = {
         "async_checkpoint",
         "checkpoint_params",
     },
-    MGPUAutoStrategy: {"activation_checkpointing_reentrant"},
+    MGPUAutoStrategy: {"activation_checkpointing_reentrant", "activation_checkpointing_save"},
 }
 # a valid value other than the default, per option, and what it needs beside it (where the strategy has that keyword)
 GIVEN: dict[str, Any] = {
@@ -67,6 +67,7 @@ GIVEN: dict[str, Any] = {
     "log_comm_stats": False,
     "activation_checkpointing": "Linear",
     "activation_checkpointing_reentrant": True,
+    "activation_checkpointing_save": "matmuls",
     "loss_normalization": "tokens",
     "nonfinite": "error",
     "micro_batch_size": 4,

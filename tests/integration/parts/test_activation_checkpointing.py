@@ -351,15 +351,20 @@ def _states_equal(ranks: list[dict[str, Any]], expected: list[dict[str, Any]]) -
     assert int(ranks[0]["state"]["net.1.bn.num_batches_tracked"]) == len(ranks[0]["batch_spy"])
 
 
-@pytest.mark.parametrize("static_graph", [False, True], ids=["dynamic", "static_graph"])
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_mgpu_ddp_with_accumulation_matches_no_checkpointing(tmp_path, reentrant, static_graph):
+@pytest.mark.parametrize(
+    ("reentrant", "static_graph", "save"),
+    [(False, False, None), (False, True, None), (True, False, None), (True, True, None), (False, False, 0.5)],
+    ids=["non_reentrant-dynamic", "non_reentrant-static_graph", "reentrant-dynamic", "reentrant-static_graph",
+         "selective_budget"],
+)  # fmt: skip
+def test_mgpu_ddp_with_accumulation_matches_no_checkpointing(tmp_path, reentrant, static_graph, save):
     def run(policy: Any, out: str) -> list[dict[str, Any]]:
         strategy = MGPUDDPStrategy(
             start_method="fork",
             static_graph=static_graph,
             activation_checkpointing=policy,
             activation_checkpointing_reentrant=reentrant,
+            activation_checkpointing_save=save if policy is not None else None,
         )
         torch.manual_seed(3)
         return fit(BlockRegressor().double(), strategy, tmp_path / out, accumulate=2, max_epochs=1, grads=True)
@@ -374,13 +379,28 @@ def test_mgpu_ddp_with_accumulation_matches_no_checkpointing(tmp_path, reentrant
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"stage": 1}, {"stage": 2}, {"stage": 3}, {"stage": 2, "backend": "fairscale"}],
-    ids=["zero1", "stage2", "stage3", "fairscale2"],
+    [
+        {"stage": 1},
+        {"stage": 2},
+        {"stage": 3},
+        {"stage": 3, "save": "matmuls"},
+        {"stage": 2, "backend": "fairscale"},
+    ],
+    ids=["zero1", "stage2", "stage3", "stage3-selective", "fairscale2"],
 )
 def test_sharded_stages_match_no_checkpointing(tmp_path, kwargs):
+    """Stage 3 keeps each block's matmuls (selective checkpointing): FSDP2's unshard stays outside the recompute."""
+    kwargs = dict(kwargs)
+    save = kwargs.pop("save", None)
+
     def run(policy: Any, out: str) -> list[dict[str, Any]]:
         torch.manual_seed(3)
-        strategy = MGPUShardedStrategy(start_method="fork", activation_checkpointing=policy, **kwargs)
+        strategy = MGPUShardedStrategy(
+            start_method="fork",
+            activation_checkpointing=policy,
+            activation_checkpointing_save=save if policy is not None else None,
+            **kwargs,
+        )
         return fit(BlockRegressor().double(), strategy, tmp_path / out, accumulate=2, max_epochs=1)
 
     _states_equal(run(EveryNth(1, container="net"), "checkpointed"), run(None, "plain"))
@@ -463,8 +483,12 @@ def reference_sync_bn(model: nn.Module, global_batch: int, steps: int) -> dict[s
     return model.state_dict()
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_sync_batchnorm_matches_one_process_and_all_reduces_once(tmp_path, reentrant):
+@pytest.mark.parametrize(
+    ("reentrant", "save"),
+    [(False, None), (True, None), (False, "matmuls")],
+    ids=["non_reentrant", "reentrant", "selective"],
+)
+def test_sync_batchnorm_matches_one_process_and_all_reduces_once(tmp_path, reentrant, save):
     """torch's SyncBatchNorm refuses CPU tensors; inside a checkpointed block ours runs on gloo, equals plain
     BatchNorm over the global batch in one process, and issues per step exactly one all-reduce per layer in
     forward and one in backward (the recompute replays the forward's statistics instead of a third).
@@ -472,7 +496,11 @@ def test_sync_batchnorm_matches_one_process_and_all_reduces_once(tmp_path, reent
     model = BlockRegressor(dropout=0.0).double()
     initial = copy.deepcopy(model)  # the launcher loads the trained weights back into `model`
     strategy = MGPUShardedStrategy(
-        stage=2, start_method="fork", activation_checkpointing=Block, activation_checkpointing_reentrant=reentrant
+        stage=2,
+        start_method="fork",
+        activation_checkpointing=Block,
+        activation_checkpointing_reentrant=reentrant,
+        activation_checkpointing_save=save,
     )
     ranks = fit(model, strategy, tmp_path, batch_size=4, max_epochs=1, sync_batchnorm=True, profile=True)
     steps = len(ranks[0]["batch_events"])
