@@ -455,13 +455,10 @@ class _CheckpointedForward:
             # Under torch.compile, AOTAutograd recomputes from the traced graph, where the normalisation
             # layers' buffer updates are applied once, after the graph: torch's checkpoint is already
             # BatchNorm-safe there (checked in tests), and our region's Python bookkeeping would not trace.
-            # (A memory budget is chosen in an eager forward: compiled, it keeps the operators chosen, if any.)
-            extra: dict[str, Any] = (
-                {} if selection is None else {"context_fn": functools.partial(selection.context, None)}
-            )
-            return checkpoint(
-                forward, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **extra, **kwargs
-            )
+            # Selective checkpointing is not applied here: torch.compile runs a block with a selective policy
+            # outside its graph, where the recompute would update BatchNorm's statistics a second time (measured:
+            # num_batches_tracked doubled); compiled, the block is recomputed whole.
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **kwargs)
         region = _Region(module)
         if self.use_reentrant:
             # Reentrant checkpointing returns outputs without a graph when no input requires grad (the

@@ -197,7 +197,7 @@ def test_bf16_autocast_matches_without_checkpointing(reentrant):
 def test_torch_compile_keeps_batchnorm_state_and_saves_memory():
     """Under torch.compile (aot_eager here; inductor checked by hand, see docs/guides/activation-checkpointing.md)
     the model compiles to one graph, BatchNorm statistics equal the uncompiled run without checkpointing, and less
-    is saved. Runs in a subprocess: torch.compile starts threads in this process, and later fork launches then
+    is saved; a selective choice compiles to the same state. Runs in a subprocess: torch.compile starts threads in this process, and later fork launches then
     hung in their first collective (seen twice here)."""
     proc = subprocess.run(
         [sys.executable, "-c", f"from {__name__} import check_compile; check_compile()"],
@@ -226,6 +226,13 @@ def check_compile() -> None:
     x = torch.randn(64, 6, dtype=torch.float64)
     plain = torch.compile(block_net(dropout=0.0), backend="aot_eager")
     assert saved_bytes(compiled, x) < saved_bytes(plain, x)
+    # selective checkpointing is not applied under torch.compile (the block would run outside the graph and its
+    # recompute update BatchNorm twice): compiled, a block with save= is recomputed whole, BatchNorm updated once
+    selective = block_net(dropout=0.0)
+    apply_activation_checkpointing(selective, Block, save="matmuls")
+    train(torch.compile(selective, backend="aot_eager"))
+    for k in expected:
+        torch.testing.assert_close(selective.state_dict()[k], expected[k])
     print("compile ok")
 
 
