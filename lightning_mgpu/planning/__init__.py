@@ -57,6 +57,7 @@ from lightning_mgpu.planning.trace import (
     trace_step,
     unit_fractions,
 )
+from lightning_mgpu.settings import validate_save
 
 __all__ = [
     "DEFAULT_PRECISIONS",
@@ -89,6 +90,7 @@ def plan(
     precisions: Optional[tuple[str, ...]] = None,
     strategies: Optional[tuple[str, ...]] = None,
     activation_checkpointing: Any = None,
+    activation_checkpointing_save: Any = None,
     bucket_cap_mb: float = 25.0,
     require_fit: bool = True,
     num_nodes: int = 1,
@@ -111,6 +113,9 @@ def plan(
         activation_checkpointing: the policy of the "with AC" candidates; default the config's, else the
             transformer layers, else every block of the outermost containers; a model with neither (layers kept
             as plain attributes) gets no "with AC" candidates.
+        activation_checkpointing_save: what each checkpointed block keeps (selective checkpointing: ``"matmuls"``,
+            operator names or a memory budget, as the strategies' option); default the config's, else nothing
+            kept (whole blocks recomputed). The "with AC" candidates' activations are traced with it.
         bucket_cap_mb: DDP's bucket size.
         require_fit: raise :class:`NoPlanFits` (naming the smallest plan and its shortfall) when nothing fits.
         num_nodes: machines the ``devices`` ranks are spread over; with more than one, ``mgpu_hsdp`` (sharded
@@ -127,10 +132,18 @@ def plan(
         ('mgpu_ddp', False)
     """
     request = _request(
-        devices, device_memory, num_nodes, headroom, precisions, strategies, activation_checkpointing, bucket_cap_mb
+        devices,
+        device_memory,
+        num_nodes,
+        headroom,
+        precisions,
+        strategies,
+        activation_checkpointing,
+        activation_checkpointing_save,
+        bucket_cap_mb,
     )
     start = time.perf_counter()
-    source, states, traces, units, _ = _traced(model_or_config, request, batch, datamodule, activation_checkpointing)
+    source, states, traces, units, _ = _traced(model_or_config, request, batch, datamodule)
     return estimate(
         source.name,
         request,
@@ -144,7 +157,7 @@ def plan(
 
 
 def _traced(
-    model_or_config: Any, request: PlanRequest, batch: Any, datamodule: Any, activation_checkpointing: Any
+    model_or_config: Any, request: PlanRequest, batch: Any, datamodule: Any
 ) -> tuple[Any, ModelStates, list[StepTrace], tuple[float, float], Any]:
     """The model's source, its counted states, one traced step per precision (with and without activation
     checkpointing), its FSDP units and the checkpointing policy: what the memory plan and the layout plan
@@ -152,7 +165,13 @@ def _traced(
     with torch.random.fork_rng(devices=[]):  # the model's initialisation under fake tensors draws nothing real
         source = resolve_source(model_or_config, batch=batch, datamodule=datamodule)
         try:
-            policy = activation_checkpointing or source.policy or default_policy(source.factory)
+            policy = request.activation_checkpointing or source.policy or default_policy(source.factory)
+            save = (
+                request.activation_checkpointing_save
+                if request.activation_checkpointing_save is not None
+                else (source.save)
+            )
+            validate_save(save)
             states = count_model_states(source.factory)
             # tensor parallelism's auto plan, once, on the real weights where there are any (its structure checked
             # as at start-up, outside FakeTensorMode); else each trace derives it on its fake build by the name rules
@@ -160,7 +179,15 @@ def _traced(
             # no policy: the model has no blocks to checkpoint (no transformer layers, no Sequential/ModuleList),
             # so every candidate runs without activation checkpointing
             traces = [
-                trace_step(source.factory, source.batch, precision, ac_policy, forward=source.forward, split=split)
+                trace_step(
+                    source.factory,
+                    source.batch,
+                    precision,
+                    ac_policy,
+                    forward=source.forward,
+                    split=split,
+                    save=save if ac_policy is not None else None,
+                )
                 for precision in request.precisions
                 for ac_policy in ((None, policy) if policy is not None else (None,))
             ]
@@ -216,6 +243,7 @@ def plan_layouts(
     precisions: Optional[tuple[str, ...]] = None,
     strategies: Optional[tuple[str, ...]] = None,
     activation_checkpointing: Any = None,
+    activation_checkpointing_save: Any = None,
     bucket_cap_mb: float = 25.0,
     intra_node_link: Union[str, float] = "nvlink",
     inter_node_link: Union[str, float] = "infiniband",
@@ -258,12 +286,18 @@ def plan_layouts(
     """
     links = Links.of(intra_node_link, inter_node_link)
     request = _request(
-        devices, device_memory, num_nodes, headroom, precisions, strategies, activation_checkpointing, bucket_cap_mb
+        devices,
+        device_memory,
+        num_nodes,
+        headroom,
+        precisions,
+        strategies,
+        activation_checkpointing,
+        activation_checkpointing_save,
+        bucket_cap_mb,
     )
     start = time.perf_counter()
-    source, states, traces, units, policy = _traced(
-        model_or_config, request, batch, datamodule, activation_checkpointing
-    )
+    source, states, traces, units, policy = _traced(model_or_config, request, batch, datamodule)
     result = estimate_layouts(
         source.name,
         request,
@@ -282,6 +316,8 @@ def plan_layouts(
         source.name, request, states, traces, units, seconds=seconds, require_fit=False, built=source.how_built
     )
     result.checkpointing_source = policy_source(policy) if policy is not None else ""
+    save = activation_checkpointing_save if activation_checkpointing_save is not None else source.save
+    result.checkpointing_save = save
     return result
 
 
@@ -300,6 +336,7 @@ def _request(
     precisions: Optional[tuple[str, ...]],
     strategies: Optional[tuple[str, ...]],
     activation_checkpointing: Any,
+    activation_checkpointing_save: Any,
     bucket_cap_mb: float,
 ) -> PlanRequest:
     """The request :func:`plan` and :func:`plan_layouts` share, with the default precisions and strategies."""
@@ -310,6 +347,7 @@ def _request(
         precisions=precisions if precisions is not None else DEFAULT_PRECISIONS,
         strategies=strategies if strategies is not None else STRATEGIES,
         activation_checkpointing=activation_checkpointing,
+        activation_checkpointing_save=activation_checkpointing_save,
         bucket_cap_mb=bucket_cap_mb,
         num_nodes=num_nodes,
     )

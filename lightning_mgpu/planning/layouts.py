@@ -270,6 +270,7 @@ class LayoutPlan:
     """The memory plan of the data-parallel candidates (:func:`~lightning_mgpu.planning.plan`), from the same
     trace (set by :func:`~lightning_mgpu.planning.plan_layouts`)."""
     checkpointing_source: str = ""
+    checkpointing_save: Any = None
     """The "with AC" candidates' policy as Python source for the strategy line (``'["TransformerEncoderLayer"]'``,
     ``"EveryNth(1)"``); set by :func:`~lightning_mgpu.planning.plan_layouts`."""
     tensor_note: str = ""
@@ -297,6 +298,8 @@ class LayoutPlan:
         preset = presets.get(tuple(sorted(arguments.items())))
         if layout.activation_checkpointing:
             arguments["activation_checkpointing"] = _Source(self.checkpointing_source or "<your policy>")
+            if self.checkpointing_save is not None:
+                arguments["activation_checkpointing_save"] = self.checkpointing_save
         if preset is not None and not layout.activation_checkpointing:
             strategy = repr(preset)
         else:

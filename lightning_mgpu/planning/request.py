@@ -98,6 +98,9 @@ class PlanRequest:
     """The blocks to checkpoint in the "with AC" candidates (any ``activation_checkpointing`` policy); default:
     ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` when present, else each child of the first
     ``nn.Sequential`` / ``nn.ModuleList`` (``EveryNth(1)``); with neither, no "with AC" candidates."""
+    activation_checkpointing_save: Optional[Any] = None
+    """What each checkpointed block of the "with AC" candidates keeps (selective checkpointing, as the strategies'
+    ``activation_checkpointing_save``); default the config's, else nothing (whole blocks recomputed)."""
     bucket_cap_mb: float = 25.0
     """DDP's ``bucket_cap_mb``: one bucket in flight is counted as a communication buffer."""
     num_nodes: int = 1

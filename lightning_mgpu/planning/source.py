@@ -48,6 +48,8 @@ class PlanSource:
     batch: Any
     name: str
     policy: Any = None
+    save: Any = None
+    """The config's ``activation_checkpointing_save`` (selective checkpointing)."""
     forward: bool = False
     """The batch is the module's ``example_input_array``: trace ``module(*batch)`` (its outputs summed as the
     loss) instead of ``training_step(batch, 0)``."""
@@ -146,13 +148,14 @@ def config_trainer(path: str) -> dict[str, Any]:
     return found
 
 
-def _from_config(path: str) -> tuple[type, dict[str, Any], Optional[Any], Any]:
+def _from_config(path: str) -> tuple[type, dict[str, Any], Optional[Any], Any, Any]:
     config = _read_config(path)
     model_cls, init_args = _class_spec(config["model"], "model")
     data = _class_spec(config["data"], "data") if config.get("data") is not None else None
     strategy = (config.get("trainer") or {}).get("strategy")
-    policy = strategy.get("init_args", {}).get("activation_checkpointing") if isinstance(strategy, dict) else None
-    return model_cls, init_args, data, policy
+    strategy_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
+    policy, save = strategy_args.get("activation_checkpointing"), strategy_args.get("activation_checkpointing_save")
+    return model_cls, init_args, data, policy, save
 
 
 def _batch_from_data(data: Any) -> Any:
@@ -275,10 +278,10 @@ def _batch_from_module(module: nn.Module) -> tuple[Any, bool]:
 
 def resolve_source(model_or_config: Any, batch: Any = None, datamodule: Any = None) -> PlanSource:
     """Turn what :func:`~lightning_mgpu.planning.plan` was given into a :class:`PlanSource`, before anything runs."""
-    policy = None
+    policy = save = None
     data_spec = None
     if isinstance(model_or_config, (str, os.PathLike)) and str(model_or_config).endswith((".yaml", ".yml")):
-        model_cls, init_args, data_spec, policy = _from_config(str(model_or_config))
+        model_cls, init_args, data_spec, policy, save = _from_config(str(model_or_config))
     elif isinstance(model_or_config, str):
         model_cls, init_args = import_class(model_or_config), {}
     elif isinstance(model_or_config, type):
@@ -332,7 +335,14 @@ def resolve_source(model_or_config: Any, batch: Any = None, datamodule: Any = No
     if real is None and isinstance(model_or_config, nn.Module) and (configured or not _configures(model_or_config)):
         real = model_or_config  # as it trains: no configure_model of its own still to make layers
     return PlanSource(
-        factory=factory, batch=batch, name=name, policy=policy, forward=forward, how_built=how_built, real=real
+        factory=factory,
+        batch=batch,
+        name=name,
+        policy=policy,
+        save=save,
+        forward=forward,
+        how_built=how_built,
+        real=real,
     )
 
 

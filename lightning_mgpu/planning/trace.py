@@ -285,12 +285,14 @@ def trace_step(
     policy: Any = None,
     forward: bool = False,
     split: Optional[TensorSplit] = None,
+    save: Any = None,
 ) -> StepTrace:
     """Forward + backward of one micro-batch of ``batch`` (a sample batch: real, meta or fake tensors) under
     FakeTensorMode and ``TimelineTracker``; ``policy``: checkpoint these blocks (None: no checkpointing);
     ``forward``: ``batch`` is the input of ``module(...)`` (``example_input_array``), not of ``training_step``;
     ``split``: what tensor parallelism's auto plan splits, derived before on the model's real weights
-    (:func:`tensor_split`; None: derived here, on the fake build, by the name rules only)."""
+    (:func:`tensor_split`; None: derived here, on the fake build, by the name rules only); ``save``: what each
+    checkpointed block keeps (selective checkpointing; a memory budget is chosen in an untracked step first)."""
     from lightning_mgpu.parts.activation_checkpointing import apply_activation_checkpointing
 
     dtype, autocast, _ = PRECISION_LAYOUT[precision]
@@ -324,8 +326,16 @@ def trace_step(
             intermediates.setdefault(id(layer), _tensor_bytes(out))
 
         handles += [layer.register_forward_hook(intermediate) for layer, kind in split_layers if kind == "colwise"]
-        checkpointed = tuple(apply_activation_checkpointing(module, policy)) if policy is not None else ()
+        checkpointed = tuple(apply_activation_checkpointing(module, policy, save=save)) if policy is not None else ()
         fake = _fake_batch(batch, mode, dtype if dtype != torch.float32 else None)
+        if isinstance(save, float) and checkpointed:  # a memory budget chooses what to keep in a first forward
+            with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+                _loss(module, fake, forward).backward()
+            module.zero_grad(set_to_none=True)
+            for key in calls:
+                calls[key] = 0
+            outputs.clear()
+            intermediates.clear()
         tracker = timeline_mem_tracker()
         tracker.track_external(module)
         with tracker, flop_counter() as flops:

@@ -197,8 +197,8 @@ def test_bf16_autocast_matches_without_checkpointing(reentrant):
 def test_torch_compile_keeps_batchnorm_state_and_saves_memory():
     """Under torch.compile (aot_eager here; inductor checked by hand, see docs/guides/activation-checkpointing.md)
     the model compiles to one graph, BatchNorm statistics equal the uncompiled run without checkpointing, and less
-    is saved; a selective choice compiles to the same state. Runs in a subprocess: torch.compile starts threads in this process, and later fork launches then
-    hung in their first collective (seen twice here)."""
+    is saved; a selective choice compiles to the same state. Runs in a subprocess: torch.compile starts threads in
+    this process, and later fork launches then hung in their first collective (seen twice here)."""
     proc = subprocess.run(
         [sys.executable, "-c", f"from {__name__} import check_compile; check_compile()"],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3],

@@ -167,7 +167,7 @@ def _traces(model: Any, batch: Any) -> list[StepTrace]:
     from lightning_mgpu.planning import _traced
 
     request = PlanRequest(devices=4, device_memory="1GiB", precisions=("32-true",))
-    return _traced(model, request, batch, None, None)[2]
+    return _traced(model, request, batch, None)[2]
 
 
 def test_a_model_its_structure_cannot_split_is_refused_with_the_launchs_reason():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import resource
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 
 from lightning_mgpu.cli import main as cli_main
 from lightning_mgpu.examples import DigitsCNN, DigitsDataModule, DigitsTransformer
-from lightning_mgpu.planning import NoPlanFits, Plan, PlanError, PlanRequest, parse_memory, plan
+from lightning_mgpu.planning import NoPlanFits, Plan, PlanError, PlanRequest, parse_memory, plan, plan_layouts
 from lightning_mgpu.planning.cli import main as plan_main
 from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
 from lightning_mgpu.planning.measure import fake_process_group, measure_step
@@ -324,3 +325,28 @@ def test_the_plan_counts_gradients_and_optimizer_state_of_the_trainable_paramete
         assert row.gradients_bytes <= 6 * trainable, row
         # the state and the step's temporaries (foreach): a few FP32 copies of the adapters, never of the base
         assert row.optimizer_state_bytes <= 4 * 4 * trainable + 4 * 2, row
+
+
+def test_selective_checkpointing_is_traced_from_the_config_and_the_argument_and_named_in_the_strategy_line(tmp_path):
+    """The "with AC" candidates are traced with what each block keeps: the config's ``activation_checkpointing_save``
+    (the transformer sample's config, blocks as written) or the argument. Keeping the matmuls holds more than whole
+    blocks and less than no checkpointing; a larger budget holds more; the strategy line passes the choice on."""
+    sample = Path(__file__).resolve().parents[3] / "configs" / "transformer.yaml"
+    text = sample.read_text()
+    key = "      activation_checkpointing: [TransformerEncoderLayer, ConvBlock]\n"
+    assert key in text
+    config = tmp_path / "selective.yaml"
+    config.write_text(text.replace(key, key + "      activation_checkpointing_save: matmuls\n"))
+    kwargs: dict[str, Any] = {"devices": 2, "device_memory": "1GiB", "precisions": ("32-true",)}
+
+    def activations(result: Any, ac: bool) -> int:
+        return result.row("mgpu_ddp", "32-true", ac).activations_bytes
+
+    matmuls = plan(str(config), **kwargs)
+    plain = plan(str(sample), **kwargs)
+    assert activations(plain, True) < activations(matmuls, True) < activations(plain, False)
+    small, large = (plan(str(config), activation_checkpointing_save=b, **kwargs) for b in (0.2, 0.6))
+    assert activations(plain, True) < activations(small, True) < activations(large, True)
+    layouts = plan_layouts(str(config), **kwargs)
+    line = layouts.strategy_line(next(x for x in layouts.layouts if x.activation_checkpointing and x.buildable))
+    assert "activation_checkpointing_save='matmuls'" in line, line
