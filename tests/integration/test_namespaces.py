@@ -174,6 +174,27 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+def _in_process(*args: str, cwd: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[Any, str, str]:
+    """``lightning-mgpu ARGS`` in this process, for a run that ends before any Trainer (``--print_config``, an error):
+    its exit code, stdout and stderr. The user's modules it imports from ``cwd`` are forgotten afterwards."""
+    from lightning_mgpu.cli import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    capsys.readouterr()
+    try:
+        code: Any = main(list(args))
+    except SystemExit as exit_info:
+        code = exit_info.code
+    finally:
+        for name in set(sys.modules) - before:
+            if (getattr(sys.modules[name], "__file__", None) or "").startswith(str(cwd)):
+                del sys.modules[name]
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def _lightning_config(tmp_path: Path, strategy: str) -> Path:
     """configs/ddp.yaml with every class of the pack taken from its `lightning` copy."""
     text = (ROOT / "configs" / "ddp.yaml").read_text().replace("lightning_mgpu.", "lightning_mgpu.lightning.")
@@ -212,30 +233,35 @@ def test_the_command_trains_a_model_written_against_lightning(tmp_path):
 
 
 @pytest.mark.compat
-def test_a_lightning_config_round_trips_through_print_config(tmp_path):
+def test_a_lightning_config_round_trips_through_print_config(tmp_path, monkeypatch, capsys):
     config = _lightning_config(tmp_path, "mgpu_ddp_fork")
-    first = _cli("fit", "--config", str(config), "--print_config", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    code, first, err = _in_process(
+        "fit", "--config", str(config), "--print_config", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys
+    )
+    assert code in (0, None), err[-3000:]
     dumped = tmp_path / "dumped.yaml"
-    dumped.write_text(first.stdout)
-    second = _cli("fit", "--config", str(dumped), "--print_config", cwd=tmp_path)
-    assert second.stdout == first.stdout
-    assert "class_path: lightning_mgpu.lightning.examples.DigitsCNN" in first.stdout
-    assert "class_path: lightning_mgpu.lightning.DeviceMonitor" in first.stdout
+    dumped.write_text(first)
+    _, second, _ = _in_process(
+        "fit", "--config", str(dumped), "--print_config", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys
+    )
+    assert second == first
+    assert "class_path: lightning_mgpu.lightning.examples.DigitsCNN" in first
+    assert "class_path: lightning_mgpu.lightning.DeviceMonitor" in first
 
 
-def test_the_packs_class_paths_follow_the_models_namespace(tmp_path):
+def test_the_packs_class_paths_follow_the_models_namespace(monkeypatch, capsys):
     """configs/ddp.yaml as shipped (``lightning_mgpu.DeviceMonitor``, ``lightning_mgpu.examples.DigitsDataModule``)
     with a model written against ``import lightning as L``: the pack's classes resolve to its `lightning` copy."""
-    proc = _cli(
+    code, out, err = _in_process(
         "fit", "--config", str(ROOT / "configs" / "ddp.yaml"),
-        "--model", "tests.lightning_user_model.TinyLightningModel", "--print_config", cwd=ROOT,
+        "--model", "tests.lightning_user_model.TinyLightningModel", "--print_config",
+        cwd=ROOT, monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "class_path: lightning_mgpu.lightning.DeviceMonitor" in proc.stdout
-    assert "class_path: lightning_mgpu.lightning.ScaleLR" in proc.stdout
-    assert "class_path: lightning_mgpu.lightning.examples.DigitsDataModule" in proc.stdout
-    assert "class_path: tests.lightning_user_model.TinyLightningModel" in proc.stdout
+    assert code in (0, None), err[-3000:]
+    assert "class_path: lightning_mgpu.lightning.DeviceMonitor" in out
+    assert "class_path: lightning_mgpu.lightning.ScaleLR" in out
+    assert "class_path: lightning_mgpu.lightning.examples.DigitsDataModule" in out
+    assert "class_path: tests.lightning_user_model.TinyLightningModel" in out
 
 
 def test_in_namespace_maps_lightnings_and_the_packs_classes_only():
@@ -318,18 +344,20 @@ def test_one_config_trains_a_module_of_either_namespace(module, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_class_of_the_other_namespace_that_cannot_be_resolved_is_named_on_the_first_line(tmp_path):
+def test_a_class_of_the_other_namespace_that_cannot_be_resolved_is_named_on_the_first_line(
+    tmp_path, monkeypatch, capsys
+):
     """The user's own data module written with `pytorch_lightning` beside a `lightning` model: the pack cannot map a
     user's class, so it says so first, before jsonargparse's usage text."""
     folder = _user_folder(tmp_path)
-    proc = _cli(
+    code, _, err = _in_process(
         "fit", "--config", "cfg.yaml", "--model", "with_lightning.UserModel", "--data", "with_pl.UserData",
-        "--print_config", cwd=folder,
+        "--print_config", cwd=folder, monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
-    assert proc.returncode == 2
-    first = proc.stderr.splitlines()[0]
+    assert code == 2
+    first = err.splitlines()[0]
     assert first.startswith("lightning-mgpu: error: with_pl.UserData is built on `pytorch_lightning`, but this run "
-                            "uses `lightning`"), proc.stderr[:2000]  # fmt: skip
+                            "uses `lightning`"), err[:2000]  # fmt: skip
     assert "with `import lightning as L` (as the model is)" in first
 
 
