@@ -388,6 +388,12 @@ class _OperatorCosts(dispatch_mode_base()):  # type: ignore[misc]
         return out
 
 
+def _operator(name: str) -> Any:
+    """The operator (overload packet) named ``"namespace.name"`` (``str`` of one, e.g. ``"aten.mm"``)."""
+    namespace, _, op = name.partition(".")
+    return getattr(getattr(torch.ops, namespace), op)
+
+
 def budget_choice(costs: dict[Any, list[float]], budget: float) -> frozenset[Any]:
     """The operators whose outputs a block keeps under ``budget`` (the fraction of its operator outputs' bytes): the
     costliest to recompute per byte first, while the bytes kept stay within the budget."""
@@ -412,7 +418,7 @@ class _Selection:
         if not isinstance(save, float) and save is not None:
             self.ops = resolve_save(save)
 
-    def context(self, measure: Optional[_OperatorCosts]) -> Any:
+    def context(self) -> Any:
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
         ops = self.ops or frozenset()
@@ -422,6 +428,16 @@ class _Selection:
             return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)
+
+    # torch's operators do not pickle (a spawn launch pickles the module): their names do
+    def __getstate__(self) -> dict[str, Any]:
+        ops = None if self.ops is None else sorted(str(op) for op in self.ops)  # "aten.mm"
+        return {"budget": self.budget, "ops": ops}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.budget = state["budget"]
+        names = state["ops"]
+        self.ops = None if names is None else frozenset(_operator(name) for name in names)
 
     def measuring(self) -> Optional[_OperatorCosts]:
         return _OperatorCosts() if self.budget is not None and self.ops is None else None
@@ -478,9 +494,7 @@ class _CheckpointedForward:
             with measure:  # the first forward of a block under a memory budget: its operators' costs
                 return region.run(forward, inner, inner_kwargs)
 
-        context: dict[str, Any] = (
-            {} if selection is None else {"context_fn": functools.partial(selection.context, measure)}
-        )
+        context: dict[str, Any] = {} if selection is None else {"context_fn": selection.context}
         out = checkpoint(
             run_kw, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **context, **kwargs
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 import weakref
 
 import pytest
@@ -156,3 +157,15 @@ def test_bad_save_choices_are_refused_by_the_strategy_and_the_function(save, ree
         )  # fmt: skip
     with pytest.raises(error, match=match):
         apply_activation_checkpointing(_block_net(), Block, save=save, use_reentrant=reentrant)
+
+
+def test_a_selective_model_pickles_with_its_choice_for_a_spawn_launch():
+    """A spawn launch pickles the module: torch's operators do not pickle, so the choice travels by name."""
+    model = _block_net()
+    apply_activation_checkpointing(model, Block, save=0.5)
+    _train(model, steps=1)  # the budget's choice is made
+    chosen = model[1].forward.selection.ops
+    assert chosen and torch.ops.aten.addmm in chosen
+    clone = pickle.loads(pickle.dumps(model))
+    assert clone[1].forward.selection.ops == chosen and clone[1].forward.module is clone[1]
+    assert torch.equal(_train(clone)["1.linear.weight"], _train(model)["1.linear.weight"])
