@@ -13,6 +13,7 @@ Runners (one GPU, world size 1, ``bf16-mixed``, AdamW as the module configures i
   lightning_fsdp    Trainer(strategy=FSDPStrategy(auto_wrap_policy={TransformerEncoderLayer}))
   mgpu_ddp          Trainer(strategy="mgpu_ddp")
   mgpu_ddp+ac       MGPUDDPStrategy(activation_checkpointing={TransformerEncoderLayer})
+  mgpu_ddp+sac      the same keeping each layer's matmuls and attention (activation_checkpointing_save="matmuls")
   lightning_fsdp+ac the same with FSDPStrategy(activation_checkpointing_policy={TransformerEncoderLayer})
   mgpu_sharded      Trainer(strategy="mgpu_sharded")    (FSDP2, gradients sharded: ZeRO-2)
   mgpu_sharded+ac   MGPUShardedStrategy(stage=2, activation_checkpointing={TransformerEncoderLayer})
@@ -135,6 +136,12 @@ def runners(tiny: bool) -> dict[str, Callable[[argparse.Namespace], list[float]]
         "mgpu_ddp+ac": lambda a: run_trainer(
             a, lambda: lightning_mgpu.MGPUDDPStrategy(activation_checkpointing={LAYER})
         ),
+        "mgpu_ddp+sac": lambda a: run_trainer(
+            a,
+            lambda: lightning_mgpu.MGPUDDPStrategy(
+                activation_checkpointing={LAYER}, activation_checkpointing_save="matmuls"
+            ),
+        ),
         "mgpu_sharded": lambda a: run_trainer(a, lambda: "mgpu_sharded"),
         "mgpu_sharded+ac": lambda a: run_trainer(
             a, lambda: lightning_mgpu.MGPUShardedStrategy(stage=2, activation_checkpointing={LAYER})
@@ -212,9 +219,10 @@ def main() -> None:
         print(f"{r['runner']:<16}{r['step_ms']:>9.1f}{r['tokens_per_s']:>11.0f}{mfu:>7}{rel:>16}")
     by = {r["runner"]: r for r in rows}
     for plain in ("torch", "lightning_fsdp", "mgpu_ddp", "mgpu_sharded", "mgpu_zero3"):
-        ac = f"{plain}+ac"
-        if plain in by and ac in by:
-            print(f"activation checkpointing, {plain}: step time x{by[ac]['step_ms'] / by[plain]['step_ms']:.3f}")
+        for kind, label in (("ac", "activation checkpointing"), ("sac", "selective checkpointing (matmuls kept)")):
+            ac = f"{plain}+{kind}"
+            if plain in by and ac in by:
+                print(f"{label}, {plain}: step time x{by[ac]['step_ms'] / by[plain]['step_ms']:.3f}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         name = f"gpu-throughput-{env['device'].replace(' ', '_')}-{env['date'][:10]}.json"
