@@ -143,7 +143,7 @@ def plan(
         bucket_cap_mb,
     )
     start = time.perf_counter()
-    source, states, traces, units, _ = _traced(model_or_config, request, batch, datamodule)
+    source, states, traces, units, _, _ = _traced(model_or_config, request, batch, datamodule)
     return estimate(
         source.name,
         request,
@@ -158,19 +158,16 @@ def plan(
 
 def _traced(
     model_or_config: Any, request: PlanRequest, batch: Any, datamodule: Any
-) -> tuple[Any, ModelStates, list[StepTrace], tuple[float, float], Any]:
+) -> tuple[Any, ModelStates, list[StepTrace], tuple[float, float], Any, Any]:
     """The model's source, its counted states, one traced step per precision (with and without activation
-    checkpointing), its FSDP units and the checkpointing policy: what the memory plan and the layout plan
-    combine."""
+    checkpointing), its FSDP units, the checkpointing policy and what its blocks keep (the request's, else the
+    config's): what the memory plan and the layout plan combine."""
     with torch.random.fork_rng(devices=[]):  # the model's initialisation under fake tensors draws nothing real
         source = resolve_source(model_or_config, batch=batch, datamodule=datamodule)
         try:
             policy = request.activation_checkpointing or source.policy or default_policy(source.factory)
-            save = (
-                request.activation_checkpointing_save
-                if request.activation_checkpointing_save is not None
-                else (source.save)
-            )
+            save = request.activation_checkpointing_save
+            save = save if save is not None else source.save
             validate_save(save)
             states = count_model_states(source.factory)
             # tensor parallelism's auto plan, once, on the real weights where there are any (its structure checked
@@ -209,7 +206,7 @@ def _traced(
                     "yourself (mgpu_auto takes mgpu_ddp)."
                 )
             raise PlanError(f"{source.name} could not be stepped on fake tensors ({why}): {hint}") from err
-    return source, states, traces, units, policy
+    return source, states, traces, units, policy, save
 
 
 def policy_source(policy: Any) -> str:
@@ -297,7 +294,7 @@ def plan_layouts(
         bucket_cap_mb,
     )
     start = time.perf_counter()
-    source, states, traces, units, policy = _traced(model_or_config, request, batch, datamodule)
+    source, states, traces, units, policy, save = _traced(model_or_config, request, batch, datamodule)
     result = estimate_layouts(
         source.name,
         request,
@@ -316,7 +313,6 @@ def plan_layouts(
         source.name, request, states, traces, units, seconds=seconds, require_fit=False, built=source.how_built
     )
     result.checkpointing_source = policy_source(policy) if policy is not None else ""
-    save = activation_checkpointing_save if activation_checkpointing_save is not None else source.save
     result.checkpointing_save = save
     return result
 

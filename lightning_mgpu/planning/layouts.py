@@ -270,9 +270,11 @@ class LayoutPlan:
     """The memory plan of the data-parallel candidates (:func:`~lightning_mgpu.planning.plan`), from the same
     trace (set by :func:`~lightning_mgpu.planning.plan_layouts`)."""
     checkpointing_source: str = ""
-    checkpointing_save: Any = None
     """The "with AC" candidates' policy as Python source for the strategy line (``'["TransformerEncoderLayer"]'``,
     ``"EveryNth(1)"``); set by :func:`~lightning_mgpu.planning.plan_layouts`."""
+    checkpointing_save: Any = None
+    """What the "with AC" candidates' blocks keep (``activation_checkpointing_save``), for the strategy line; set by
+    :func:`~lightning_mgpu.planning.plan_layouts`."""
     tensor_note: str = ""
     """Why no layout splits the model by tensor where the devices would allow one (the auto plan of tensor
     parallelism splits too little of it: :attr:`~lightning_mgpu.planning.trace.StepTrace.tensor_refused`);
