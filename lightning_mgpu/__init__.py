@@ -23,9 +23,10 @@ if __name__ == "lightning_mgpu":  # not in the `lightning` copy, which is this f
 
 from lightning_mgpu import distributed
 from lightning_mgpu.callbacks import EMA, DeviceMonitor, ScaleLR
-from lightning_mgpu.comm import COMM_HOOKS, CommStats, allreduce_gradients
+from lightning_mgpu.comm_hooks import COMM_HOOKS, allreduce_gradients
 from lightning_mgpu.distributed import effective_batch_size
 from lightning_mgpu.export import export_checkpoint
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.migration import RemovedTrainerArgument, guard_trainer
 from lightning_mgpu.parts.accumulation import ManualAccumulation
 from lightning_mgpu.parts.activation_checkpointing import (

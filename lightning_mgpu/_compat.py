@@ -416,6 +416,18 @@ def copy_lr_scheduler_step_tracking(old: Any, new: Any) -> None:
         new.step = tracked
 
 
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` (a LightningModule) is attached to, or None: the public ``module.trainer`` raises a
+    ``RuntimeError`` when there is none (pytorch-lightning 2.6.6 checked), and a plain ``nn.Module`` has no such
+    attribute."""
+    if module is None:
+        return None
+    try:
+        return module.trainer
+    except (RuntimeError, AttributeError):
+        return None
+
+
 # --- Lightning launchers, strategy and optimizer internals (pytorch-lightning 2.6.6 checked) -----------------
 
 
@@ -692,7 +704,7 @@ def keep_predictions(loop: Any) -> None:
     loop._return_predictions = True
 
 
-# --- the ledger's count of the tensor dimension's collectives (lightning_mgpu/comm.py, CollectiveCounter) ----------
+# --- the ledger's count of the tensor dimension's collectives (lightning_mgpu/ledger.py, CollectiveCounter) ----------
 # DTensor issues its collectives (a Partial placement made Replicate, a Shard gathered, ...) as torch's functional
 # collectives, the ops of the ``_c10d_functional`` namespace (and ``_dtensor.shard_dim_alltoall``), never through
 # the pack's comm.py. torch has no public hook on them; its own ``CommDebugMode``
@@ -702,7 +714,7 @@ def keep_predictions(loop: Any) -> None:
 # Missing: the ImportError or AttributeError at set-up of such a strategy; training without the count is
 # unaffected.
 
-#: functional collective -> its kind, for the bytes one rank sends (see comm.CollectiveCounter)
+#: functional collective -> its kind, for the bytes one rank sends (see ledger.CollectiveCounter)
 _FUNCTIONAL_COLLECTIVES = {
     "all_reduce": "all_reduce",
     "all_reduce_coalesced": "all_reduce",

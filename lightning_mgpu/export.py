@@ -43,7 +43,6 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from lightning_mgpu import comm
 from lightning_mgpu._compat import fake_tensor_mode
 from lightning_mgpu.parts.trainable_state import KEY as FROZEN_BASE_KEY
 from lightning_mgpu.plugins.checkpoint_io import (
@@ -51,6 +50,7 @@ from lightning_mgpu.plugins.checkpoint_io import (
     check_complete,
     check_sharded_metadata,
     load_file,
+    load_sharded,
 )
 
 __all__ = ["HF_MODELS_KEY", "export_checkpoint", "hf_models", "main"]
@@ -196,7 +196,7 @@ def _open_dir(path: Path, weights_only: Optional[bool]) -> tuple[dict[str, Any],
 
         def read(key: str = key, name: str = name, dtype: torch.dtype = dtype, shape: tuple[int, ...] = shape) -> Any:
             template = {key: {name: torch.empty(shape, dtype=dtype)}}
-            comm.load_sharded(template, str(path), local=True)  # this process reads every rank's shards
+            load_sharded(template, str(path), local=True)  # this process reads every rank's shards
             return template[key][name]
 
         groups.setdefault(key, {})[name] = _Tensor(dtype, shape, read)

@@ -34,7 +34,7 @@ from lightning_fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu.comm import check_comm_hook
+from lightning_mgpu.comm_hooks import check_comm_hook
 from lightning_mgpu.mesh import ParallelDims
 
 # --- activation checkpointing: which blocks (applied by lightning_mgpu/parts/activation_checkpointing.py) -------------

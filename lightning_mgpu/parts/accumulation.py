@@ -61,8 +61,15 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_mgpu._compat import share_optimizer_strategy, should_accumulate, strategy_ddp_kwargs, unwrap_optimizer
-from lightning_mgpu.comm import CommStats, allreduce_gradients, attached_trainer
+from lightning_mgpu._compat import (
+    attached_trainer,
+    share_optimizer_strategy,
+    should_accumulate,
+    strategy_ddp_kwargs,
+    unwrap_optimizer,
+)
+from lightning_mgpu.comm_hooks import allreduce_gradients
+from lightning_mgpu.ledger import CommStats
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -121,7 +128,7 @@ class _AccumulatingOptimizer(LightningOptimizer):
         """Lightning's ``toggle_model``; ``sync_grad`` defaults to "only on the micro-batch that steps"."""
         if sync_grad is None:
             sync_grad = not self._owner.is_accumulating
-        _refuse_toggling_under_plain_ddp(attached_trainer(self._owner).strategy)  # type: ignore[arg-type]
+        _refuse_toggling_under_plain_ddp(attached_trainer(self._owner).strategy)
         with self._inner.toggle_model(sync_grad=sync_grad):
             yield
 
@@ -211,7 +218,7 @@ class ManualAccumulation:
     def is_accumulating(self) -> bool:
         """True inside a training micro-batch that does not end an accumulation window: ``step``,
         ``zero_grad`` and scheduler steps wait, and gradients are not synchronised."""
-        trainer = attached_trainer(self)  # type: ignore[arg-type]
+        trainer = attached_trainer(self)
         if trainer is None or not trainer.training or trainer.accumulate_grad_batches == 1:
             return False
         return should_accumulate(trainer)
@@ -245,7 +252,7 @@ class ManualAccumulation:
         return wrapped if isinstance(schedulers, list) else wrapped[0]
 
     def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        trainer = attached_trainer(self)  # type: ignore[arg-type]
+        trainer = attached_trainer(self)
         k = trainer.accumulate_grad_batches if trainer is not None and trainer.training else 1
         if k > 1:
             # Lightning's automatic optimization divides by k on every micro-batch, the last shorter window
@@ -260,7 +267,7 @@ class ManualAccumulation:
 
     def configure_callbacks(self) -> Union[Sequence[Callback], Callback]:
         callbacks = super().configure_callbacks()  # type: ignore[misc]
-        trainer = attached_trainer(self)  # type: ignore[arg-type]
+        trainer = attached_trainer(self)
         if trainer is None:
             return callbacks
         callbacks = list(callbacks) if isinstance(callbacks, Sequence) else [callbacks]

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mgpu import comm
-from lightning_mgpu.comm import CommStats
+from lightning_mgpu.ledger import CommStats
 
 #: optimizer -> the parameters whose gradients this rank holds a distinct share of
 ShareOf = Callable[[Optimizer], list[Tensor]]

@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import enable_static_graph
-from lightning_mgpu.comm import CommStats, Ledger, allreduce_gradients, register_comm_hook
+from lightning_mgpu.comm_hooks import allreduce_gradients, register_comm_hook
+from lightning_mgpu.ledger import CommStats, Ledger
 from lightning_mgpu.parts.accumulation import DDPSyncControl, ManualGradientSync
 from lightning_mgpu.parts.micro_batching import MicroBatching, agree_across_ranks
 from lightning_mgpu.settings import DDPSettings

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_mgpu import comm
-from lightning_mgpu.comm import CommStats
+from lightning_mgpu.ledger import CommStats
 
 
 class NonFiniteCheck:

@@ -34,7 +34,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_mgpu import comm
-from lightning_mgpu.comm import CommStats
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.settings import DiLoCoSettings, LocalSGDSettings
 
 CHECKPOINT_KEY = "lightning_mgpu_periodic_sync"

@@ -89,7 +89,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.optim import Optimizer
 
 from lightning_mgpu import _compat, comm
-from lightning_mgpu.comm import CommStats
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.mesh import DATA_PARALLEL, PIPELINE, TENSOR_PARALLEL, ParallelDims, ParallelMesh
 from lightning_mgpu.parts.accumulation import BackwardSyncControl
 from lightning_mgpu.parts.clipping import GlobalNormClipping, copies_among

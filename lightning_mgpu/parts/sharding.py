@@ -32,7 +32,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mgpu._compat import copy_lr_scheduler_step_tracking, init_optimizer_state, sync_param_groups
-from lightning_mgpu.comm import CommStats, full_tensor, local_shard
+from lightning_mgpu.comm import full_tensor, local_shard
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.mesh import ParallelMesh
 from lightning_mgpu.parts.accumulation import (
     BackwardSyncControl,

@@ -83,7 +83,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_mgpu import comm
-from lightning_mgpu.comm import CollectiveCounter, CommStats
+from lightning_mgpu.ledger import CollectiveCounter, CommStats
 
 #: linear layers that fan out of the block's input (split by output column), and that fan back in (split by row)
 _ATTENTION_IN = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value")

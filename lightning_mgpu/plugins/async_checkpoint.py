@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_mgpu import comm
+from lightning_mgpu.plugins.checkpoint_io import save_sharded
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +277,7 @@ def sharded_directory_write(
     def write() -> None:
         failed = torch.zeros(1)
         try:
-            comm.save_sharded(tensors, str(staging), group)
+            save_sharded(tensors, str(staging), group)
             if write_meta is not None:
                 write_meta()
         except BaseException:

@@ -41,6 +41,7 @@ import pickle
 import posixpath
 import re
 import shutil
+import warnings
 from collections.abc import Iterable
 from contextlib import suppress
 from pathlib import Path
@@ -55,7 +56,7 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_mgpu import comm
-from lightning_mgpu._compat import is_wrapping_checkpoint_io, torch_layout_decoder
+from lightning_mgpu._compat import dcp_fsspec_storage, is_strided_shard, is_wrapping_checkpoint_io, torch_layout_decoder
 
 # a local path, or a URL fsspec understands (what Lightning calls _PATH)
 PathLike = Union[str, "os.PathLike[str]"]
@@ -656,6 +657,122 @@ def _unpickling_cause(error: BaseException) -> Optional[BaseException]:
     return None
 
 
+# ----------------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint's save and load of a sharded directory's tensors (collectives of torch's own).
+
+
+def _fsspec_storage(path: str, reader: bool) -> Any:
+    """torch.distributed.checkpoint's fsspec reader or writer for a URL (``s3://...``), ``None`` for a local path
+    (its default file system storage)."""
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(url_to_fs(path)[0], LocalFileSystem):
+        return None
+    return dcp_fsspec_storage(path, reader)
+
+
+def save_sharded(state: dict[str, Any], path: str, group: Optional[Any] = None) -> None:
+    """``torch.distributed.checkpoint.save`` of ``state`` into the directory ``path`` (local, or an fsspec URL):
+    a collective over ``group`` (every rank writes its shards; the ranks agree on one save plan first). ``state``
+    as :func:`dcp_layout` gives it."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=path, storage_writer=_fsspec_storage(path, reader=False), process_group=group)
+
+
+def _scattered_dims(tensor: Any) -> list[int]:
+    """The mesh dimensions over which ``tensor`` (a ``DTensor``) holds pieces that are no contiguous block of the
+    whole: a strided shard that no later mesh dimension shards again (a packed query/key/value projection's
+    ``_StridedShard(1, split_factor=3)``; FSDP2's strided shard under a tensor-parallel ``Shard(0)`` is contiguous).
+    ``torch.distributed.checkpoint`` writes a shard as one block, so these dimensions are saved replicated."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return []
+    return [
+        i
+        for i, p in enumerate(placements)
+        if is_strided_shard(p) and not any(q.is_shard(p.dim) for q in placements[i + 1 :])
+    ]
+
+
+def _map_tensors(state: Any, fn: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: _map_tensors(v, fn) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_map_tensors(v, fn) for v in state]
+    return fn(state) if isinstance(state, torch.Tensor) else state
+
+
+def _any_scattered(state: Any) -> bool:
+    if isinstance(state, dict):
+        return any(_any_scattered(v) for v in state.values())
+    if isinstance(state, list):
+        return any(_any_scattered(v) for v in state)
+    return bool(_scattered_dims(state))
+
+
+def _blockwise(tensor: Any) -> Any:
+    from torch.distributed.tensor import Replicate
+
+    dims = _scattered_dims(tensor)
+    if not dims:
+        return tensor
+    placements = [Replicate() if i in dims else p for i, p in enumerate(tensor.placements)]
+    return tensor.redistribute(tensor.device_mesh, placements)
+
+
+def dcp_layout(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as ``torch.distributed.checkpoint`` can write it: each ``DTensor`` whose local pieces are no
+    contiguous block of the whole (a packed projection split by heads) replicated over those mesh dimensions (a
+    collective over them; call it on every rank, on the training thread); everything else as it is."""
+    return _map_tensors(state, _blockwise)
+
+
+def load_sharded(
+    template: dict[str, Any],
+    path: str,
+    group: Optional[Any] = None,
+    planner: Optional[Any] = None,
+    *,
+    local: bool = False,
+) -> None:
+    """``torch.distributed.checkpoint.load`` into ``template`` in place, from ``path`` (local, or an fsspec URL): a
+    collective over ``group`` (every rank reads the slices it owns now, whatever the world size at save time);
+    ``planner``: a ``LoadPlanner`` (default: torch's). ``local``: this process alone reads whole tensors, no
+    collective even where a process group is up."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = _fsspec_storage(path, reader=True)
+    with warnings.catch_warnings():
+        if local:  # torch warns that it assumes one process: here that is what was asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        # a tensor scattered over a mesh dimension is read replicated over it, then copied back into its layout
+        blockwise = dcp_layout(template) if _any_scattered(template) else template
+        dcp.load(
+            blockwise, checkpoint_id=path, storage_reader=reader, process_group=group, planner=planner, no_dist=local
+        )
+    if blockwise is not template:
+        _copy_back(template, blockwise)
+
+
+def _copy_back(template: Any, loaded: Any) -> None:
+    """What DCP read into ``loaded`` (:func:`dcp_layout` of ``template``) put into ``template``: each tensor read
+    replicated copied into the split layout, every other entry set as DCP set it."""
+    if isinstance(template, (dict, list)):
+        keys = list(loaded) if isinstance(loaded, dict) else range(len(loaded))
+        for k in keys:
+            if isinstance(template[k], (dict, list, torch.Tensor)):
+                _copy_back(template[k], loaded[k])
+            else:
+                template[k] = loaded[k]
+    elif loaded is not template:  # a DTensor read replicated over the dimensions it is scattered on
+        with torch.no_grad():
+            comm.local_shard(template).copy_(
+                comm.local_shard(loaded.redistribute(template.device_mesh, template.placements))
+            )
+
+
 def load_sharded_dir(template: dict[str, Any], path: PathLike, group: Any, weights_only: Optional[bool] = None) -> None:
     """Read the tensors of the sharded checkpoint directory ``path`` into ``template`` in place (every rank the
     slices it owns: a collective over ``group``), its metadata and non-tensor entries as data unless
@@ -665,7 +782,7 @@ def load_sharded_dir(template: dict[str, Any], path: PathLike, group: Any, weigh
     check_sharded_metadata(final, weights_only)
     planner = None if weights_only is False else _data_only_load_planner()
     try:
-        comm.load_sharded(template, str(final), group, planner=planner)
+        load_sharded(template, str(final), group, planner=planner)
     except BaseException as err:  # torch's CheckpointException is a BaseException
         cause = _unpickling_cause(err)
         if weights_only is False or cause is None:

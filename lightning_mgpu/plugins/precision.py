@@ -49,13 +49,14 @@ from typing_extensions import override
 from lightning_mgpu import comm
 from lightning_mgpu._compat import (
     DtypeContextManager,
+    attached_trainer,
     convert_fp_tensor,
     foreach_norm,
     precision_after_closure,
     scaler_init_scale,
     unwrap_optimizer,
 )
-from lightning_mgpu.comm import attached_trainer, group_is_up
+from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.parts.clipping import GlobalNormClipping
 
 __all__ = [

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import _compat
-from lightning_mgpu.comm import CommStats
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.micro_batching import MicroBatching
@@ -167,7 +167,7 @@ class MGPUDDPStrategy(DDPStrategy):
 
     @property
     def comm_stats(self) -> CommStats:
-        """The communication ledger of this rank (see :class:`~lightning_mgpu.comm.CommStats`)."""
+        """The communication ledger of this rank (see :class:`~lightning_mgpu.CommStats`)."""
         return self._runtime.comm_stats
 
     @property

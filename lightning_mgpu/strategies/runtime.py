@@ -37,8 +37,11 @@ from torch.distributed import ReduceOp
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu import _compat, comm
-from lightning_mgpu.comm import CommStats, Ledger, attached_trainer, check_backend, group_is_up
+from lightning_mgpu._compat import attached_trainer
+from lightning_mgpu.comm import group_is_up
+from lightning_mgpu.comm_hooks import check_backend
 from lightning_mgpu.export import record_hf_models
+from lightning_mgpu.ledger import CommStats, Ledger
 from lightning_mgpu.parts import rendezvous
 from lightning_mgpu.parts.accumulation import check_accumulate_grad_batches, check_manual_accumulation
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointing

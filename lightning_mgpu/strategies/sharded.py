@@ -42,8 +42,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import _compat, comm
-from lightning_mgpu._compat import unwrap_optimizer
-from lightning_mgpu.comm import CommStats, attached_trainer, group_is_up
+from lightning_mgpu._compat import attached_trainer, unwrap_optimizer
+from lightning_mgpu.comm import group_is_up
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.mesh import DATA_PARALLEL, ParallelMesh, expose_to_module
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave, classes_present
 from lightning_mgpu.parts.ddp import DDPWrapping
@@ -68,12 +69,14 @@ from lightning_mgpu.plugins.checkpoint_io import (
     check_complete,
     checkpoint_kind,
     commit_dir,
+    dcp_layout,
     join_path,
     load_file,
     load_sharded_dir,
     local_path,
     recover_dir,
     remove_dir,
+    save_sharded,
     write_checkpoint_file,
 )
 from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
@@ -315,7 +318,7 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     @property
     def comm_stats(self) -> CommStats:
-        """The communication ledger of this rank (see :class:`~lightning_mgpu.comm.CommStats`)."""
+        """The communication ledger of this rank (see :class:`~lightning_mgpu.CommStats`)."""
         return self._runtime.comm_stats
 
     @property
@@ -578,7 +581,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         if ema is not None:  # the EMA callback's average: each rank's shards, as the weights
             tensors[EMA_STATE_KEY] = ema
             checkpoint[_EMA_NAMES] = sorted(ema)
-        tensors = comm.dcp_layout(tensors)  # here, on every rank: an async write runs on another thread
+        tensors = dcp_layout(tensors)  # here, on every rank: an async write runs on another thread
         # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
         # does rank 0 mark it complete and swap it in under `target`. A save killed or failing on any rank
         # leaves the previous checkpoint under `target` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
@@ -586,7 +589,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         if self._runtime.saves_async():
             self._save_sharded_async(tensors, checkpoint, staging, target)
             return
-        comm.save_sharded(tensors, staging, self._process_group())
+        save_sharded(tensors, staging, self._process_group())
         if self.is_global_zero:
             write_checkpoint_file(join_path(staging, _METADATA), lambda f: torch.save(checkpoint, f))
         self.barrier("mgpu_sharded_save_written")  # every rank's shards are written

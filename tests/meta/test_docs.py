@@ -114,7 +114,7 @@ def undocumented_public_names() -> set[str]:
         else:  # data: a constant documented where it is assigned
             home = next(
                 m
-                for m in ("lightning_mgpu.comm", "lightning_mgpu.presets", "lightning_mgpu")
+                for m in ("lightning_mgpu.comm_hooks", "lightning_mgpu.presets", "lightning_mgpu")
                 if getattr(sys.modules.get(m), name, None) is obj
             )
             doc = "documented" if name in _documented_data(home) else None

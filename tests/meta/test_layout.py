@@ -16,6 +16,8 @@ LOWER = [
     *sorted((PACKAGE / "plugins").glob("*.py")),
     PACKAGE / "settings.py",
     PACKAGE / "comm.py",
+    PACKAGE / "comm_hooks.py",
+    PACKAGE / "ledger.py",
 ]
 
 

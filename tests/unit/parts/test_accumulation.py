@@ -10,7 +10,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu.comm import CommStats
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts import accumulation as manual_sync
 from lightning_mgpu.parts.accumulation import DDPSyncControl, FSDP2SyncControl, ManualGradientSync
 from tests.parts_harness import in_one_rank_group

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_mgpu.comm import CommStats
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.clipping import GlobalNormClipping
 from tests.parts_harness import in_one_rank_group
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu.comm import Ledger
+from lightning_mgpu.ledger import Ledger
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.settings import DDPSettings
 from tests.parts_harness import in_one_rank_group

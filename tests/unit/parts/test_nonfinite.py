@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.comm import CommStats
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.nonfinite import NonFiniteCheck
 from tests.parts_harness import in_one_rank_group
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_mgpu.comm import CommStats
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.periodic_sync import BUCKET_BYTES, PeriodicSync, _buckets
 from lightning_mgpu.settings import DiLoCoSettings, LocalSGDSettings
 from tests.parts_harness import in_one_rank_group

@@ -433,7 +433,7 @@ def _ledger_case() -> None:
     from torch.distributed._functional_collectives import all_reduce
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_mgpu.comm import CommStats
+    from lightning_mgpu.ledger import CommStats
     from lightning_mgpu.planning.measure import fake_process_group
     from tests.tensor_parallel_models import Block
 
