@@ -47,11 +47,11 @@ from lightning_mgpu._compat import fake_tensor_mode
 from lightning_mgpu.parts.trainable_state import KEY as FROZEN_BASE_KEY
 from lightning_mgpu.plugins.checkpoint_io import (
     EMA_STATE_KEY,
-    check_complete,
     check_sharded_metadata,
     load_file,
     load_sharded,
 )
+from lightning_mgpu.plugins.sharded_checkpoint import read_meta
 
 __all__ = ["HF_MODELS_KEY", "export_checkpoint", "hf_models", "main"]
 
@@ -63,7 +63,6 @@ HF_MODELS_KEY = "mgpu_hf_models"
 """The checkpoint entry the strategies write: attribute path -> ``{"class": ..., "config": <config.json text>}``
 of every Hugging Face model the LightningModule holds."""
 
-_METADATA = "meta.pt"  # the non-tensor part of a sharded directory (strategies/sharded.py writes it)
 _WEIGHTS = "state_dict"
 FORMATS = ("hf", "torch")
 
@@ -178,13 +177,7 @@ def _open_dir(path: Path, weights_only: Optional[bool]) -> tuple[dict[str, Any],
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    check_complete(path)
-    if not (path / _METADATA).is_file():
-        raise FileNotFoundError(
-            f"{path} is a directory without {_METADATA}: not a sharded checkpoint of mgpu_sharded. Pass the "
-            f"checkpoint directory written by trainer.save_checkpoint, or a checkpoint file."
-        )
-    meta: dict[str, Any] = load_file(path / _METADATA, weights_only, map_location="cpu", ckpt_path=path)
+    meta: dict[str, Any] = read_meta(path, weights_only)
     check_sharded_metadata(path, weights_only)
     metadata = FileSystemReader(str(path)).read_metadata()
     groups: dict[str, dict[str, _Tensor]] = {}

@@ -43,9 +43,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_mgpu import comm
-from lightning_mgpu.plugins.checkpoint_io import save_sharded
-
 log = logging.getLogger(__name__)
 
 
@@ -259,38 +256,6 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + 10, 19))
     except (AttributeError, OSError):  # pragma: no cover - no permission or no such call: keep the priority
         pass
-
-
-def sharded_directory_write(
-    tensors: dict[str, Any],
-    staging: str,
-    group: Any,
-    write_meta: Optional[Callable[[], None]] = None,
-    commit: Optional[Callable[[], None]] = None,
-) -> Callable[[], None]:
-    """The background half of an asynchronous sharded save, run on every rank: write this rank's staged
-    ``tensors`` into ``staging`` (a local directory or an fsspec URL) with ``torch.distributed.checkpoint`` (its
-    collectives on ``group``, a group of its own: they must not interleave with training's), then ``write_meta()``;
-    the ranks agree that every part is written (or that one failed: then nobody marks it), and only then
-    ``commit()`` (rank 0: the marker and the swap). Give ``write_meta`` and ``commit`` on rank 0 only."""
-
-    def write() -> None:
-        failed = torch.zeros(1)
-        try:
-            save_sharded(tensors, str(staging), group)
-            if write_meta is not None:
-                write_meta()
-        except BaseException:
-            failed[0] = 1
-            raise
-        finally:
-            comm.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
-        if failed.item():
-            raise RuntimeError(f"another rank failed to write its part into {staging}; it was not marked complete")
-        if commit is not None:
-            commit()
-
-    return write
 
 
 def _copy_containers(obj: Any, memo: dict[int, Any]) -> Any:

@@ -61,25 +61,15 @@ from lightning_mgpu.parts.sharding import (
 )
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism
 from lightning_mgpu.parts.trainable_state import saves_trainable_only
-from lightning_mgpu.plugins.async_checkpoint import sharded_directory_write
 from lightning_mgpu.plugins.checkpoint_io import (
-    EMA_STATE_KEY,
     PathLike,
-    begin_dir,
-    check_complete,
     checkpoint_kind,
-    commit_dir,
-    dcp_layout,
-    join_path,
-    load_file,
-    load_sharded_dir,
     local_path,
     recover_dir,
     remove_dir,
-    save_sharded,
-    write_checkpoint_file,
 )
 from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
+from lightning_mgpu.plugins.sharded_checkpoint import load_dir, save_dir
 from lightning_mgpu.settings import (
     Backend,
     CheckpointLayout,
@@ -136,13 +126,8 @@ class ShardMemory:
 
 
 # The checkpoints of :class:`~lightning_mgpu.MGPUShardedStrategy`: the consolidated file or the sharded directory
-# (``torch.distributed.checkpoint``), written atomically (and in the background with ``async_checkpoint=True``), and
+# (``plugins/sharded_checkpoint.py``), written atomically (and in the background with ``async_checkpoint=True``), and
 # loaded at any world size; the sharding backend (``parts/sharding.py``) gathers and scatters the states.
-
-
-_METADATA = "meta.pt"  # the non-tensor part of a sharded checkpoint (Lightning's ModelParallelStrategy name)
-_OPTIMIZER_COUNT = "mgpu_sharded_optimizers"
-_EMA_NAMES = "mgpu_sharded_ema"  # the parameter names of the EMA average saved beside state_dict (or absent)
 
 
 @strategy_options(
@@ -564,73 +549,21 @@ class MGPUShardedStrategy(ParallelStrategy):
             return
         if storage_options is not None:
             raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
-        # a local directory, or a prefix at an fsspec URL (s3://bucket/ckpts/last.ckpt)
-        target = local if local is not None else str(filepath)
-        if checkpoint_kind(target) == "file":
-            raise FileExistsError(
-                f"{target} is a file (a consolidated checkpoint?); a sharded checkpoint is a directory. Choose another "
-                f"name, or save with MGPUShardedStrategy(checkpoint='consolidated')."
-            )
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        optimizer_states = checkpoint.pop("optimizer_states", None)
-        for i, state in enumerate(optimizer_states or []):
-            tensors[f"optimizer_{i}"] = state
-        # None: saved with weights only (Lightning then refuses to resume training from it, as for a file)
-        checkpoint[_OPTIMIZER_COUNT] = None if optimizer_states is None else len(optimizer_states)
-        ema = checkpoint.pop(EMA_STATE_KEY, None)
-        if ema is not None:  # the EMA callback's average: each rank's shards, as the weights
-            tensors[EMA_STATE_KEY] = ema
-            checkpoint[_EMA_NAMES] = sorted(ema)
-        tensors = dcp_layout(tensors)  # here, on every rank: an async write runs on another thread
-        # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
-        # does rank 0 mark it complete and swap it in under `target`. A save killed or failing on any rank
-        # leaves the previous checkpoint under `target` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
-        staging = self.broadcast(begin_dir(target) if self.is_global_zero else "")
-        if self._runtime.saves_async():
-            self._save_sharded_async(tensors, checkpoint, staging, target)
-            return
-        save_sharded(tensors, staging, self._process_group())
-        if self.is_global_zero:
-            write_checkpoint_file(join_path(staging, _METADATA), lambda f: torch.save(checkpoint, f))
-        self.barrier("mgpu_sharded_save_written")  # every rank's shards are written
-        if self.is_global_zero:
-            commit_dir(staging, target, self._marker_info(checkpoint))
-        self.barrier("mgpu_sharded_save_done")
-
-    def _marker_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-        return {
-            "format": "lightning_mgpu.sharded",
-            "version": 1,
-            "world_size": self.world_size,
-            "stage": self._sharded_settings.stage,
-            "backend": self._backend_name,
-            "layout": self._checkpoint_layout,
-            "optimizers": checkpoint[_OPTIMIZER_COUNT],
-            "epoch": checkpoint.get("epoch"),
-            "global_step": checkpoint.get("global_step"),
-        }
-
-    def _save_sharded_async(self, tensors: dict[str, Any], checkpoint: dict[str, Any], staging: str, path: str) -> None:
-        """The sharded layout with ``async_checkpoint=True``: every rank stages its shards now; the background
-        write marks the directory complete only once every rank's part is on disk (``plugins/async_checkpoint.py``)."""
-        writes = self._runtime.writes
-        assert writes is not None
-        writes.unsettled = True
-        rank0 = self.is_global_zero
-        staged = writes.writer.stage({"tensors": tensors, "meta": checkpoint if rank0 else None})
-        info = self._marker_info(checkpoint)
-        write = sharded_directory_write(
-            staged["tensors"],
-            staging,
-            writes.group(),
-            write_meta=(
-                lambda: write_checkpoint_file(join_path(staging, _METADATA), lambda f: torch.save(staged["meta"], f))
-            )
-            if rank0
-            else None,
-            commit=(lambda: commit_dir(staging, path, info)) if rank0 else None,
+        save_dir(
+            checkpoint,
+            local if local is not None else str(filepath),  # a local directory, or a prefix at an fsspec URL
+            rank=self.global_rank,
+            broadcast=self.broadcast,
+            barrier=self.barrier,
+            group=self._process_group(),
+            marker={
+                "world_size": self.world_size,
+                "stage": self._sharded_settings.stage,
+                "backend": self._backend_name,
+                "layout": self._checkpoint_layout,
+            },
+            writes=self._runtime.writes if self._runtime.saves_async() else None,
         )
-        writes.submit(str(path), self.global_rank, write)
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
@@ -656,45 +589,19 @@ class MGPUShardedStrategy(ParallelStrategy):
             return self._runtime.after_load(
                 super().load_checkpoint(os.fspath(checkpoint_path), weights_only=weights_only)
             )
-        check_complete(path)  # never load half a checkpoint
-        if checkpoint_kind(join_path(path, _METADATA)) != "file":
-            raise FileNotFoundError(
-                f"{path} is a directory without {_METADATA}: not a sharded checkpoint of mgpu_sharded. Pass the "
-                f"checkpoint directory written by trainer.save_checkpoint."
-            )
         module = self.lightning_module
         assert module is not None
-        checkpoint: dict[str, Any] = load_file(
-            join_path(path, _METADATA), weights_only, map_location="cpu", ckpt_path=path
+        checkpoint = load_dir(
+            path,
+            module,
+            weights_only=weights_only,
+            group=self._process_group(),
+            optimizers=self.optimizers,
+            restore_optimizers=self.lightning_restore_optimizer,
+            sharding=self._sharding,
+            strict=module.strict_loading,
+            frozen_left_out=self._runtime.frozen_left_out,
         )
-        saved_optimizers = checkpoint.pop(_OPTIMIZER_COUNT, None)
-        left_out = self._runtime.frozen_left_out(checkpoint)  # adapter-only: refused now on another base
-        ema_names = checkpoint.pop(_EMA_NAMES, None)
-        weights = {k: v for k, v in module.state_dict().items() if k not in (left_out or ())}
-        template: dict[str, Any] = {"state_dict": weights}
-        if ema_names is not None:  # shaped and sharded as the parameters they average
-            template[EMA_STATE_KEY] = {name: torch.empty_like(weights[name]) for name in ema_names}
-        load_optimizers = bool(self.lightning_restore_optimizer and self.optimizers and saved_optimizers is not None)
-        if load_optimizers:
-            if saved_optimizers != len(self.optimizers):
-                raise ValueError(
-                    f"{path} holds {saved_optimizers} optimizer states and configure_optimizers returned "
-                    f"{len(self.optimizers)} optimizers: resume with the same configure_optimizers."
-                )
-            for i, opt in enumerate(self.optimizers):
-                template[f"optimizer_{i}"] = self._sharding.optimizer_load_template(module, opt)
-        # every rank reads the slices it owns now, whatever the world size at save time
-        load_sharded_dir(template, path, self._process_group(), weights_only)
-        # adapter-only: the frozen base stays as built (DCP found every key of the template in the checkpoint)
-        module.load_state_dict(template["state_dict"], strict=module.strict_loading and left_out is None)
-        if ema_names is not None:
-            checkpoint[EMA_STATE_KEY] = template[EMA_STATE_KEY]
-        if load_optimizers:
-            for i, opt in enumerate(self.optimizers):
-                self._sharding.finish_optimizer_load(opt, template[f"optimizer_{i}"])
-            checkpoint["optimizer_states"] = [template[f"optimizer_{i}"] for i in range(len(self.optimizers))]
-        elif saved_optimizers is not None:
-            checkpoint["optimizer_states"] = []
         self._loaded_sharded = True
         return self._runtime.after_load(checkpoint)
 
