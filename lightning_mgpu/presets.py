@@ -145,6 +145,24 @@ PRESETS: tuple[Preset, ...] = (
         {"start_method": "fork", "stage": 3},
     ),
     Preset(
+        "mgpu_zero3_offload",
+        MGPUShardedStrategy,
+        "ZeRO stage 3 with the shards, gradients and optimizer state in host memory (CPU offload)",
+        {"start_method": "popen", "stage": 3, "offload": "cpu"},
+    ),
+    Preset(
+        "mgpu_zero3_offload_spawn",
+        MGPUShardedStrategy,
+        "mgpu_zero3_offload launched with spawn",
+        {"start_method": "spawn", "stage": 3, "offload": "cpu"},
+    ),
+    Preset(
+        "mgpu_zero3_offload_notebook",
+        MGPUShardedStrategy,
+        "mgpu_zero3_offload for Jupyter (fork launch)",
+        {"start_method": "fork", "stage": 3, "offload": "cpu"},
+    ),
+    Preset(
         "mgpu_hsdp",
         MGPUShardedStrategy,
         "hybrid ZeRO stage 3 (HSDP): sharded within each machine, replicated across machines",

@@ -232,6 +232,7 @@ CHECKPOINT_PARAMS = ("all", "trainable", "auto")
 TensorParallelPlanSetting = Union[Literal["auto", "auto+sequence"], dict[str, Any]]
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 PipelineSplit = Union[Sequence[str], Literal["auto"]]
+Offload = Optional[Literal["cpu"]]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 #: the strategies the planner (and mgpu_auto) can choose, fastest first
@@ -858,6 +859,14 @@ class ShardedSettings:
     ``blocks.1``), all children of one ``nn.Sequential`` or ``nn.ModuleList``; ``"auto"``: that container's
     children split into stages of balanced parameter count (two stages per rank under ``"interleaved_1f1b"``)."""
 
+    offload: Offload = None
+    """``"cpu"``: the sharded parameters, their gradients and the optimizer state live in host memory (FSDP2's
+    ``CPUOffloadPolicy``, pinned where a GPU exists); each unit's shards are copied to the device for its all-gather,
+    the gradients' shards back to the host after its reduce-scatter, and the optimizer steps on the host. Stage 3
+    frees the gathered parameters after each forward and backward; stage 2 keeps them gathered on the device from
+    the forward to the backward (only the shards, gradients and optimizer state are on the host). Stages 2/3 torch;
+    ``None``: everything stays on the device."""
+
     def __post_init__(self) -> None:
         stage = self.stage
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
@@ -904,6 +913,33 @@ class ShardedSettings:
         self._check_tensor_parallel()
         _check_bool("tensor_comm_stats", self.tensor_comm_stats)
         self._check_pipeline()
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        offload = self.offload
+        if offload is None:
+            return
+        if offload != "cpu":
+            raise ValueError(
+                f"offload={offload!r} is unknown. Use offload='cpu' (parameters, gradients and optimizer state in "
+                f"host memory) or None (everything on the device)."
+            )
+        if not self.uses_fsdp2:
+            raise ValueError(
+                f"offload='cpu' moves FSDP2's shards to the host, which only stages 2 and 3 with backend='torch' have; "
+                f"got stage={self.stage}, backend={self.backend!r}. Use MGPUShardedStrategy(stage=3, offload='cpu') "
+                f"(the preset 'mgpu_zero3_offload'), or offload=None."
+            )
+        for name, size in (
+            ("tensor_parallel_size", self.tensor_parallel_size),
+            ("pipeline_parallel_size", self.pipeline_parallel_size),
+        ):
+            if size > 1:
+                raise ValueError(
+                    f"offload='cpu' with {name}={size} is not built yet: the split layers' collectives run on the "
+                    f"device, and the offloaded shards are on the host. Use offload='cpu' with {name}=1, or "
+                    f"offload=None."
+                )
 
     def _check_tensor_parallel(self) -> None:
         size, plan = self.tensor_parallel_size, self.tensor_parallel_plan

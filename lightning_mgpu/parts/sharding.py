@@ -455,9 +455,11 @@ class FSDP2Backend(ShardingBackend):
         self,
         stage: int,
         wrap_modules: Optional[tuple[type[nn.Module], ...]] = None,
+        offload: Optional[str] = None,
     ) -> None:
         super().__init__(stage)
         self.wrap_modules = wrap_modules
+        self.offload = offload
         self.sync_control = FSDP2SyncControl()
         self._mesh: Any = None
 
@@ -501,19 +503,39 @@ class FSDP2Backend(ShardingBackend):
         return policy
 
     def shard_model(self, module: nn.Module, mesh: Any, mp_policy: Any = None) -> Optional[nn.Module]:
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         if _fsdp_units(module):  # fit() again in the same process, or configure_model applied fully_shard itself
             return module
         reshard = self.stage == 3
         policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+        # pinned host memory lets the copies to and from a GPU overlap with compute; without a GPU there is none
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.offload == "cpu" else OffloadPolicy()
         # innermost first: fully_shard on a parent leaves parameters already owned by a child unit alone
         for unit in reversed(self._unit_roots(module)):
             if not isinstance(unit, FSDPModule):
                 fully_shard(
-                    unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=fsdp_dim
+                    unit,
+                    mesh=mesh,
+                    reshard_after_forward=reshard,
+                    mp_policy=policy,
+                    offload_policy=offload,
+                    shard_placement_fn=fsdp_dim,
                 )
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=fsdp_dim)
+        fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=policy,
+            offload_policy=offload,
+            shard_placement_fn=fsdp_dim,
+        )
         return module
 
     def sync_layout(self, model: nn.Module) -> list[int]:
@@ -589,14 +611,15 @@ def make_backend(
     stage: int,
     backend: str,
     wrap_modules: Optional[tuple[type[nn.Module], ...]] = None,
+    offload: Optional[str] = None,
 ) -> ShardingBackend:
     """The backend of ``stage`` and ``backend``; FSDP2 shards over the mesh the strategy hands to
-    :meth:`ShardingBackend.shard_mesh`."""
+    :meth:`ShardingBackend.shard_mesh` (``offload="cpu"``: its shards in host memory)."""
     if backend == "fairscale":
         return FairscaleOSSBackend(stage)
     if stage == 1:
         return TorchZeroBackend(stage)
-    return FSDP2Backend(stage, wrap_modules)
+    return FSDP2Backend(stage, wrap_modules, offload=offload)
 
 
 def local_bytes(tensor: Any) -> int:

@@ -82,6 +82,7 @@ from lightning_mgpu.settings import (
     MeshLayout,
     MicroBatchSetting,
     NonFinite,
+    Offload,
     PipelineScheduleName,
     PipelineSplit,
     ShardedSettings,
@@ -217,6 +218,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         pipeline_schedule: PipelineScheduleName = "1f1b",
         pipeline_microbatches: Optional[int] = None,
         pipeline_split: PipelineSplit = "auto",
+        offload: Offload = None,
         **ddp_kwargs: Any,
     ) -> None:
         arguments = dict(locals())
@@ -240,7 +242,9 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._sharded_settings = sharded
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
-        self._sharding: ShardingBackend = make_backend(sharded.stage, backend, sharded.unit_classes)
+        self._sharding: ShardingBackend = make_backend(
+            sharded.stage, backend, sharded.unit_classes, offload=sharded.offload
+        )
         self._tensor = TensorParallelism(sharded.tensor_parallel_size, sharded.tensor_parallel_plan)
         self._pipeline: Optional[PipelineBackend] = None  # pipeline_parallel_size > 1: parts/pipeline.py
         if sharded.pipelined:
@@ -736,7 +740,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         if fitting:
             clipping = self._sharding.norm_clipping(self._process_group(), self._runtime.ledger.stats)
             PrecisionAdoption.connect_norm_clipping(self.precision_plugin, clipping)  # shards: the global norm
-            _compat.optimizers_to_device(self.optimizers, self.root_device)
+            if self._sharded_settings.offload is None:  # offloaded: the optimizer state stays in host memory
+                _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _wrap_model(self, policy: Any) -> None:
         """The model's set-up order, in one place (torchtitan's ``parallelize`` order): SyncBatchNorm conversion

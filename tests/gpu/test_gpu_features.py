@@ -149,6 +149,20 @@ def test_a_module_sharded_in_place_stays_on_the_device_between_stages(stage: int
         assert r["offset_device_after"] == r["root_device"], r
 
 
+@pytest.mark.parametrize("stage", [3, 2], ids=["mgpu_zero3_offload", "mgpu_sharded-offload"])
+def test_offload_keeps_the_shards_and_the_optimizer_state_on_the_host_and_trains_the_same_weights(stage: int) -> None:
+    r = run("offload", stage=stage)
+    print(json.dumps(r, indent=1))
+    assert r["steps"] == [6, 6], r
+    assert r["moved"] > 1e-3, r  # training moved the weights: the comparison has something to prove
+    # the optimizer steps on the host instead of the device: float64 sums in another order at most
+    assert r["max_abs_diff"] < 1e-12, r
+    assert r["where"]["cpu"] == {"params": ["cpu"], "grads": ["cpu"], "state": ["cpu"]}, r
+    if ON_CUDA:  # the control: without offload all of it is on the device, and the device holds more
+        assert r["where"]["device"] == {"params": ["cuda"], "grads": ["cuda"], "state": ["cuda"]}, r
+        assert r["peak_bytes"]["cpu"] < r["peak_bytes"]["device"], r
+
+
 #: compiled against eager weights after 8 steps: FP32 (inductor fuses and reorders sums; a few float32 ulps per
 #: step) and bf16-mixed (both runs round to bf16, not always the same way), relative to the largest weight
 COMPILE_TOLERANCE = {"32-true": 1e-4, "bf16-mixed": 2e-2}

@@ -654,6 +654,50 @@ def compile_parity(stage: int, precision: str = "32-true", backend: str = "induc
     }
 
 
+# --- offload="cpu": FSDP2's shards, gradients and optimizer state in host memory --------------------------------
+
+
+class _Where(pl.Callback):
+    """Where the parameter shards, their gradients and the optimizer state are at the end of fit (device types)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list[str]] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        params = list(pl_module.parameters())
+        state = [t for opt in trainer.optimizers for s in opt.state.values() for t in s.values()]
+        self.seen["params"] = sorted({p.to_local().device.type for p in params})
+        self.seen["grads"] = sorted({p.grad.to_local().device.type for p in params if p.grad is not None})
+        self.seen["state"] = sorted({t.device.type for t in state if isinstance(t, torch.Tensor)})
+
+
+@case
+def offload(stage: int = 3, steps: int = 6) -> dict[str, Any]:
+    """The same ``steps`` SGD steps (float64, gradient clipping) with ``offload=None`` and ``offload="cpu"``: both
+    runs' weights, where each one's parameter shards, gradients and optimizer state were after the last step, and
+    the device's peak allocated bytes of each (-1 on CPU)."""
+    runs: dict[str, Any] = {}
+    for name in ("device", "cpu"):
+        torch.manual_seed(0)
+        model = Regressor(hidden=256).double()
+        where = _Where()
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        strategy = _sharded(stage, offload=None if name == "device" else "cpu")
+        trainer = _trainer(strategy, max_steps=steps, gradient_clip_val=0.5, callbacks=[where])
+        trainer.fit(model, _in_order())
+        peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else -1
+        runs[name] = {"weights": _flat(model), "peak": peak, "steps": trainer.global_step, **where.seen}
+    initial = _flat(Regressor(hidden=256).double())
+    return {
+        "steps": [runs["device"]["steps"], runs["cpu"]["steps"]],
+        "max_abs_diff": float((runs["cpu"]["weights"] - runs["device"]["weights"]).abs().max()),
+        "moved": float((runs["device"]["weights"] - initial).abs().max()),
+        "where": {name: {k: run[k] for k in ("params", "grads", "state")} for name, run in runs.items()},
+        "peak_bytes": {name: run["peak"] for name, run in runs.items()},
+    }
+
+
 # --- DDP on the default stream --------------------------------------------------------------------------------
 
 

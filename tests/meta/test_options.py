@@ -94,6 +94,7 @@ GIVEN: dict[str, Any] = {
     "pipeline_schedule": "gpipe",
     "pipeline_microbatches": 4,
     "pipeline_split": ("blocks.2",),
+    "offload": "cpu",
     "sync_every": 3,
     "warmup_steps": 2,
     "comm_dtype": "bf16",
@@ -116,6 +117,7 @@ NEEDS: dict[str, dict[str, Any]] = {
     "tensor_parallel_size": {"stage": 3},
     "tensor_parallel_plan": {"stage": 3, "tensor_parallel_size": 2},
     "tensor_comm_stats": {"stage": 3},
+    "offload": {"stage": 3},
 }
 
 

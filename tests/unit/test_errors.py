@@ -458,6 +458,24 @@ CASES = [
         id="sharded-auto-sequence-with-a-pipeline",
     ),
     pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, offload="disk"),
+        ValueError,
+        ["offload='disk'", "offload='cpu'", "or None"],
+        id="sharded-offload-unknown",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=1, offload="cpu"),
+        ValueError,
+        ["got stage=1", "MGPUShardedStrategy(stage=3, offload='cpu')", "mgpu_zero3_offload"],
+        id="sharded-offload-at-stage-1",
+    ),
+    pytest.param(
+        lambda: MGPUShardedStrategy(stage=3, offload="cpu", pipeline_parallel_size=2),
+        ValueError,
+        ["offload='cpu' with pipeline_parallel_size=2 is not built yet", "pipeline_parallel_size=1"],
+        id="sharded-offload-with-a-pipeline",
+    ),
+    pytest.param(
         lambda: fit(
             Regressor(),
             MGPUShardedStrategy(

@@ -118,6 +118,29 @@ def test_sharded_parity_check_can_fail(tmp_path):
         torch.testing.assert_close(ranks[0]["weights"], wrong)
 
 
+def test_offload_to_the_host_trains_the_weights_and_optimizer_state_of_one_process(tmp_path):
+    """``offload="cpu"`` at stage 3 with accumulation and activation checkpointing gives the weights and the optimizer
+    state of one process with the global batch (float64). Here the host is the device, so this proves the offloaded
+    path's arithmetic and bookkeeping under the Trainer; that the shards, gradients and optimizer state really live
+    in host memory while a GPU computes is the GPU tier's check (``tests/gpu/test_gpu_features.py``). The negative
+    control of the comparison: ``test_sharded_parity_check_can_fail``."""
+    dataset = make_data()
+    model = OptRegressor("adam").double()
+    initial = flat_params(model)
+    k = 2
+    steps = 2 * len(dataset) // (WORLD * B * k)
+    expected, expected_optim = reference_run(model, dataset, WORLD * B * k, steps, "adam")
+    strategy = sharded(3, "torch", offload="cpu", activation_checkpointing="Linear")
+    ranks = fit(
+        model, strategy, tmp_path, dataset=dataset, batch_size=B, accumulate=k, callbacks=[FinalState(tmp_path)]
+    )
+    for r in ranks:
+        assert r["global_step"] == steps
+        torch.testing.assert_close(r["weights"], expected)
+    assert (expected - initial).abs().max() > 1e-2, "weights did not move: the comparison would prove nothing"
+    assert_same_optimizer_state(final(tmp_path)["optim"][0], expected_optim)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the device mesh, as a module written for Lightning's ModelParallelStrategy reads it
 # ---------------------------------------------------------------------------------------------------------
@@ -311,8 +334,17 @@ def test_checkpoint_resumes_at_another_world_size(tmp_path, stage, backend, layo
         (dict(stage=3, backend="torch", checkpoint="sharded"), dict(stage=1, backend="fairscale"), 3),
         (dict(stage=2, backend="fairscale"), dict(stage=3, backend="torch", checkpoint="sharded"), 1),
         (dict(stage=1, backend="torch", checkpoint="sharded"), dict(stage=2, backend="torch"), 2),
+        # offloaded states: written from host memory, read back into it
+        (dict(stage=3, backend="torch", checkpoint="sharded", offload="cpu"), dict(stage=2, backend="torch"), 1),
+        (dict(stage=3, backend="torch", offload="cpu"), dict(stage=3, backend="torch", offload="cpu"), 3),
     ],
-    ids=["fsdp2-sharded-to-oss", "oss-consolidated-to-fsdp2", "zero-sharded-to-fsdp2"],
+    ids=[
+        "fsdp2-sharded-to-oss",
+        "oss-consolidated-to-fsdp2",
+        "zero-sharded-to-fsdp2",
+        "offload-sharded-to-fsdp2",
+        "offload-consolidated-to-offload",
+    ],
 )
 def test_either_layout_resumes_under_another_stage_and_backend(tmp_path, saver, resumer, world):
     path = _save(tmp_path, sharded(**saver), 2)
