@@ -151,18 +151,6 @@ PRESETS: tuple[Preset, ...] = (
         {"start_method": "popen", "stage": 3, "offload": "cpu"},
     ),
     Preset(
-        "mgpu_zero3_offload_spawn",
-        MGPUShardedStrategy,
-        "mgpu_zero3_offload launched with spawn",
-        {"start_method": "spawn", "stage": 3, "offload": "cpu"},
-    ),
-    Preset(
-        "mgpu_zero3_offload_notebook",
-        MGPUShardedStrategy,
-        "mgpu_zero3_offload for Jupyter (fork launch)",
-        {"start_method": "fork", "stage": 3, "offload": "cpu"},
-    ),
-    Preset(
         "mgpu_hsdp",
         MGPUShardedStrategy,
         "hybrid ZeRO stage 3 (HSDP): sharded within each machine, replicated across machines",
@@ -211,6 +199,7 @@ LAUNCH_EXCEPTIONS: dict[str, str] = {
     "mgpu_hsdp": "popen only: jobs on several machines are started by torchrun or SLURM; "
     "MGPUShardedStrategy(stage=3, mesh='hybrid', start_method=...) for another launch",
     "mgpu_pipeline": "popen only: MGPUShardedStrategy(pipeline_parallel_size=P, start_method=...) for another launch",
+    "mgpu_zero3_offload": "popen only: MGPUShardedStrategy(stage=3, offload='cpu', start_method=...) likewise",
 }
 
 

@@ -115,6 +115,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             text = result.to_json()
         else:
             text = layouts.to_json() if args.json else report(layouts, args.top)
+            if config.get("offload") and not args.json:
+                text += (
+                    f"\n\nnote: the config's strategy offloads to host memory (offload={config['offload']!r}), which "
+                    f"the planner does not model yet: each row counts the parameters, gradients and optimizer state "
+                    f"on the device, more than an offloaded run holds there."
+                )
     except NoPlanFits as err:
         print(err.plan.to_json() if args.json else err.plan.table(), file=sys.stderr)
         parser.exit(2, f"lightning-mgpu plan: error: {err}\n")

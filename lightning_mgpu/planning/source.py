@@ -105,7 +105,8 @@ def config_trainer(path: str) -> dict[str, Any]:
     """What a ``fit`` config says about the job to plan: ``devices``, ``num_nodes`` and ``precision`` of its
     ``trainer`` section, and ``device_memory``, ``headroom`` and ``strategies`` of an ``mgpu_auto`` strategy's
     ``init_args`` (``micro_batch_size`` keeps the strategies that micro-batch, as ``mgpu_auto`` does; with
-    ``mgpu_auto`` and no precision, Lightning's default ``32-true``, which ``mgpu_auto`` plans with); only
+    ``mgpu_auto`` and no precision, Lightning's default ``32-true``, which ``mgpu_auto`` plans with), and
+    ``offload`` where the strategy offloads to host memory (which the planner does not model yet); only
     the keys the config sets. A :class:`PlanError` naming the key, its value and the flag to pass instead when a
     value cannot be planned for (``devices: auto``, a precision the planner does not model)."""
     trainer = _read_config(path).get("trainer") or {}
@@ -139,6 +140,8 @@ def config_trainer(path: str) -> dict[str, Any]:
     if "precision" not in found and (auto.startswith("mgpu_auto") or auto.endswith("MGPUAutoStrategy")):
         found["precision"] = "32-true"  # Lightning's default, the one precision mgpu_auto then plans
     init_args = strategy.get("init_args") if isinstance(strategy, dict) else None
+    if auto.endswith("_offload") or (isinstance(init_args, dict) and init_args.get("offload") is not None):
+        found["offload"] = init_args.get("offload", "cpu") if isinstance(init_args, dict) else "cpu"
     if isinstance(init_args, dict):
         for key in ("device_memory", "headroom", "strategies"):
             if init_args.get(key) is not None:

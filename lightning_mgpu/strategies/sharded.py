@@ -978,7 +978,8 @@ class MGPUShardedStrategy(ParallelStrategy):
     def __repr__(self) -> str:
         return (
             f"{self.public_name}(stage={self._sharded_settings.stage}, backend={self._backend_name!r}, "
-            f"checkpoint={self._checkpoint_layout!r}, start_method={self._common.start_method!r})"
+            f"checkpoint={self._checkpoint_layout!r}, start_method={self._common.start_method!r}"
+            + (f", offload={self._sharded_settings.offload!r})" if self._sharded_settings.offload else ")")
         )
 
     # --- end ------------------------------------------------------------------------------------------

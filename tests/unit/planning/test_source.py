@@ -174,6 +174,19 @@ def test_lightning_mgpu_plan_takes_devices_nodes_precision_and_memory_from_the_c
     assert "4 ranks x 1.00 GiB" in capsys.readouterr().out
     assert cli_main(["plan", "--config", str(config), "--devices", "2", "--num-nodes", "1"]) == 0
     assert "2 ranks x 1.00 GiB" in capsys.readouterr().out
+    # a strategy that offloads to host memory: the table says the planner does not count it
+    for strategy in (
+        "mgpu_zero3_offload",
+        "{class_path: lightning_mgpu.MGPUShardedStrategy, init_args: {offload: cpu}}",
+    ):
+        config.write_text(f"trainer:\n  devices: 2\n  strategy: {strategy}\n" + model)
+        assert cli_main(["plan", "--config", str(config), "--device-memory", "1GiB"]) == 0
+        assert (
+            "offloads to host memory (offload='cpu'), which the planner does not model yet" in capsys.readouterr().out
+        )
+    config.write_text("trainer:\n  devices: 2\n  strategy: mgpu_zero3\n" + model)
+    assert cli_main(["plan", "--config", str(config), "--device-memory", "1GiB"]) == 0
+    assert "offload" not in capsys.readouterr().out
     config.write_text("trainer:\n  devices: auto\n" + model)
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["plan", "--config", str(config), "--device-memory", "1GiB"])
