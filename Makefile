@@ -200,14 +200,15 @@ test-gpu:
 bench-gpu:
 	py=$(GPU_PY); PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_memory_per_rank.py --out benchmarks/results && \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_throughput.py --out benchmarks/results && \
+	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_offload.py --out benchmarks/results && \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_checkpoint_blocking.py --out benchmarks/results && \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu/bench_planner_vs_allocator.py --out benchmarks/results && \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/bench_hsdp.py --accelerator gpu
 	PYTHONPATH=$(CURDIR) $$py benchmarks/bench_compile.py --accelerator gpu --devices 1 --out benchmarks/results
 
 # One command for a GPU machine as it is (its own python3 with a CUDA torch and Lightning, no network): the GPU
-# tier, then the benchmarks that matter most (tokens/s and MFU, compile against eager, the planner against the
-# allocator, checkpoint blocking, memory per rank), most valuable first, each under its own time budget, 8 minutes
+# tier, then the benchmarks that matter most (tokens/s and MFU, offload's cost, compile against eager, the planner
+# against the allocator, checkpoint blocking, memory per rank), most valuable first, each under its own time budget, 8 minutes
 # in all on one H100 (benchmarks/gpu/proof.py says each part's budget); results and logs under benchmarks/results/.
 # Where `make gpu-wheels` left wheels in .whl/ (jsonargparse and its needs, fairscale: pure Python, missing there),
 # they are installed first into .whl/site, offline.

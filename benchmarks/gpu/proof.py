@@ -18,10 +18,12 @@ The parts, most valuable first (estimates: docs/gpu.md):
    time with pytest-xdist), results also as JUnit XML (``gpu_tier.xml``).
 3. ``throughput``: tokens/s and MFU of ``mgpu_ddp``/``mgpu_sharded``/``mgpu_zero3`` against a plain torch loop and
    Lightning's ``ddp`` and ``FSDPStrategy`` (one round of 10 timed steps).
-4. ``compile``: the step time compiled (inductor) against eager.
-5. ``planner``: the planner's prediction against the CUDA allocator.
-6. ``checkpoint``: how long a save blocks training, synchronous against asynchronous.
-7. ``memory``: memory per rank at 2, 4 and 8 ranks (torch's fake process group).
+4. ``offload``: ZeRO-3's step time and device peak with and without ``offload="cpu"``, ours against a plain torch
+   loop and Lightning's ``FSDPStrategy(cpu_offload=True)``.
+5. ``compile``: the step time compiled (inductor) against eager.
+6. ``planner``: the planner's prediction against the CUDA allocator.
+7. ``checkpoint``: how long a save blocks training, synchronous against asynchronous.
+8. ``memory``: memory per rank at 2, 4 and 8 ranks (torch's fake process group).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def parts(out: Path, xdist: bool) -> list[Part]:
                 str(out),
             ),
         ),
+        Part("offload", 50, (py, "benchmarks/gpu/bench_offload.py", "--out", str(out))),
         Part(
             "compile",
             75,
