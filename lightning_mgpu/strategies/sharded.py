@@ -728,11 +728,17 @@ class MGPUShardedStrategy(ParallelStrategy):
         masters = PrecisionAdoption.fsdp_mixed_precision(self.precision_plugin) if keeps_masters else None
         policy = self._sharding.mixed_precision_policy(masters)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        # offloaded, the whole model never sits on the device: FSDP2 moves each unit there as it shards it, and its
+        # shards on to the host (the start weights' broadcast stages host tensors through comm)
+        offloaded = fitting and self._sharded_settings.offload is not None
+        if not offloaded:
+            self.model_to_device()
         if fitting:
             if self._runtime.ddp is None:  # DDP broadcasts rank 0's weights itself
                 comm.broadcast_start_weights(self.model)  # one model on every rank before it is split or sharded
             self._wrap_model(policy)
+            if offloaded:  # what FSDP does not own (a module outside every unit's parameters and buffers)
+                self._sharding.state_to_device(self.model, self.root_device)
             self.setup_optimizers(trainer)  # after the model is wrapped or sharded: the optimizers hold the shards
         else:
             comm.broadcast_module_states(self.model)  # evaluation without a wrapper: rank 0's weights everywhere
