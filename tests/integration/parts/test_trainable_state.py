@@ -123,6 +123,12 @@ CASES: dict[str, tuple[Any, str, Optional[int]]] = {
         "adamw",
         2,
     ),
+    # the base, the adapters and their optimizer state offloaded to host memory; an adapter-only file resumes on 1 rank
+    "zero3-offload-file-sync": (
+        lambda: MGPUShardedStrategy(stage=3, offload="cpu", start_method="fork", checkpoint_params="trainable"),
+        "adamw",
+        1,
+    ),
     "hsdp-file-sync": (
         lambda: MGPUShardedStrategy(
             stage=3, mesh="hybrid", shard_size=1, start_method="fork", checkpoint_params="trainable"
