@@ -416,6 +416,18 @@ def copy_lr_scheduler_step_tracking(old: Any, new: Any) -> None:
         new.step = tracked
 
 
+def record_module_device(module: Any, device: Any) -> None:
+    """Set the device Lightning's modules report (``LightningModule.device``, for ``self.device`` in user code)
+    without moving any tensor: ``lightning_fabric.utilities.device_dtype_mixin._update_properties``, what
+    ``module.to()`` records (lightning-fabric 2.6.6 checked). For a model whose shards are stored on the host but
+    compute on ``device`` (``offload="cpu"``). Missing: the module keeps reporting where it was built."""
+    try:
+        from lightning_fabric.utilities.device_dtype_mixin import _update_properties
+    except ImportError:
+        return
+    _update_properties(module, device=device)
+
+
 def attached_trainer(module: Any) -> Any:
     """The Trainer ``module`` (a LightningModule) is attached to, or None: the public ``module.trainer`` raises a
     ``RuntimeError`` when there is none (pytorch-lightning 2.6.6 checked), and a plain ``nn.Module`` has no such

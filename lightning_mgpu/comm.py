@@ -243,20 +243,31 @@ def broadcast_module_states(module: nn.Module) -> None:
         sync_module_states(module)
 
 
+#: the most bytes :func:`broadcast_start_weights` puts in one broadcast (a host model larger than the device it is
+#: staged to goes in pieces)
+START_WEIGHTS_BUCKET_BYTES = 256 * 2**20
+
+
 def broadcast_start_weights(module: nn.Module) -> int:
     """Global rank 0's values of ``module``'s parameters and buffers copied into every rank's, one broadcast per
-    device and dtype, before the model is split or sharded: what DDP does at construction, so that the ranks start
-    from one model when each process built its own (a script run once per process without a common seed). Tensors
-    already split (``DTensor``: the user's ``configure_model`` laid them out) and tensors on the meta device are
-    left alone. Returns how many tensors were broadcast; none when no process group is up."""
+    device and dtype and per :data:`START_WEIGHTS_BUCKET_BYTES`, before the model is split or sharded: what DDP does
+    at construction, so that the ranks start from one model when each process built its own (a script run once per
+    process without a common seed). A model left on the host (``offload="cpu"``) is staged to the collective's device
+    one bucket at a time, never whole. Tensors already split (``DTensor``: the user's ``configure_model`` laid them
+    out) and tensors on the meta device are left alone. Returns how many tensors were broadcast; none when no
+    process group is up."""
     if not group_is_up():
         return 0
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta" and not _is_dtensor(t)]
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    by_kind: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
     for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
+        buckets = by_kind.setdefault((t.device, t.dtype), [[]])
+        size = sum(x.numel() * x.element_size() for x in buckets[-1])
+        if buckets[-1] and size + t.numel() * t.element_size() > START_WEIGHTS_BUCKET_BYTES:
+            buckets.append([])
+        buckets[-1].append(t)
     with torch.no_grad():
-        for group in by_kind.values():
+        for group in (bucket for buckets in by_kind.values() for bucket in buckets):
             flat = torch.cat([t.detach().reshape(-1) for t in group])
             broadcast(flat, src=0)
             offset = 0
@@ -321,9 +332,15 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of ``tensor``: a ``DTensor`` shard is all-gathered over its mesh (a collective: every rank of the
-    mesh calls it), a plain tensor is returned as is."""
+    mesh calls it), on the mesh's device (a shard offloaded to the host is copied there first: NCCL takes no host
+    tensor, as torch's own state-dict helpers do); a plain tensor is returned as is."""
     gather = getattr(tensor, "full_tensor", None)
-    return gather() if callable(gather) else tensor
+    if not callable(gather):
+        return tensor
+    mesh_device = tensor.device_mesh.device_type  # type: ignore[attr-defined]
+    if tensor.device.type != mesh_device:
+        return tensor.to(mesh_device).full_tensor()  # type: ignore[attr-defined]
+    return gather()
 
 
 def default_group() -> Any:

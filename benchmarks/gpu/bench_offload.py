@@ -38,12 +38,20 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import LAYER, StepTimer, _data, _model
+from bench_throughput import LAYER, StepTimer, _data
 from env import environment
 
 import lightning_mgpu
+from lightning_mgpu.planning.lm import TransformerLM
 
 CUDA = torch.cuda.is_available()
+
+
+def _model(args: argparse.Namespace) -> TransformerLM:
+    """Built on the host, as a model too large for the device is: each strategy moves to the device what it keeps
+    there (offloaded, one unit at a time)."""
+    torch.manual_seed(0)
+    return TransformerLM(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers)
 
 
 def run_torch(args: argparse.Namespace, offload: bool) -> list[float]:

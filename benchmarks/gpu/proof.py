@@ -94,7 +94,7 @@ def parts(out: Path, xdist: bool) -> list[Part]:
                 str(out),
             ),
         ),
-        Part("offload", 50, (py, "benchmarks/gpu/bench_offload.py", "--out", str(out))),
+        Part("offload", 40, (py, "benchmarks/gpu/bench_offload.py", "--out", str(out))),
         Part(
             "compile",
             75,

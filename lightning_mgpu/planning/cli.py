@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from lightning_mgpu.planning.layouts import DEFAULT_DEVICE_TFLOPS, LINK_SPEEDS
 from lightning_mgpu.planning.request import DEFAULT_PRECISIONS, PRECISIONS, STRATEGIES, PlanError
@@ -71,6 +71,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--tensor-across-machines", action="store_true", help="allow tensor groups wider than one machine"
     )
     args = parser.parse_args(argv)
+    config: dict[str, Any] = {}
     try:
         from lightning_mgpu.planning.source import config_trainer
 
@@ -116,18 +117,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             text = layouts.to_json() if args.json else report(layouts, args.top)
             if config.get("offload") and not args.json:
-                text += (
-                    f"\n\nnote: the config's strategy offloads to host memory (offload={config['offload']!r}), which "
-                    f"the planner does not model yet: each row counts the parameters, gradients and optimizer state "
-                    f"on the device, more than an offloaded run holds there."
-                )
+                text += f"\n\n{_offload_note(config['offload'])}"
     except NoPlanFits as err:
         print(err.plan.to_json() if args.json else err.plan.table(), file=sys.stderr)
+        if config.get("offload"):  # offloaded, the run may fit where no row does
+            print(_offload_note(config["offload"]), file=sys.stderr)
         parser.exit(2, f"lightning-mgpu plan: error: {err}\n")
     except PlanError as err:
         parser.exit(2, f"lightning-mgpu plan: error: {err}\n")
     print(text)
     return 0
+
+
+def _offload_note(offload: str) -> str:
+    return (
+        f"note: the config's strategy offloads to host memory (offload={offload!r}), which the planner does not model "
+        f"yet: each row counts the parameters, gradients and optimizer state on the device, more than an offloaded run "
+        f"holds there."
+    )
 
 
 def _link(value: str) -> Union[str, float]:

@@ -263,7 +263,9 @@ class MGPUPrecision(Precision):
         device = self.device
         if device is None:
             param = next(iter(model.parameters()), None)
-            device = param.device.type if param is not None else "cpu"
+            # a DTensor shard computes on its mesh's device, wherever it is stored (offload="cpu": on the host)
+            mesh = getattr(param, "device_mesh", None)
+            device = mesh.device_type if mesh is not None else param.device.type if param is not None else "cpu"
             self.device = device
         if self.uses_scaler and self.scaler is None:
             self.scaler = self._make_scaler(device)

@@ -192,23 +192,24 @@ def read_meta(path: Union[Path, str], weights_only: Optional[bool]) -> dict[str,
 
 def load_dir(
     path: Union[Path, str],
-    module: nn.Module,
+    module: Optional[nn.Module],
     *,
     weights_only: Optional[bool],
     group: Any,
     optimizers: Sequence[Optimizer],
     restore_optimizers: bool,
     sharding: Any,
-    strict: bool,
     frozen_left_out: Callable[[dict[str, Any]], Optional[Any]],
 ) -> dict[str, Any]:
-    """Load the sharded directory ``path`` into ``module`` and, when ``restore_optimizers`` and the checkpoint has
-    optimizer states, into ``optimizers`` (their count must match), in place: a collective over ``group``, each rank
-    reading the slices it owns now. ``sharding``: the strategy's sharding backend (the optimizer state's template and
-    its last step); ``frozen_left_out(checkpoint)``: the frozen base's keys an adapter-only checkpoint left out (they
-    stay as built), ``None`` for a whole checkpoint. Returns Lightning's checkpoint dict (``optimizer_states`` loaded
-    already, the EMA average under its key)."""
-    checkpoint = read_meta(path, weights_only)
+    """Load the sharded directory ``path`` into ``module`` (strictly unless its ``strict_loading`` is False) and, when
+    ``restore_optimizers`` and the checkpoint has optimizer states, into ``optimizers`` (their count must match), in
+    place: a collective over ``group``, each rank reading the slices it owns now. An incomplete directory or one
+    without :data:`METADATA` is refused before ``module`` is needed. ``sharding``: the strategy's sharding backend (the
+    optimizer state's template and its last step); ``frozen_left_out(checkpoint)``: the frozen base's keys an
+    adapter-only checkpoint left out (they stay as built), ``None`` for a whole checkpoint. Returns Lightning's
+    checkpoint dict (``optimizer_states`` loaded already, the EMA average under its key)."""
+    checkpoint = read_meta(path, weights_only)  # an incomplete or foreign directory is refused first
+    assert module is not None
     saved_optimizers = checkpoint.pop(OPTIMIZER_COUNT, None)
     left_out = frozen_left_out(checkpoint)  # adapter-only: refused now on another base
     ema_names = checkpoint.pop(EMA_NAMES, None)
@@ -228,6 +229,7 @@ def load_dir(
     # every rank reads the slices it owns now, whatever the world size at save time
     load_sharded_dir(template, path, group, weights_only)
     # adapter-only: the frozen base stays as built (DCP found every key of the template in the checkpoint)
+    strict = getattr(module, "strict_loading", True)  # a LightningModule's choice
     module.load_state_dict(template["state_dict"], strict=strict and left_out is None)
     if ema_names is not None:
         checkpoint[EMA_STATE_KEY] = template[EMA_STATE_KEY]

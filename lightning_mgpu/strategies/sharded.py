@@ -593,17 +593,14 @@ class MGPUShardedStrategy(ParallelStrategy):
             return self._runtime.after_load(
                 super().load_checkpoint(os.fspath(checkpoint_path), weights_only=weights_only)
             )
-        module = self.lightning_module
-        assert module is not None
         checkpoint = load_dir(
             path,
-            module,
+            self.lightning_module,  # needed once the directory is found complete and its meta.pt read
             weights_only=weights_only,
             group=self._process_group(),
             optimizers=self.optimizers,
             restore_optimizers=self.lightning_restore_optimizer,
             sharding=self._sharding,
-            strict=module.strict_loading,
             frozen_left_out=self._runtime.frozen_left_out,
         )
         self._loaded_sharded = True
@@ -739,6 +736,7 @@ class MGPUShardedStrategy(ParallelStrategy):
             self._wrap_model(policy)
             if offloaded:  # what FSDP does not own (a module outside every unit's parameters and buffers)
                 self._sharding.state_to_device(self.model, self.root_device)
+                _compat.record_module_device(self.model, self.root_device)  # self.device: where it computes
             self.setup_optimizers(trainer)  # after the model is wrapped or sharded: the optimizers hold the shards
         else:
             comm.broadcast_module_states(self.model)  # evaluation without a wrapper: rank 0's weights everywhere

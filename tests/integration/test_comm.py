@@ -1,4 +1,4 @@
-"""The ledger (comm.py) in Trainer.fit on 2 fork-launched gloo ranks: its figures reach the Trainer's logger, and
+"""The ledger (ledger.py) in Trainer.fit on 2 fork-launched gloo ranks: its figures reach the Trainer's logger, and
 it counts the hook path (no bucket views) as torch.profiler does."""
 
 from __future__ import annotations

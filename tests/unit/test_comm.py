@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lightning_mgpu import comm
 from lightning_mgpu.ledger import CommStats
@@ -122,6 +123,7 @@ def test_the_scanner_flags_each_way_of_calling_a_collective_directly():
     source = """
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch import distributed as tdist
 from torch.distributed import broadcast as bcast
 import torch.distributed.distributed_c10d as c10d
@@ -287,3 +289,37 @@ def test_clipping_with_a_share_on_another_device_is_staged_to_the_collective_dev
     with pytest.raises(_Reached):
         GlobalNormClipping(lambda optimizer: []).total_norm([torch.ones(3)])
     assert nccl_collectives == [torch.device("meta")]
+
+
+def test_full_tensor_gathers_a_host_shard_on_its_meshs_device():
+    """FSDP2's offloaded shards (``offload="cpu"``) are stored on the host while their mesh is CUDA's, and NCCL takes
+    no host tensor: the shard goes to the mesh's device before the gather; one already there, or on a CPU mesh, is
+    gathered where it is."""
+
+    class Shard:
+        def __init__(self, device: str, mesh: str = "cuda") -> None:
+            self.device, self.device_mesh = torch.device(device), SimpleNamespace(device_type=mesh)
+
+        def to(self, device: str) -> Shard:
+            return Shard(device, self.device_mesh.device_type)
+
+        def full_tensor(self) -> str:
+            return f"gathered on {self.device.type}"
+
+    assert comm.full_tensor(Shard("cpu")) == "gathered on cuda"
+    assert comm.full_tensor(Shard("cuda")) == "gathered on cuda"
+    assert comm.full_tensor(Shard("cpu", mesh="cpu")) == "gathered on cpu"
+    plain = torch.ones(2)
+    assert comm.full_tensor(plain) is plain
+
+
+def test_the_start_weights_are_broadcast_in_buckets_so_a_host_model_is_never_staged_whole(monkeypatch):
+    """A model left on the host (``offload="cpu"``) is staged to NCCL's device for the start weights' broadcast: one
+    bucket of at most ``START_WEIGHTS_BUCKET_BYTES`` at a time, each tensor whole in one bucket."""
+    sizes: list[int] = []
+    monkeypatch.setattr(comm, "group_is_up", lambda: True)
+    monkeypatch.setattr(comm, "broadcast", lambda t, src=0: sizes.append(t.numel() * t.element_size()))
+    monkeypatch.setattr(comm, "START_WEIGHTS_BUCKET_BYTES", 100)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # float32: 64, 16, 64 and 16 bytes
+    assert comm.broadcast_start_weights(model) == 4
+    assert sizes == [80, 80]

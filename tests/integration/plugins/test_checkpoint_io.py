@@ -37,7 +37,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
 from typing_extensions import override
 
-import lightning_mgpu.strategies.sharded as sharded_module
+import lightning_mgpu.plugins.sharded_checkpoint as sharded_checkpoint
 from lightning_mgpu import (
     AtomicCheckpointIO,
     IncompleteCheckpointError,
@@ -151,7 +151,7 @@ def _hang_before_rank1_writes(ckpt_dir: Path, signals: Path) -> None:
 
 def _hang_before_the_marker(ckpt_dir: Path, signals: Path) -> None:
     """Rank 0 stops after every rank has written the second save, before it marks it complete."""
-    original = sharded_module.commit_dir
+    original = sharded_checkpoint.commit_dir
     calls = [0]
 
     def commit_dir(staging: Path, path: Any, info: dict[str, Any]) -> None:
@@ -160,7 +160,7 @@ def _hang_before_the_marker(ckpt_dir: Path, signals: Path) -> None:
             _block_until_killed(signals / "ready")
         original(staging, path, info)
 
-    sharded_module.commit_dir = commit_dir
+    sharded_checkpoint.commit_dir = commit_dir
 
 
 class _FirstEpoch(Callback):

@@ -184,6 +184,9 @@ def test_lightning_mgpu_plan_takes_devices_nodes_precision_and_memory_from_the_c
         assert (
             "offloads to host memory (offload='cpu'), which the planner does not model yet" in capsys.readouterr().out
         )
+        with pytest.raises(SystemExit):  # nothing fits on the device: offloaded, the run still may
+            cli_main(["plan", "--config", str(config), "--device-memory", "1KiB"])
+        assert "offloads to host memory (offload='cpu')" in capsys.readouterr().err
     config.write_text("trainer:\n  devices: 2\n  strategy: mgpu_zero3\n" + model)
     assert cli_main(["plan", "--config", str(config), "--device-memory", "1GiB"]) == 0
     assert "offload" not in capsys.readouterr().out

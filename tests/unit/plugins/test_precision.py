@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from torch import nn
@@ -74,3 +77,19 @@ def test_reading_the_loss_scale_does_not_wait_for_the_device():
     assert syncs.counts() == [0, 1], syncs.per_step
     (site,) = syncs.per_step[1]
     assert site.startswith("get_scale @ lightning_mgpu/plugins/precision.py:"), site
+
+
+def test_the_plugin_computes_on_the_meshs_device_when_the_shards_are_stored_on_the_host():
+    """``MGPUPrecision("bf16-mixed")`` without a device takes the model's: under ``offload="cpu"`` FSDP2's shards are
+    stored on the host and compute on their mesh's device, which autocast must target (not the host's)."""
+
+    class Offloaded(torch.nn.Module):
+        def parameters(self, recurse: bool = True) -> Any:
+            yield SimpleNamespace(device=torch.device("cpu"), device_mesh=SimpleNamespace(device_type="cuda"))
+
+    plugin = MGPUPrecision("bf16-mixed")
+    plugin.connect(Offloaded(), [], [])
+    assert plugin.device == "cuda"
+    plain = MGPUPrecision("bf16-mixed")
+    plain.connect(torch.nn.Linear(2, 2), [], [])
+    assert plain.device == "cpu"

@@ -62,7 +62,6 @@ def _load(path: str, model: nn.Module, optimizers: list, restore: bool = True) -
         optimizers=optimizers,
         restore_optimizers=restore,
         sharding=ShardingBackend(3),
-        strict=True,
         frozen_left_out=lambda checkpoint: None,
     )
 
