@@ -259,15 +259,18 @@ def broadcast_start_weights(module: nn.Module) -> int:
     if not group_is_up():
         return 0
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta" and not _is_dtensor(t)]
-    by_kind: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], int]] = {}  # kind -> (bucket, bytes)
     for t in tensors:
-        buckets = by_kind.setdefault((t.device, t.dtype), [[]])
-        size = sum(x.numel() * x.element_size() for x in buckets[-1])
-        if buckets[-1] and size + t.numel() * t.element_size() > START_WEIGHTS_BUCKET_BYTES:
-            buckets.append([])
-        buckets[-1].append(t)
+        bucket, size = open_bucket.get((t.device, t.dtype), ([], 0))
+        nbytes = t.numel() * t.element_size()
+        if not bucket or size + nbytes > START_WEIGHTS_BUCKET_BYTES:
+            bucket, size = [], 0
+            buckets.append(bucket)
+        bucket.append(t)
+        open_bucket[(t.device, t.dtype)] = (bucket, size + nbytes)
     with torch.no_grad():
-        for group in (bucket for buckets in by_kind.values() for bucket in buckets):
+        for group in buckets:
             flat = torch.cat([t.detach().reshape(-1) for t in group])
             broadcast(flat, src=0)
             offset = 0

@@ -30,15 +30,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import LAYER, StepTimer, _data
+from bench_throughput import LAYER, _data, parse_arguments, run_trainer
 from env import environment
 
 import lightning_mgpu
@@ -91,38 +90,18 @@ def run_torch(args: argparse.Namespace, offload: bool) -> list[float]:
             dist.destroy_process_group()
 
 
-def run_trainer(args: argparse.Namespace, strategy: Callable[[], Any]) -> list[float]:
-    timer = StepTimer()
-    trainer = pl.Trainer(
-        strategy=strategy(),
-        accelerator="gpu" if CUDA else "cpu",
-        devices=1,
-        precision="bf16-mixed",
-        max_steps=args.warmup + args.steps,
-        callbacks=[timer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(_model(args), _data(args))
-    return timer.stamps
-
-
 def runners() -> dict[str, Callable[[argparse.Namespace], list[float]]]:
     from pytorch_lightning.strategies import FSDPStrategy
 
     out: dict[str, Callable[[argparse.Namespace], list[float]]] = {
         "torch_zero3": lambda a: run_torch(a, offload=False),
         "torch_zero3_offload": lambda a: run_torch(a, offload=True),
-        "mgpu_zero3": lambda a: run_trainer(a, lambda: lightning_mgpu.MGPUShardedStrategy(stage=3)),
+        "mgpu_zero3": lambda a: run_trainer(a, lambda: lightning_mgpu.MGPUShardedStrategy(stage=3), _model),
         "mgpu_zero3_offload": lambda a: run_trainer(
-            a, lambda: lightning_mgpu.MGPUShardedStrategy(stage=3, offload="cpu")
+            a, lambda: lightning_mgpu.MGPUShardedStrategy(stage=3, offload="cpu"), _model
         ),
         "lightning_fsdp_offload": lambda a: run_trainer(
-            a, lambda: FSDPStrategy(auto_wrap_policy={LAYER}, cpu_offload=True)
+            a, lambda: FSDPStrategy(auto_wrap_policy={LAYER}, cpu_offload=True), _model
         ),
     }
     if not CUDA:
@@ -131,22 +110,7 @@ def runners() -> dict[str, Callable[[argparse.Namespace], list[float]]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--d-model", type=int, default=1024)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--only", nargs="*", default=None, help="runner names (default: all)")
-    ap.add_argument("--tiny", action="store_true", help="a small model, to check the script")
-    ap.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
-    args = ap.parse_args()
-    if args.tiny:
-        args.d_model, args.heads, args.layers, args.vocab, args.batch, args.seq = 64, 4, 2, 512, 2, 64
-        args.warmup, args.steps = 1, 3
+    args = parse_arguments(__doc__.split("\n")[0], layers=8, warmup=2, steps=6)
     torch.backends.cuda.matmul.allow_tf32 = True
     env = environment()
     rows = []

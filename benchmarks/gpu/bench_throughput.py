@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -101,7 +101,10 @@ def run_torch(args: argparse.Namespace, ac: bool) -> list[float]:
     return stamps
 
 
-def run_trainer(args: argparse.Namespace, strategy: Callable[[], Any]) -> list[float]:
+def run_trainer(
+    args: argparse.Namespace, strategy: Callable[[], Any], model: Callable[[argparse.Namespace], Any] = _model
+) -> list[float]:
+    """``Trainer(strategy=strategy()).fit`` of ``model(args)`` on one device, bf16-mixed: each step's end time."""
     timer = StepTimer()
     trainer = pl.Trainer(
         strategy=strategy(),
@@ -117,7 +120,7 @@ def run_trainer(args: argparse.Namespace, strategy: Callable[[], Any]) -> list[f
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )
-    trainer.fit(_model(args), _data(args))
+    trainer.fit(model(args), _data(args))
     return timer.stamps
 
 
@@ -157,24 +160,36 @@ def runners(tiny: bool) -> dict[str, Callable[[argparse.Namespace], list[float]]
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_arguments(
+    description: str, layers: int, warmup: int, steps: int, rounds: Optional[int] = None
+) -> argparse.Namespace:
+    """The language model's shape, the steps, ``--only``, ``--tiny`` (a small model, to check the script) and
+    ``--out``, with these defaults; ``rounds``: a ``--rounds`` option too."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=layers)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--steps", type=int, default=steps)
+    if rounds is not None:
+        ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--only", nargs="*", default=None, help="runner names (default: all)")
     ap.add_argument("--tiny", action="store_true", help="a small model, to check the script")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
     args = ap.parse_args()
     if args.tiny:
         args.d_model, args.heads, args.layers, args.vocab, args.batch, args.seq = 64, 4, 2, 512, 2, 64
-        args.warmup, args.steps, args.rounds = 1, 3, 1
+        args.warmup, args.steps = 1, 3
+        if rounds is not None:
+            args.rounds = 1
+    return args
+
+
+def main() -> None:
+    args = parse_arguments(__doc__.split("\n")[0], layers=24, warmup=5, steps=20, rounds=2)
     torch.backends.cuda.matmul.allow_tf32 = True
     env = environment()
     todo = {k: v for k, v in runners(args.tiny).items() if not args.only or k in args.only}

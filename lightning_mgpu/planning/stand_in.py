@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
 from torch.utils.hooks import RemovableHandle
 
+from lightning_mgpu import _compat
 from lightning_mgpu.planning.request import PlanError
 
 __all__ = ["attached_trainer", "lazy_parameters", "stand_in", "stand_in_factory"]
@@ -116,13 +117,11 @@ def _handle(handle: RemovableHandle, copies: dict[int, Any]) -> RemovableHandle:
 
 
 def attached_trainer(module: nn.Module) -> Optional[Any]:
-    """The Trainer a LightningModule is attached to, else None."""
+    """The Trainer a LightningModule is attached to, else None (a plain module's own ``trainer`` attribute is not
+    one)."""
     if not (hasattr(module, "configure_optimizers") and hasattr(module, "automatic_optimization")):
         return None
-    try:
-        return module.trainer  # a LightningModule's property: RuntimeError when it has none
-    except (RuntimeError, AttributeError):
-        return None
+    return _compat.attached_trainer(module)
 
 
 def stand_in(module: nn.Module) -> nn.Module:
