@@ -21,6 +21,7 @@ Example::
     comm.all_reduce(flags, group=group, ledger=strategy.comm_stats)  # counted in the ledger
 """
 
+import atexit
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_mgpu._compat import sync_ddp_if_available, sync_module_states
+from lightning_mgpu._compat import destroy_dist_connection, sync_ddp_if_available, sync_module_states
 from lightning_mgpu.ledger import CommStats
 
 # ----------------------------------------------------------------------------------------------------
@@ -315,6 +316,21 @@ def destroy_group(group: Any = None, *, quiet: bool = False) -> None:
     except Exception:
         if not quiet:
             raise
+
+
+_LEAVES_AT_EXIT: list[bool] = []
+
+
+def leave_group_at_exit() -> None:
+    """Destroy the default group (and every other) when the interpreter exits, once per process, whatever the
+    backend. Lightning registers this for NCCL only; a gloo group left to the interpreter's finalization can abort
+    a process whose training ended normally ("terminate called without an active exception", "free(): invalid
+    pointer"): gloo's worker threads still hold work whose tensors are freed once Python is gone. torch's
+    documentation asks every process to call ``destroy_process_group`` before it exits; a no-op where the group
+    is already down."""
+    if not _LEAVES_AT_EXIT:
+        atexit.register(destroy_dist_connection)
+        _LEAVES_AT_EXIT.append(True)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import math
@@ -322,8 +321,11 @@ class Runtime:
     # --- set-up -----------------------------------------------------------------------------------------------
     def set_up_process(self) -> None:
         """In every rank, first at set-up: no warning printed by each rank for what Lightning does in every loop
-        (``_compat.leaf_specs_without_warning``), then the process group's store (:meth:`join_elastic_store`)."""
+        (``_compat.leaf_specs_without_warning``), the group's destruction at exit whatever its backend
+        (:func:`~lightning_mgpu.comm.leave_group_at_exit`), then the process group's store
+        (:meth:`join_elastic_store`)."""
         _compat.leaf_specs_without_warning()
+        comm.leave_group_at_exit()
         self.join_elastic_store()
 
     def join_elastic_store(self) -> None:
@@ -344,8 +346,6 @@ class Runtime:
                 timeout=self.settings.timeout,
                 device_id=strategy.root_device if strategy.root_device.type != "cpu" else None,  # as Lightning does
             )
-            if backend == "nccl":  # what Lightning's own connection set-up does for NCCL
-                atexit.register(_compat.destroy_dist_connection)
         elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             # a bounded join that names the ranks still missing (parts/rendezvous.py) instead of torch's silent
             # wait; under torchrun's agent store the agents have gathered every node before the workers start
@@ -362,8 +362,6 @@ class Runtime:
                     timeout=self.settings.timeout,
                     device_id=strategy.root_device if strategy.root_device.type != "cpu" else None,  # as Lightning does
                 )
-                if backend == "nccl":
-                    atexit.register(_compat.destroy_dist_connection)
 
     def wrap_ddp(self, module: pl.LightningModule) -> DistributedDataParallel:
         """The DDP part's model set-up, in the one order (torchtitan's ``parallelize`` order): activation

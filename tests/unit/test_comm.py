@@ -323,3 +323,50 @@ def test_the_start_weights_are_broadcast_in_buckets_so_a_host_model_is_never_sta
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # float32: 64, 16, 64 and 16 bytes
     assert comm.broadcast_start_weights(model) == 4
     assert sizes == [80, 80]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The group is destroyed at exit whatever its backend: Lightning registers that for NCCL only, and a gloo group
+# left to the interpreter's finalization can abort a process whose training ended (SIGABRT after the last line).
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import pytorch_lightning as pl
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+import lightning_mgpu
+from tests.models import Regressor, make_data
+
+if sys.argv[2] == "control":  # the negative control: nothing registers the destruction
+    lightning_mgpu.comm.leave_group_at_exit = lambda: None
+# registered first, so it runs last: after every handler registered during fit
+atexit.register(lambda: print("AT_EXIT", "up" if dist.is_initialized() else "down", flush=True))
+trainer = pl.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=1, max_steps=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Regressor().double(), DataLoader(make_data(n=8), batch_size=8))
+print("AFTER_FIT", "up" if dist.is_initialized() else "down", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mode", "at_exit"),
+    [("mgpu_ddp", "pack", "down"), ("mgpu_zero3", "pack", "down"), ("mgpu_ddp", "control", "up")],
+    ids=["mgpu_ddp", "mgpu_zero3", "control"],
+)
+def test_the_strategies_destroy_a_gloo_group_at_exit_and_not_before(strategy: str, mode: str, at_exit: str):
+    import subprocess
+    import sys
+
+    root = PACKAGE.parent
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, strategy, mode],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("AFTER_FIT", "AT_EXIT"))]
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the group stays up after fit (a later trainer.test reuses it) and is down when the interpreter finishes
+    assert lines == ["AFTER_FIT up", f"AT_EXIT {at_exit}"], done.stdout[-2000:]
