@@ -43,6 +43,7 @@ from lightning_mgpu.plugins.async_checkpoint import CheckpointWriteError
 from lightning_mgpu.plugins.checkpoint_io import AtomicCheckpointIO, IncompleteCheckpointError
 from lightning_mgpu.plugins.precision import MGPUPrecision
 from lightning_mgpu.presets import PRESETS, UnknownPreset, preset_table, register_presets
+from lightning_mgpu.quantization import quantize_frozen
 from lightning_mgpu.schedules import total_steps, warmup_schedule
 from lightning_mgpu.strategies import (
     MGPUAutoStrategy,
@@ -89,6 +90,7 @@ __all__ = [
     "plan",
     "plan_layouts",
     "preset_table",
+    "quantize_frozen",
     "register_presets",
     "remove_activation_checkpointing",
     "total_steps",

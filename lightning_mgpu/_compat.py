@@ -50,6 +50,15 @@ def enable_static_graph(ddp: DistributedDataParallel) -> None:
     ddp._set_static_graph()
 
 
+def ddp_ignore(module: Any, names: list[str]) -> None:
+    """``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` (torch 2.4-2.13 checked), added to
+    the names ``module`` already asks DDP to leave alone: DDP neither broadcasts them at construction nor reduces
+    their gradients. Missing: AttributeError at wrap time."""
+    kept = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    ignored = [*kept, *(n for n in names if n not in kept)]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
+
+
 def _batched_powersgd_is_broken() -> bool:
     """torch 2.13's ``batched_powerSGD_hook`` hands 2-D matrices to ``_orthogonalize``, which accepts only 3-D
     batches (``AssertionError`` on the first compressed step, also with plain torch DDP; reproduced here)."""
@@ -213,6 +222,18 @@ def index_tracking_batch_sampler(batch_sampler: Any) -> Any:
     from pytorch_lightning.overrides.distributed import _IndexBatchSamplerWrapper
 
     return _IndexBatchSamplerWrapper(batch_sampler)
+
+
+def waited_collective(tensor: Any) -> Any:
+    """``tensor`` itself, or the result of the collective it stands for when it is torch's
+    ``torch.distributed._functional_collectives.AsyncCollectiveTensor`` (2.13 checked): a gathered tensor subclass
+    (torchao's ``NF4Tensor`` after ``DTensor.full_tensor``) holds such unwaited pieces, which neither pickle nor load
+    with ``weights_only``. Missing: ``tensor`` as is."""
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except ImportError:  # pragma: no cover
+        return tensor
+    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
 def destroy_dist_connection() -> None:

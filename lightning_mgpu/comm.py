@@ -23,12 +23,13 @@ Example::
 
 import atexit
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_mgpu import _compat
 from lightning_mgpu._compat import destroy_dist_connection, sync_ddp_if_available, sync_module_states
 from lightning_mgpu.ledger import CommStats
 
@@ -249,17 +250,23 @@ def broadcast_module_states(module: nn.Module) -> None:
 START_WEIGHTS_BUCKET_BYTES = 256 * 2**20
 
 
-def broadcast_start_weights(module: nn.Module) -> int:
+def broadcast_start_weights(module: nn.Module, select: Optional[Callable[[torch.Tensor], bool]] = None) -> int:
     """Global rank 0's values of ``module``'s parameters and buffers copied into every rank's, one broadcast per
     device and dtype and per :data:`START_WEIGHTS_BUCKET_BYTES`, before the model is split or sharded: what DDP does
     at construction, so that the ranks start from one model when each process built its own (a script run once per
     process without a common seed). A model left on the host (``offload="cpu"``) is staged to the collective's device
     one bucket at a time, never whole. Tensors already split (``DTensor``: the user's ``configure_model`` laid them
-    out) and tensors on the meta device are left alone. Returns how many tensors were broadcast; none when no
-    process group is up."""
+    out) and tensors on the meta device are left alone; a tensor subclass that packs plain tensors (torchao's 4-bit
+    ``NF4Tensor``) has those broadcast. ``select``: only the parameters and buffers it returns True for. Returns how
+    many tensors were broadcast; none when no process group is up."""
     if not group_is_up():
         return 0
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta" and not _is_dtensor(t)]
+    tensors = [
+        leaf
+        for t in (*module.parameters(), *module.buffers())
+        if t.device.type != "meta" and not _is_dtensor(t) and (select is None or select(t))
+        for leaf in _plain_parts(t)
+    ]
     buckets: list[list[torch.Tensor]] = []
     open_bucket: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], int]] = {}  # kind -> (bucket, bytes)
     for t in tensors:
@@ -294,6 +301,16 @@ def share_random_state(group: Any) -> None:
     torch.set_rng_state(cpu)
     if accelerator is not None and device is not None:
         accelerator.set_rng_state(device)
+
+
+def _plain_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s values: itself, or the inner tensors of a traceable wrapper
+    subclass (``__tensor_flatten__``: torchao's ``NF4Tensor`` packs its bytes, scalers and table in five)."""
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [leaf for name in names for leaf in _plain_parts(getattr(tensor, name))]
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -358,8 +375,19 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     mesh_device = tensor.device_mesh.device_type  # type: ignore[attr-defined]
     if tensor.device.type != mesh_device:
-        return tensor.to(mesh_device).full_tensor()  # type: ignore[attr-defined]
-    return gather()
+        return waited(tensor.to(mesh_device).full_tensor())  # type: ignore[attr-defined]
+    return waited(gather())
+
+
+def waited(tensor: torch.Tensor) -> torch.Tensor:
+    """A gathered tensor subclass (torchao's ``NF4Tensor``) rebuilt from its waited pieces: ``full_tensor`` leaves
+    them as pending collectives, which neither pickle nor load with ``weights_only``."""
+    settled = _compat.waited_collective(tensor)
+    if settled is not tensor or getattr(type(tensor), "__tensor_flatten__", None) is None or _is_dtensor(tensor):
+        return settled
+    names, context = tensor.__tensor_flatten__()
+    parts = {name: waited(getattr(tensor, name)) for name in names}
+    return type(tensor).__tensor_unflatten__(parts, context, tensor.size(), tensor.stride())
 
 
 def default_group() -> Any:

@@ -39,8 +39,10 @@ Job = Callable[[Path], None]
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor shard (FSDP2) is gathered from all ranks (a collective)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    """The whole tensor: a DTensor shard (FSDP2) is gathered from all ranks (a collective); a 4-bit weight
+    (torchao's ``NF4Tensor``) dequantised to the dtype it was quantised from."""
+    tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return tensor.get_original_weight() if hasattr(tensor, "get_original_weight") else tensor
 
 
 def flat_params(module: nn.Module) -> torch.Tensor:

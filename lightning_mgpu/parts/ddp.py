@@ -20,6 +20,7 @@ from lightning_mgpu.comm_hooks import allreduce_gradients, register_comm_hook
 from lightning_mgpu.ledger import CommStats, Ledger
 from lightning_mgpu.parts.accumulation import DDPSyncControl, ManualGradientSync
 from lightning_mgpu.parts.micro_batching import MicroBatching, agree_across_ranks
+from lightning_mgpu.quantization import is_nf4
 from lightning_mgpu.settings import DDPSettings
 
 
@@ -53,8 +54,16 @@ class DDPWrapping:
         """``module`` in torch's DistributedDataParallel with the settings' keywords, built on the stream the
         forwards and backwards run on (the current one, normally the default stream), as Lightning's ``DDPStrategy``
         builds it since Lightning's fix for the "AccumulateGrad stream mismatch": built in a side stream, DDP's
-        gradient accumulators belong to that stream and torch >= 2.10 warns on every backward."""
+        gradient accumulators belong to that stream and torch >= 2.10 warns on every backward. A 4-bit frozen base
+        is left out of DDP and broadcast by the pack."""
         device_ids = None if device.type == "cpu" else [device.index]
+        packed = [name for name, p in module.named_parameters() if is_nf4(p)]
+        if packed:
+            # a 4-bit base (torchao's NF4Tensor): DDP's construction-time broadcast writes through the wrapper and
+            # corrupts its packed bytes on every rank (reproduced with torch DDP alone); DDP leaves it alone, and
+            # the pack broadcasts its plain parts. Frozen, it has no gradient to reduce.
+            _compat.ddp_ignore(module, packed)
+            comm.broadcast_start_weights(module, select=is_nf4)
         return DistributedDataParallel(module=module, device_ids=device_ids, **self.settings.all_ddp_kwargs)
 
     def check_model(self, model: Any, device_type: str, sync_batchnorm: bool, micro: Optional[MicroBatching]) -> None:

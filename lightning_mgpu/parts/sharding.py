@@ -32,7 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mgpu._compat import copy_lr_scheduler_step_tracking, init_optimizer_state, sync_param_groups
-from lightning_mgpu.comm import full_tensor, local_shard
+from lightning_mgpu.comm import full_tensor, local_shard, waited
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.mesh import ParallelMesh
 from lightning_mgpu.parts.accumulation import (
@@ -43,6 +43,7 @@ from lightning_mgpu.parts.accumulation import (
 )
 from lightning_mgpu.parts.clipping import GlobalNormClipping
 from lightning_mgpu.parts.tensor_parallel import fsdp_dim
+from lightning_mgpu.quantization import check_shardable, is_nf4
 
 # Optimizers whose state is not one elementwise tensor per parameter: no backend can split them.
 _UNSHARDABLE = {
@@ -513,6 +514,12 @@ class FSDP2Backend(ShardingBackend):
 
         if _fsdp_units(module):  # fit() again in the same process, or configure_model applied fully_shard itself
             return module
+        shards = mesh.size(mesh.ndim - 1)
+        check_shardable(module, shards)  # a 4-bit base splits into whole blocks, or a clear error
+        # one shard (one process, or HSDP with shard_size=1): FSDP2's copy into its single shard turns torchao's
+        # 4-bit tensor into a full-precision one; the frozen base stays outside FSDP2 instead, whole on each rank
+        whole = {p for p in module.parameters() if is_nf4(p)} if shards == 1 else set()
+        ignored: dict[str, Any] = {"ignored_params": whole} if whole else {}
         reshard = self.stage == 3
         policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
         # pinned host memory lets the copies to and from a GPU overlap with compute; without a GPU there is none
@@ -527,6 +534,7 @@ class FSDP2Backend(ShardingBackend):
                     mp_policy=policy,
                     offload_policy=offload,
                     shard_placement_fn=fsdp_dim,
+                    **ignored,
                 )
         fully_shard(
             module,
@@ -535,6 +543,7 @@ class FSDP2Backend(ShardingBackend):
             mp_policy=policy,
             offload_policy=offload,
             shard_placement_fn=fsdp_dim,
+            **ignored,
         )
         return module
 
@@ -560,7 +569,8 @@ class FSDP2Backend(ShardingBackend):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if keys is None:
-            return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return {k: waited(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}  # a 4-bit base
         # only these entries (an adapter-only checkpoint): the frozen base is never gathered; one tensor at a time
         return {k: full_tensor(v).detach().cpu() for k, v in module.state_dict().items() if k in keys}
 

@@ -8,7 +8,8 @@ first row (``tensor[0]``; the element itself for a 1-D tensor). It is cheap and 
 layout: a sharded parameter's first row lives on the rank that holds the first shard (FSDP2 shards dimension 0,
 global rank 0 holds the first chunk), so global rank 0 computes it from its own shard and the other ranks take its
 verdict. A base that differs only outside the first rows of all its tensors is not detected; one from another
-checkpoint, another seed or another fine-tune differs in every row.
+checkpoint, another seed or another fine-tune differs in every row. A 4-bit base (torchao's ``NF4Tensor``) is
+fingerprinted by its dequantised first row: the values the layers compute with, under any layout.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat import is_strided_shard
+from lightning_mgpu.quantization import dequantized, has_nf4, is_nf4
 from lightning_mgpu.settings import CheckpointParams
 
 #: the checkpoint's entry that marks it adapter-only: ``{"frozen": {name: {"shape", "dtype", "first_row"}}}``
@@ -41,14 +43,32 @@ def frozen_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def saves_trainable_only(module: nn.Module, setting: CheckpointParams) -> bool:
     """Whether a save under ``setting`` leaves the frozen parameters out: ``"trainable"`` when any is frozen,
-    ``"auto"`` when the frozen ones hold most of the parameter elements, ``"all"`` never."""
+    ``"auto"`` when the frozen ones hold most of the parameter elements or the base is 4-bit, ``"all"`` never."""
     if setting == "all":
         return False
+    if has_nf4(module):
+        return True
     frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
     if setting == "trainable":
         return frozen > 0
     total = sum(p.numel() for p in module.parameters())
     return total > 0 and frozen / total > AUTO_FROZEN_SHARE
+
+
+def check_sharded_save(module: nn.Module, setting: CheckpointParams) -> None:
+    """Refuse, before launch, a sharded checkpoint directory that would hold a 4-bit base (``checkpoint_params="all"``
+    with torchao's ``NF4Tensor`` weights): ``torch.distributed.checkpoint`` has no plan for torchao's tensor and its
+    writer corrupts the process's memory (torchao 0.18.0, torch 2.13). A consolidated file holds the packed base and
+    loads back; an adapter-only checkpoint leaves it out."""
+    if setting == "all" and has_nf4(module):
+        names = [n for n, p in module.named_parameters() if is_nf4(p)]
+        raise ValueError(
+            f"checkpoint='sharded' with checkpoint_params='all' would write {type(module).__name__}'s 4-bit base "
+            f"({names[0]} and {len(names) - 1} more NF4 weights) into a torch.distributed.checkpoint directory, which "
+            "cannot hold torchao's NF4 tensors. Use checkpoint_params='trainable' (or 'auto': the adapters, their "
+            "optimizer state and the loop state; the base, built and quantised again from its source, checked by "
+            "fingerprint), or checkpoint='consolidated' (one file that holds the packed base)."
+        )
 
 
 def _first_row(value: torch.Tensor) -> Optional[torch.Tensor]:
@@ -60,6 +80,8 @@ def _first_row(value: torch.Tensor) -> Optional[torch.Tensor]:
         if any((p.is_shard() or is_strided_shard(p)) and getattr(p, "dim", 0) != 0 for p in value.placements):
             return None  # sharded along another dimension: the first row is split over ranks
         local = value.to_local().detach()
+    if is_nf4(local):
+        local = dequantized(local)  # the values the layer computes with, whatever the packing
     if local.dim() == 0:
         return local
     if local.shape[0] == 0:

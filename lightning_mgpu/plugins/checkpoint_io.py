@@ -236,12 +236,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self,
         path: PathLike,
-        map_location: Optional[Callable] = lambda storage, loc: storage,
+        map_location: Optional[Any] = "cpu",
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         """Lightning's load, with the user's ``weights_only`` (``None``: ``True``, torch's default, for remote URLs
         too, which Lightning reads with ``False``); a file that is not plain data is refused naming it and the
-        call that loads it once you trust it (:func:`refusal_message`)."""
+        call that loads it once you trust it (:func:`refusal_message`). The tensors are read onto the CPU, as
+        Lightning's default ``lambda storage, loc: storage`` does, but named ``"cpu"``: torch takes no callable for a
+        tensor subclass (a 4-bit ``NF4Tensor`` base)."""
         trust = True if weights_only is None else weights_only
         try:
             return super().load_checkpoint(os.fspath(path), map_location=map_location, weights_only=trust)

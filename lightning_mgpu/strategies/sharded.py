@@ -60,7 +60,7 @@ from lightning_mgpu.parts.sharding import (
     rebind_schedulers,
 )
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism
-from lightning_mgpu.parts.trainable_state import saves_trainable_only
+from lightning_mgpu.parts.trainable_state import check_sharded_save, saves_trainable_only
 from lightning_mgpu.plugins.checkpoint_io import (
     PathLike,
     checkpoint_kind,
@@ -70,6 +70,7 @@ from lightning_mgpu.plugins.checkpoint_io import (
 )
 from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
 from lightning_mgpu.plugins.sharded_checkpoint import load_dir, save_dir
+from lightning_mgpu.quantization import has_nf4
 from lightning_mgpu.settings import (
     Backend,
     CheckpointLayout,
@@ -680,6 +681,14 @@ class MGPUShardedStrategy(ParallelStrategy):
                 f"wrap_modules={names} matches no module of {type(model).__name__}, so the whole model would be "
                 f"one FSDP unit. Name classes the model has; the module classes present are "
                 f"{classes_present(model)}. Or leave wrap_modules=None (the model's blocks are chosen for you)."
+            )
+        if self._checkpoint_layout == "sharded":
+            check_sharded_save(model, self._runtime.settings.checkpoint_params)  # a 4-bit base: refused with the fix
+        if has_nf4(model) and (self._tensor.size > 1 or self._pipeline is not None):
+            raise ValueError(
+                f"{type(model).__name__} has a 4-bit base (quantize_frozen), and a 4-bit base under "
+                f"{'tensor' if self._tensor.size > 1 else 'pipeline'} parallelism is not built yet. Train it with "
+                "data parallelism: mgpu_zero3 or HSDP shard the base, mgpu_ddp keeps it whole on each rank."
             )
         clip_by_norm = trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm")
         if clip_by_norm and self._sharding.needs_global_norm and not isinstance(self.precision_plugin, MGPUPrecision):

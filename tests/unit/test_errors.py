@@ -10,6 +10,7 @@ process group was started.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import psutil
@@ -69,6 +70,16 @@ def fit(model: pl.LightningModule, strategy: Any = "mgpu_ddp_fork", **kwargs: An
 def _first_layer_frozen() -> Regressor:
     model = Regressor()
     model.net[0].requires_grad_(False)
+    return model
+
+
+def _four_bit_base() -> Regressor:
+    """The regressor with its first layer (128 x 128) frozen and packed in 4 bits (torchao's NF4)."""
+    from lightning_mgpu import quantize_frozen
+
+    model = Regressor(d_in=128, hidden=128)
+    model.net[0].requires_grad_(False)
+    quantize_frozen(model, scaler_block_size=64)
     return model
 
 
@@ -791,6 +802,25 @@ CASES = [
         ValueError,
         ["checkpoint_params='trainable'", "under pipeline parallelism", "checkpoint_params='all'", "mgpu_zero3"],
         id="pipeline-adapter-only-checkpoint",
+    ),
+    pytest.param(
+        lambda: fit(_four_bit_base(), MGPUShardedStrategy(stage=3, checkpoint="sharded", start_method="fork")),
+        ValueError,
+        [
+            "checkpoint='sharded' with checkpoint_params='all'",
+            "4-bit base (net.0.weight",
+            "'trainable'",
+            "'consolidated'",
+        ],
+        id="four-bit-base-in-a-sharded-directory",
+        marks=pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao"),
+    ),
+    pytest.param(
+        lambda: fit(_four_bit_base(), MGPUShardedStrategy(tensor_parallel_size=2, start_method="fork")),
+        ValueError,
+        ["has a 4-bit base", "tensor parallelism is not built yet", "mgpu_zero3"],
+        id="four-bit-base-under-tensor-parallelism",
+        marks=pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao"),
     ),
     pytest.param(
         lambda: fit(_lora_regressor(), MGPUShardedStrategy(tensor_parallel_size=2, start_method="fork")),

@@ -122,3 +122,33 @@ def test_mgpu_ddp_builds_its_ddp_on_the_current_stream_where_lightning_builds_it
     with pytest.raises(_Built):
         lightnings.configure_ddp()
     assert made == ["Stream", "stream"]  # negative control: Lightning's builds it in a side stream
+
+
+def test_a_4bit_base_is_left_out_of_ddp_which_would_corrupt_it() -> None:
+    """torch's DDP broadcasts the module's state at construction through a flat copy that writes through torchao's
+    ``NF4Tensor`` and corrupts its packed bytes (on every rank, in a one-rank group too): the negative control. The DDP
+    part leaves the 4-bit weights out of DDP and broadcasts their plain parts itself; the dequantised base is then
+    bit for bit the one built."""
+    import pytest
+
+    pytest.importorskip("torchao")
+
+    def body() -> None:
+        from lightning_mgpu.quantization import dequantized, quantize_frozen
+
+        def model() -> nn.Module:
+            torch.manual_seed(0)
+            built = nn.Sequential(nn.Linear(128, 256, bias=False), nn.Linear(256, 4)).double()
+            built[0].requires_grad_(False)
+            quantize_frozen(built, scaler_block_size=64)
+            return built
+
+        plain = model()
+        before = dequantized(plain[0].weight).clone()
+        DistributedDataParallel(plain)  # torch alone
+        assert not torch.equal(dequantized(plain[0].weight), before)
+        ours = model()
+        DDPWrapping(DDPSettings()).wrap(ours, torch.device("cpu"))
+        assert torch.equal(dequantized(ours[0].weight), before)
+
+    in_one_rank_group(body)

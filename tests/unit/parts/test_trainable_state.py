@@ -114,3 +114,37 @@ def test_a_strict_load_checks_the_adapters_keys() -> None:
     broken["extra"] = torch.zeros(1)
     with pytest.raises(RuntimeError, match=r"missing keys \['adapter.weight'\], unexpected keys \['extra'\]"):
         check_keys(broken, model, left_out)
+
+
+def test_a_4bit_base_is_saved_adapter_only_under_auto_and_fingerprinted_by_its_dequantised_values() -> None:
+    """A 4-bit base (torchao's NF4): ``"auto"`` leaves it out even where it is a small share of the parameters; a
+    sharded directory of it (``"all"``) is refused before launch with the fix; its fingerprint is that of the values
+    the layers compute with, so a base quantised from another one (or left in full precision) is refused."""
+    pytest.importorskip("torchao")
+    from lightning_mgpu.parts.trainable_state import check_sharded_save
+    from lightning_mgpu.quantization import dequantized, quantize_frozen
+
+    class MostlyTrained(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.base = nn.Linear(128, 128, bias=False).requires_grad_(False)  # 16,384 frozen
+            self.head = nn.Linear(128, 512)  # 66,048 trainable
+
+    model = MostlyTrained()
+    full_precision = fingerprint(frozen_parameters(model))
+    assert not saves_trainable_only(model, "auto")  # before: most parameters train, a full checkpoint
+    check_sharded_save(model, "all")
+    quantize_frozen(model, scaler_block_size=64)
+    assert saves_trainable_only(model, "auto") and saves_trainable_only(model, "trainable")
+    assert not saves_trainable_only(model, "all")  # a consolidated file holds the packed base
+    check_sharded_save(model, "trainable")
+    check_sharded_save(model, "auto")
+    with pytest.raises(
+        ValueError, match=r"checkpoint_params='all' would write MostlyTrained's 4-bit base \(base\.weight"
+    ):
+        check_sharded_save(model, "all")
+    packed = fingerprint(frozen_parameters(model))
+    plain = nn.Parameter(dequantized(model.base.weight).clone(), requires_grad=False)
+    assert packed == fingerprint({"base.weight": plain})  # the dequantised values
+    assert differences(full_precision, packed) == ["base.weight: different values (its first row)"]  # quantised

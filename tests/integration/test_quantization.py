@@ -1,0 +1,213 @@
+"""A 4-bit frozen base (``lightning_mgpu.quantize_frozen``: torchao's NF4) with LoRA adapters, under the data-parallel
+layouts, on CPU processes: a ``peft`` LoRA on a transformers Llama from a tiny random config, float64.
+
+Each case trains 2 epochs of 2 optimizer steps on a global batch of 8 and proves, in one run: the adapters equal one
+process with the same 4-bit base and the global batch (``assert_close`` defaults; the dequantised base is the same
+on every layout); the base unchanged on every rank, still 4-bit there, and each rank holding its share of the packed
+bytes (all of them under DDP and where a shard group has one rank, 1/shards under ZeRO-3 and HSDP). The ZeRO-3 case
+and the DDP case also write a checkpoint at the end of epoch 1 (an adapter-only sharded directory; a whole file with
+the packed base) and resume it on one process, ending with the uninterrupted run's weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import TensorDataset
+
+from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy, quantize_frozen
+from lightning_mgpu.parts.trainable_state import KEY
+from lightning_mgpu.quantization import dequantized, is_nf4
+from tests.helpers import RankData, fit
+
+pytest.importorskip("torchao")
+pytest.importorskip("peft")
+
+VOCAB, SEQ, SAMPLES, GLOBAL, EPOCHS = 64, 8, 16, 8, 2
+#: 16 scaler blocks of 64 x 16 weights per 64 x 64 layer: every frozen weight splits into whole blocks over 4 ranks
+SCALER_BLOCK = 16
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_after() -> Any:
+    """The runs in this process (the one-process reference, the resumes) leave a process group and Lightning's thread
+    count behind; a fork launch after them would inherit both, and its ranks hang in their first parallel kernel
+    (OpenMP is not fork-safe)."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    torch.set_num_threads(1)
+
+
+def tokens() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+    return TensorDataset(ids, ids.clone())
+
+
+class QLoRALlama(pl.LightningModule):
+    """The way a QLoRA tutorial builds it: a pretrained Llama (here a tiny random one), LoRA adapters from peft on
+    the attention and MLP projections, then the frozen linear weights packed in 4 bits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
+        base = LlamaForCausalLM(config).double()
+        torch.manual_seed(100)
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+        self.model = get_peft_model(base, lora)  # the base frozen, the adapters trainable
+        for name, p in self.model.named_parameters():
+            if "lora_B" in name:  # a random start: every adapter matrix gets a gradient from the first step
+                p.data.normal_(0.0, 0.05)
+        self.packed = quantize_frozen(self.model, scaler_block_size=SCALER_BLOCK)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, _ = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+
+
+def _packed_bytes(tensor: torch.Tensor) -> int:
+    return sum(
+        getattr(tensor, name).numel() * getattr(tensor, name).element_size()
+        for name in ("quantized_data", "quantized_scalers", "quantization_factor")
+    )
+
+
+class Probe(Callback):
+    """Per rank at the end of fit: how many weights are 4-bit there and the packed bytes this rank holds."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in pl_module.parameters()]
+        packed = [t for t in local if is_nf4(t)]
+        record = {"nf4": len(packed), "bytes": sum(_packed_bytes(t) for t in packed)}
+        torch.save(record, self.out / f"probe{trainer.global_rank}.pt")
+
+
+@functools.cache
+def one_process(batch: int = GLOBAL) -> dict[str, torch.Tensor]:
+    """The adapters after the same training in one process (Lightning's own single-device strategy)."""
+    model = QLoRALlama()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=EPOCHS,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=RankData(tokens(), batch))
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+@functools.cache
+def as_built() -> tuple[dict[str, torch.Tensor], int]:
+    """The dequantised base as built, and the bytes of all its packed weights."""
+    model = QLoRALlama()
+    state = {f"{k}": dequantized(v) for k, v in model.state_dict().items() if is_nf4(v)}
+    return state, sum(_packed_bytes(p) for p in model.parameters() if is_nf4(p))
+
+
+#: id -> (strategy factory, processes, ranks sharing one copy of the base, the strategy resuming on one process)
+CASES: dict[str, tuple[Callable[[], Any], int, int, Optional[Callable[[], Any]]]] = {
+    # a full checkpoint file (checkpoint_params="all", the default): the packed base in it, loaded back
+    "ddp": (lambda: MGPUDDPStrategy(start_method="fork"), 2, 1, MGPUDDPStrategy),
+    # an adapter-only sharded directory: the base's fingerprint in place of the base
+    "zero3": (
+        lambda: MGPUShardedStrategy(stage=3, start_method="fork", checkpoint="sharded", checkpoint_params="trainable"),
+        2,
+        2,
+        lambda: MGPUShardedStrategy(stage=3, checkpoint="sharded", checkpoint_params="trainable"),
+    ),
+    # ZeRO-1: DDP under the optimizer's sharding, the base whole on each rank
+    "zero1": (lambda: MGPUShardedStrategy(stage=1, start_method="fork"), 2, 1, None),
+    # the shards of the base, the adapters and their optimizer state in host memory
+    "zero3-offload": (lambda: MGPUShardedStrategy(stage=3, offload="cpu", start_method="fork"), 2, 2, None),
+    "zero3-4": (lambda: MGPUShardedStrategy(stage=3, start_method="fork"), 4, 4, None),
+    "hsdp-4": (lambda: MGPUShardedStrategy(stage=3, mesh="hybrid", shard_size=2, start_method="fork"), 4, 2, None),
+    # one rank per shard group: the base stays outside FSDP2, whole and 4-bit on each rank
+    "hsdp-whole": (lambda: MGPUShardedStrategy(stage=3, mesh="hybrid", shard_size=1, start_method="fork"), 2, 1, None),
+}
+SLOW = {"zero1", "zero3-offload", "zero3-4", "hsdp-4", "hsdp-whole"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
+def test_adapters_over_a_4bit_base_equal_one_process_and_each_rank_holds_its_share(case: str, tmp_path: Path) -> None:
+    make_strategy, world, shards, resume = CASES[case]
+    model = QLoRALlama()
+    assert len(model.packed) == 15  # 7 projections in each of 2 layers, and the output head
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    ranks = fit(
+        model,
+        make_strategy(),
+        tmp_path / "run",
+        dataset=tokens(),
+        batch_size=GLOBAL // world,
+        devices=world,
+        max_epochs=EPOCHS,
+        callbacks=[Probe(tmp_path), *([saver] if resume else [])],
+        enable_checkpointing=resume is not None,
+    )
+    reference, (base, total_bytes) = one_process(), as_built()
+    for rank in ranks:
+        assert rank["global_step"] == EPOCHS * SAMPLES // GLOBAL
+        torch.testing.assert_close({k: rank["state"][k] for k in reference}, reference)  # the adapters: parity
+        for name, values in base.items():  # the 4-bit base: bit for bit as built
+            assert torch.equal(rank["state"][name], values), name
+    for r in range(world):
+        probe = torch.load(tmp_path / f"probe{r}.pt", weights_only=True)
+        assert probe["nf4"] == 15  # still 4-bit on every rank
+        assert probe["bytes"] == total_bytes // shards  # each rank's share of the packed bytes
+    if resume is None:
+        return
+    first = tmp_path / "ckpts" / "epoch=0.ckpt"
+    if first.is_dir():  # adapter-only: the base's fingerprint, not the base
+        assert set(base) <= set(torch.load(first / "meta.pt", weights_only=False)[KEY]["frozen"])
+    else:  # the whole model: the base as its packed 4-bit bytes
+        saved = torch.load(first, weights_only=True)["state_dict"]
+        assert all(is_nf4(saved[name]) for name in base)
+    # on one process, not forked: a fork after the parent ran torch's thread pool may hang in the child's first
+    # parallel kernel (OpenMP is not fork-safe)
+    resumed = fit(
+        QLoRALlama(),
+        resume(),
+        tmp_path / "resumed",
+        dataset=tokens(),
+        batch_size=GLOBAL,
+        devices=1,
+        max_epochs=EPOCHS,
+        ckpt_path=str(first),
+    )
+    torch.testing.assert_close(resumed[0]["state"], ranks[0]["state"])  # continue == uninterrupted
+
+
+def test_the_parity_check_sees_a_different_global_batch() -> None:
+    """Negative control: one process on the per-rank batch (4, not 8) does not pass the comparison above."""
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(one_process(GLOBAL // 2), one_process())
