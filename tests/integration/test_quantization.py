@@ -12,6 +12,7 @@ the packed base) and resume it on one process, ending with the uninterrupted run
 from __future__ import annotations
 
 import functools
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -24,7 +25,7 @@ from torch.utils.data import TensorDataset
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy, quantize_frozen
 from lightning_mgpu.parts.trainable_state import KEY
 from lightning_mgpu.quantization import dequantized, is_nf4
-from tests.helpers import RankData, fit
+from tests.helpers import fit
 
 pytest.importorskip("torchao")
 pytest.importorskip("peft")
@@ -111,19 +112,8 @@ class Probe(Callback):
 @functools.cache
 def one_process(batch: int = GLOBAL) -> dict[str, torch.Tensor]:
     """The adapters after the same training in one process (Lightning's own single-device strategy)."""
-    model = QLoRALlama()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=EPOCHS,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, datamodule=RankData(tokens(), batch))
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+    state = fit(QLoRALlama(), "auto", Path(tempfile.mkdtemp()), dataset=tokens(), batch_size=batch, devices=1)
+    return {k: v for k, v in state[0]["state"].items() if "lora_" in k}
 
 
 @functools.cache
