@@ -89,11 +89,19 @@ def quantize_frozen(
     bad = [(name, layer.weight.numel()) for name, layer in frozen if layer.weight.numel() % group]
     if bad:
         listed = ", ".join(f"{name} ({numel} elements)" for name, numel in bad[:4])
+        sizes = [layer.weight.numel() for _, layer in frozen]
+        fitting = next(
+            (s for s in range(scaler_block_size - 1, 0, -1) if all(n % (block_size * s) == 0 for n in sizes)), None
+        )
+        fix = (
+            f"Pass scaler_block_size={fitting} (the largest that every frozen weight takes)"
+            if fitting is not None
+            else f"No scaler_block_size fits every weight at block_size={block_size}: pass a smaller block_size"
+        )
         raise ValueError(
             f"quantize_frozen(block_size={block_size}, scaler_block_size={scaler_block_size}) packs blocks of "
             f"{group} elements, and these frozen weights are not a multiple of it: {listed}"
-            f"{' and more' if len(bad) > 4 else ''}. Pass a smaller scaler_block_size (a divisor of each size "
-            "divided by block_size), or leave those layers trainable or out of the model's frozen part."
+            f"{' and more' if len(bad) > 4 else ''}. {fix}, or leave those layers trainable."
         )
     done = []
     for name, layer in frozen:
@@ -112,18 +120,23 @@ def check_shardable(module: nn.Module, shards: int) -> None:
     their sizes and the fix; torchao would otherwise fail inside FSDP2 with an assertion."""
     if shards <= 1:
         return
-    bad = []
+    bad, sizes, block = [], [], BLOCK_SIZE
     for name, param in module.named_parameters():
         if not is_nf4(param):
             continue
         packed: Any = param  # torchao's NF4Tensor: its block sizes are attributes
-        group = packed.block_size * packed.scaler_block_size
+        block, group = packed.block_size, packed.block_size * packed.scaler_block_size
+        sizes.append(param.numel())
         if param.shape[0] % shards or param.numel() % (group * shards):
             bad.append(f"{name} ({tuple(param.shape)}, blocks of {group} elements)")
     if bad:
+        fitting = next(
+            (s for s in range(SCALER_BLOCK_SIZE, 0, -1) if all(n % (block * s * shards) == 0 for n in sizes)), 0
+        )
+        requantize = f"quantize_frozen(..., scaler_block_size={fitting}), " if fitting else ""
         raise ValueError(
             f"ZeRO-3 shards each 4-bit weight over {shards} ranks, and these do not split into whole NF4 blocks: "
-            f"{', '.join(bad[:4])}{' and more' if len(bad) > 4 else ''}. Quantize with a smaller scaler_block_size "
-            f"(each weight's size a multiple of {shards} x block_size x scaler_block_size), shard over fewer ranks "
-            "(mesh='hybrid' with a smaller shard_size), or use a stage that keeps the base whole (stage=1 or 2)."
+            f"{', '.join(bad[:4])}{' and more' if len(bad) > 4 else ''}. Quantize with {requantize or 'a smaller '}"
+            f"{'' if requantize else 'scaler_block_size, '}shard over fewer ranks (mesh='hybrid' with a smaller "
+            "shard_size), or keep the base whole on each rank (stage=1, mgpu_zero1, or mgpu_ddp)."
         )

@@ -70,7 +70,7 @@ from lightning_mgpu.plugins.checkpoint_io import (
 )
 from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
 from lightning_mgpu.plugins.sharded_checkpoint import load_dir, save_dir
-from lightning_mgpu.quantization import has_nf4
+from lightning_mgpu.quantization import check_shardable, has_nf4
 from lightning_mgpu.settings import (
     Backend,
     CheckpointLayout,
@@ -690,6 +690,9 @@ class MGPUShardedStrategy(ParallelStrategy):
                 f"{'tensor' if self._tensor.size > 1 else 'pipeline'} parallelism is not built yet. Train it with "
                 "data parallelism: mgpu_zero3 or HSDP shard the base, mgpu_ddp keeps it whole on each rank."
             )
+        if has_nf4(model) and self._backend_name == "torch" and self._sharded_settings.stage >= 2:
+            processes, nodes = self._runtime.processes_and_nodes()
+            check_shardable(model, self._sharded_settings.mesh_shape(processes * nodes, nodes)[1])  # before launch
         clip_by_norm = trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm")
         if clip_by_norm and self._sharding.needs_global_norm and not isinstance(self.precision_plugin, MGPUPrecision):
             raise MisconfigurationException(

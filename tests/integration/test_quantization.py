@@ -36,10 +36,11 @@ SCALER_BLOCK = 16
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_after() -> Any:
-    """The runs in this process (the one-process reference, the resumes) leave a process group and Lightning's thread
-    count behind; a fork launch after them would inherit both, and its ranks hang in their first parallel kernel
-    (OpenMP is not fork-safe)."""
+def _one_thread() -> Any:
+    """One CPU thread in this process around each case. A fork launch inherits OpenMP's state, and a rank whose first
+    parallel kernel (the Llama's rotary cosines) uses a team the parent had started hangs in it: GNU OpenMP is not
+    fork-safe. The runs in this process (the one-process reference, the resumes) also leave a process group behind."""
+    torch.set_num_threads(1)
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

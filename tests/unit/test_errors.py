@@ -73,13 +73,13 @@ def _first_layer_frozen() -> Regressor:
     return model
 
 
-def _four_bit_base() -> Regressor:
+def _four_bit_base(scaler_block_size: int = 64) -> Regressor:
     """The regressor with its first layer (128 x 128) frozen and packed in 4 bits (torchao's NF4)."""
     from lightning_mgpu import quantize_frozen
 
     model = Regressor(d_in=128, hidden=128)
     model.net[0].requires_grad_(False)
-    quantize_frozen(model, scaler_block_size=64)
+    quantize_frozen(model, scaler_block_size=scaler_block_size)
     return model
 
 
@@ -813,6 +813,13 @@ CASES = [
             "'consolidated'",
         ],
         id="four-bit-base-in-a-sharded-directory",
+        marks=pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao"),
+    ),
+    pytest.param(
+        lambda: fit(_four_bit_base(scaler_block_size=256), "mgpu_zero3"),
+        ValueError,
+        ["over 2 ranks", "net.0.weight ((128, 128), blocks of 16384", "scaler_block_size=128", "mgpu_zero1"],
+        id="four-bit-base-shards-hold-whole-blocks",
         marks=pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao"),
     ),
     pytest.param(

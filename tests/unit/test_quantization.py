@@ -62,8 +62,11 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix() -> None:
     trainable = nn.Linear(128, 128)
     with pytest.raises(ValueError, match=r"no frozen nn.Linear weight in Linear.*Freeze the base first"):
         quantize_frozen(trainable)
+    narrow = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 64)).requires_grad_(False)  # a GQA key projection
+    with pytest.raises(ValueError, match=r"16384 elements.*1\.weight \(8192 elements\).*Pass scaler_block_size=128"):
+        quantize_frozen(narrow)
     odd = nn.Sequential(nn.Linear(128, 128), nn.Linear(100, 128)).requires_grad_(False)
-    with pytest.raises(ValueError, match=r"16384 elements.*1\.weight \(12800 elements\).*smaller scaler_block_size"):
+    with pytest.raises(ValueError, match=r"1\.weight \(12800 elements\).*Pass scaler_block_size=8 "):
         quantize_frozen(odd)
     assert not has_nf4(odd)  # nothing was packed: the check runs before any weight is replaced
     with pytest.raises(ValueError, match=r"quantize_frozen\(block_size=0\): a positive int"):
