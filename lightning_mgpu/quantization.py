@@ -9,11 +9,12 @@ or in ``configure_model``). The dequantised weights are a function of the origin
 and every layout computes with the same base, and adapters trained on N ranks equal one process with the same
 4-bit base (``tests/integration/test_quantization.py``).
 
-What each layout does with the packed bytes: ``mgpu_ddp`` and ZeRO 1/2 keep the whole 4-bit base on every rank;
-ZeRO-3 and HSDP shard it (torchao's tensor implements FSDP2's all-gather extension: each rank keeps its rows'
-packed bytes and scalers, and the layer gathers them, still packed, before it computes). A ZeRO-3 shard must hold
-whole quantisation blocks: a weight of ``numel`` elements splits over ``W`` ranks when ``numel`` is a multiple of
-``W * block_size * scaler_block_size`` (:func:`check_shardable` says which weight does not, and the fix).
+What each layout does with the packed bytes: ``mgpu_ddp`` and ZeRO-1 keep the whole 4-bit base on every rank;
+FSDP2's stages (ZeRO-2 and 3) and HSDP shard it (torchao's tensor implements FSDP2's all-gather extension: each rank
+keeps its rows' packed bytes and scalers, and the layer gathers them, still packed, before it computes). A shard
+must hold whole quantisation blocks: a weight of ``numel`` elements splits over ``W`` ranks when ``numel`` is a
+multiple of ``W * block_size * scaler_block_size`` (:func:`check_shardable` says which weight does not, and the
+fix).
 
 torchao is an optional dependency: ``pip install "lightning-mgpu[torchao]"``.
 """
