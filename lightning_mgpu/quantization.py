@@ -71,7 +71,20 @@ def quantize_frozen(
     left trainable) and biases stay as they are. Raises ValueError, naming the weight and the fix, for a frozen
     linear weight whose size is not a multiple of ``block_size * scaler_block_size`` (NF4 packs whole blocks), and
     when no frozen linear weight is found (freeze the base first: ``get_peft_model`` does, or
-    ``requires_grad_(False)``). A weight already in NF4 is left alone, so a second call changes nothing."""
+    ``requires_grad_(False)``). A weight already in NF4 is left alone, so a second call changes nothing.
+
+    Example:
+
+        >>> from torch import nn
+        >>> from lightning_mgpu import quantize_frozen
+        >>> model = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 8))
+        >>> model[0].requires_grad_(False)  # the frozen base; model[1] stays trainable
+        Linear(in_features=128, out_features=128, bias=True)
+        >>> quantize_frozen(model)
+        ['0.weight']
+        >>> quantize_frozen(model)  # already packed
+        []
+    """
     nf4 = _torchao()
     for name, value in (("block_size", block_size), ("scaler_block_size", scaler_block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
