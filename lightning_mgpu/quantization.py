@@ -22,7 +22,7 @@ torchao is an optional dependency: ``pip install "lightning-mgpu[torchao]"``.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -61,6 +61,13 @@ def has_nf4(module: nn.Module) -> bool:
 def dequantized(tensor: torch.Tensor) -> torch.Tensor:
     """The values of a 4-bit tensor in the dtype it was quantised from (this rank's rows for a shard)."""
     return tensor.get_original_weight()  # type: ignore[attr-defined]
+
+
+def _largest_scaler_block(sizes: list[int], elements_per_block: int, at_most: int) -> Optional[int]:
+    """The largest ``scaler_block_size`` of at most ``at_most`` for which every size is a whole number of scaler
+    blocks of ``elements_per_block`` elements each (``block_size``, times the shards a weight is split over); None
+    where none is."""
+    return next((s for s in range(at_most, 0, -1) if all(n % (elements_per_block * s) == 0 for n in sizes)), None)
 
 
 def quantize_frozen(
@@ -103,9 +110,8 @@ def quantize_frozen(
     bad = [(name, layer.weight.numel()) for name, layer in frozen if layer.weight.numel() % group]
     if bad:
         listed = ", ".join(f"{name} ({numel} elements)" for name, numel in bad[:4])
-        sizes = [layer.weight.numel() for _, layer in frozen]
-        fitting = next(
-            (s for s in range(scaler_block_size - 1, 0, -1) if all(n % (block_size * s) == 0 for n in sizes)), None
+        fitting = _largest_scaler_block(
+            [layer.weight.numel() for _, layer in frozen], block_size, scaler_block_size - 1
         )
         fix = (
             f"Pass scaler_block_size={fitting} (the largest that every frozen weight takes)"
@@ -144,9 +150,7 @@ def check_shardable(module: nn.Module, shards: int) -> None:
         if param.shape[0] % shards or param.numel() % (group * shards):
             bad.append(f"{name} ({tuple(param.shape)}, blocks of {group} elements)")
     if bad:
-        fitting = next(
-            (s for s in range(SCALER_BLOCK_SIZE, 0, -1) if all(n % (block * s * shards) == 0 for n in sizes)), 0
-        )
+        fitting = _largest_scaler_block(sizes, block * shards, SCALER_BLOCK_SIZE)
         requantize = f"quantize_frozen(..., scaler_block_size={fitting}), " if fitting else ""
         raise ValueError(
             f"ZeRO-3 shards each 4-bit weight over {shards} ranks, and these do not split into whole NF4 blocks: "

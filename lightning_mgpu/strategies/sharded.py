@@ -684,13 +684,14 @@ class MGPUShardedStrategy(ParallelStrategy):
             )
         if self._checkpoint_layout == "sharded":
             check_sharded_save(model, self._runtime.settings.checkpoint_params)  # a 4-bit base: refused with the fix
-        if has_nf4(model) and (self._tensor.size > 1 or self._pipeline is not None):
+        four_bit = has_nf4(model)
+        if four_bit and (self._tensor.size > 1 or self._pipeline is not None):
             raise ValueError(
                 f"{type(model).__name__} has a 4-bit base (quantize_frozen), and a 4-bit base under "
                 f"{'tensor' if self._tensor.size > 1 else 'pipeline'} parallelism is not built yet. Train it with "
                 "data parallelism: mgpu_zero3 or HSDP shard the base, mgpu_ddp keeps it whole on each rank."
             )
-        if has_nf4(model) and self._backend_name == "torch" and self._sharded_settings.stage >= 2:
+        if four_bit and self._backend_name == "torch" and self._sharded_settings.stage >= 2:
             processes, nodes = self._runtime.processes_and_nodes()
             check_shardable(model, self._sharded_settings.mesh_shape(processes * nodes, nodes)[1])  # before launch
         clip_by_norm = trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm")

@@ -27,9 +27,6 @@ from lightning_mgpu.parts.trainable_state import KEY
 from lightning_mgpu.quantization import dequantized, is_nf4
 from tests.helpers import fit
 
-pytest.importorskip("torchao")
-pytest.importorskip("peft")
-
 VOCAB, SEQ, SAMPLES, GLOBAL, EPOCHS = 64, 8, 16, 8, 2
 #: 16 scaler blocks of 64 x 16 weights per 64 x 64 layer: every frozen weight splits into whole blocks over 4 ranks
 SCALER_BLOCK = 16

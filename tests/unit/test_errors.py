@@ -10,7 +10,6 @@ process group was started.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import psutil
@@ -813,21 +812,18 @@ CASES = [
             "'consolidated'",
         ],
         id="four-bit-base-in-a-sharded-directory",
-        marks=pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao"),
     ),
     pytest.param(
         lambda: fit(_four_bit_base(scaler_block_size=256), "mgpu_zero3"),
         ValueError,
         ["over 2 ranks", "net.0.weight ((128, 128), blocks of 16384", "scaler_block_size=128", "mgpu_zero1"],
         id="four-bit-base-shards-hold-whole-blocks",
-        marks=pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao"),
     ),
     pytest.param(
         lambda: fit(_four_bit_base(), MGPUShardedStrategy(tensor_parallel_size=2, start_method="fork")),
         ValueError,
         ["has a 4-bit base", "tensor parallelism is not built yet", "mgpu_zero3"],
         id="four-bit-base-under-tensor-parallelism",
-        marks=pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao"),
     ),
     pytest.param(
         lambda: fit(_lora_regressor(), MGPUShardedStrategy(tensor_parallel_size=2, start_method="fork")),

@@ -12,8 +12,6 @@ from torch.nn import functional as F
 from lightning_mgpu import quantization
 from lightning_mgpu.quantization import check_shardable, dequantized, has_nf4, is_nf4, quantize_frozen
 
-pytest.importorskip("torchao")
-
 
 class Model(nn.Module):
     """A frozen base (two linear layers, an embedding) with a trainable adapter beside it."""

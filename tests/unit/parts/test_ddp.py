@@ -129,9 +129,6 @@ def test_a_4bit_base_is_left_out_of_ddp_which_would_corrupt_it() -> None:
     ``NF4Tensor`` and corrupts its packed bytes (on every rank, in a one-rank group too): the negative control. The DDP
     part leaves the 4-bit weights out of DDP and broadcasts their plain parts itself; the dequantised base is then
     bit for bit the one built."""
-    import pytest
-
-    pytest.importorskip("torchao")
 
     def body() -> None:
         from lightning_mgpu.quantization import dequantized, quantize_frozen

@@ -120,7 +120,6 @@ def test_a_4bit_base_is_saved_adapter_only_under_auto_and_fingerprinted_by_its_d
     """A 4-bit base (torchao's NF4): ``"auto"`` leaves it out even where it is a small share of the parameters; a
     sharded directory of it (``"all"``) is refused before launch with the fix; its fingerprint is that of the values
     the layers compute with, so a base quantised from another one (or left in full precision) is refused."""
-    pytest.importorskip("torchao")
     from lightning_mgpu.parts.trainable_state import check_sharded_save
     from lightning_mgpu.quantization import dequantized, quantize_frozen
 
