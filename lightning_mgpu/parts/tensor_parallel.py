@@ -34,6 +34,8 @@ again over the data dimension.
   attention module's attributes and those of the ``config`` its forward reads (litgpt), on a copy of it. An attention
   laid out as nanoGPT's, whose forward reads its width from its input, is checked and split with nanoGPT's
   computation on local widths as its forward (:func:`_nanogpt_attention_forward`, installed when the plan is applied).
+  An attention whose heads none of these split (grouped-query litgpt's ``qkv`` packs projections of unequal widths)
+  has both its layers split by input column instead, its heads whole (:func:`input_split_style`).
 
 Anything not matched (embeddings, norms, the output head, the packed query/key/value projection of
 ``nn.MultiheadAttention``) stays replicated and is listed in one line at start-up, with the share of the linear
@@ -103,6 +105,8 @@ _HEAD_COUNTS = (
 )
 #: attributes holding the width of each projection packed in GPT-2's ``c_attn``: each becomes the local width
 _PACKED_WIDTHS = ("split_size", "embed_dim")
+#: how :func:`input_split_style` splits a layer, in plans' kinds and the start-up line
+INPUT_SPLIT = "rowwise from whole input"
 
 
 #: modules this process laid out with ``"auto+sequence"`` (their logits are sharded on the vocabulary): a later
@@ -136,6 +140,9 @@ class TensorParallelPlan:
     share: Optional[float] = None
     """The share of the linear layers' parameters this plan splits (:func:`split_share`), for the start-up line;
     None where it was not measured."""
+    input_split: list[str] = field(default_factory=list)
+    """Attention blocks whose heads could not be split, each with the reason: their fan-out and fan-in layers are
+    split by input column instead (:func:`input_split_style`), their heads computed whole on every rank."""
     forwards: dict[str, Any] = field(default_factory=dict)
     """Module name -> the function installed as its forward (``types.MethodType``) when the plan is applied: the
     local forward of an attention whose own reads its width from its input (nanoGPT's,
@@ -156,7 +163,7 @@ class TensorParallelPlan:
         for name, style in self.styles.items():
             if type(style).__name__ in whole:
                 continue
-            rowwise = _style_name(style) in ("rowwise", "colwise packed")
+            rowwise = _style_name(style) in ("rowwise", "colwise packed", INPUT_SPLIT)
             for pname, _ in module.get_submodule(name).named_parameters(recurse=False):
                 if not (rowwise and pname == "bias"):
                     split.append(f"{name}.{pname}")
@@ -181,6 +188,8 @@ class TensorParallelPlan:
         text += f" ({', '.join(split)})" if split else ""
         if self.replicated:
             text += f"; replicated: {', '.join(_grouped(self.replicated))}"
+        if self.input_split:
+            text += f"; heads whole (split by input column): {'; '.join(_grouped(self.input_split))}"
         if self.skipped:
             text += f"; not split: {'; '.join(self.skipped)}"
         return text
@@ -191,6 +200,8 @@ def _style_name(style: Any) -> str:
     names["PrepareModuleInput"] = "input gathered"
     if type(style).__name__ == "PackedParallel":
         return "colwise packed"
+    if type(style).__name__ == "InputSplitParallel":
+        return INPUT_SPLIT
     if type(style).__name__ == "Conv1DParallel":
         return "colwise" if "Colwise" in repr(style) else "rowwise"
     return names.get(type(style).__name__, type(style).__name__)
@@ -402,6 +413,22 @@ def _packed_style(chunks: int, dim: int) -> Any:
             return f"Packed{'Conv1D' if dim else 'Linear'}ColwiseParallel(chunks={chunks})"
 
     return PackedParallel()
+
+
+def input_split_style() -> Any:
+    """A ``ParallelStyle`` splitting an ``nn.Linear`` by input column whatever its output feeds: the input arrives
+    whole on every rank (each multiplies its slice of it, no communication), the output is summed over the group and
+    whole again (``RowwiseParallel(input_layouts=Replicate())``), so the layer computes exactly what it computes whole
+    for any model. The weight is an ordinary ``Shard(1)`` (every save, load and export path handles it); the price is
+    one all-reduce of the output per call, and what the output feeds runs whole on every rank. The auto plan splits
+    this way both layers of an attention whose heads it cannot split (:func:`_structural_plan`)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class InputSplitParallel(RowwiseParallel):
+        pass
+
+    return InputSplitParallel(input_layouts=Replicate(), output_layouts=Replicate())
 
 
 def _packed_conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -704,6 +731,7 @@ def _derive_blocks(module: nn.Module, tensor_size: int, structure: bool = True) 
     skipped: list[str] = []
     recognised: set[str] = set()  # by their names, split or not: the structure is not asked about them again
     forwards: dict[str, Any] = {}
+    input_split: list[str] = []
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     for name, block in module.named_modules():
@@ -730,12 +758,12 @@ def _derive_blocks(module: nn.Module, tensor_size: int, structure: bool = True) 
             styles[full[-1]] = conv1d_style("rowwise") if conv else RowwiseParallel()
             heads += [(f"{name}.{owner}".strip(".") if owner else name, a, v) for owner, a, v in counts]
     if structure:  # the linear layers no name rule matched
-        found, local, forwards, not_split = _structural_plan(module, tensor_size, taken=recognised)
+        found, local, forwards, not_split, input_split = _structural_plan(module, tensor_size, taken=recognised)
         styles.update(found)
         heads += local
         skipped += not_split
     plan = TensorParallelPlan(styles, "auto plan", heads=heads, replicated=_replicated(module, styles))
-    plan.skipped, plan.forwards = skipped, forwards
+    plan.skipped, plan.forwards, plan.input_split = skipped, forwards, input_split
     return plan
 
 
@@ -1479,19 +1507,34 @@ def _check_split(
 
 def _structural_plan(
     module: nn.Module, size: int, taken: set[str]
-) -> tuple[dict[str, Any], list[Any], dict[str, Any], list[str]]:
-    """``(styles, local counts, local forwards, skipped)`` for the pairs :func:`_structural_pairs` finds among the
-    linear layers not in ``taken``, each checked by running its recorded call as each rank would
+) -> tuple[dict[str, Any], list[Any], dict[str, Any], list[str], list[str]]:
+    """``(styles, local counts, local forwards, skipped, input split)`` for the pairs :func:`_structural_pairs` finds
+    among the linear layers not in ``taken``, each checked by running its recorded call as each rank would
     (:func:`_check_split`): with its head counts (and widths) local, and where that does not add up and the module is
-    laid out as nanoGPT's attention, with :func:`_nanogpt_attention_forward` as its forward."""
+    laid out as nanoGPT's attention, with :func:`_nanogpt_attention_forward` as its forward. An attention whose heads
+    none of these split (packed projections of unequal widths, as grouped-query litgpt's ``qkv``; head counts the
+    size does not divide; a forward that computes something else on a rank's heads) has both layers split by input
+    column (:func:`input_split_style`: exact whatever the forward does), listed with the reason."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles: dict[str, Any] = {}
     counts: list[tuple[str, str, int]] = []
     forwards: dict[str, Any] = {}
     skipped: list[str] = []
+    input_split: list[str] = []
     if sum(isinstance(m, nn.Linear) for m in module.modules()) - len(taken) < 2:
-        return styles, counts, forwards, skipped
+        return styles, counts, forwards, skipped, input_split
+
+    def heads_whole(kind: str, fan_out: list[str], fan_in: str, where: str, why: str) -> None:
+        """The pair's heads cannot be split (``why``): an attention's layers by input column, anything else whole."""
+        widths = [int(cast(nn.Linear, module.get_submodule(n)).in_features) for n in [*fan_out, fan_in]]
+        if kind != "attention" or any(w % size for w in widths):
+            skipped.append(f"{where} ({why})")
+            return
+        for name in [*fan_out, fan_in]:
+            styles[name] = input_split_style()
+        input_split.append(f"{where} ({why})")
+
     training = {m: m.training for m in module.modules()}
     module.eval()
     try:
@@ -1502,7 +1545,9 @@ def _structural_plan(
             if chunks == 0:
                 out = int(cast(nn.Linear, module.get_submodule(fan_out[0])).out_features)
                 width = int(cast(nn.Linear, module.get_submodule(fan_in)).in_features)
-                skipped.append(f"{where} ({fan_out[0]} packs projections of unequal widths: {out} for {width})")
+                heads_whole(
+                    kind, fan_out, fan_in, where, f"{fan_out[0]} packs projections of unequal widths: {out} for {width}"
+                )
                 continue
             reason = _indivisible(module, fan_out, fan_in, size, chunks=chunks)
             options: list[tuple[list[tuple[str, str, int]], dict[str, Any]]] = [([], {})]
@@ -1529,13 +1574,15 @@ def _structural_plan(
                 bad = [f"{a.removeprefix('config.')}={v}" for _, a, v in heads if v % size]
                 reason = reason or ", ".join(bad)
             if reason:
-                skipped.append(f"{where} ({reason} not divisible by {size})")
+                heads_whole(kind, fan_out, fan_in, where, f"{reason} not divisible by {size}")
                 continue
             errors = [_check_split(module, flow, fan_out, fan_in, chunks, size, *option) for option in options]
             if all(errors):
                 tried = [e for (_, f), e in zip(options, errors) if f]
                 also = f"; nor does nanoGPT's attention with its local heads: {tried[0]}" if tried else ""
-                skipped.append(f"{where} (its forward does not compute the split pair: {errors[0]}{also})")
+                heads_whole(
+                    kind, fan_out, fan_in, where, f"its forward does not compute the split pair: {errors[0]}{also}"
+                )
                 continue
             local, forward = options[errors.index("")]
             counts += local
@@ -1546,7 +1593,7 @@ def _structural_plan(
     finally:
         for m, mode in training.items():
             m.training = mode
-    return styles, counts, forwards, skipped
+    return styles, counts, forwards, skipped, input_split
 
 
 def _is_nanogpt_attention(holder: nn.Module, holder_name: str, fan_out: list[str], fan_in: str, chunks: int) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_mgpu._compat import fake_tensor_mode, mem_tracker, timeline_mem_tracker, tree_map_tensors
 from lightning_mgpu.parts.sharding import fsdp_unit_roots
+from lightning_mgpu.parts.tensor_parallel import INPUT_SPLIT
 from lightning_mgpu.planning.request import PlanError
 
 __all__ = [
@@ -318,8 +319,9 @@ def trace_step(
             (layer, kind) for name, kind in plan.kinds if id(layer := module.get_submodule(name)) in inside_blocks
         ]
         split_names = plan.parameters
-        for layer, kind in split_layers:
-            handles.append(layer.register_forward_hook(lambda *_, k=kind: _count(calls, (k, phase[0]))))
+        for layer, kind in split_layers:  # one split by input column with its input whole: both collectives
+            for k in ("rowwise", "colwise") if kind == INPUT_SPLIT else (kind,):
+                handles.append(layer.register_forward_hook(lambda *_, k=k: _count(calls, (k, phase[0]))))
         intermediates: dict[int, int] = {}  # the column-wise layers' outputs, first call each
 
         def intermediate(layer: nn.Module, inputs: Any, out: Any) -> None:
@@ -387,7 +389,9 @@ class TensorSplit:
     """What tensor parallelism's auto plan splits of a model, derived once for a plan (:func:`tensor_split`)."""
 
     kinds: tuple[tuple[str, str], ...] = ()
-    """``(layer name, "colwise" | "rowwise")`` of each layer the plan splits."""
+    """``(layer name, "colwise" | "rowwise" | INPUT_SPLIT)`` of each layer the plan splits (INPUT_SPLIT: by input
+    column with its input whole, an attention whose heads stay whole: its output all-reduced in forward, its input's
+    gradient gathered in backward)."""
     parameters: tuple[str, ...] = ()
     """The names of the parameters the plan shards (within the blocks or not)."""
     refused: str = ""
@@ -428,7 +432,7 @@ def tensor_split(module: nn.Module, real: bool) -> TensorSplit:
     divisor = 0
     for name, kind in kinds.items():
         width_in, width_out = _widths(module.get_submodule(name))
-        divisor = math.gcd(divisor, width_in if kind == "rowwise" else width_out)
+        divisor = math.gcd(divisor, width_in if kind in ("rowwise", INPUT_SPLIT) else width_out)
     for _, _, count in plan.heads:
         divisor = math.gcd(divisor, count)
     done, total = split_share(module, plan)

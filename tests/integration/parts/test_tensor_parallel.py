@@ -486,7 +486,8 @@ def test_hugging_face_models_split_by_the_auto_plan_equal_one_process(tmp_path: 
 #: a packed query | key | value weight by rows over the tensor dimension, by columns over the data one)
 FAMILY_SHARDS = {
     "litgpt": ("transformer.h.0.attn.qkv.weight", (24, 8)),  # of (48, 16): 2 of 4 heads' q, k, v; half the columns
-    "litgpt_gqa": ("transformer.h.0.mlp.fc_1.weight", (8, 16)),  # of (32, 16)
+    # of (32, 16): 4 query heads | 2 key/value groups, split by input column (the heads whole), then by rows
+    "litgpt_gqa": ("transformer.h.0.attn.qkv.weight", (16, 8)),
     "nanogpt": (
         "transformer.h.0.attn.c_attn.weight",
         (24, 8),

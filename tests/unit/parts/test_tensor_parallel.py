@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.parts.tensor_parallel import (
+    INPUT_SPLIT,
     TensorParallelism,
     adapter_layers,
     derive_plan,
@@ -92,14 +93,29 @@ def test_litgpts_packed_qkv_and_gated_mlp_are_split_and_each_attention_gets_a_co
     assert (shared.n_head, gpt.transformer.h[0].config.n_head, gpt.transformer.h[0].mlp.config.n_head) == (4, 4, 4)
 
 
-def test_grouped_query_litgpt_keeps_its_attention_whole_and_says_why():
+def test_grouped_query_litgpt_splits_its_attention_by_input_column_and_says_why():
     # litgpt packs q (4 heads) | k (2) | v (2): no equal chunks a rank could take its piece of; the check that runs the
-    # attention as each rank would finds the shares do not add up. Its MLP is split
-    plan = derive_plan(LitGPT(LitConfig(n_query_groups=2)), tensor_size=2)
-    assert set(plan.kinds()) == {f"transformer.h.{i}.mlp.{n}" for i in range(2) for n in ("fc_1", "fc_2", "proj")}
-    assert "transformer.h.0.attn (its forward does not compute the split pair: the ranks' shares do not add up" in (
-        plan.summary(2)
+    # attention as each rank would finds the shares do not add up, so qkv and proj are split by input column (the heads
+    # computed whole, the head counts left as they are). Its MLP is split by heads' Megatron pairing
+    model = LitGPT(LitConfig(n_query_groups=2))
+    plan = derive_plan(model, tensor_size=2)
+    kinds = {f"transformer.h.{i}.mlp.{n}": k for i in range(2) for n, k in [("fc_1", "colwise"), ("fc_2", "colwise"),
+             ("proj", "rowwise")]}  # fmt: skip
+    kinds |= {f"transformer.h.{i}.attn.{n}": INPUT_SPLIT for i in range(2) for n in ("qkv", "proj")}
+    assert plan.kinds() == kinds
+    assert plan.heads == [] and plan.skipped == []
+    line = plan.summary(2, model)
+    assert "92% of the linear layers' parameters" in line
+    assert (
+        "heads whole (split by input column): transformer.h.*.attn (its forward does not compute the split pair: "
+        in (line)
     )
+    # the weights split by input column count in the share split (their biases, added after the sum, would not)
+    assert "transformer.h.0.attn.qkv.weight" in plan.split_parameters(model)
+    # head counts the tensor size does not divide: the same fallback, the count named
+    four = derive_plan(model, tensor_size=4)
+    assert four.kinds()["transformer.h.1.attn.qkv"] == INPUT_SPLIT and four.heads == []
+    assert four.input_split[0] == "transformer.h.0.attn (n_query_groups=2 not divisible by 4)"
 
 
 def _nano_plan_kinds() -> dict[str, str]:
@@ -137,9 +153,10 @@ def test_nanogpts_attention_is_split_with_a_local_forward_checked_against_its_ow
 
 
 @pytest.mark.parametrize("change", ["not causal", "another scale", "a mask of its own"])
-def test_an_attention_laid_out_as_nanogpts_that_computes_otherwise_stays_whole_and_says_why(change: str):
+def test_an_attention_laid_out_as_nanogpts_that_computes_otherwise_keeps_its_heads_whole_and_says_why(change: str):
     # negative control: the same layers and attributes as nanoGPT's attention, another computation; the check runs
-    # the module's own forward whole against nanoGPT's with local heads as each rank, and refuses the split
+    # the module's own forward whole against nanoGPT's with local heads as each rank, and refuses the head split: the
+    # attention's layers are split by input column instead, its own forward running on whole heads
     from torch.nn import functional as F
 
     from tests.tensor_parallel_models import NanoCausalSelfAttention
@@ -161,15 +178,24 @@ def test_an_attention_laid_out_as_nanogpts_that_computes_otherwise_stays_whole_a
         block.attn.__class__ = Variant
         block.attn.register_buffer("bias", torch.eye(8).view(1, 1, 8, 8))  # flash stays True: nanoGPT ignores it
     plan = derive_plan(nano, tensor_size=2)
-    assert set(plan.kinds()) == {f"transformer.h.{i}.mlp.{n}" for i in range(2) for n in ("c_fc", "c_proj")}
-    assert plan.forwards == {} and not any(a == "n_embd" for _, a, _ in plan.heads)
+    kinds = plan.kinds()
+    assert {n for n, k in kinds.items() if k != INPUT_SPLIT} == {
+        f"transformer.h.{i}.mlp.{n}" for i in range(2) for n in ("c_fc", "c_proj")
+    }
+    assert {n for n, k in kinds.items() if k == INPUT_SPLIT} == {
+        f"transformer.h.{i}.attn.{n}" for i in range(2) for n in ("c_attn", "c_proj")
+    }
+    assert plan.forwards == {} and plan.heads == [] and plan.skipped == []
     line = plan.summary(2)
-    assert "transformer.h.1.attn (its forward does not compute the split pair: RuntimeError: shape " in line
+    assert (
+        "heads whole (split by input column): transformer.h.*.attn (its forward does not compute the split pair: "
+        in (line)
+    )
+    assert "RuntimeError: shape " in line
     assert (
         "; nor does nanoGPT's attention with its local heads: the ranks' shares do not add up to the whole output "
         "(its own forward computes something else))" in line
     )
-    assert "4 layers, 66% of the linear layers' parameters" in plan.summary(2, nano)
 
 
 def test_timms_vit_attention_is_split_with_its_local_heads_and_width():
