@@ -38,7 +38,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -52,6 +52,7 @@ from lightning_mgpu.plugins.checkpoint_io import (
     load_sharded,
 )
 from lightning_mgpu.plugins.sharded_checkpoint import read_meta
+from lightning_mgpu.quantization import dequantized, is_nf4
 
 __all__ = ["HF_MODELS_KEY", "export_checkpoint", "hf_models", "main"]
 
@@ -148,7 +149,36 @@ class _Tensor:
 
 
 def _constant(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    if is_nf4(tensor):  # a 4-bit base (quantize_frozen): its values in the dtype it was quantised from
+        return lambda: dequantized(tensor)
     return lambda: tensor
+
+
+def _cast(tensors: dict[str, _Tensor], dtype: Optional[torch.dtype]) -> dict[str, _Tensor]:
+    """``tensors`` with each floating-point one read as ``dtype`` (None: as saved)."""
+    if dtype is None:
+        return tensors
+
+    def as_dtype(t: _Tensor, dtype: torch.dtype) -> _Tensor:
+        if not t.dtype.is_floating_point or t.dtype == dtype:
+            return t
+        return _Tensor(dtype, t.shape, lambda: t.read().to(dtype))
+
+    return {n: as_dtype(t, dtype) for n, t in tensors.items()}
+
+
+#: the dtypes ``export_checkpoint(dtype=...)`` writes
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ValueError(
+            f"dtype={name!r} is not one the export writes: use one of {', '.join(DTYPES)} (or none: as saved)."
+        )
+    return cast(torch.dtype, getattr(torch, name))
 
 
 def _open_file(path: Path, weights_only: Optional[bool]) -> tuple[dict[str, Any], dict[str, dict[str, _Tensor]]]:
@@ -432,6 +462,7 @@ def export_checkpoint(
     config: Optional[PathLike] = None,
     adapters: str = "merge",
     base_model: Optional[str] = None,
+    dtype: Optional[str] = None,
     weights_only: Optional[bool] = True,
 ) -> Path:
     """Write the weights of ``checkpoint`` (a file or a sharded directory of the pack) as a Hugging Face folder
@@ -455,6 +486,10 @@ def export_checkpoint(
             alone loads that base and attaches the adapter; default: the one peft recorded (the name the base was
             loaded from). Unknown, the folder names :data:`BASE_NOT_RECORDED` there: that call fails at once,
             naming ``PeftModel.from_pretrained``.
+        dtype: ``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"float64"``: every floating-point weight written in
+            it (LoRA adapters are merged first, in the dtype saved); default: as saved. A 4-bit base
+            (:func:`~lightning_mgpu.quantize_frozen`) is written dequantised, in the dtype it was quantised from or
+            this one.
         weights_only: ``torch.load``'s; ``False`` only for a checkpoint you trust.
 
     Example (a checkpoint without a recorded Hugging Face model, as one ``torch.save`` file of its weights):
@@ -476,6 +511,7 @@ def export_checkpoint(
         raise ValueError(
             f"adapters={adapters!r} is unknown: use 'merge' (merged weights) or 'peft' (an adapter folder)."
         )
+    written = _dtype(dtype)
     source, final = Path(checkpoint), Path(output)
     if final.exists():
         raise FileExistsError(f"{final} exists: choose a new name (the export never overwrites), or remove it first.")
@@ -519,6 +555,9 @@ def export_checkpoint(
             raise ValueError("adapters='peft' writes a folder (the base model and the adapter): use format='hf'.")
         else:
             tensors, adapter = base, (peft_config, saved)
+    tensors = _cast(tensors, written)
+    if adapter is not None:
+        adapter = (adapter[0], _cast(adapter[1], written))
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging(final)
     if staging.exists():  # a killed export of this process id
@@ -591,6 +630,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "(default: the one peft recorded) so that AutoModel...from_pretrained(DIR) of an adapter-only export loads it",
     )
     parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="write every floating-point weight in this dtype (adapters merged first; a 4-bit base dequantised); "
+        "default: as saved",
+    )
+    parser.add_argument(
         "--trust-checkpoint",
         action="store_true",
         help="load with weights_only=False (only for a checkpoint you trust: unpickling may run code)",
@@ -599,7 +644,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         out = export_checkpoint(
             args.checkpoint, args.output, format=args.format, ema=args.ema, prefix=args.prefix, config=args.config,
-            adapters=args.adapters, base_model=args.base_model, weights_only=not args.trust_checkpoint,
+            adapters=args.adapters, base_model=args.base_model, dtype=args.dtype,
+            weights_only=not args.trust_checkpoint,
         )  # fmt: skip
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
         parser.exit(2, f"lightning-mgpu export: error: {err}\n")

@@ -44,6 +44,17 @@ def _torchao() -> Any:
         ) from err
 
 
+def loads_once_imported(error: BaseException) -> bool:
+    """Whether ``error``, ``torch.load(weights_only=True)``'s refusal, names torchao's ``NF4Tensor`` (a checkpoint
+    holding a 4-bit base, read where torchao is not imported yet). Imports torchao's NF4 module, which allows its own
+    class for weights-only loading, so a second load succeeds; an ImportError naming the extra where torchao is
+    missing."""
+    if _NF4_MODULE not in str(error):
+        return False
+    _torchao()
+    return True
+
+
 def is_nf4(tensor: Any) -> bool:
     """Whether ``tensor`` (a parameter, its data, or a ``DTensor`` whose local shard is one) is torchao's
     ``NF4Tensor``; False without torchao."""

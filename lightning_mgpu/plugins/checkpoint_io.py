@@ -57,6 +57,7 @@ from typing_extensions import override
 
 from lightning_mgpu import comm
 from lightning_mgpu._compat import dcp_fsspec_storage, is_strided_shard, is_wrapping_checkpoint_io, torch_layout_decoder
+from lightning_mgpu.quantization import loads_once_imported
 
 # a local path, or a URL fsspec understands (what Lightning calls _PATH)
 PathLike = Union[str, "os.PathLike[str]"]
@@ -549,11 +550,20 @@ def load_file(
         >>> load_file(path)["epoch"]
         3
     """
-    try:
+
+    def read() -> Any:
         if local_path(path) is not None:
             return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
         fs, file = _remote(path)
         return torch.load(io.BytesIO(fs.cat_file(file)), map_location=map_location, weights_only=weights_only)
+
+    try:
+        try:
+            return read()
+        except pickle.UnpicklingError as err:
+            if weights_only is False or not loads_once_imported(err):
+                raise
+            return read()  # a 4-bit base: torchao's class, allowed once its module is imported
     except pickle.UnpicklingError as err:
         if weights_only is False:
             raise

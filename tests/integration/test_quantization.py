@@ -12,6 +12,8 @@ the packed base) and resume it on one process, ending with the uninterrupted run
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -180,6 +182,7 @@ def test_adapters_over_a_4bit_base_equal_one_process_and_each_rank_holds_its_sha
     else:  # the whole model: the base as its packed 4-bit bytes
         saved = torch.load(first, weights_only=True)["state_dict"]
         assert all(is_nf4(saved[name]) for name in base)
+        _exports_merged_into_the_dequantised_base(tmp_path / "ckpts" / f"epoch={EPOCHS - 1}.ckpt", ranks[0]["state"])
     # on one process, not forked: a fork after the parent ran torch's thread pool may hang in the child's first
     # parallel kernel (OpenMP is not fork-safe)
     resumed = fit(
@@ -193,6 +196,34 @@ def test_adapters_over_a_4bit_base_equal_one_process_and_each_rank_holds_its_sha
         ckpt_path=str(first),
     )
     torch.testing.assert_close(resumed[0]["state"], ranks[0]["state"])  # continue == uninterrupted
+
+
+def _exports_merged_into_the_dequantised_base(checkpoint: Path, trained: dict[str, torch.Tensor]) -> None:
+    """``lightning-mgpu export --dtype bfloat16`` of the last whole checkpoint, run as a user runs it (a fresh
+    interpreter that has not imported torchao: weights-only loading allows torchao's tensor once its module is
+    imported) writes each adapted weight as the dequantised base plus ``scaling * B @ A`` (peft's merge), every
+    weight in bfloat16."""
+    out = checkpoint.parent / "merged.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_mgpu", "export", str(checkpoint), "--format", "torch", "--dtype", "bfloat16",
+         str(out)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported = torch.load(out, weights_only=True)
+    root, scaling = "model.base_model.model.", 8 / 4
+    expected = {}
+    for name, value in trained.items():
+        if "lora_" in name:
+            continue
+        if name.endswith("base_layer.weight"):
+            a, b = (trained[name.replace("base_layer", f"lora_{m}.default")] for m in "AB")
+            value = value + (b @ a) * scaling
+        expected[name.removeprefix(root).replace(".base_layer", "")] = value.to(torch.bfloat16)
+    assert set(exported) == set(expected)
+    torch.testing.assert_close(exported, expected)
+    q = "model.layers.0.self_attn.q_proj.weight"  # negative control: the base alone is told apart
+    assert not torch.allclose(exported[q], trained[f"{root}{q.replace('.weight', '.base_layer.weight')}"].bfloat16())
 
 
 def test_the_parity_check_sees_a_different_global_batch() -> None:

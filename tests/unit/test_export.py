@@ -71,8 +71,9 @@ def test_a_checkpoint_without_a_recorded_config_takes_config_and_prefix(tmp_path
         ({"ema": True}, ValueError, ["no EMA average", "lightning_mgpu.EMA"]),
         ({"prefix": "model", "format": "torch"}, ValueError, ["prefix 'model'", "['head', 'net']", "--prefix"]),
         ({"format": "onnx"}, ValueError, ["format='onnx'", "'hf'", "'torch'"]),
+        ({"dtype": "int8"}, ValueError, ["dtype='int8'", "bfloat16", "as saved"]),
     ],
-    ids=["ema-without-average", "unknown-prefix", "unknown-format"],
+    ids=["ema-without-average", "unknown-prefix", "unknown-format", "unknown-dtype"],
 )
 def test_refusals_name_the_fix(tmp_path: Path, kwargs: dict, error: type, fragments: list[str]) -> None:
     path = _plain_checkpoint(tmp_path)
