@@ -846,6 +846,8 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, torch.Te
     "nanogpt": (lambda: NanoGPT(NanoConfig()), lambda m, t: m(t[:, :-1], t[:, 1:].contiguous())[1]),
     "vit": (lambda: TimmViT(), lambda m, t: F.cross_entropy(m(images_of(t)), t[:, -1])),
     "mlp": (plain_mlp, lambda m, t: F.cross_entropy(m(F.one_hot(t[:, :-1], VOCAB).flatten(1).double()), t[:, -1])),
+    # torchtitan's Llama as written (wq/wk/wv/wo, w1/w3/w2, n_heads/n_kv_heads): split by the name rules
+    "llama": (lambda: TinyLlama(), lambda m, t: lm_loss(m, t)),
 }
 
 

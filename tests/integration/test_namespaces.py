@@ -407,8 +407,9 @@ def test_the_lightning_copies_run_on_lightning():
 
 @pytest.mark.timeout(300)
 def test_the_tensor_parallel_families_equal_one_process_in_the_lightning_namespace(tmp_path):
-    # litgpt, nanoGPT, timm's ViT and a plain MLP split by their structure (tensor 2 x data 2), each one process's
-    # weights with the global batch and its negative control: the parity test, from the lightning copy
+    # litgpt, nanoGPT, timm's ViT and a plain MLP split by their structure, torchtitan's Llama by its names (tensor 2
+    # x data 2), each one process's weights with the global batch and its negative control: the parity test, from the
+    # lightning copy
     module = importlib.import_module("tests.lightning_ns.integration.parts.test_tensor_parallel")
     assert module.pl is lightning.pytorch and module.MGPUShardedStrategy is lightning_mgpu.lightning.MGPUShardedStrategy
     module.test_the_families_found_by_their_structure_equal_one_process_each(tmp_path)

@@ -494,14 +494,16 @@ FAMILY_SHARDS = {
     ),  # of (48, 16): 2 heads of 4 (its local forward)
     "vit": ("blocks.0.attn.qkv.weight", (24, 8)),  # of (48, 16)
     "mlp": ("0.weight", (8, SEQ * VOCAB)),  # of (32, 96)
+    "llama": ("layers.0.attention.wq.weight", (2, 8)),  # of (8, 8): 2 of 4 heads
 }
 
 
 @pytest.mark.timeout(300)
 def test_the_families_found_by_their_structure_equal_one_process_each(tmp_path: Path):
-    # litgpt (multi-head and grouped-query), nanoGPT, timm's ViT and a plain MLP side by side in one module, at tensor 2
-    # x data 2: the auto plan finds their pairs by one forward (no name rule matches litgpt's, nanoGPT's attention or
-    # the MLP's), and each family's weights are one process's with the global batch
+    # litgpt (multi-head and grouped-query), nanoGPT, timm's ViT, a plain MLP and torchtitan's Llama side by side in one
+    # module, at tensor 2 x data 2: the auto plan finds their pairs by one forward (no name rule matches litgpt's,
+    # nanoGPT's attention or the MLP's; the Llama's are found by name), and each family's weights are one process's
+    # with the global batch
     strategy = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, start_method="fork")  # type: ignore[arg-type]
     records = _fit(tmp_path, WORLD, strategy, epochs=1, module=FamiliesModule(), limit_train_batches=3)
     expected, _ = reference(FamiliesModule(), token_data(), data_ranks=[2], limit=3)
