@@ -228,7 +228,8 @@ CompileSetting = Union[bool, dict[str, Any]]
 CheckpointParams = Literal["all", "trainable", "auto"]
 CHECKPOINT_PARAMS = ("all", "trainable", "auto")
 #: ``"auto"``, ``"auto+sequence"``, or module-name patterns (``"layers.*.attention.wq"``) -> a ``ParallelStyle`` of
-#: ``torch.distributed.tensor.parallel`` or its name (``"colwise"``, ``"rowwise"``, ``"sequence_parallel"``)
+#: ``torch.distributed.tensor.parallel`` or its name (``"colwise"``, ``"rowwise"``, ``"rowwise_rep"``,
+#: ``"sequence_parallel"``)
 TensorParallelPlanSetting = Union[Literal["auto", "auto+sequence"], dict[str, Any]]
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 PipelineSplit = Union[Sequence[str], Literal["auto"]]
@@ -241,8 +242,9 @@ STRATEGIES: tuple[str, ...] = ("mgpu_ddp", "mgpu_zero1", "mgpu_sharded", "mgpu_h
 BACKENDS = ("torch", "fairscale")
 LAYOUTS = ("consolidated", "sharded")
 MESHES = ("flat", "hybrid")
-#: the ``ParallelStyle`` names a tensor-parallel plan may use (Hugging Face's ``base_model_tp_plan`` names)
-TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "sequence_parallel")
+#: the ``ParallelStyle`` names a tensor-parallel plan may use (Hugging Face's ``base_model_tp_plan`` names;
+#: ``"rowwise_rep"``: split by input column with the input whole, the output summed whole again)
+TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "rowwise_rep", "sequence_parallel")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 FAIRSCALE_INSTALL = "pip install 'lightning-mgpu[fairscale]'"
 
@@ -833,7 +835,8 @@ class ShardedSettings:
     model's own ``base_model_tp_plan`` where a Hugging Face model ships one); ``"auto+sequence"`` adds, for a
     Llama-style model, sequence parallelism of the norms and the head split by vocabulary with the loss computed over
     the sharded vocabulary (the logits a step sees are a ``DTensor``; see the tensor-parallel guide); or a dict of
-    module-name patterns (``*`` for any one name) to ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"`` or a
+    module-name patterns (``*`` for any one name) to ``"colwise"``, ``"rowwise"``, ``"rowwise_rep"`` (by input
+    column with the input whole: any linear layer, one all-reduce of its output), ``"sequence_parallel"`` or a
     ``ParallelStyle``. A ``configure_model`` that applies tensor parallelism itself overrides any of them. An auto
     plan that splits nothing or under half of the linear layers' parameters is refused, with a plan to paste; a dict
     is your choice, never refused for its share: ``{}`` splits nothing (each rank of the tensor group computes the

@@ -74,7 +74,7 @@ import math
 import re
 import types
 import weakref
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional, cast
@@ -86,6 +86,7 @@ from torch.nn import functional as F
 
 from lightning_mgpu import comm
 from lightning_mgpu.ledger import CollectiveCounter, CommStats
+from lightning_mgpu.settings import TENSOR_PARALLEL_STYLES
 
 #: linear layers that fan out of the block's input (split by output column), and that fan back in (split by row)
 _ATTENTION_IN = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value")
@@ -237,7 +238,12 @@ def style_of(style: Any) -> Any:
 
     if not isinstance(style, str):
         return style
-    made = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel}
+    made: dict[str, Callable[[], Any]] = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "rowwise_rep": input_split_style,
+        "sequence_parallel": SequenceParallel,
+    }
     if style not in made:
         raise ValueError(f"{style!r} is not a style this plan can apply; use one of {sorted(made)}.")
     return made[style]()
@@ -620,14 +626,16 @@ def _layer_pattern(name: str) -> str:
 
 
 def suggested_plan(module: nn.Module, plan: TensorParallelPlan, size: int) -> dict[str, str]:
-    """A plan of patterns to paste and edit, a best guess: the ``nn.Linear`` layers ``plan`` splits as it splits them,
+    """A plan of patterns to paste and edit, a best guess: the ``nn.Linear`` layers ``plan`` splits as it splits them
+    (:func:`input_split_style` as Hugging Face's ``"rowwise_rep"``),
     and within each module, two consecutive children with parameters that are both ``nn.Linear`` left whole, the
     first's output as wide as the second's input and divisible by ``size``, as a pair (the first ``"colwise"``, the
     second ``"rowwise"``); layer indices as ``*`` where every layer so named is split alike."""
+    pasted = {"colwise": "colwise", "rowwise": "rowwise", INPUT_SPLIT: "rowwise_rep"}
     guess = {
-        n: kind
+        n: pasted[kind]
         for n, kind in plan.kinds().items()
-        if kind in ("colwise", "rowwise") and isinstance(module.get_submodule(n), nn.Linear)
+        if kind in pasted and isinstance(module.get_submodule(n), nn.Linear)
     }
     skipped = [entry.partition(" (")[0] for entry in plan.skipped]  # indivisible: a plan cannot help there
     whole = {
@@ -715,7 +723,7 @@ def derive_plan(
     hf = _hf_plan(module)
     if hf is not None:
         prefix, patterns = hf
-        supported = {k: v for k, v in patterns.items() if v in ("colwise", "rowwise", "sequence_parallel")}
+        supported = {k: v for k, v in patterns.items() if v in TENSOR_PARALLEL_STYLES}
         plan = plan_from_patterns(module, supported, "the model's own base_model_tp_plan", prefix)
         plan.skipped += [
             f"{prefix}.{k} ({v!r}: a style this plan does not apply)" for k, v in patterns.items() if k not in supported

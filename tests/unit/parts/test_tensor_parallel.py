@@ -20,6 +20,7 @@ from lightning_mgpu.parts.tensor_parallel import (
     matches,
     plan_from_patterns,
     split_share,
+    suggested_plan,
 )
 from tests.tensor_parallel_models import (
     Block,
@@ -112,6 +113,10 @@ def test_grouped_query_litgpt_splits_its_attention_by_input_column_and_says_why(
     )
     # the weights split by input column count in the share split (their biases, added after the sum, would not)
     assert "transformer.h.0.attn.qkv.weight" in plan.split_parameters(model)
+    # a plan to paste names the split Hugging Face's way ("rowwise_rep"), and that plan resolves to the same split
+    pasted = suggested_plan(model, plan, 2)
+    assert pasted["transformer.h.*.attn.qkv"] == pasted["transformer.h.*.attn.proj"] == "rowwise_rep"
+    assert plan_from_patterns(model, pasted, "your plan").kinds() == kinds
     # head counts the tensor size does not divide: the same fallback, the count named
     four = derive_plan(model, tensor_size=4)
     assert four.kinds()["transformer.h.1.attn.qkv"] == INPUT_SPLIT and four.heads == []
