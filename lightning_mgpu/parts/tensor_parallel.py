@@ -106,8 +106,9 @@ _HEAD_COUNTS = (
 )
 #: attributes holding the width of each projection packed in GPT-2's ``c_attn``: each becomes the local width
 _PACKED_WIDTHS = ("split_size", "embed_dim")
-#: how :func:`input_split_style` splits a layer, in plans' kinds and the start-up line
-INPUT_SPLIT = "rowwise from whole input"
+#: how :func:`input_split_style` splits a layer, in plans' kinds, the start-up line and a plan to paste (Hugging
+#: Face's name for it)
+INPUT_SPLIT = "rowwise_rep"
 
 
 #: modules this process laid out with ``"auto+sequence"`` (their logits are sharded on the vocabulary): a later
@@ -241,7 +242,7 @@ def style_of(style: Any) -> Any:
     made: dict[str, Callable[[], Any]] = {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
-        "rowwise_rep": input_split_style,
+        INPUT_SPLIT: input_split_style,
         "sequence_parallel": SequenceParallel,
     }
     if style not in made:
@@ -627,15 +628,14 @@ def _layer_pattern(name: str) -> str:
 
 def suggested_plan(module: nn.Module, plan: TensorParallelPlan, size: int) -> dict[str, str]:
     """A plan of patterns to paste and edit, a best guess: the ``nn.Linear`` layers ``plan`` splits as it splits them
-    (:func:`input_split_style` as Hugging Face's ``"rowwise_rep"``),
+    (:func:`input_split_style` as :data:`INPUT_SPLIT`),
     and within each module, two consecutive children with parameters that are both ``nn.Linear`` left whole, the
     first's output as wide as the second's input and divisible by ``size``, as a pair (the first ``"colwise"``, the
     second ``"rowwise"``); layer indices as ``*`` where every layer so named is split alike."""
-    pasted = {"colwise": "colwise", "rowwise": "rowwise", INPUT_SPLIT: "rowwise_rep"}
     guess = {
-        n: pasted[kind]
+        n: kind
         for n, kind in plan.kinds().items()
-        if kind in pasted and isinstance(module.get_submodule(n), nn.Linear)
+        if kind in ("colwise", "rowwise", INPUT_SPLIT) and isinstance(module.get_submodule(n), nn.Linear)
     }
     skipped = [entry.partition(" (")[0] for entry in plan.skipped]  # indivisible: a plan cannot help there
     whole = {
