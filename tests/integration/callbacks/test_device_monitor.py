@@ -27,7 +27,7 @@ from lightning_mgpu.callbacks._timeline import (
     START,
     analyze,
 )
-from tests.helpers import WORLD, Regressor, fit, make_data
+from tests.helpers import WORLD, Regressor, fit, make_data, profiled_events
 from tests.models import BlockRegressor
 
 BASE_DELAY, EXTRA_DELAY = 0.02, 0.04  # seconds per batch in every rank's data path, and on rank 1 on top
@@ -209,16 +209,16 @@ class CollectiveTimeline(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.prof.__exit__(None, None, None)
-        events = list(self.prof.events())
-        batches = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "test_batch")
+        events = profiled_events(self.prof)
+        batches = sorted((start, end) for name, start, end in events if name == "test_batch")
         inside: list[dict[str, int]] = [{} for _ in batches]
         outside: dict[str, int] = {}
-        for e in events:
-            if not e.name.startswith("gloo:"):
+        for name, begin, _ in events:
+            if not name.startswith("gloo:"):
                 continue
-            hits = [i for i, (s, t) in enumerate(batches) if s <= e.time_range.start <= t]
+            hits = [i for i, (s, t) in enumerate(batches) if s <= begin <= t]
             counts = inside[hits[0]] if hits else outside
-            counts[e.name] = counts.get(e.name, 0) + 1
+            counts[name] = counts.get(name, 0) + 1
         torch.save({"inside": inside, "outside": outside}, self.out / f"collectives{trainer.global_rank}.pt")
 
 
