@@ -86,7 +86,7 @@ test-suite: $(STAMP)
 	$(BIN)/python -m pytest
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m "slow and not full_matrix"
 
 # The GPU tier's CPU checks: tests/gpu with MGPU_TIER_DEVICE=cpu, every test function once (its first parameters and
 # the ones its module lists in CPU_ALSO), each case in a fresh interpreter on CPU (gloo), so a fault of the tier's own
@@ -123,7 +123,7 @@ test-compat-oldest: $(STAMP)
 		$(MAKE) .venv-oldest/.installed && \
 		.venv-oldest/bin/python -c "import lightning, pytorch_lightning, torch; \
 			print('compat tier: lightning', lightning.__version__, 'pytorch_lightning', pytorch_lightning.__version__, 'torch', torch.__version__)" && \
-		.venv-oldest/bin/python -m pytest -m compat -p no:cacheprovider; \
+		.venv-oldest/bin/python -m pytest -m "compat and not full_matrix" -p no:cacheprovider; \
 	fi
 
 # The two torch tiers' environments hold a torch of several GB (its CUDA libraries), which takes minutes to install on
@@ -149,7 +149,7 @@ TORCH_OLDEST_BASE := $(COMPAT_CACHE)/venv-torch-oldest-$(shell echo '$(TORCH_OLD
 test-compat-cuda: .venv-cuda.installed
 	.venv-cuda/bin/python -c "import sys, lightning, torch; \
 		print('compat tier: python', sys.version.split()[0], 'lightning', lightning.__version__, 'torch', torch.__version__, 'CUDA build', torch.version.cuda)"
-	.venv-cuda/bin/python -m pytest -m compat -p no:cacheprovider --compat-namespace pytorch_lightning
+	.venv-cuda/bin/python -m pytest -m "compat and not full_matrix" -p no:cacheprovider --compat-namespace pytorch_lightning
 
 # The required dependencies only (pyproject.toml's `dependencies` less jsonargparse, which only the `lightning-mgpu`
 # command needs), one Lightning distribution of each kind, and pytest.
@@ -173,7 +173,7 @@ TORCH_OLDEST_SKIP = --ignore=tests/meta --ignore=tests/integration/test_cli.py \
 test-compat-torch-oldest: .venv-torch-oldest.installed
 	.venv-torch-oldest/bin/python -c "import sys, lightning, torch; \
 		print('compat tier: python', sys.version.split()[0], 'lightning', lightning.__version__, 'torch', torch.__version__)"
-	.venv-torch-oldest/bin/python -m pytest -m compat -p no:cacheprovider --compat-namespace lightning $(TORCH_OLDEST_SKIP)
+	.venv-torch-oldest/bin/python -m pytest -m "compat and not full_matrix" -p no:cacheprovider --compat-namespace lightning $(TORCH_OLDEST_SKIP)
 
 # The pack as users install it (.ci/test-install): the wheel built from this checkout, installed into a fresh
 # virtual environment with torch and one Lightning distribution (`lightning-mgpu[pytorch-lightning]`, then

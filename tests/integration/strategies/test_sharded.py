@@ -25,6 +25,7 @@ from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
 from lightning_mgpu.comm import full_tensor
 from lightning_mgpu.strategies.runtime import Runtime
 from tests.helpers import WORLD, fit, flat_params
+from tests.matrix import pairwise
 from tests.models import OptRegressor, Regressor, make_data, reference_run
 from tests.tensor_parallel_models import ListTPModule, token_data
 
@@ -79,9 +80,9 @@ def assert_same_optimizer_state(got: dict[str, Any], expected: dict[str, Any]) -
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
-@pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize(("stage", "backend"), CONFIGS, ids=IDS)
+@pytest.mark.parametrize(
+    ("stage", "backend", "k", "optimizer"), pairwise(dict(zip(IDS, CONFIGS)), [1, 2], ["sgd", "adam", "adamw"])
+)
 def test_sharded_training_equals_single_process_with_global_batch(tmp_path, stage, backend, k, optimizer):
     dataset = make_data()
     model = OptRegressor(optimizer).double()
@@ -314,9 +315,10 @@ def _assert_resumed_like_straight(tmp: Path, ranks: list[dict[str, Any]]) -> Non
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize(("save_world", "resume_worlds"), [(2, (1, 3)), (1, (2,))], ids=["2to1,2to3", "1to2"])
-@pytest.mark.parametrize("layout", ["consolidated", "sharded"])
-@pytest.mark.parametrize(("stage", "backend"), CONFIGS, ids=IDS)
+@pytest.mark.parametrize(
+    ("stage", "backend", "layout", "save_world", "resume_worlds"),
+    pairwise(dict(zip(IDS, CONFIGS)), ["consolidated", "sharded"], {"2to1,2to3": (2, (1, 3)), "1to2": (1, (2,))}),
+)
 def test_checkpoint_resumes_at_another_world_size(tmp_path, stage, backend, layout, save_world, resume_worlds):
     """2 steps, save, resume at another N for 2 steps == 4 steps straight: weights, optimizer state and the
     learning-rate schedule."""
