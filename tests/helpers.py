@@ -92,6 +92,22 @@ def profiled_events(prof: torch.profiler.profile) -> list[tuple[str, int, int]]:
     return [(e.name(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()]
 
 
+def collectives_by_window(
+    events: list[tuple[str, int, int]], windows: list[tuple[int, int]]
+) -> tuple[list[dict[str, int]], dict[str, int]]:
+    """The gloo collectives of :func:`profiled_events`, counted by name in the first ``(start, end)`` window in which
+    each started; those that started in none are counted apart (the second result)."""
+    inside: list[dict[str, int]] = [{} for _ in windows]
+    outside: dict[str, int] = {}
+    for name, begin, _ in events:
+        if not name.startswith("gloo:"):
+            continue
+        hits = [i for i, (first, last) in enumerate(windows) if first <= begin <= last]
+        counts = inside[hits[0]] if hits else outside
+        counts[name] = counts.get(name, 0) + 1
+    return inside, outside
+
+
 class Recorder(Callback):
     """Writes, per rank, into ``out_dir/rank{r}.pt``: final weights, the comm ledger, per-batch
     ``gloo:all_reduce`` counts from torch.profiler and per-batch ``(calls, bytes)`` from an
@@ -159,15 +175,7 @@ class Recorder(Callback):
         events = profiled_events(self._prof)
         self._prof = None
         marks = {name: (start, end) for name, start, end in events if name.startswith(_BATCH_MARK)}
-        windows = [marks[f"{_BATCH_MARK}{i}"] for i in range(self._marked)]
-        self.batch_events = [{} for _ in windows]
-        for name, start, _ in events:
-            if not name.startswith("gloo:"):
-                continue
-            for i, (first, last) in enumerate(windows):
-                if first <= start <= last:
-                    self.batch_events[i][name] = self.batch_events[i].get(name, 0) + 1
-                    break
+        self.batch_events, _ = collectives_by_window(events, [marks[f"{_BATCH_MARK}{i}"] for i in range(self._marked)])
         self.batch_allreduces = [b.get("gloo:all_reduce", 0) for b in self.batch_events]
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

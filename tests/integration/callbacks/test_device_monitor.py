@@ -27,7 +27,7 @@ from lightning_mgpu.callbacks._timeline import (
     START,
     analyze,
 )
-from tests.helpers import WORLD, Regressor, fit, make_data, profiled_events
+from tests.helpers import WORLD, Regressor, collectives_by_window, fit, make_data, profiled_events
 from tests.models import BlockRegressor
 
 BASE_DELAY, EXTRA_DELAY = 0.02, 0.04  # seconds per batch in every rank's data path, and on rank 1 on top
@@ -211,14 +211,7 @@ class CollectiveTimeline(Callback):
         self.prof.__exit__(None, None, None)
         events = profiled_events(self.prof)
         batches = sorted((start, end) for name, start, end in events if name == "test_batch")
-        inside: list[dict[str, int]] = [{} for _ in batches]
-        outside: dict[str, int] = {}
-        for name, begin, _ in events:
-            if not name.startswith("gloo:"):
-                continue
-            hits = [i for i, (s, t) in enumerate(batches) if s <= begin <= t]
-            counts = inside[hits[0]] if hits else outside
-            counts[name] = counts.get(name, 0) + 1
+        inside, outside = collectives_by_window(events, batches)
         torch.save({"inside": inside, "outside": outside}, self.out / f"collectives{trainer.global_rank}.pt")
 
 
