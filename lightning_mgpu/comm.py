@@ -22,6 +22,7 @@ Example::
 """
 
 import atexit
+import inspect
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -375,8 +376,37 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     mesh_device = tensor.device_mesh.device_type  # type: ignore[attr-defined]
     if tensor.device.type != mesh_device:
-        return waited(tensor.to(mesh_device).full_tensor())  # type: ignore[attr-defined]
-    return waited(gather())
+        tensor = tensor.to(mesh_device)
+    packed = _gathered_extension(tensor)
+    return packed if packed is not None else waited(tensor.full_tensor())  # type: ignore[attr-defined]
+
+
+def _gathered_extension(tensor: Any) -> Optional[torch.Tensor]:
+    """The whole of a ``DTensor`` whose shard is a tensor subclass with FSDP2's all-gather extension (torchao's
+    ``NF4Tensor``: ``fsdp_pre_all_gather(mesh)`` names the plain tensors to gather, ``fsdp_post_all_gather`` rebuilds
+    the whole), gathered as FSDP2 gathers it: each plain tensor in one blocking all-gather over the sharded mesh
+    dimension. ``DTensor.full_tensor`` would gather those pieces as torch's functional collectives, whose pending
+    results the subclass's rebuild holds unwaited; on gloo that ended in a corrupted heap now and then (an abort
+    in ``wait_tensor``). None where the layout is not FSDP2's (one ``Shard(0)`` dimension, the rest replicated)
+    or the extension takes more than the mesh: the caller gathers it the usual way."""
+    to_local = getattr(tensor, "to_local", None)
+    local: Any = to_local() if callable(to_local) else None
+    pre = getattr(local, "fsdp_pre_all_gather", None)
+    if not callable(pre) or len(inspect.signature(pre).parameters) != 1:
+        return None
+    mesh, placements = tensor.device_mesh, tensor.placements
+    sharded = [i for i, p in enumerate(placements) if not p.is_replicate()]
+    if len(sharded) != 1 or not placements[sharded[0]].is_shard(0):
+        return None
+    dim = sharded[0]
+    if mesh.ndim > 1 and mesh.mesh_dim_names is None:
+        return None
+    shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[dim]]
+    inputs, metadata = pre(shard_mesh)
+    group = mesh.get_group(dim)
+    outputs = tuple(torch.cat(list(all_gather(t.contiguous(), group))) for t in inputs)
+    result = local.fsdp_post_all_gather(outputs, metadata, local.dtype)
+    return result[0] if isinstance(result, tuple) else result
 
 
 def waited(tensor: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu import MGPUDDPStrategy, comm
 from tests.models import RankData, Regressor, make_data  # noqa: F401  (re-exported for the tests)
 
 WORLD = 2
@@ -39,9 +39,10 @@ Job = Callable[[Path], None]
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor shard (FSDP2) is gathered from all ranks (a collective); a 4-bit weight
-    (torchao's ``NF4Tensor``) dequantised to the dtype it was quantised from."""
-    tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    """The whole tensor: a DTensor shard (FSDP2) is gathered from all ranks (a collective, the pack's own:
+    ``comm.full_tensor`` gathers a 4-bit shard's packed pieces as FSDP2 does); a 4-bit weight (torchao's
+    ``NF4Tensor``) dequantised to the dtype it was quantised from."""
+    tensor = comm.full_tensor(tensor)
     return tensor.get_original_weight() if hasattr(tensor, "get_original_weight") else tensor
 
 

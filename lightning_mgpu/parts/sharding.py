@@ -32,7 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mgpu._compat import copy_lr_scheduler_step_tracking, init_optimizer_state, sync_param_groups
-from lightning_mgpu.comm import full_tensor, local_shard, waited
+from lightning_mgpu.comm import full_tensor, local_shard
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.mesh import ParallelMesh
 from lightning_mgpu.parts.accumulation import (
@@ -43,7 +43,7 @@ from lightning_mgpu.parts.accumulation import (
 )
 from lightning_mgpu.parts.clipping import GlobalNormClipping
 from lightning_mgpu.parts.tensor_parallel import fsdp_dim
-from lightning_mgpu.quantization import check_shardable, is_nf4
+from lightning_mgpu.quantization import check_shardable, has_nf4, is_nf4
 
 # Optimizers whose state is not one elementwise tensor per parameter: no backend can split them.
 _UNSHARDABLE = {
@@ -568,11 +568,12 @@ class FSDP2Backend(ShardingBackend):
     def full_model_state(self, module: nn.Module, keys: Optional[set[str]] = None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        if keys is None:
-            state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            return {k: waited(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}  # a 4-bit base
-        # only these entries (an adapter-only checkpoint): the frozen base is never gathered; one tensor at a time
-        return {k: full_tensor(v).detach().cpu() for k, v in module.state_dict().items() if k in keys}
+        if keys is None and not has_nf4(module):
+            return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # only these entries (an adapter-only checkpoint: the frozen base is never gathered), or a 4-bit base, whose
+        # packed pieces comm.full_tensor gathers in blocking collectives as FSDP2 does; one tensor at a time
+        state = module.state_dict()
+        return {k: full_tensor(v).detach().cpu() for k, v in state.items() if keys is None or k in keys}
 
     def load_full_model_state(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

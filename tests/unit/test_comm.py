@@ -313,6 +313,44 @@ def test_full_tensor_gathers_a_host_shard_on_its_meshs_device():
     assert comm.full_tensor(plain) is plain
 
 
+def test_a_4bit_shard_is_gathered_in_blocking_collectives_as_fsdp2_gathers_it(monkeypatch):
+    """A ZeRO-3 (``Shard(0)``) or HSDP (``Replicate(), Shard(0)``) shard of torchao's ``NF4Tensor`` is gathered by
+    ``comm.full_tensor`` through the subclass's FSDP2 all-gather extension: one blocking ``comm.all_gather`` per
+    packed piece (bytes, scalers, their factors), the whole rebuilt bit for bit. ``DTensor.full_tensor`` would gather
+    those pieces as functional collectives whose pending results the rebuild holds; on gloo that aborted the process
+    with a corrupted heap about once in twenty 4-rank fits. A tensor without the extension is gathered the usual
+    way, with no call to ``comm.all_gather``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from lightning_mgpu.quantization import dequantized, is_nf4, quantize_frozen
+
+    gathered: list[torch.dtype] = []
+    real = comm.all_gather
+    monkeypatch.setattr(comm, "all_gather", lambda t, group=None: gathered.append(t.dtype) or real(t, group))
+
+    def check() -> None:
+        layer = nn.Linear(128, 128, bias=False).requires_grad_(False)
+        quantize_frozen(layer)
+        packed = layer.weight
+        layouts = {
+            "zero3": (init_device_mesh("cpu", (1,)), [Shard(0)]),
+            "hsdp": (init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")), [Replicate(), Shard(0)]),
+        }
+        for mesh, placements in layouts.values():
+            gathered.clear()
+            whole = comm.full_tensor(DTensor.from_local(packed, mesh, placements, run_check=False))
+            assert is_nf4(whole) and whole.shape == packed.shape
+            assert gathered == [torch.int8, packed.quantization_factor.dtype, torch.uint8]
+            torch.testing.assert_close(dequantized(whole), dequantized(packed), rtol=0, atol=0)
+        gathered.clear()
+        plain = torch.randn(4, 3)
+        torch.testing.assert_close(comm.full_tensor(DTensor.from_local(plain, *layouts["zero3"])), plain)
+        assert gathered == []
+
+    in_one_rank_group(check)
+
+
 def test_the_start_weights_are_broadcast_in_buckets_so_a_host_model_is_never_staged_whole(monkeypatch):
     """A model left on the host (``offload="cpu"``) is staged to NCCL's device for the start weights' broadcast: one
     bucket of at most ``START_WEIGHTS_BUCKET_BYTES`` at a time, each tensor whole in one bucket."""
