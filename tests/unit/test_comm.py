@@ -368,43 +368,56 @@ def test_the_start_weights_are_broadcast_in_buckets_so_a_host_model_is_never_sta
 # left to the interpreter's finalization can abort a process whose training ended (SIGABRT after the last line).
 
 _EXIT_SCRIPT = """
-import atexit, sys
+import atexit, os, sys
 import pytorch_lightning as pl
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 import lightning_mgpu
 from tests.models import Regressor, make_data
 
-if sys.argv[2] == "control":  # the negative control: nothing registers the destruction
-    lightning_mgpu.comm.leave_group_at_exit = lambda: None
-# registered first, so it runs last: after every handler registered during fit
-atexit.register(lambda: print("AT_EXIT", "up" if dist.is_initialized() else "down", flush=True))
-trainer = pl.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=1, max_steps=1, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-trainer.fit(Regressor().double(), DataLoader(make_data(n=8), batch_size=8))
-print("AFTER_FIT", "up" if dist.is_initialized() else "down", flush=True)
+# one interpreter imports once; each case is a child forked from it that runs one fit and exits as a script does
+for case in sys.argv[1:]:
+    strategy, mode = case.split(":")
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid:
+        _, status = os.waitpid(pid, 0)
+        print("EXIT", case, os.waitstatus_to_exitcode(status), flush=True)
+        continue
+    if mode == "control":  # the negative control: nothing registers the destruction
+        lightning_mgpu.comm.leave_group_at_exit = lambda: None
+    # registered after the imports' handlers, so it runs after every handler registered during fit
+    atexit.register(lambda: print("AT_EXIT", case, "up" if dist.is_initialized() else "down", flush=True))
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Regressor().double(), DataLoader(make_data(n=8), batch_size=8))
+    print("AFTER_FIT", case, "up" if dist.is_initialized() else "down", flush=True)
+    sys.exit(0)  # the child ends here, through the interpreter's exit handlers
 """
+EXIT_CASES = {"mgpu_ddp": ("mgpu_ddp:pack", "down"), "mgpu_zero3": ("mgpu_zero3:pack", "down")}
+EXIT_CASES["control"] = ("mgpu_ddp:control", "up")
 
 
-@pytest.mark.parametrize(
-    ("strategy", "mode", "at_exit"),
-    [("mgpu_ddp", "pack", "down"), ("mgpu_zero3", "pack", "down"), ("mgpu_ddp", "control", "up")],
-    ids=["mgpu_ddp", "mgpu_zero3", "control"],
-)
-def test_the_strategies_destroy_a_gloo_group_at_exit_and_not_before(strategy: str, mode: str, at_exit: str):
+@pytest.fixture(scope="module")
+def exit_lines() -> list[str]:
     import subprocess
     import sys
 
-    root = PACKAGE.parent
     done = subprocess.run(
-        [sys.executable, "-c", _EXIT_SCRIPT, strategy, mode],
-        cwd=root,
+        [sys.executable, "-c", _EXIT_SCRIPT, *(case for case, _ in EXIT_CASES.values())],
+        cwd=PACKAGE.parent,
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("AFTER_FIT", "AT_EXIT"))]
     assert done.returncode == 0, done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if line.startswith(("AFTER_FIT", "AT_EXIT", "EXIT"))]
+
+
+@pytest.mark.parametrize("name", list(EXIT_CASES))
+def test_the_strategies_destroy_a_gloo_group_at_exit_and_not_before(exit_lines: list[str], name: str):
+    case, at_exit = EXIT_CASES[name]
+    lines = [line for line in exit_lines if line.split()[1] == case]
     # the group stays up after fit (a later trainer.test reuses it) and is down when the interpreter finishes
-    assert lines == ["AFTER_FIT up", f"AT_EXIT {at_exit}"], done.stdout[-2000:]
+    assert lines == [f"AFTER_FIT {case} up", f"AT_EXIT {case} {at_exit}", f"EXIT {case} 0"], exit_lines

@@ -246,10 +246,10 @@ def test_uneven_validation_batch_counts_do_not_hang(family):
 @pytest.mark.parametrize(("family", "waits_in"), [("zero3", "foreach_all_gather"), ("zero2_fairscale", "sync_buffers")])
 def test_uneven_validation_hangs_without_it_negative_control(family, waits_in):
     """Lightning's behaviour: the rank with the third batch waits in its forward's collective (FSDP2's parameter
-    all-gather, ShardedDataParallel's buffer broadcast) until the group's timeout (10 s here instead of 30 minutes)
+    all-gather, ShardedDataParallel's buffer broadcast) until the group's timeout (5 s here instead of 30 minutes)
     ends the other rank and with it the wait."""
     with pytest.raises(AssertionError, match=rf"(?s)validation_step.*{waits_in}"):
-        run_jobs([uneven_validation(lambda: FAMILIES[family](exact_evaluation=False))], agree=False, timeout=10)
+        run_jobs([uneven_validation(lambda: FAMILIES[family](exact_evaluation=False))], agree=False, timeout=5)
 
 
 # --- the mean of the summed batch sizes: Lightning's integer division truncates it ---------------------------------

@@ -346,6 +346,9 @@ def test_hsdp_under_torchrun_on_two_nodes_shards_within_each_node(tmp_path):
 # --- fork launches after inductor compiled in the parent ---
 
 
+WAIT_S = 5  # a live pool answers in milliseconds; a pool without a thread never does
+
+
 class _CompilesInItsRanks(Regressor):
     """Each training step hands a task to inductor's compile thread pool, as compiling a kernel does, and waits a
     bounded time for it: a rank whose pool has no thread raises ``TimeoutError`` instead of hanging."""
@@ -353,7 +356,7 @@ class _CompilesInItsRanks(Regressor):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         from torch._inductor.async_compile import AsyncCompile
 
-        assert AsyncCompile.submit(lambda: 7).result(timeout=15) == 7
+        assert AsyncCompile.submit(lambda: 7).result(timeout=WAIT_S) == 7
         return super().training_step(batch, batch_idx)
 
 
@@ -382,7 +385,7 @@ def test_a_fork_launch_after_inductor_compiled_in_the_parent_does_not_hang(strat
     executor whose threads do not exist, and its first kernel compile waits for ever (reproduced with
     ``torch.compile`` and a bare ``os.fork``). The pack's fork launch gives each rank a pool of its own
     (``_compat.forget_inherited_compile_threads``); Lightning's ``ddp_notebook`` is the negative control, its ranks
-    bounded here by the step's 15 s wait. The whole is run in a fork child, so this process keeps no pool."""
+    bounded here by the step's wait (``WAIT_S``). The whole is run in a fork child, so this process keeps no pool."""
     result = _run(strategy.removeprefix("lightning_"), tmp_path, _fit_after_compiling)  # Lightning's: "ddp_notebook"
     if strategy == "mgpu_ddp_notebook":
         assert result == "ok"
