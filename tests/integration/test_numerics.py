@@ -3,7 +3,9 @@
 weights of one process with the whole batch (float64: ``assert_close`` defaults; lower precisions: the
 tolerances of ``tests/numerics_harness.py``, explained in docs/guides/numerics.md).
 
-All cases of one precision group run in ONE 2-process launch (``run_cases``); the tests read its records.
+All cases of one precision group run in ONE 2-process launch (``run_cases``); the tests read its records. The float64
+group runs whole; of the lower precisions' product, the pairwise cover (``tests/matrix.py``) runs in the slow tier and
+``pytest -m full_matrix`` runs the rest: the launch fits the cases the session selected.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 import lightning_mgpu.strategies.sharded as fsdp_module
 from lightning_mgpu import MGPUShardedStrategy
+from tests.matrix import pairwise
 from tests.numerics_harness import CLIP, FAMILIES, Case, reference, run_cases, tolerance
 
 ACCUMULATION = (1, 3)
@@ -33,7 +36,15 @@ def _cases(precisions: tuple[str, ...]) -> list[Case]:
 
 
 EXACT_CASES = _cases(("64",))
-LOWER_CASES = _cases(LOWER)
+#: the lower precisions' matrix, with the ids of ``Case.id``
+LOWER_AXES = (
+    {family: family for family in FAMILIES},
+    {f"k{k}": k for k in ACCUMULATION},
+    {clip: clip for clip in CLIPPING},
+    {precision: precision for precision in LOWER},
+    {"noval": False, "val": True},
+)
+LOWER_TEST = "test_lower_precision_training_equals_one_process_within_tolerance"
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +53,11 @@ def exact_runs() -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def lower_runs() -> dict[str, dict[str, Any]]:
-    return {c.id: r for c, r in zip(LOWER_CASES, run_cases(LOWER_CASES))}
+def lower_runs(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
+    """The lower-precision cases this session runs (after ``-m`` deselected the others), in one launch."""
+    items = [i for i in request.session.items if i.module is request.module and i.originalname == LOWER_TEST]
+    cases = [Case(**{k: i.callspec.params[k] for k in ("family", "k", "clip", "precision", "val")}) for i in items]
+    return {c.id: r for c, r in zip(cases, run_cases(cases))}
 
 
 def _check(case: Case, got: dict[str, Any]) -> None:
@@ -64,8 +78,9 @@ def test_float64_training_equals_one_process_with_the_whole_batch(case, exact_ru
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", LOWER_CASES, ids=lambda c: c.id)
-def test_lower_precision_training_equals_one_process_within_tolerance(case, lower_runs):
+@pytest.mark.parametrize(("family", "k", "clip", "precision", "val"), pairwise(*LOWER_AXES))
+def test_lower_precision_training_equals_one_process_within_tolerance(family, k, clip, precision, val, lower_runs):
+    case = Case(family, k, clip, precision, val)
     _check(case, lower_runs[case.id])
 
 
