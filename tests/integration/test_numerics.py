@@ -56,7 +56,7 @@ def exact_runs() -> dict[str, dict[str, Any]]:
 def lower_runs(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
     """The lower-precision cases this session runs (after ``-m`` deselected the others), in one launch."""
     items = [i for i in request.session.items if i.module is request.module and i.originalname == LOWER_TEST]
-    cases = [Case(**{k: i.callspec.params[k] for k in ("family", "k", "clip", "precision", "val")}) for i in items]
+    cases = [Case(**i.callspec.params) for i in items]  # its parameters are the fields of Case
     return {c.id: r for c, r in zip(cases, run_cases(cases))}
 
 

@@ -394,8 +394,12 @@ for case in sys.argv[1:]:
     print("AFTER_FIT", case, "up" if dist.is_initialized() else "down", flush=True)
     sys.exit(0)  # the child ends here, through the interpreter's exit handlers
 """
-EXIT_CASES = {"mgpu_ddp": ("mgpu_ddp:pack", "down"), "mgpu_zero3": ("mgpu_zero3:pack", "down")}
-EXIT_CASES["control"] = ("mgpu_ddp:control", "up")
+#: test id -> (the script's case, the group's state in the last exit handler)
+EXIT_CASES = {
+    "mgpu_ddp": ("mgpu_ddp:pack", "down"),
+    "mgpu_zero3": ("mgpu_zero3:pack", "down"),
+    "control": ("mgpu_ddp:control", "up"),
+}
 
 
 @pytest.fixture(scope="module")
