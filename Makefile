@@ -232,12 +232,15 @@ gpu-proof:
 
 # Run where pip reaches PyPI, before taking the checkout to a GPU machine without network: the pure-Python packages
 # that machine lacks, as wheels for its Python (3.12, x86-64 Linux) in .whl/ (ignored by git): jsonargparse with its
-# `signatures` extra and what it needs, and fairscale (published as a source archive only: built into a wheel here).
+# `signatures` extra and what it needs, torchao (the 4-bit base's NF4; its kernels are not needed for NF4), and
+# fairscale (published as a source archive only: built into a wheel here).
 GPU_WHEEL_PYTHON ?= 3.12
 gpu-wheels:
 	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl "jsonargparse[signatures]>=4.27"
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
 	$(PYTHON) -m pip wheel -q --no-deps -w .whl fairscale==0.4.13
 	@ls .whl/*.whl
 

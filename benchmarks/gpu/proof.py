@@ -15,7 +15,8 @@ The parts, most valuable first (estimates: docs/gpu.md):
 
 1. ``env``: device, driver and versions.
 2. ``tier``: ``tests/gpu`` (every CUDA path through ``Trainer.fit`` on NCCL; a fresh interpreter per case, twelve at a
-   time with pytest-xdist), results also as JUnit XML (``gpu_tier.xml``).
+   time with pytest-xdist), results also as JUnit XML (``gpu_tier.xml``); each failure's report is written to
+   ``tier_failures.log`` as it fails, so a tier stopped at its budget still says why.
 3. ``throughput``: tokens/s and MFU of ``mgpu_ddp``/``mgpu_sharded``/``mgpu_zero3`` against a plain torch loop and
    Lightning's ``ddp`` and ``FSDPStrategy`` (one round of 10 timed steps).
 4. ``offload``: ZeRO-3's step time and device peak with and without ``offload="cpu"``, ours against a plain torch
@@ -58,7 +59,7 @@ def parts(out: Path, xdist: bool) -> list[Part]:
     py = sys.executable
     workers = ("-n", "12") if xdist else ()
     return [
-        Part("env", 25, (py, "benchmarks/gpu/env.py")),
+        Part("env", 40, (py, "benchmarks/gpu/env.py")),
         Part(
             "tier",
             205,
@@ -80,7 +81,7 @@ def parts(out: Path, xdist: bool) -> list[Part]:
         ),
         Part(
             "throughput",
-            60,
+            75,
             (
                 py,
                 "benchmarks/gpu/bench_throughput.py",
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env["MGPU_TIER_FAILURES"] = str(args.out / "tier_failures.log")  # each failure as it fails (tests/gpu/conftest.py)
     start = time.monotonic()
     record: dict[str, Any] = {"total_budget_s": args.total, "xdist": xdist, "parts": []}
     ok = True

@@ -8,7 +8,11 @@
   only CUDA hardware can answer (the allocator's bytes, NVML, pinned memory, CUDA before a fork) are marked
   ``needs_cuda`` and skipped there with the reason; the CUDA-only assertions of the others are guarded by
   ``ON_CUDA``.
-* Anywhere else (no CUDA device, no CPU mode) the tier is skipped with "no CUDA device"."""
+* Anywhere else (no CUDA device, no CPU mode) the tier is skipped with "no CUDA device".
+
+Where ``MGPU_TIER_FAILURES`` names a file, each failing test's report (its traceback and what it printed) is
+appended to it as the test fails, so a tier stopped at its time limit, before pytest's summary, still says why its
+failures failed (``benchmarks/gpu/proof.py`` sets it)."""
 
 from __future__ import annotations
 
@@ -44,3 +48,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = os.environ.get("MGPU_TIER_FAILURES")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):  # xdist's controller writes it once
+        return
+    with open(path, "a") as f:
+        f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        if report.capstdout:
+            f.write(f"--- stdout\n{report.capstdout[-20000:]}\n")

@@ -1,7 +1,7 @@
 """The features on CUDA, each through ``Trainer(strategy=...).fit`` on NCCL in a fresh interpreter
 (``tests/gpu/worker_features.py``): the token-normalised loss, the non-finite check, global-norm clipping on FSDP2,
 micro-batching against a real CUDA out-of-memory error, local SGD and DiLoCo, asynchronous checkpoints,
-``mgpu_auto`` and the planner against the CUDA allocator.
+``mgpu_auto``, the planner against the CUDA allocator, offload to host memory and adapters over a 4-bit base.
 
 Run: ``make test-gpu``. Skipped with "no CUDA device" elsewhere (tests/gpu/conftest.py)."""
 
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.gpu.test_gpu_tier import ON_CUDA, run
+from tests.gpu.test_gpu_tier import DEVICE, ON_CUDA, run
 
 #: the planner's prediction against the CUDA allocator: the tolerance the CPU suite holds it to
 #: (tests/unit/planning/test_planning.py)
@@ -188,3 +188,18 @@ def test_ddp_on_the_default_stream_raises_no_stream_warning(stage: int) -> None:
     r = run("stream_warning", stage=stage)
     assert r["global_step"] == 4, r
     assert r["stream_warnings"] == [], r
+
+
+def test_adapters_over_a_4bit_base_train_the_same_on_the_device_sharded_and_offloaded() -> None:
+    pytest.importorskip("torchao", reason="the optional torchao backend is not installed (lightning-mgpu[torchao])")
+    pytest.importorskip("peft", reason="the QLoRA tutorial's model needs peft")
+    r = run("four_bit")
+    print(json.dumps(r, indent=1))
+    for name in ("zero3", "zero3_offload"):
+        assert r[name]["steps"] == r["lightning"]["steps"] == 4, r
+        assert r[name]["moved"] > 1e-3, r  # training moved the adapters: the comparison has something to prove
+        assert r[name]["max_abs_diff"] < 1e-10, r  # float64; offload steps AdamW on the host
+        assert r[name]["base_max_abs_diff"] == 0.0, r  # the frozen base is the same 4-bit base
+        assert r[name]["nf4"][0] == r[name]["nf4"][1] > 0, r  # still 4-bit after fit, every packed weight
+    assert r["zero3_offload"]["base_on"] == ["cpu"], r  # the packed base waits in host memory
+    assert r["zero3"]["base_on"] == r["lightning"]["base_on"] == [DEVICE], r

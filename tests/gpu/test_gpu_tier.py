@@ -72,7 +72,9 @@ def test_every_preset_fits_on_nccl(name: str) -> None:
         pytest.skip(reason)
     r = run("preset", name=name)
     assert r["backend"] == ("nccl" if ON_CUDA else "gloo"), r
-    assert r["device"].startswith(DEVICE), r
+    assert r["device"].startswith(DEVICE) and "," not in r["device"], r  # computed on the device, one device
+    offloaded = next(p for p in PRESETS if p.name == name).init_params.get("offload") == "cpu"
+    assert r["parameters_device"] == ("cpu" if offloaded else r["device"]), r
     assert r["steps"] == 4 and r["finite"] and r["moved"] > 0, r
 
 

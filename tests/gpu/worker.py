@@ -61,13 +61,16 @@ def _flat(module: nn.Module) -> torch.Tensor:
 
 class Probe(pl.Callback):
     """What the training process saw, read there and written to a file by global rank 0 at the end of fit: the
-    process group's backend, the model's device, ``global_step``, the parameters' dtypes as stored and the dtype
-    the first layer computes in. After a spawn or fork launch the parent process gets back only the weights and
-    the run state, not these; after an in-process or popen launch the file holds the same as the parent."""
+    process group's backend, the device each training step's loss was computed on (under ``offload="cpu"`` the
+    parameters themselves stay in host memory: their device is recorded beside it), ``global_step``, the
+    parameters' dtypes as stored and the dtype the first layer computes in. After a spawn or fork launch the parent
+    process gets back only the weights and the run state, not these; after an in-process or popen launch the file
+    holds the same as the parent."""
 
     def __init__(self) -> None:
         self.path = os.path.join(tempfile.mkdtemp(), "probe.json")
         self.compute: set[str] = set()
+        self.devices: set[str] = set()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         first = next(m for m in pl_module.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
@@ -76,13 +79,20 @@ class Probe(pl.Callback):
     def _record(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
         self.compute.add(str(output.dtype))
 
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # the loss, not a layer's output: mgpu_auto's planner runs the forward under fake tensors first
+        self.devices.add(str(outputs["loss"].device))
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank != 0:
             return
         dist = torch.distributed
         seen = {
             "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
-            "device": str(next(pl_module.parameters()).device),
+            "device": ",".join(sorted(self.devices)),
+            "parameters_device": str(next(pl_module.parameters()).device),
             "global_step": trainer.global_step,
             "stored_dtypes": sorted({str(p.dtype) for p in pl_module.parameters()}),
             "compute_dtypes": sorted(self.compute),
@@ -109,6 +119,7 @@ def preset(name: str) -> dict[str, Any]:
     return {
         "backend": seen["backend"],
         "device": seen["device"],
+        "parameters_device": seen["parameters_device"],
         "steps": seen["global_step"],
         "finite": _finite(model),
         "moved": float((_flat(model) - before).abs().max()),

@@ -4,8 +4,8 @@ Each case trains through ``Trainer(strategy=...).fit`` on one CUDA device (NCCL,
 interpreter, and returns what ``tests/gpu/test_gpu_features.py`` checks: the token-normalised loss, the non-finite
 check, global-norm clipping on FSDP2, micro-batching against a real CUDA out-of-memory error, local SGD and
 DiLoCo, asynchronous checkpoints, ``mgpu_auto``, the planner against the CUDA allocator, exact evaluation,
-``compile=True`` with inductor against eager, and DDP's stream. The agreement of the
-same features across ranks is proved on CPU (gloo, 2 processes) by the default suite.
+``compile=True`` with inductor against eager, offload to host memory, adapters over a 4-bit base, and DDP's
+stream. The agreement of the same features across ranks is proved on CPU (gloo, 2 processes) by the default suite.
 
 With ``MGPU_TIER_DEVICE=cpu`` every case runs on CPU (gloo), to check the cases themselves without a GPU; the
 allocator figures are then not measured (-1) and the out-of-memory error is raised on purpose.
@@ -671,34 +671,47 @@ class _Where(pl.Callback):
         self.seen["state"] = sorted({t.device.type for t in state if isinstance(t, torch.Tensor)})
 
 
+class _SquareRegressor(Regressor):
+    """The regressor with a square hidden layer of 2048 units: 32 MiB of float64 weights in it, so that the
+    parameters, their gradients and the momentum outweigh what cuBLAS keeps for its workspaces (about 64 MiB on
+    the device in both runs alike), and where they live shows in the device's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 2048), nn.Tanh(), nn.Linear(2048, 2048), nn.Tanh(), nn.Linear(2048, 3))
+
+
 @case
 def offload(stage: int = 3, steps: int = 6) -> dict[str, Any]:
     """The same ``steps`` SGD steps (float64, gradient clipping) with ``offload=None`` and ``offload="cpu"``: both
     runs' weights, where each one's parameter shards, gradients and optimizer state were after the last step, and
-    the device's peak allocated bytes of each (-1 on CPU)."""
+    the device's peak allocated bytes of each above what the process held before it (-1 on CPU)."""
     runs: dict[str, Any] = {}
     for name in ("device", "cpu"):
         torch.manual_seed(0)
-        model = Regressor(hidden=256).double()
+        model = _SquareRegressor().double()
         where = _Where()
-        if DEVICE == "cuda":
+        if DEVICE == "cuda":  # the peak above what this process held before the run (a run left nothing behind)
             torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated()
         strategy = _sharded(stage, offload=None if name == "device" else "cpu")
         trainer = _trainer(strategy, max_steps=steps, gradient_clip_val=0.5, callbacks=[where])
         trainer.fit(model, _in_order())
-        peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else -1
+        peak = torch.cuda.max_memory_allocated() - held if DEVICE == "cuda" else -1
         runs[name] = {"weights": _flat(model), "peak": peak, "steps": trainer.global_step, **where.seen}
         del trainer, model, strategy
         gc.collect()  # nothing of this run counts in the next one's peak
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-    initial = _flat(Regressor(hidden=256).double())
+    torch.manual_seed(0)
+    initial = _flat(_SquareRegressor().double())
     return {
         "steps": [runs["device"]["steps"], runs["cpu"]["steps"]],
         "max_abs_diff": float((runs["cpu"]["weights"] - runs["device"]["weights"]).abs().max()),
         "moved": float((runs["device"]["weights"] - initial).abs().max()),
         "where": {name: {k: run[k] for k in ("params", "grads", "state")} for name, run in runs.items()},
         "peak_bytes": {name: run["peak"] for name, run in runs.items()},
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in _SquareRegressor().double().parameters()),
     }
 
 
@@ -720,3 +733,53 @@ def stream_warning(stage: int = 0) -> dict[str, Any]:
         trainer.fit(model, _in_order(dtype=torch.float32))
     stream = [str(w.message)[:300] for w in caught if "stream" in str(w.message).lower()]
     return {"global_step": trainer.global_step, "stream_warnings": stream, "warnings": len(caught)}
+
+
+# --- a 4-bit frozen base (torchao's NF4) with LoRA adapters, offloaded or not ----------------------------------
+
+
+def _adapters_and_base(model: pl.LightningModule) -> tuple[torch.Tensor, torch.Tensor, list[str], int]:
+    """The adapters (gathered, flat), the base dequantised (flat), the devices the base's packed bytes are on and
+    how many weights are still 4-bit."""
+    from lightning_mgpu.quantization import is_nf4
+
+    named = list(model.named_parameters())
+    adapters = torch.cat([full(p.detach()).double().flatten().cpu() for n, p in named if "lora_" in n])
+    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]
+    packed = [t for t in local if is_nf4(t)]
+    base = torch.cat([full(p.detach()).double().flatten().cpu() for n, p in named if "lora_" not in n])
+    return adapters, base, sorted({t.quantized_data.device.type for t in packed}), len(packed)
+
+
+@case
+def four_bit(steps: int = 4) -> dict[str, Any]:
+    """A peft LoRA over a tiny Llama whose frozen linear weights ``quantize_frozen`` packed in 4 bits (torchao's
+    NF4), float64, the same ``steps`` AdamW steps three ways on the device: Lightning's own single-device strategy,
+    ``mgpu_zero3`` and ``mgpu_zero3`` with ``offload="cpu"``. Returns each run's adapters against Lightning's, how far
+    training moved them, the base dequantised against Lightning's, and where the packed base was after fit."""
+    from tests.integration.test_quantization import QLoRALlama, tokens
+
+    runs: dict[str, Any] = {}
+    for name in ("lightning", "zero3", "zero3_offload"):
+        strategy = {"lightning": "auto", "zero3": _sharded(3), "zero3_offload": _sharded(3, offload="cpu")}[name]
+        model = QLoRALlama()
+        start, _, _, packed = _adapters_and_base(model)
+        trainer = _trainer(strategy, max_steps=steps)
+        trainer.fit(model, DataLoader(tokens(), batch_size=4, shuffle=False))
+        adapters, base, where, nf4 = _adapters_and_base(model)
+        runs[name] = {"adapters": adapters, "base": base, "where": where, "nf4": [packed, nf4]}
+        runs[name]["steps"], runs[name]["moved"] = trainer.global_step, float((adapters - start).abs().max())
+        del trainer, model, strategy
+        gc.collect()
+    ref = runs["lightning"]
+    return {
+        name: {
+            "steps": run["steps"],
+            "moved": run["moved"],
+            "max_abs_diff": float((run["adapters"] - ref["adapters"]).abs().max()),
+            "base_max_abs_diff": float((run["base"] - ref["base"]).abs().max()),
+            "base_on": run["where"],
+            "nf4": run["nf4"],
+        }
+        for name, run in runs.items()
+    }

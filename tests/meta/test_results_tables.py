@@ -38,8 +38,12 @@ def test_every_marked_block_is_its_rendering_from_the_results_files(page, names)
 
 def test_the_readme_names_each_card_and_date_of_the_gpu_results():
     text = (ROOT / "README.md").read_text()
-    for path in sorted((ROOT / "benchmarks" / "results").glob("gpu-throughput-*.json")):
-        env = json.loads(path.read_text())["environment"]
+    devices = {
+        json.loads(p.read_text())["environment"]["device"] for p in ROOT.glob("benchmarks/results/gpu-throughput-*")
+    }
+    newest = tables.newest_per_device("throughput")
+    assert {data["environment"]["device"] for data in newest} == devices  # every card, its newest run
+    for env in (data["environment"] for data in newest):
         assert f"| {env['device']} ({env['date'][:10]}) |" in text
     assert "not measured on a GPU yet" not in text.lower()
 
