@@ -69,6 +69,34 @@ def has_nf4(module: nn.Module) -> bool:
     return any(is_nf4(p) for p in module.parameters())
 
 
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` stores: for a 4-bit weight its packed pieces (the 4-bit codes, two to a byte, the 8-bit
+    scalers and their factors), for any other tensor its elements times their size. What the planner counts.
+
+    Example:
+
+        >>> import torch
+        >>> from lightning_mgpu.quantization import stored_bytes
+        >>> stored_bytes(torch.zeros(128, 128))
+        65536
+    """
+    if is_nf4(tensor):
+        names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def empty_packed(tensor: torch.Tensor) -> torch.Tensor:
+    """A 4-bit weight of ``tensor``'s shape, dtype and packing whose pieces are new empty tensors, made in the
+    caller's tensor mode: the planner's stand-in of a 4-bit weight under ``FakeTensorMode`` (it computes as the
+    weight does, and its pieces are what :func:`stored_bytes` counts)."""
+    names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    pieces = {
+        name: torch.empty(tuple(getattr(tensor, name).shape), dtype=getattr(tensor, name).dtype) for name in names
+    }
+    return type(tensor).__tensor_unflatten__(pieces, context, tensor.size(), tensor.stride())  # type: ignore[attr-defined]
+
+
 def dequantized(tensor: torch.Tensor) -> torch.Tensor:
     """The values of a 4-bit tensor in the dtype it was quantised from (this rank's rows for a shard)."""
     return tensor.get_original_weight()  # type: ignore[attr-defined]

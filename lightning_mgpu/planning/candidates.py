@@ -264,7 +264,8 @@ class Plan:
         s, req = self.states, self.request
         lines.append("")
         lines.append(
-            f"{self.model}: {s.parameter_count:,} parameters ({s.trainable_count:,} trainable), optimizer "
+            f"{self.model}: {s.parameter_count:,} parameters ({s.trainable_count:,} trainable"
+            f"{f', {s.four_bit_count:,} in 4 bits' if s.four_bit_count else ''}), optimizer "
             f"{'+'.join(s.optimizer_names)}; {req.devices} ranks x {format_bytes(req.device_memory_bytes)}, "
             f"{req.headroom:.0%} headroom -> {format_bytes(req.usable_bytes)} usable per rank; planned in "
             f"{self.seconds:.2f} s ({_BUILT[self.built]})."

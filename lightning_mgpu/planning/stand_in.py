@@ -7,7 +7,7 @@ tree is copied one level (``copy.copy``: a new object whose attributes are the s
 
 * each parameter and buffer, and each tensor kept as an attribute or as an item of an attribute list, tuple,
   set or dict, is replaced by a fake tensor of its shape and dtype (the same fake for the same tensor: tied
-  weights stay tied);
+  weights stay tied); a 4-bit weight (``quantize_frozen``) by a 4-bit weight of fake packed pieces;
 * each submodule, and each module kept in such a container, is replaced by its stand-in (the same stand-in for
   the same module);
 * each list, dict and set attribute is a new container of the same items, so that what ``training_step`` appends
@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_mgpu import _compat
 from lightning_mgpu.planning.request import PlanError
+from lightning_mgpu.quantization import empty_packed, is_nf4
 
 __all__ = ["attached_trainer", "lazy_parameters", "stand_in", "stand_in_factory"]
 
@@ -60,7 +61,8 @@ class _StandIn:
         if is_lazy(t):  # not materialized yet: a fresh one, materialized by the stand-in's own first forward
             lazy: Any = UninitializedParameter if isinstance(t, nn.Parameter) else UninitializedBuffer
             return self.remember(t, lazy(requires_grad=t.requires_grad, dtype=t.dtype))
-        fake = torch.empty(tuple(t.shape), dtype=t.dtype)
+        # a 4-bit weight stands in as one: its packed pieces are what it holds, and it computes as the weight does
+        fake = empty_packed(t) if is_nf4(t) else torch.empty(tuple(t.shape), dtype=t.dtype)
         if isinstance(t, nn.Parameter):
             fake = nn.Parameter(fake, requires_grad=t.requires_grad)
         return self.remember(t, fake)

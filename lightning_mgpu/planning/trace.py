@@ -23,6 +23,7 @@ from lightning_mgpu._compat import fake_tensor_mode, mem_tracker, timeline_mem_t
 from lightning_mgpu.parts.sharding import fsdp_unit_roots
 from lightning_mgpu.parts.tensor_parallel import INPUT_SPLIT
 from lightning_mgpu.planning.request import PlanError
+from lightning_mgpu.quantization import is_nf4, stored_bytes
 
 __all__ = [
     "ModelStates",
@@ -134,6 +135,9 @@ class ModelStates:
     optimizer_transient: int
     """Extra bytes the step allocates while it runs (foreach kernels' temporaries), freed after it."""
     optimizer_names: tuple[str, ...]
+    four_bit_count: int = 0
+    """Parameters held in 4 bits (``quantize_frozen``'s weights: counted at their packed bytes, under ``"nf4"`` in
+    :attr:`parameters`)."""
 
 
 def count_model_states(factory: ModelFactory) -> ModelStates:
@@ -145,8 +149,8 @@ def count_model_states(factory: ModelFactory) -> ModelStates:
         params = list(module.parameters())
         by_dtype: dict[str, int] = {}
         for p in params:
-            key = str(p.dtype).replace("torch.", "")
-            by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+            key = "nf4" if is_nf4(p) else str(p.dtype).replace("torch.", "")
+            by_dtype[key] = by_dtype.get(key, 0) + stored_bytes(p)
         buffers = sum(b.numel() * b.element_size() for b in module.buffers())
         optimizers = _optimizers(module)
         optimized = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]}
@@ -170,12 +174,13 @@ def count_model_states(factory: ModelFactory) -> ModelStates:
         parameters=by_dtype,
         parameter_count=sum(p.numel() for p in params),
         trainable_count=sum(p.numel() for p in params if p.requires_grad),
-        trainable_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
-        optimized_bytes=sum(p.numel() * p.element_size() for p in optimized.values()),
+        trainable_bytes=sum(stored_bytes(p) for p in params if p.requires_grad),
+        optimized_bytes=sum(stored_bytes(p) for p in optimized.values()),
         buffers=buffers,
         optimizer_state=state,
         optimizer_transient=max(0, peak - before),
         optimizer_names=tuple(type(o).__name__ for o in optimizers),
+        four_bit_count=sum(p.numel() for p in params if is_nf4(p)),
     )
 
 
@@ -354,8 +359,8 @@ def trace_step(
         return StepTrace(
             precision=precision,
             activation_checkpointing=policy is not None,
-            parameters=sum(p.numel() * p.element_size() for p in params),
-            gradients=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+            parameters=sum(stored_bytes(p) for p in params),
+            gradients=sum(stored_bytes(p) for p in params if p.requires_grad),
             activations=max((a for a, _ in tracker.timeline), default=0),
             checkpointed=checkpointed,
             timeline=tuple(tracker.timeline),
@@ -365,10 +370,10 @@ def trace_step(
             rowwise_layers=calls["rowwise", "forward"],
             rowwise_recomputed=calls["rowwise", "backward"],
             colwise_layers=calls["colwise", "forward"],
-            tensor_split_bytes=sum(p.numel() * p.element_size() for p in shards.values()),
+            tensor_split_bytes=sum(stored_bytes(p) for p in shards.values()),
             tensor_split_activations=sum(intermediates.values()),
-            outside_parameters=sum(p.numel() * p.element_size() for p in params if id(p) not in inside),
-            outside_tensor_split=sum(p.numel() * p.element_size() for i, p in shards.items() if i not in inside),
+            outside_parameters=sum(stored_bytes(p) for p in params if id(p) not in inside),
+            outside_tensor_split=sum(stored_bytes(p) for i, p in shards.items() if i not in inside),
             tensor_refused=plan.refused,
             tensor_divisor=plan.divisor,
         )
@@ -518,7 +523,7 @@ def _cast(module: nn.Module, dtype: torch.dtype) -> None:
     """``module.to(dtype)`` for fake tensors (``Module.to`` swaps tensors in place, which fake tensors refuse)."""
     for m in module.modules():
         for name, p in list(m.named_parameters(recurse=False)):
-            if p.is_floating_point():  # setattr keeps the registration (a parameter stays a parameter)
+            if p.is_floating_point() and not is_nf4(p):  # setattr keeps the registration; a 4-bit weight stays
                 setattr(m, name, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
         for name, buf in list(m.named_buffers(recurse=False)):
             if buf.is_floating_point():  # and a buffer keeps its persistence
@@ -526,17 +531,18 @@ def _cast(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def unit_fractions(factory: ModelFactory) -> tuple[float, float]:
-    """The largest FSDP unit's share of the parameters, and the root unit's (the parameters no other unit holds;
-    FSDP2 keeps the root gathered between forward and backward)."""
+    """The largest FSDP unit's share of the parameter bytes, and the root unit's (the parameters no other unit holds;
+    FSDP2 keeps the root gathered between forward and backward). Bytes as stored: a 4-bit weight at its packed
+    bytes, which is what FSDP2 gathers."""
     with fake_tensor_mode(), _quiet():
         module = factory()
-        total = sum(p.numel() for p in module.parameters()) or 1
+        total = sum(stored_bytes(p) for p in module.parameters()) or 1
         units = fsdp_unit_roots(module)
         owned: set[int] = set()
         sizes = []
         for unit in units:
             ps = [p for p in unit.parameters() if id(p) not in owned]
             owned.update(id(p) for p in ps)
-            sizes.append(sum(p.numel() for p in ps))
-        root = sum(p.numel() for p in module.parameters() if id(p) not in owned)
+            sizes.append(sum(stored_bytes(p) for p in ps))
+        root = sum(stored_bytes(p) for p in module.parameters() if id(p) not in owned)
     return max([*sizes, root]) / total, root / total

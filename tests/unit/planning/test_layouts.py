@@ -37,7 +37,7 @@ from tests.tensor_parallel_models import VOCAB, litgpt_model
 # (the share the auto plan splits is measured below, on a TransformerLM split for real).
 _GIVEN = {"parameters": {"float32": 8000}, "parameter_count": 2000, "trainable_count": 2000, "trainable_bytes": 8000,
           "optimized_bytes": 8000, "buffers": 0, "optimizer_state": 16000, "optimizer_transient": 0,
-          "optimizer_names": ("Adam",)}  # fmt: skip
+          "optimizer_names": ("Adam",), "four_bit_count": 0}  # fmt: skip
 STATES = ModelStates(**{f.name: _GIVEN[f.name] for f in fields(ModelStates)})
 TRACE = StepTrace(
     "32-true", False, 8000, 8000, 1000, (), ((1000, 8000),), flops=3 * 10**12, blocks=4, block_output_bytes=100,

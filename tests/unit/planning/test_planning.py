@@ -350,3 +350,39 @@ def test_selective_checkpointing_is_traced_from_the_config_and_the_argument_and_
     layouts = plan_layouts(str(config), **kwargs)
     line = layouts.strategy_line(next(x for x in layouts.layouts if x.activation_checkpointing and x.buildable))
     assert "activation_checkpointing_save='matmuls'" in line, line
+
+
+def test_a_4bit_base_is_counted_at_its_packed_bytes_and_traced_as_it_computes():
+    """``quantize_frozen``'s weights stand in as 4-bit weights of fake packed pieces: the model states count their
+    packed bytes (about 1/7 of float32 with torchao's default blocks), the traced step runs their dequantising
+    forward, and only the trainable head has gradients. Negative control: the same model unpacked is counted at
+    its float bytes, so the check tells the two apart."""
+    pytest.importorskip("torchao")
+    from lightning_mgpu.planning.stand_in import stand_in_factory
+    from lightning_mgpu.planning.trace import trace_step
+    from lightning_mgpu.quantization import quantize_frozen, stored_bytes
+
+    def model(packed: bool) -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+        m[0].requires_grad_(False)
+        m[2].requires_grad_(False)
+        if packed:
+            assert quantize_frozen(m) == ["0.weight", "2.weight"]
+        return m
+
+    packed, plain = model(True), model(False)
+    batch = torch.randn(8, 256)
+    weights = stored_bytes(packed[0].weight) + stored_bytes(packed[2].weight)
+    floats = 4 * (2 * 256 + 256 * 4 + 4)  # the biases and the head stay float32
+    assert 2 * 256 * 256 * 4 / 8 < weights < 2 * 256 * 256 * 4 / 6  # 4-bit codes and their scalers
+    states = count_model_states(stand_in_factory(packed))
+    assert states.parameters == {"float32": floats, "nf4": weights} and states.four_bit_count == 2 * 256 * 256
+    assert states.trainable_bytes == 4 * (256 * 4 + 4)
+    trace = trace_step(stand_in_factory(packed), batch, "32-true", forward=True)
+    assert trace.parameters == floats + weights and trace.gradients == 4 * (256 * 4 + 4)
+    assert trace.activations > 256 * 256 * 4  # one weight dequantised to float32 while its layer computes
+    # negative control: unpacked, the same weights count at 4 bytes each
+    unpacked = count_model_states(stand_in_factory(plain))
+    assert unpacked.parameters == {"float32": floats + 2 * 256 * 256 * 4} and unpacked.four_bit_count == 0
+    assert isinstance(packed[0].weight, nn.Parameter) and not packed[0].weight.requires_grad  # the module untouched
