@@ -32,7 +32,6 @@ from lightning_mgpu._compat import tree_map_tensors
 from lightning_mgpu.planning.candidates import ORDER, NoPlanFits, Plan, PlanRow, estimate
 from lightning_mgpu.planning.layouts import (
     DEFAULT_DEVICE_TFLOPS,
-    LINK_SPEEDS,
     SCHEDULES,
     Layout,
     LayoutPlan,
@@ -41,6 +40,7 @@ from lightning_mgpu.planning.layouts import (
 )
 from lightning_mgpu.planning.request import (
     DEFAULT_PRECISIONS,
+    LINK_SPEEDS,
     PRECISIONS,
     STRATEGIES,
     PlanError,
@@ -94,6 +94,8 @@ def plan(
     bucket_cap_mb: float = 25.0,
     require_fit: bool = True,
     num_nodes: int = 1,
+    offload: bool = False,
+    host_memory: Union[str, int, None] = None,
 ) -> Plan:
     """Plan the memory of training ``model_or_config`` on ``devices`` ranks of ``device_memory`` each.
 
@@ -120,6 +122,10 @@ def plan(
         require_fit: raise :class:`NoPlanFits` (naming the smallest plan and its shortfall) when nothing fits.
         num_nodes: machines the ``devices`` ranks are spread over; with more than one, ``mgpu_hsdp`` (sharded
             within a machine, its memory per rank that of ``devices / num_nodes`` ranks) is a candidate too.
+        offload: plan the sharded candidates as ``offload="cpu"`` runs them (shards, gradients and optimizer state
+            in host memory; the rows add host bytes per rank and the bytes moved per micro-batch).
+        host_memory: one machine's host memory (e.g. ``"512GiB"``), checked against the offloaded rows with the
+            same headroom; default not checked.
 
     Example:
 
@@ -141,6 +147,8 @@ def plan(
         activation_checkpointing,
         activation_checkpointing_save,
         bucket_cap_mb,
+        offload,
+        host_memory,
     )
     start = time.perf_counter()
     source, states, traces, units, _, _ = _traced(model_or_config, request, batch, datamodule)
@@ -248,6 +256,8 @@ def plan_layouts(
     pipeline_microbatches: Optional[int] = None,
     pipeline_schedules: tuple[str, ...] = SCHEDULES,
     tensor_across_machines: bool = False,
+    offload: bool = False,
+    host_memory: Union[str, int, None] = None,
 ) -> LayoutPlan:
     """Every layout (data replicate x data shard x tensor x pipeline, with the data dimension's ZeRO stage) of
     ``model_or_config`` on ``devices`` ranks over ``num_nodes`` machines, with memory per rank by component,
@@ -255,12 +265,13 @@ def plan_layouts(
     (:mod:`~lightning_mgpu.planning.layouts`).
 
     ``model_or_config``, ``devices``, ``device_memory``, ``num_nodes``, ``batch``, ``datamodule``, ``headroom``,
-    ``precisions``, ``strategies``, ``activation_checkpointing`` and ``bucket_cap_mb`` are as in :func:`plan`
-    (``batch``: the loader's batch of one data-parallel rank).
+    ``precisions``, ``strategies``, ``activation_checkpointing``, ``bucket_cap_mb``, ``offload`` and ``host_memory``
+    are as in :func:`plan` (``batch``: the loader's batch of one data-parallel rank; offloaded, a layout that splits
+    the model is not buildable, and the transfers are added to the step time).
 
     Args:
         intra_node_link: the link within a machine: a name of
-            :data:`~lightning_mgpu.planning.layouts.LINK_SPEEDS` (``"nvlink"``, ``"pcie"``, ``"infiniband"``,
+            :data:`~lightning_mgpu.planning.request.LINK_SPEEDS` (``"nvlink"``, ``"pcie"``, ``"infiniband"``,
             ``"ethernet"``) or GB/s per device in each direction.
         inter_node_link: the link across machines, likewise.
         device_tflops: the rate one device sustains (TFLOP/s).
@@ -292,6 +303,8 @@ def plan_layouts(
         activation_checkpointing,
         activation_checkpointing_save,
         bucket_cap_mb,
+        offload,
+        host_memory,
     )
     start = time.perf_counter()
     source, states, traces, units, policy, save = _traced(model_or_config, request, batch, datamodule)
@@ -334,6 +347,8 @@ def _request(
     activation_checkpointing: Any,
     activation_checkpointing_save: Any,
     bucket_cap_mb: float,
+    offload: bool = False,
+    host_memory: Union[str, int, None] = None,
 ) -> PlanRequest:
     """The request :func:`plan` and :func:`plan_layouts` share, with the default precisions and strategies."""
     return PlanRequest(
@@ -346,4 +361,6 @@ def _request(
         activation_checkpointing_save=activation_checkpointing_save,
         bucket_cap_mb=bucket_cap_mb,
         num_nodes=num_nodes,
+        offload=offload,
+        host_memory=host_memory,
     )

@@ -39,7 +39,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes, layout_label
+from lightning_mgpu.planning.request import LINK_SPEEDS, PlanError, PlanRequest, format_bytes, layout_label
 from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelStates, StepTrace
 
 __all__ = ["ORDER", "NoPlanFits", "Plan", "PlanRow", "candidate_row", "estimate", "no_fit"]
@@ -73,7 +73,19 @@ class PlanRow:
     recommended: bool = False
     states_bytes: int = 0
     """The parameters, gradients and optimizer state a rank holds once the optimizer has stepped (its shards under
-    FSDP; the step's temporaries freed): what it keeps between steps."""
+    FSDP; the step's temporaries freed): what it keeps between steps. Offloaded: what it keeps on the device."""
+    host_bytes: int = 0
+    """Offloaded (:attr:`PlanRequest.offload`): the host memory one rank holds, its parameter shards, gradient shards
+    and optimizer state (with the step's temporaries: the optimizer steps on the host); 0 otherwise."""
+    transfer_bytes: int = 0
+    """Offloaded: the bytes one rank moves between host and device per micro-batch (its parameter shards to the
+    device for the forward's and the backward's all-gathers, its gradient shards back); 0 otherwise."""
+
+    @property
+    def transfer_seconds(self) -> float:
+        """:attr:`transfer_bytes` over the host link at its nominal speed (``LINK_SPEEDS["pcie"]``, one direction at a
+        time): a floor on what offload adds to each micro-batch where the transfers do not overlap compute."""
+        return self.transfer_bytes / (LINK_SPEEDS["pcie"] * 1e9)
 
     @property
     def model_states_and_activations(self) -> int:
@@ -184,6 +196,18 @@ def candidate_row(
             fb = (shard_p + int(root * p_c) + b, grads_at_peak, opt // n, a, buffers)
         step = (shard_p + b, shard_g, opt // n + opt_tmp // n, 0, 0)
         held = shard_p + b + shard_g + opt // n
+        if request.offload:  # FSDP2's CPUOffloadPolicy: the shards, their gradients and the optimizer on the host
+            host = shard_p + shard_g + opt // n + opt_tmp // n
+            # each all-gather copies the rank's shards to the device (forward, and backward where stage 3 freed
+            # them), each reduce-scatter's output goes back; the gathered units and activations stay on the device
+            gathers = 2 if strategy != "mgpu_sharded" else 1
+            parts = (fb[0] - shard_p, 0, 0, fb[3], fb[4])  # the optimizer steps on the host: no device phase
+            peak = sum(parts)
+            host_fits = request.usable_host_bytes is None or host <= request.usable_host_bytes
+            return PlanRow(
+                strategy, trace.activation_checkpointing, trace.precision, *parts, peak, "forward/backward",
+                peak <= usable and host_fits, False, b, host, gathers * shard_p + shard_g,
+            )  # fmt: skip
     phase, parts = ("forward/backward", fb) if sum(fb) >= sum(step) else ("optimizer step", step)
     peak = sum(parts)
     return PlanRow(
@@ -246,8 +270,10 @@ class Plan:
     def table(self, recommendation: bool = True) -> str:
         """A markdown table of every candidate (by its layout label), then the recommendation (not with
         ``recommendation=False``: ``lightning-mgpu plan`` states its one recommendation above the tables)."""
-        head = "| layout | AC | precision | params | grads | optimizer | activations | comm | peak/rank | fits |"
-        lines = [head, "|" + "---|" * 10]
+        offload = self.request.offload
+        head = "| layout | AC | precision | params | grads | optimizer | activations | comm | peak/rank |"
+        head += " host/rank | host<->device | fits |" if offload else " fits |"
+        lines = [head, "|" + "---|" * (12 if offload else 10)]
         for r in self.rows:
             mark = " **<- recommended**" if r.recommended else ""
             sizes = [
@@ -259,10 +285,27 @@ class Plan:
                 r.predicted_peak_bytes_per_rank,
             ]
             cells = [self.label(r), "yes" if r.activation_checkpointing else "no", r.precision]
-            cells += [self._cell(r, i, s) for i, s in enumerate(sizes)] + [("yes" if r.fits else "no") + mark]
+            cells += [self._cell(r, i, s) for i, s in enumerate(sizes)]
+            if offload:  # mgpu_ddp and mgpu_zero1 do not offload
+                moved = f"{format_bytes(r.transfer_bytes)} ({r.transfer_seconds * 1e3:.1f} ms)"
+                cells += [format_bytes(r.host_bytes), moved] if r.host_bytes else ["-", "-"]
+            cells += [("yes" if r.fits else "no") + mark]
             lines.append("| " + " | ".join(cells) + " |")
         s, req = self.states, self.request
         lines.append("")
+        if offload:
+            host = (
+                f"{format_bytes(req.usable_host_bytes)} usable per rank ({format_bytes(req.host_memory_bytes or 0)} "
+                f"per machine less {req.headroom:.0%}, over its {req.devices // req.num_nodes} ranks)"
+                if req.usable_host_bytes is not None
+                else "not checked (give host_memory)"
+            )
+            lines.append(
+                f"Offloaded (offload='cpu'): the sharded rows keep their shards, gradients and optimizer state in host "
+                f"memory (host/rank; host memory {host}); host<->device: the bytes a rank moves per micro-batch, and "
+                f"their time at {LINK_SPEEDS['pcie']:g} GB/s (PCIe 4.0 x16), a floor where they do not overlap "
+                f"compute."
+            )
         lines.append(
             f"{self.model}: {s.parameter_count:,} parameters ({s.trainable_count:,} trainable"
             f"{f', {s.four_bit_count:,} in 4 bits' if s.four_bit_count else ''}), optimizer "

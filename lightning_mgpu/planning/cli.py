@@ -12,7 +12,8 @@ pipeline) that fit, the recommended first (``--layouts --json``: every layout as
 
 ``--devices``, ``--num-nodes`` and ``--precisions`` default to the config's ``trainer.devices`` (times
 ``trainer.num_nodes``: the world), ``trainer.num_nodes`` and ``trainer.precision``; ``--device-memory`` and
-``--headroom`` and ``--strategies`` to an ``mgpu_auto`` strategy's ``init_args``. A flag overrides the config.
+``--headroom`` and ``--strategies`` to an ``mgpu_auto`` strategy's ``init_args``; ``--offload`` to the config
+strategy's ``offload``. A flag overrides the config.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import argparse
 import sys
 from typing import Any, Optional, Union
 
-from lightning_mgpu.planning.layouts import DEFAULT_DEVICE_TFLOPS, LINK_SPEEDS
-from lightning_mgpu.planning.request import DEFAULT_PRECISIONS, PRECISIONS, STRATEGIES, PlanError
+from lightning_mgpu.planning.layouts import DEFAULT_DEVICE_TFLOPS
+from lightning_mgpu.planning.request import DEFAULT_PRECISIONS, LINK_SPEEDS, PRECISIONS, STRATEGIES, PlanError
 
 __all__ = ["main"]
 
@@ -50,6 +51,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--num-nodes", type=int, help="machines the --devices ranks are spread over (default: the config's, else 1)"
     )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="plan the sharded candidates with offload='cpu' (default: the config strategy's offload)",
+    )
+    parser.add_argument("--host-memory", help="one machine's host memory, e.g. 512GiB, checked when offloaded")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--layouts", action="store_true", help="with --json: print the layouts instead of the rows")
     parser.add_argument("--top", type=int, default=20, help="layouts shown in the table (default 20)")
@@ -106,6 +113,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             device_tflops=args.device_tflops,
             pipeline_microbatches=args.pipeline_microbatches,
             tensor_across_machines=args.tensor_across_machines,
+            offload=bool(args.offload or config.get("offload")),
+            host_memory=args.host_memory,
         )
         result = layouts.memory
         assert result is not None
@@ -116,25 +125,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             text = result.to_json()
         else:
             text = layouts.to_json() if args.json else report(layouts, args.top)
-            if config.get("offload") and not args.json:
-                text += f"\n\n{_offload_note(config['offload'])}"
     except NoPlanFits as err:
         print(err.plan.to_json() if args.json else err.plan.table(), file=sys.stderr)
-        if config.get("offload"):  # offloaded, the run may fit where no row does
-            print(_offload_note(config["offload"]), file=sys.stderr)
         parser.exit(2, f"lightning-mgpu plan: error: {err}\n")
     except PlanError as err:
         parser.exit(2, f"lightning-mgpu plan: error: {err}\n")
     print(text)
     return 0
-
-
-def _offload_note(offload: str) -> str:
-    return (
-        f"note: the config's strategy offloads to host memory (offload={offload!r}), which the planner does not model "
-        f"yet: each row counts the parameters, gradients and optimizer state on the device, more than an offloaded run "
-        f"holds there."
-    )
 
 
 def _link(value: str) -> Union[str, float]:

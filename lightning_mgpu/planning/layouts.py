@@ -75,13 +75,12 @@ from typing import Any, Callable, Optional, Union
 
 from lightning_mgpu.parts.pipeline import master_precision_refusal
 from lightning_mgpu.planning.candidates import PRECISION_RANK, STRATEGY_RANK, NoPlanFits, Plan, candidate_row, no_fit
-from lightning_mgpu.planning.request import PlanError, PlanRequest, format_bytes, layout_label
+from lightning_mgpu.planning.request import LINK_SPEEDS, PlanError, PlanRequest, format_bytes, layout_label
 from lightning_mgpu.planning.trace import PRECISION_LAYOUT, ModelStates, StepTrace
 from lightning_mgpu.settings import ShardedSettings
 
 __all__ = [
     "DEFAULT_DEVICE_TFLOPS",
-    "LINK_SPEEDS",
     "SCHEDULES",
     "Layout",
     "LayoutPlan",
@@ -95,13 +94,6 @@ __all__ = [
     "short_reason",
 ]
 
-#: Nominal bandwidth one device gets on a link, GB/s in each direction (decimal: 1 GB = 10**9 bytes)
-LINK_SPEEDS: dict[str, float] = {
-    "nvlink": 450.0,  # NVLink 4 (H100 SXM): 900 GB/s per GPU both directions together
-    "pcie": 32.0,  # PCIe 4.0 x16
-    "infiniband": 50.0,  # 400 Gb/s per GPU (one NDR port per GPU)
-    "ethernet": 12.5,  # 100 Gb/s
-}
 #: The rate a device sustains, TFLOP/s: an assumption (about a third of a current data-centre GPU's dense
 #: half-precision peak); pass the one you measure (``device_tflops``)
 DEFAULT_DEVICE_TFLOPS = 300.0
@@ -218,6 +210,9 @@ class Layout:
     split (``MGPUDDPStrategy``) and for a layout that is not buildable."""
     not_buildable: str = ""
     """Why the strategy does not build the layout (its settings' refusal), or ``""`` where it does."""
+    host_bytes: int = 0
+    """Offloaded (:attr:`PlanRequest.offload`, the sharded data dimensions): host memory per rank (its shards,
+    gradients and optimizer state); its transfers over the host link are in :attr:`step_seconds`."""
 
     @property
     def buildable(self) -> bool:
@@ -424,7 +419,16 @@ def _split_request(request: PlanRequest, strategy: str, data: int, replicas: int
         strategies=(strategy,),
         bucket_cap_mb=request.bucket_cap_mb,
         num_nodes=replicas,
+        offload=request.offload,
+        host_memory=None if request.usable_host_bytes is None else _host_per_machine(request, data, replicas),
     )
+
+
+def _host_per_machine(request: PlanRequest, data: int, replicas: int) -> int:
+    """The host memory to give a layout's data request so that its per-rank share is the request's: the data
+    dimension's ranks of one machine share what one rank of the whole request may use."""
+    per_rank = request.usable_host_bytes or 0
+    return int(per_rank * max(1, data // replicas) / (1 - request.headroom)) + 1
 
 
 def _piece(
@@ -514,9 +518,10 @@ def sharded_arguments(layout: Layout) -> dict[str, Any]:
     holds whole replicas of each stage, which is mgpu_ddp's layout, not mgpu_sharded's)."""
     if layout.strategy == "mgpu_ddp" and not layout.model_parallel:
         return {}
+    offloaded = {"offload": "cpu"} if layout.host_bytes else {}
     if layout.pipeline > 1 and PRECISION_LAYOUT[layout.precision][2]:  # the FP32 masters of the master modes
         raise ValueError(master_precision_refusal(layout.precision, layout.pipeline))
-    sizes: dict[str, Any] = {}
+    sizes: dict[str, Any] = dict(offloaded)
     if layout.strategy == "mgpu_hsdp":  # the planner's shard group, not the strategy's default
         sizes.update(mesh="hybrid", shard_size=layout.data_shard)
     if layout.tensor > 1:
@@ -756,6 +761,7 @@ def _layout(
     data_seconds = data_bytes / links.speed(data_link) + shard_bytes / links.speed(shard_link)
     exposed = tensor_bytes / links.speed(tensor_link) + pipeline_bytes / links.speed(pipeline_link)
     exposed += sum(nbytes / links.speed(link) for nbytes, link in shared)  # after the schedule: not overlapped
+    exposed += row.transfer_seconds  # offload: the shards to the device and back, counted as not overlapped
     bubble = (p - 1) / (m + p - 1)
     step = (compute + exposed) / (1 - bubble) + max(0.0, data_seconds - compute)
     layout = Layout(
@@ -789,6 +795,7 @@ def _layout(
         bubble=bubble,
         step_seconds=step,
         samples_per_second=batch * d / step if step > 0 else math.inf,
+        host_bytes=row.host_bytes,
     )
     try:
         return replace(layout, strategy_arguments=sharded_arguments(layout))

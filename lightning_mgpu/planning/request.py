@@ -22,6 +22,14 @@ __all__ = [
 #: every precision the planner models; "16-mixed"/"16-master" take the same bytes as their bf16 twins
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-master", "16-master")
 DEFAULT_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-master")
+#: Nominal bandwidth one device gets on a link, GB/s in each direction (decimal: 1 GB = 10**9 bytes); "pcie" is also
+#: the link between host and device that offload's transfers take
+LINK_SPEEDS: dict[str, float] = {
+    "nvlink": 450.0,  # NVLink 4 (H100 SXM): 900 GB/s per GPU both directions together
+    "pcie": 32.0,  # PCIe 4.0 x16
+    "infiniband": 50.0,  # 400 Gb/s per GPU (one NDR port per GPU)
+    "ethernet": 12.5,  # 100 Gb/s
+}
 
 _UNITS = {
     "B": 1,
@@ -107,7 +115,16 @@ class PlanRequest:
     """Machines the ranks are spread over (the same number on each). ``mgpu_hsdp`` shards within a machine
     (``devices / num_nodes`` ranks), so it is a candidate only when ``num_nodes > 1`` (on one machine it is
     ``mgpu_zero3``)."""
+    offload: bool = False
+    """Plan the sharded candidates (``mgpu_sharded``, ``mgpu_hsdp``, ``mgpu_zero3``) as ``offload="cpu"`` runs them:
+    their parameter shards, gradients and optimizer state in host memory, the device holding what is gathered to
+    compute; each row's host bytes per rank and bytes moved between host and device per micro-batch are counted.
+    ``mgpu_ddp`` and ``mgpu_zero1`` do not offload and are planned as they are."""
+    host_memory: Optional[Union[str, int]] = None
+    """Host memory of one machine (bytes, or a string with a unit), checked with the same headroom against the
+    offloaded rows' host bytes times the ranks of one machine; None: not checked."""
     device_memory_bytes: int = field(init=False)
+    host_memory_bytes: Optional[int] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
@@ -135,6 +152,10 @@ class PlanRequest:
                 f"across machines, so on one machine it is mgpu_zero3. Add 'mgpu_zero3' (or another strategy), or "
                 f"plan for num_nodes > 1."
             )
+        if not isinstance(self.offload, bool):
+            raise PlanError(f"offload={self.offload!r} must be True or False (True: plan offload='cpu').")
+        if self.host_memory is not None:
+            self.host_memory_bytes = parse_memory(self.host_memory, "host_memory")
         if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0:
             raise PlanError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a positive number of MiB (DDP: 25).")
 
@@ -151,6 +172,14 @@ class PlanRequest:
     def usable_bytes(self) -> int:
         """Bytes a plan may use per rank: ``device_memory`` less the headroom."""
         return int(self.device_memory_bytes * (1 - self.headroom))
+
+    @property
+    def usable_host_bytes(self) -> Optional[int]:
+        """Host bytes a plan may use per rank: ``host_memory`` less the headroom, shared by the ranks of one machine
+        (None where ``host_memory`` is not given)."""
+        if self.host_memory_bytes is None:
+            return None
+        return int(self.host_memory_bytes * (1 - self.headroom)) // (self.devices // self.num_nodes)
 
 
 def layout_label(

@@ -106,7 +106,7 @@ def config_trainer(path: str) -> dict[str, Any]:
     ``trainer`` section, and ``device_memory``, ``headroom`` and ``strategies`` of an ``mgpu_auto`` strategy's
     ``init_args`` (``micro_batch_size`` keeps the strategies that micro-batch, as ``mgpu_auto`` does; with
     ``mgpu_auto`` and no precision, Lightning's default ``32-true``, which ``mgpu_auto`` plans with), and
-    ``offload`` where the strategy offloads to host memory (which the planner does not model yet); only
+    ``offload`` where the strategy offloads to host memory (the plan then models offload); only
     the keys the config sets. A :class:`PlanError` naming the key, its value and the flag to pass instead when a
     value cannot be planned for (``devices: auto``, a precision the planner does not model)."""
     trainer = _read_config(path).get("trainer") or {}

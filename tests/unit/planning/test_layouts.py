@@ -14,7 +14,7 @@ import torch
 
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism, derive_plan
 from lightning_mgpu.planning import NoPlanFits, PlanError, PlanRequest, plan_layouts
-from lightning_mgpu.planning.candidates import estimate
+from lightning_mgpu.planning.candidates import candidate_row, estimate
 from lightning_mgpu.planning.choice import choose, decide_layout, notes
 from lightning_mgpu.planning.layouts import Layout, LayoutPlan, Links, estimate_layouts, group_link, short_reason
 from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
@@ -51,7 +51,8 @@ LINKS = Links(intra=100.0, inter=10.0)  # GB/s
 def _plan(trace: StepTrace = TRACE, memory: Any = "1GiB", microbatches: Optional[int] = 4, **kwargs: Any) -> LayoutPlan:
     strategies = kwargs.pop("strategies", None)
     request = PlanRequest(devices=8, device_memory=memory, num_nodes=2, precisions=("32-true",),
-                          **({"strategies": strategies} if strategies else {}))  # fmt: skip
+                          **({"strategies": strategies} if strategies else {}),
+                          offload=kwargs.pop("offload", False))  # fmt: skip
     result = estimate_layouts(
         "hand", request, STATES, [trace], UNITS, batch_size=4, links=kwargs.pop("links", LINKS), device_tflops=1.0,
         microbatches=microbatches, **kwargs,
@@ -656,3 +657,40 @@ def test_the_benchmarks_llama_stand_in_is_split_as_llama_and_has_the_published_p
         assert split == expected, (name, sorted(split ^ expected)[:4])
         whole = {n for n, _ in model.named_parameters()} - split
         assert all(n.startswith(("tok_embeddings.", "output.", "norm.")) or "_norm." in n for n in whole), name
+
+
+def test_offload_keeps_shards_gradients_and_optimizer_state_on_the_host_and_counts_the_transfers():
+    """``offload=True`` plans the sharded rows as FSDP2's ``CPUOffloadPolicy`` runs them (the module docstring's
+    8,000 bytes of parameters and of gradients, 16,000 of Adam's state, over 8 ranks): the device keeps what is
+    gathered to compute, the host a rank's shards, gradient shards and optimizer state, and each micro-batch moves
+    the shards to the device twice (forward and backward) and the gradient shards back. Against the same row
+    without offload (the control), and the host memory checked per machine."""
+    n = 8
+    off = PlanRequest(devices=n, device_memory="1GiB", precisions=("32-true",))
+    on = PlanRequest(devices=n, device_memory="1GiB", precisions=("32-true",), offload=True)
+    without = candidate_row("mgpu_zero3", STATES, TRACE, UNITS, off, off.usable_bytes)
+    row = candidate_row("mgpu_zero3", STATES, TRACE, UNITS, on, on.usable_bytes)
+    assert (without.optimizer_state_bytes, without.host_bytes, without.transfer_bytes) == (16000 // n, 0, 0)
+    assert row.parameters_bytes == without.parameters_bytes - 8000 // n  # the shard is on the host
+    assert row.gradients_bytes == row.optimizer_state_bytes == 0
+    assert (row.activations_bytes, row.communication_bytes) == (without.activations_bytes, without.communication_bytes)
+    assert row.host_bytes == (8000 + 8000 + 16000) // n and row.transfer_bytes == 3 * 8000 // n
+    assert row.transfer_seconds == pytest.approx(3000 / 32e9)  # PCIe 4.0 x16
+    assert candidate_row("mgpu_ddp", STATES, TRACE, UNITS, on, on.usable_bytes).host_bytes == 0  # DDP does not offload
+    # mgpu_sharded keeps every unit gathered from forward to backward: one gather's transfer per micro-batch
+    assert candidate_row("mgpu_sharded", STATES, TRACE, UNITS, on, on.usable_bytes).transfer_bytes == 2 * 8000 // n
+    # the host memory of one machine is shared by its 8 ranks, less the headroom
+    for host, fits in ((int(n * 4000 / 0.9) + n, True), (n * 4000, False)):
+        checked = PlanRequest(devices=n, device_memory="1GiB", precisions=("32-true",), offload=True, host_memory=host)
+        assert candidate_row("mgpu_zero3", STATES, TRACE, UNITS, checked, checked.usable_bytes).fits is fits
+    # the layouts: the transfers lengthen the step; a layout that splits the model is not buildable offloaded
+    plain, offloaded = _plan(), _plan(offload=True)
+    flat, flat_off = _find(plain, "mgpu_zero3", 1, 8, 1, 1), _find(offloaded, "mgpu_zero3", 1, 8, 1, 1)
+    assert flat_off.host_bytes == 4000 and flat.host_bytes == 0
+    assert flat_off.step_seconds == pytest.approx(flat.step_seconds + 3000 / 32e9)
+    assert flat_off.strategy_arguments == {"stage": 3, "offload": "cpu"}
+    split = _find(offloaded, "mgpu_zero3", 1, 4, 2, 1)
+    assert "offload='cpu' with tensor_parallel_size=2 is not built yet" in split.not_buildable
+    assert _find(plain, "mgpu_zero3", 1, 4, 2, 1).buildable  # the control: not offloaded, it is built
+    with pytest.raises(PlanError, match="offload='yes' must be True or False"):
+        PlanRequest(devices=n, device_memory="1GiB", offload="yes")  # type: ignore[arg-type]

@@ -174,19 +174,23 @@ def test_lightning_mgpu_plan_takes_devices_nodes_precision_and_memory_from_the_c
     assert "4 ranks x 1.00 GiB" in capsys.readouterr().out
     assert cli_main(["plan", "--config", str(config), "--devices", "2", "--num-nodes", "1"]) == 0
     assert "2 ranks x 1.00 GiB" in capsys.readouterr().out
-    # a strategy that offloads to host memory: the table says the planner does not count it
+    # a strategy that offloads to host memory: the plan models it (host bytes per rank, the transfers), and the
+    # host memory given is checked
     for strategy in (
         "mgpu_zero3_offload",
         "{class_path: lightning_mgpu.MGPUShardedStrategy, init_args: {offload: cpu}}",
     ):
         config.write_text(f"trainer:\n  devices: 2\n  strategy: {strategy}\n" + model)
         assert cli_main(["plan", "--config", str(config), "--device-memory", "1GiB"]) == 0
-        assert (
-            "offloads to host memory (offload='cpu'), which the planner does not model yet" in capsys.readouterr().out
-        )
-        with pytest.raises(SystemExit):  # nothing fits on the device: offloaded, the run still may
-            cli_main(["plan", "--config", str(config), "--device-memory", "1KiB"])
-        assert "offloads to host memory (offload='cpu')" in capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "| host/rank | host<->device | fits |" in out and "Offloaded (offload='cpu')" in out, out
+        assert "host memory not checked (give host_memory)" in out
+        for host, fits in (("1KiB", False), ("1GiB", True)):
+            flags = ["--device-memory", "1GiB", "--host-memory", host, "--json"]
+            assert cli_main(["plan", "--config", str(config), *flags]) == 0
+            rows = json.loads(capsys.readouterr().out)
+            assert {r["strategy"] for r in rows if r["host_bytes"]} == {"mgpu_sharded", "mgpu_zero3"}
+            assert all(r["fits"] == fits for r in rows if r["host_bytes"]), rows
     config.write_text("trainer:\n  devices: 2\n  strategy: mgpu_zero3\n" + model)
     assert cli_main(["plan", "--config", str(config), "--device-memory", "1GiB"]) == 0
     assert "offload" not in capsys.readouterr().out
