@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -19,6 +20,7 @@ __all__ = [
     "device_memory_bytes",
     "device_memory_source",
     "fallback",
+    "host_memory_bytes",
     "no_layout_fits",
     "notes",
     "planner_precision",
@@ -60,6 +62,9 @@ class AutoDecision:
     """The chosen layout's label, as every table names it (``"mgpu_sharded 8"``, ``"mgpu_ddp 4 x pp 2 1f1b m=8"``)."""
     strategy_line: str = ""
     """The ``Trainer(...)`` call that builds the chosen layout, as ``lightning-mgpu plan`` prints it."""
+    offload: bool = False
+    """The chosen layout offloads its shards, gradients and optimizer state to host memory (``offload="cpu"``):
+    ``mgpu_auto`` takes it only where nothing fits on the device without it."""
 
     @property
     def stage(self) -> Optional[int]:
@@ -94,6 +99,14 @@ def decide_layout(
         f"({format_bytes(memory.request.device_memory_bytes)} less {memory.request.headroom:.0%} headroom"
         f"{'; ' + memory_source if memory_source else ''}) on {memory.request.devices} ranks. {why}"
     )
+    if best.host_bytes:
+        host = memory.request.usable_host_bytes
+        reason += (
+            f" Offloaded to host memory (offload='cpu'): no candidate fits on the device without it; the host holds "
+            f"{format_bytes(best.host_bytes)} per rank"
+            f"{f' of {format_bytes(host)} usable' if host is not None else ''}, and each micro-batch moves the shards "
+            f"to the device and the gradients back over PCIe."
+        )
     return AutoDecision(
         strategy=best.strategy,
         activation_checkpointing=best.activation_checkpointing,
@@ -107,6 +120,7 @@ def decide_layout(
         strategy_arguments=arguments if best.model_parallel else {},
         layout=best.name,
         strategy_line=line,
+        offload=bool(best.host_bytes),
     )
 
 
@@ -275,6 +289,19 @@ def fallback(err: BaseException, model: str, usable: int) -> AutoDecision:
         f"candidates train; to see the plan: lightning_mgpu.plan(model, devices=..., device_memory=..., batch=...)."
     )
     return AutoDecision("mgpu_ddp", False, "32-true", 0, usable, reason)
+
+
+def host_memory_bytes() -> Optional[int]:
+    """This machine's physical memory (None where the system does not say): what ``mgpu_auto`` checks an
+    offloaded plan against.
+
+    >>> (host_memory_bytes() or 1) > 0
+    True
+    """
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def device_memory_bytes(given: Any, device: torch.device, processes: int) -> int:

@@ -290,8 +290,13 @@ class LayoutPlan:
         if not layout.buildable:
             return ""
         arguments = dict(layout.strategy_arguments)
-        presets = {(): "mgpu_ddp", (("stage", 1),): "mgpu_zero1", (("stage", 2),): "mgpu_sharded"}
+        presets: dict[tuple[tuple[str, Any], ...], str] = {
+            (): "mgpu_ddp",
+            (("stage", 1),): "mgpu_zero1",
+            (("stage", 2),): "mgpu_sharded",
+        }
         presets[(("stage", 3),)] = "mgpu_zero3"
+        presets[(("offload", "cpu"), ("stage", 3))] = "mgpu_zero3_offload"
         preset = presets.get(tuple(sorted(arguments.items())))
         if layout.activation_checkpointing:
             arguments["activation_checkpointing"] = _Source(self.checkpointing_source or "<your policy>")

@@ -43,6 +43,7 @@ from lightning_mgpu.planning.choice import (
     device_memory_bytes,
     device_memory_source,
     fallback,
+    host_memory_bytes,
     planner_precision,
 )
 from lightning_mgpu.planning.layouts import Layout
@@ -180,19 +181,35 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             ) from None
         # the module itself: the planner steps a stand-in of it (its module tree with fake tensors), never a copy
         policy = self._auto["policy"] or default_policy(stand_in_factory(module))
-        result = plan_layouts(
-            module,
-            devices=self.world_size,
-            num_nodes=self.num_nodes,
-            device_memory=memory,
-            batch=batch,
-            headroom=self._auto["settings"].headroom,
-            precisions=(planner_precision(self.precision_plugin),),
-            strategies=self._auto["settings"].strategies,
-            activation_checkpointing=policy,
-        )
+
+        def planned(offload: bool) -> Any:
+            return plan_layouts(
+                module,
+                devices=self.world_size,
+                num_nodes=self.num_nodes,
+                device_memory=memory,
+                batch=batch,
+                headroom=self._auto["settings"].headroom,
+                precisions=(planner_precision(self.precision_plugin),),
+                strategies=self._auto["settings"].strategies,
+                activation_checkpointing=policy,
+                offload=offload,
+                host_memory=host_memory_bytes() if offload else None,
+            )
+
         source = device_memory_source(given, self.root_device, self.num_processes)
-        decision = decide_layout(result, layout_arguments, memory_source=source)
+        try:
+            decision = decide_layout(planned(offload=False), layout_arguments, memory_source=source)
+        except NoPlanFits as on_device:
+            # nothing fits on the device: a sharded candidate with its states in host memory may (the host's own
+            # memory checked); where none does either, the error names the smallest plan without offload
+            try:
+                offloaded = decide_layout(planned(offload=True), layout_arguments, memory_source=source)
+            except NoPlanFits:
+                raise on_device from None
+            if not offloaded.offload:
+                raise on_device from None
+            decision = offloaded
         # a policy given by the user is on every rank already (and may not pickle); the default one pickles
         return {"decision": decision, "policy": None if self._auto["policy"] else policy}
 
@@ -228,6 +245,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         if decision.stage is None:
             target = MGPUDDPStrategy
         else:
+            if decision.offload:
+                kwargs["offload"] = "cpu"
             kwargs["stage"] = decision.stage
             if decision.mesh == "hybrid":
                 kwargs["mesh"] = "hybrid"

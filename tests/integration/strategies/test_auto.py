@@ -46,6 +46,23 @@ class Deep(Regressor):
         self.net = nn.Sequential(nn.Linear(6, width), *(Block(width) for _ in range(blocks)), nn.Linear(width, 3))
 
 
+class Stack(Regressor):
+    """Wide blocks in an ``nn.ModuleList``: FSDP2 makes a unit of each, so what a rank gathers to compute is one or
+    two blocks, and the states offload moves to the host outweigh it (and what a split of the model saves)."""
+
+    def __init__(self, blocks: int = 8, width: int = 256) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(6, width), nn.Linear(width, 3)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
 class Chosen(Callback):
     """Per rank: the class the strategy became and the decision it carries."""
 
@@ -60,6 +77,7 @@ class Chosen(Callback):
             "stage": getattr(s, "stage", None),
             "checkpointing": s.activation_checkpointing is not None,
             "decision": (d.strategy, d.activation_checkpointing),
+            "offload": s.settings.offload if type(s).__name__ == "MGPUShardedStrategy" else None,
             "reason": d.reason,
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,8 +90,8 @@ def _rows(rows: int = B) -> dict[tuple[str, bool], int]:
     return {(r.strategy, r.activation_checkpointing): r.predicted_peak_bytes_per_rank for r in p.rows}
 
 
-def _fit_auto(tmp_path: Path, **auto: Any) -> tuple[list[dict[str, Any]], torch.Tensor]:
-    model = Deep().double()
+def _fit_auto(tmp_path: Path, module: type = Deep, **auto: Any) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    model = module().double()
     expected = reference_weights(model, make_data(), global_batch=WORLD * B, epochs=EPOCHS)
     strategy = MGPUAutoStrategy(start_method="fork", headroom=0.0, **auto)
     ranks = fit(model, strategy, tmp_path, batch_size=B, max_epochs=EPOCHS, callbacks=[Chosen(tmp_path)])
@@ -120,6 +138,31 @@ def test_mgpu_auto_takes_the_fastest_candidate_that_fits_and_trains_it(tmp_path,
         torch.testing.assert_close(r["weights"], reference)
     if name != "mgpu_ddp" or checkpointing:
         assert "Faster candidates that do not fit: mgpu_ddp 2 (32-true) needs" in ranks[0]["reason"]
+
+
+@pytest.mark.slow
+def test_mgpu_auto_offloads_only_where_nothing_fits_on_the_device_and_trains_the_same_weights(tmp_path):
+    """A device memory below every candidate's peak and above the offloaded sharded ones': ``mgpu_auto`` takes the
+    first offloaded candidate of the plan's order, builds it with ``offload="cpu"``, says why, and trains to the
+    weights of one process. Wide blocks, so that the states offload moves outweigh what checkpointing saves (the
+    other cases here, with more memory, are the control: nothing is offloaded there)."""
+    batch = tuple(t[:B] for t in make_data().tensors)
+    model = Deep(width=256).double()
+    on_device = plan(model, devices=WORLD, device_memory="1TiB", batch=batch, precisions=("32-true",)).rows
+    offloaded = plan(model, devices=WORLD, device_memory="1TiB", batch=batch, precisions=("32-true",), offload=True)
+    candidates = [r for r in offloaded.rows if r.host_bytes]  # in the plan's order
+    memory = _between(
+        min(r.predicted_peak_bytes_per_rank for r in candidates),
+        min(r.predicted_peak_bytes_per_rank for r in on_device),
+    )
+    first = next(r for r in candidates if r.predicted_peak_bytes_per_rank <= memory)
+    ranks, reference = _fit_auto(tmp_path, Stack, device_memory=memory)
+    stage = {"mgpu_sharded": 2, "mgpu_zero3": 3}[first.strategy]
+    for r in ranks:
+        assert (r["class"], r["stage"], r["offload"]) == ("MGPUShardedStrategy", stage, "cpu"), r
+        assert r["decision"] == (first.strategy, first.activation_checkpointing)
+        assert "Offloaded to host memory (offload='cpu'): no candidate fits on the device without it" in r["reason"]
+        torch.testing.assert_close(r["weights"], reference)
 
 
 @pytest.mark.slow
