@@ -261,6 +261,8 @@ class Plan:
             2: f"{'+'.join(self.states.optimizer_names)} keeps no state",
             4: "no gradient to sync",
         }.get(column)
+        if column in (0, 1, 2) and row.host_bytes:  # offloaded: the shards, gradients and optimizer state
+            why = "on the host"
         if column == 3:  # activations
             why = "the traced step kept none"
         if column in (3, 4) and row.phase == "optimizer step":
