@@ -84,7 +84,8 @@ class PlanRow:
     @property
     def transfer_seconds(self) -> float:
         """:attr:`transfer_bytes` over the host link at its nominal speed (``LINK_SPEEDS["pcie"]``, one direction at a
-        time): a floor on what offload adds to each micro-batch where the transfers do not overlap compute."""
+        time): what offload adds to each micro-batch where the transfers do not overlap compute (the layouts' step
+        time counts it so)."""
         return self.transfer_bytes / (LINK_SPEEDS["pcie"] * 1e9)
 
     @property
@@ -197,16 +198,19 @@ def candidate_row(
         step = (shard_p + b, shard_g, opt // n + opt_tmp // n, 0, 0)
         held = shard_p + b + shard_g + opt // n
         if request.offload:  # FSDP2's CPUOffloadPolicy: the shards, their gradients and the optimizer on the host
-            host = shard_p + shard_g + opt // n + opt_tmp // n
+            # a 4-bit base over one shard stays outside FSDP2, whole on the device (parts/sharding.py): not offloaded
+            kept = states.parameters.get("nf4", 0) if n == 1 else 0
+            offloaded = shard_p - kept
+            host = offloaded + shard_g + opt // n + opt_tmp // n
             # each all-gather copies the rank's shards to the device (forward, and backward where stage 3 freed
             # them), each reduce-scatter's output goes back; the gathered units and activations stay on the device
             gathers = 2 if strategy != "mgpu_sharded" else 1
-            parts = (fb[0] - shard_p, 0, 0, fb[3], fb[4])  # the optimizer steps on the host: no device phase
+            parts = (fb[0] - offloaded, 0, 0, fb[3], fb[4])  # the optimizer steps on the host: no device phase
             peak = sum(parts)
             host_fits = request.usable_host_bytes is None or host <= request.usable_host_bytes
             return PlanRow(
                 strategy, trace.activation_checkpointing, trace.precision, *parts, peak, "forward/backward",
-                peak <= usable and host_fits, False, b, host, gathers * shard_p + shard_g,
+                peak <= usable and host_fits, False, b + kept, host, gathers * offloaded + shard_g,
             )  # fmt: skip
     phase, parts = ("forward/backward", fb) if sum(fb) >= sum(step) else ("optimizer step", step)
     peak = sum(parts)
@@ -305,8 +309,7 @@ class Plan:
             lines.append(
                 f"Offloaded (offload='cpu'): the sharded rows keep their shards, gradients and optimizer state in host "
                 f"memory (host/rank; host memory {host}); host<->device: the bytes a rank moves per micro-batch, and "
-                f"their time at {LINK_SPEEDS['pcie']:g} GB/s (PCIe 4.0 x16), a floor where they do not overlap "
-                f"compute."
+                f"their time at {LINK_SPEEDS['pcie']:g} GB/s (PCIe 4.0 x16) where they do not overlap compute."
             )
         lines.append(
             f"{self.model}: {s.parameter_count:,} parameters ({s.trainable_count:,} trainable"
@@ -351,9 +354,22 @@ def estimate(
 
 
 def no_fit(result: Plan) -> NoPlanFits:
-    """The error of a plan where nothing fits: the smallest candidate and its shortfall."""
+    """The error of a plan where nothing fits: the smallest candidate and its shortfall (of host memory where an
+    offloaded candidate fits the device but not the host)."""
     request, usable = result.request, result.request.usable_bytes
     smallest = min(result.rows, key=lambda r: r.predicted_peak_bytes_per_rank)
+    host = request.usable_host_bytes
+    if smallest.predicted_peak_bytes_per_rank <= usable and host is not None:  # the device holds it: the host not
+        return NoPlanFits(
+            f"no candidate fits host_memory={request.host_memory!r} with {request.headroom:.0%} headroom "
+            f"({format_bytes(host)} usable per rank, over {request.devices // request.num_nodes} ranks a machine) "
+            f"offloaded on {request.devices} ranks. The smallest offloaded plan, strategy={smallest.strategy!r} "
+            f"precision={smallest.precision!r} activation_checkpointing={smallest.activation_checkpointing}, fits "
+            f"the device but holds {format_bytes(smallest.host_bytes)} per rank in host memory, "
+            f"{format_bytes(smallest.host_bytes - host)} over. Use machines with more host memory, more of them "
+            f"(the shards shrink with the ranks), or fewer ranks per machine.",
+            result,
+        )
     miss = smallest.predicted_peak_bytes_per_rank - usable
     return NoPlanFits(
         f"no candidate fits device_memory={request.device_memory!r} with {request.headroom:.0%} headroom "

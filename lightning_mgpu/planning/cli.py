@@ -13,7 +13,7 @@ pipeline) that fit, the recommended first (``--layouts --json``: every layout as
 ``--devices``, ``--num-nodes`` and ``--precisions`` default to the config's ``trainer.devices`` (times
 ``trainer.num_nodes``: the world), ``trainer.num_nodes`` and ``trainer.precision``; ``--device-memory`` and
 ``--headroom`` and ``--strategies`` to an ``mgpu_auto`` strategy's ``init_args``; ``--offload`` to the config
-strategy's ``offload``. A flag overrides the config.
+strategy's ``offload`` (no flag turns a config's offload off). A flag overrides the config.
 """
 
 from __future__ import annotations
@@ -99,6 +99,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         assert devices is not None and memory is not None
         precision = config.get("precision")
         precisions = tuple(args.precisions) if args.precisions else (precision,) if precision else DEFAULT_PRECISIONS
+        offload = bool(args.offload or config.get("offload"))
+        if args.host_memory is not None and not offload:
+            raise PlanError(
+                f"--host-memory {args.host_memory} is checked against what offload keeps in host memory, and this plan "
+                f"does not offload: add --offload (or a config strategy with offload: cpu), or leave --host-memory out."
+            )
         layouts = plan_layouts(
             args.config,
             devices=devices,
@@ -113,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             device_tflops=args.device_tflops,
             pipeline_microbatches=args.pipeline_microbatches,
             tensor_across_machines=args.tensor_across_machines,
-            offload=bool(args.offload or config.get("offload")),
+            offload=offload,
             host_memory=args.host_memory,
         )
         result = layouts.memory

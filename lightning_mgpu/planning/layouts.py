@@ -429,9 +429,14 @@ def _split_request(request: PlanRequest, strategy: str, data: int, replicas: int
     )
 
 
+def _host_holds(row: Any, request: PlanRequest) -> bool:
+    """Whether one rank's host memory holds what ``row`` offloads there (always, where host memory is not given)."""
+    return request.usable_host_bytes is None or row.host_bytes <= request.usable_host_bytes
+
+
 def _host_per_machine(request: PlanRequest, data: int, replicas: int) -> int:
-    """The host memory to give a layout's data request so that its per-rank share is the request's: the data
-    dimension's ranks of one machine share what one rank of the whole request may use."""
+    """The host memory to give a layout's data request so that each of its ranks may use what one rank of the whole
+    request may use (the data request counts ``data / replicas`` ranks a machine)."""
     per_rank = request.usable_host_bytes or 0
     return int(per_rank * max(1, data // replicas) / (1 - request.headroom)) + 1
 
@@ -704,7 +709,7 @@ def _layout(
         extra = max(0, g - kept.gradients_bytes) if kept.phase == "forward/backward" else 0
         peak = kept.predicted_peak_bytes_per_rank + extra
         row = replace(kept, gradients_bytes=kept.gradients_bytes + extra, predicted_peak_bytes_per_rank=peak)
-        row = replace(row, fits=peak <= usable)
+        row = replace(row, fits=peak <= usable and _host_holds(row, request))
     # the weights outside the blocks: whole on every rank of a pipeline, with their gradients and optimizer state
     out_params, out_grads, out_optimizer = _outside(states, trace, t, p)
     if out_params or out_grads or out_optimizer:
@@ -716,7 +721,7 @@ def _layout(
             gradients_bytes=row.gradients_bytes + out_grads,
             optimizer_state_bytes=row.optimizer_state_bytes + out_optimizer,
             predicted_peak_bytes_per_rank=peak,
-            fits=peak <= usable,
+            fits=peak <= usable and _host_holds(row, request),
             states_bytes=row.states_bytes + extra,
         )
     # communication per step, bytes one rank sends

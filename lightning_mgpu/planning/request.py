@@ -122,7 +122,10 @@ class PlanRequest:
     ``mgpu_ddp`` and ``mgpu_zero1`` do not offload and are planned as they are."""
     host_memory: Optional[Union[str, int]] = None
     """Host memory of one machine (bytes, or a string with a unit), checked with the same headroom against the
-    offloaded rows' host bytes times the ranks of one machine; None: not checked."""
+    offloaded rows' host bytes times the ranks of one machine; None: not checked. What is checked is the steady
+    state: at set-up each rank builds its whole model on the host before FSDP2 shards it, and with gradient
+    accumulation FSDP2 keeps each unit's unsharded gradients on the device between optimizer steps (the offloaded
+    rows count the device's gradients once reduced, as without accumulation)."""
     device_memory_bytes: int = field(init=False)
     host_memory_bytes: Optional[int] = field(init=False, default=None)
 

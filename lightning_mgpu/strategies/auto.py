@@ -205,7 +205,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
             # memory checked); where none does either, the error names the smallest plan without offload
             try:
                 offloaded = decide_layout(planned(offload=True), layout_arguments, memory_source=source)
-            except NoPlanFits:
+            except NoPlanFits as also:
+                on_device.args = (f"{on_device.args[0]} Offloaded to host memory, neither: {also.args[0]}",)
                 raise on_device from None
             if not offloaded.offload:
                 raise on_device from None

@@ -201,5 +201,6 @@ def test_adapters_over_a_4bit_base_train_the_same_on_the_device_sharded_and_offl
         assert r[name]["max_abs_diff"] < 1e-10, r  # float64; offload steps AdamW on the host
         assert r[name]["base_max_abs_diff"] == 0.0, r  # the frozen base is the same 4-bit base
         assert r[name]["nf4"][0] == r[name]["nf4"][1] > 0, r  # still 4-bit after fit, every packed weight
-    assert r["zero3_offload"]["base_on"] == ["cpu"], r  # the packed base waits in host memory
-    assert r["zero3"]["base_on"] == r["lightning"]["base_on"] == [DEVICE], r
+    # one device is one shard: the strategy keeps a 4-bit base outside FSDP2, whole on the device, offloaded or not
+    # (the planner counts it so); only the adapters' shards, gradients and optimizer state go to the host
+    assert r["zero3_offload"]["base_on"] == r["zero3"]["base_on"] == r["lightning"]["base_on"] == [DEVICE], r

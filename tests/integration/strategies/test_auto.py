@@ -12,7 +12,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 
-from lightning_mgpu import PRESETS, MGPUAutoStrategy, plan
+from lightning_mgpu import PRESETS, MGPUAutoStrategy, plan, plan_layouts
 from lightning_mgpu.planning import PlanError
 from tests.helpers import (
     NODES,
@@ -142,19 +142,17 @@ def test_mgpu_auto_takes_the_fastest_candidate_that_fits_and_trains_it(tmp_path,
 
 @pytest.mark.slow
 def test_mgpu_auto_offloads_only_where_nothing_fits_on_the_device_and_trains_the_same_weights(tmp_path):
-    """A device memory below every candidate's peak and above the offloaded sharded ones': ``mgpu_auto`` takes the
-    first offloaded candidate of the plan's order, builds it with ``offload="cpu"``, says why, and trains to the
-    weights of one process. Wide blocks, so that the states offload moves outweigh what checkpointing saves (the
-    other cases here, with more memory, are the control: nothing is offloaded there)."""
+    """A device memory below every layout's peak (a split of the model included) and above the offloaded sharded
+    candidates': ``mgpu_auto`` takes the first offloaded candidate of the plan's order, builds it with
+    ``offload="cpu"``, says why, and trains to the weights of one process (:class:`Stack`: offload beats every
+    split of it). The other cases here, with more memory, are the control: nothing is offloaded there."""
     batch = tuple(t[:B] for t in make_data().tensors)
-    model = Deep(width=256).double()
-    on_device = plan(model, devices=WORLD, device_memory="1TiB", batch=batch, precisions=("32-true",)).rows
+    model = Stack().double()
+    layouts = plan_layouts(model, devices=WORLD, device_memory="1TiB", batch=batch, precisions=("32-true",))
+    on_device = min(x.predicted_peak_bytes_per_rank for x in layouts.layouts if x.buildable)
     offloaded = plan(model, devices=WORLD, device_memory="1TiB", batch=batch, precisions=("32-true",), offload=True)
     candidates = [r for r in offloaded.rows if r.host_bytes]  # in the plan's order
-    memory = _between(
-        min(r.predicted_peak_bytes_per_rank for r in candidates),
-        min(r.predicted_peak_bytes_per_rank for r in on_device),
-    )
+    memory = _between(min(r.predicted_peak_bytes_per_rank for r in candidates), on_device)
     first = next(r for r in candidates if r.predicted_peak_bytes_per_rank <= memory)
     ranks, reference = _fit_auto(tmp_path, Stack, device_memory=memory)
     stage = {"mgpu_sharded": 2, "mgpu_zero3": 3}[first.strategy]

@@ -692,5 +692,10 @@ def test_offload_keeps_shards_gradients_and_optimizer_state_on_the_host_and_coun
     split = _find(offloaded, "mgpu_zero3", 1, 4, 2, 1)
     assert "offload='cpu' with tensor_parallel_size=2 is not built yet" in split.not_buildable
     assert _find(plain, "mgpu_zero3", 1, 4, 2, 1).buildable  # the control: not offloaded, it is built
+    # offloaded rows that fit the device but not the host: the error says host memory, and by how much
+    tight = PlanRequest(devices=n, device_memory="1GiB", precisions=("32-true",), strategies=("mgpu_zero3",),
+                        offload=True, host_memory=n * 1000)  # fmt: skip
+    with pytest.raises(NoPlanFits, match=r"fits the device but holds 3.91 KiB per rank in host memory, 3.03 KiB over"):
+        estimate("hand", tight, STATES, [TRACE], UNITS)
     with pytest.raises(PlanError, match="offload='yes' must be True or False"):
         PlanRequest(devices=n, device_memory="1GiB", offload="yes")  # type: ignore[arg-type]

@@ -386,3 +386,11 @@ def test_a_4bit_base_is_counted_at_its_packed_bytes_and_traced_as_it_computes():
     unpacked = count_model_states(stand_in_factory(plain))
     assert unpacked.parameters == {"float32": floats + 2 * 256 * 256 * 4} and unpacked.four_bit_count == 0
     assert isinstance(packed[0].weight, nn.Parameter) and not packed[0].weight.requires_grad  # the module untouched
+    # offloaded: over 2 shards each rank's share of the 4-bit base goes to the host; over one shard the 4-bit base
+    # stays outside FSDP2, whole on the device (the strategy's rule), and only the rest is offloaded
+    kw = dict(batch=batch, precisions=("32-true",), strategies=("mgpu_zero3",), offload=True)
+    two, one = plan(packed, devices=2, device_memory="1GiB", **kw), plan(packed, devices=1, device_memory="1GiB", **kw)
+    trained, adam = 4 * (256 * 4 + 4), two.states.optimizer_state + two.states.optimizer_transient
+    assert two.row("mgpu_zero3").host_bytes == (floats + weights) // 2 + trained // 2 + adam // 2
+    assert one.row("mgpu_zero3").host_bytes == floats + trained + adam  # no 4-bit byte on the host
+    assert one.row("mgpu_zero3").states_bytes == weights  # kept on the device between steps

@@ -194,6 +194,9 @@ def test_lightning_mgpu_plan_takes_devices_nodes_precision_and_memory_from_the_c
     config.write_text("trainer:\n  devices: 2\n  strategy: mgpu_zero3\n" + model)
     assert cli_main(["plan", "--config", str(config), "--device-memory", "1GiB"]) == 0
     assert "offload" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # host memory is checked against offload only: given without it, refused
+        cli_main(["plan", "--config", str(config), "--device-memory", "1GiB", "--host-memory", "1GiB"])
+    assert "this plan does not offload: add --offload" in capsys.readouterr().err
     config.write_text("trainer:\n  devices: auto\n" + model)
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["plan", "--config", str(config), "--device-memory", "1GiB"])
