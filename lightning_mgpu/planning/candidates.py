@@ -207,10 +207,9 @@ def candidate_row(
             gathers = 2 if strategy != "mgpu_sharded" else 1
             parts = (fb[0] - offloaded, 0, 0, fb[3], fb[4])  # the optimizer steps on the host: no device phase
             peak = sum(parts)
-            host_fits = request.usable_host_bytes is None or host <= request.usable_host_bytes
             return PlanRow(
                 strategy, trace.activation_checkpointing, trace.precision, *parts, peak, "forward/backward",
-                peak <= usable and host_fits, False, b + kept, host, gathers * offloaded + shard_g,
+                peak <= usable and request.host_holds(host), False, b + kept, host, gathers * offloaded + shard_g,
             )  # fmt: skip
     phase, parts = ("forward/backward", fb) if sum(fb) >= sum(step) else ("optimizer step", step)
     peak = sum(parts)

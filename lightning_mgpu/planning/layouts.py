@@ -429,11 +429,6 @@ def _split_request(request: PlanRequest, strategy: str, data: int, replicas: int
     )
 
 
-def _host_holds(row: Any, request: PlanRequest) -> bool:
-    """Whether one rank's host memory holds what ``row`` offloads there (always, where host memory is not given)."""
-    return request.usable_host_bytes is None or row.host_bytes <= request.usable_host_bytes
-
-
 def _host_per_machine(request: PlanRequest, data: int, replicas: int) -> int:
     """The host memory to give a layout's data request so that each of its ranks may use what one rank of the whole
     request may use (the data request counts ``data / replicas`` ranks a machine)."""
@@ -528,10 +523,9 @@ def sharded_arguments(layout: Layout) -> dict[str, Any]:
     holds whole replicas of each stage, which is mgpu_ddp's layout, not mgpu_sharded's)."""
     if layout.strategy == "mgpu_ddp" and not layout.model_parallel:
         return {}
-    offloaded = {"offload": "cpu"} if layout.host_bytes else {}
     if layout.pipeline > 1 and PRECISION_LAYOUT[layout.precision][2]:  # the FP32 masters of the master modes
         raise ValueError(master_precision_refusal(layout.precision, layout.pipeline))
-    sizes: dict[str, Any] = dict(offloaded)
+    sizes: dict[str, Any] = {"offload": "cpu"} if layout.host_bytes else {}
     if layout.strategy == "mgpu_hsdp":  # the planner's shard group, not the strategy's default
         sizes.update(mesh="hybrid", shard_size=layout.data_shard)
     if layout.tensor > 1:
@@ -709,7 +703,7 @@ def _layout(
         extra = max(0, g - kept.gradients_bytes) if kept.phase == "forward/backward" else 0
         peak = kept.predicted_peak_bytes_per_rank + extra
         row = replace(kept, gradients_bytes=kept.gradients_bytes + extra, predicted_peak_bytes_per_rank=peak)
-        row = replace(row, fits=peak <= usable and _host_holds(row, request))
+        row = replace(row, fits=peak <= usable and request.host_holds(row.host_bytes))
     # the weights outside the blocks: whole on every rank of a pipeline, with their gradients and optimizer state
     out_params, out_grads, out_optimizer = _outside(states, trace, t, p)
     if out_params or out_grads or out_optimizer:
@@ -721,7 +715,7 @@ def _layout(
             gradients_bytes=row.gradients_bytes + out_grads,
             optimizer_state_bytes=row.optimizer_state_bytes + out_optimizer,
             predicted_peak_bytes_per_rank=peak,
-            fits=peak <= usable and _host_holds(row, request),
+            fits=peak <= usable and request.host_holds(row.host_bytes),
             states_bytes=row.states_bytes + extra,
         )
     # communication per step, bytes one rank sends

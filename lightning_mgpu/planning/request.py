@@ -184,6 +184,11 @@ class PlanRequest:
             return None
         return int(self.host_memory_bytes * (1 - self.headroom)) // (self.devices // self.num_nodes)
 
+    def host_holds(self, nbytes: int) -> bool:
+        """Whether one rank's share of host memory holds ``nbytes`` (always, where ``host_memory`` is not given)."""
+        usable = self.usable_host_bytes
+        return usable is None or nbytes <= usable
+
 
 def layout_label(
     strategy: str,
