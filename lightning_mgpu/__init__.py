@@ -45,6 +45,7 @@ from lightning_mgpu.plugins.precision import MGPUPrecision
 from lightning_mgpu.presets import PRESETS, UnknownPreset, preset_table, register_presets
 from lightning_mgpu.quantization import quantize_frozen
 from lightning_mgpu.schedules import total_steps, warmup_schedule
+from lightning_mgpu.settings import FaultTolerance
 from lightning_mgpu.strategies import (
     MGPUAutoStrategy,
     MGPUDDPStrategy,
@@ -66,6 +67,7 @@ __all__ = [
     "DeviceMonitor",
     "EvenBatchSampler",
     "EveryNth",
+    "FaultTolerance",
     "IncompleteCheckpointError",
     "MGPUAutoStrategy",
     "MGPUDDPStrategy",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable
 
 from lightning_fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from pytorch_lightning.core.optimizer import LightningOptimizer
@@ -845,3 +845,44 @@ def operator_schema(op: Any) -> Any:
     """``OpOverload._schema``: an operator's schema (whether it mutates an input, whether an output aliases one;
     there is no public getter). Checked on torch 2.11 and 2.13."""
     return op._schema
+
+
+def _optimizer_step_progress(trainer: Any) -> Any:
+    # Lightning 2.6: global_step is automatic optimization's optimizer-step progress (total.completed)
+    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+
+
+def drop_optimizer_step(trainer: Any) -> Callable[[], None]:
+    """Fault tolerance: the optimizer step Lightning is taking now (called inside ``Strategy.optimizer_step``) was
+    not committed. Its progress is taken back at once (Lightning marks the step ready before the hook and completed
+    after it, so ``global_step`` stays where it was); returns the undo of what Lightning does after the hook, to run
+    once the batch is over: the step's scheduler steps (state and learning rates restored) and the logging step
+    (``_TrainingEpochLoop._batches_that_stepped``, private in 2.6)."""
+    step = _optimizer_step_progress(trainer)
+    for tracker in (step.total, step.current):
+        tracker.ready -= 1
+        tracker.completed -= 1  # Lightning's increment_completed follows the hook
+    schedulers = [(c.scheduler, c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+    loop = trainer.fit_loop.epoch_loop
+
+    def undo() -> None:
+        for scheduler, saved in schedulers:
+            scheduler.load_state_dict(saved)
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+        loop._batches_that_stepped -= 1
+
+    return undo
+
+
+def committed_loop_state(trainer: Any) -> dict[str, int]:
+    """The loop counters a healing replica group takes from a live one: ``global_step`` and the logging step."""
+    loop = trainer.fit_loop.epoch_loop
+    return {"global_step": trainer.global_step, "batches_that_stepped": loop._batches_that_stepped}
+
+
+def load_committed_loop_state(trainer: Any, state: dict[str, int]) -> None:
+    """Set the loop counters of :func:`committed_loop_state` (before a batch starts: nothing is in flight)."""
+    step = _optimizer_step_progress(trainer)
+    step.total.ready = step.total.completed = state["global_step"]
+    trainer.fit_loop.epoch_loop._batches_that_stepped = state["batches_that_stepped"]

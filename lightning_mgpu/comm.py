@@ -163,6 +163,26 @@ def broadcast(
         tensor.copy_(buffer)
 
 
+def replica_group_mean(manager: Any, tensors: Sequence[torch.Tensor], ledger: Optional[CommStats] = None) -> None:
+    """Average ``tensors`` in place over the replica groups of the current quorum through torchft's ``manager``
+    (``lightning_mgpu/parts/fault_tolerance.py``): one all-reduce per dtype and device, of a flat copy, on the
+    tensors' own device (the manager's process group was made for it). A failed all-reduce does not raise: the
+    manager records it and the step is not committed. Counted in ``ledger.replica_group_*``."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for same in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        manager.allreduce(flat).wait()
+        if ledger is not None:
+            ledger.replica_group_calls += 1
+            ledger.replica_group_bytes += flat.numel() * flat.element_size()
+        offset = 0
+        for tensor in same:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
 def all_gather(
     tensor: torch.Tensor, group: Optional[Any] = None, *, ledger: Optional[CommStats] = None
 ) -> torch.Tensor:

@@ -87,6 +87,15 @@ class CommStats:
     ``world_size / replicas`` ranks, and all-reduces the resulting shards (1/shard of those bytes) across the
     replicas; :meth:`per_group` splits the traffic, each against its lower bound."""
 
+    replica_group_calls: int = 0
+    """Fault tolerance (``fault_tolerance``): the all-reduces that averaged the gradients across replica groups
+    (torchft), one per gradient dtype and device per committed or dropped step."""
+    replica_group_bytes: int = 0
+    """Their payload bytes."""
+    heal_bytes: int = 0
+    """Fault tolerance: the bytes of the state this rank received from a live group when it healed (weights,
+    optimizer and scheduler state)."""
+
     @property
     def shard_size(self) -> int:
         """Ranks per shard group (the world size unless sharding is hybrid)."""

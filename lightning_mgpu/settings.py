@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import functools
 import importlib
@@ -22,6 +23,7 @@ import importlib.util
 import inspect
 import math
 import multiprocessing
+import os
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -234,6 +236,7 @@ TensorParallelPlanSetting = Union[Literal["auto", "auto+sequence"], dict[str, An
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 PipelineSplit = Union[Sequence[str], Literal["auto"]]
 Offload = Optional[Literal["cpu"]]
+FaultToleranceSetting = Union[bool, Mapping[str, Any], "FaultTolerance"]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 #: the strategies the planner (and mgpu_auto) can choose, fastest first
@@ -362,6 +365,122 @@ def _check_start_method(start_method: Any) -> None:
             f"start_method={start_method!r} is not available on this platform; available: "
             f"{multiprocessing.get_all_start_methods()} or 'popen'."
         )
+
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+"""torchft's own variable for the lighthouse's address (``http://host:29510``)."""
+GROUP_ENV = "MGPU_REPLICA_GROUP"
+"""This launch's replica group, 0 to ``replica_groups - 1``."""
+GROUPS_ENV = "MGPU_REPLICA_GROUPS"
+"""How many replica groups the job has (the data is split into that many shares)."""
+EXTRA = "pip install 'lightning-mgpu[torchft]'"
+LIGHTHOUSE_COMMAND = "torchft_lighthouse --min_replicas 1 --bind [::]:29510"
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Where this launch sits among the replica groups, and how long it waits. Each field not given is read from
+    the environment when the strategy is built (the names in brackets).
+
+    Example:
+
+        >>> from lightning_mgpu import FaultTolerance
+        >>> FaultTolerance(lighthouse="http://localhost:29510", replica_group=1, replica_groups=2).replica_group
+        1
+    """
+
+    lighthouse: Optional[str] = None
+    """The lighthouse's address, ``http://host:port`` (``TORCHFT_LIGHTHOUSE``)."""
+    replica_group: Optional[int] = None
+    """This launch's group, 0 to ``replica_groups - 1`` (``MGPU_REPLICA_GROUP``)."""
+    replica_groups: Optional[int] = None
+    """How many groups the job has; each draws its own share of the data (``MGPU_REPLICA_GROUPS``)."""
+    min_replicas: int = 1
+    """How many groups must take part in a step for it to commit."""
+    timeout: float = 60.0
+    """Seconds a cross-group all-reduce, a commit vote or a heal may take before the step is dropped."""
+    quorum_timeout: float = 60.0
+    """Seconds to wait for a quorum of at least ``min_replicas`` groups before failing."""
+
+    def __post_init__(self) -> None:
+        for name in ("replica_group", "replica_groups", "min_replicas"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"fault_tolerance {name}={value!r} must be an int.")
+        for name in ("timeout", "quorum_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"fault_tolerance {name}={value!r} must be a positive number of seconds.")
+        if self.min_replicas < 1:
+            raise ValueError(f"fault_tolerance min_replicas={self.min_replicas} must be at least 1.")
+        if self.replica_groups is not None and self.replica_groups < 1:
+            raise ValueError(f"fault_tolerance replica_groups={self.replica_groups} must be at least 1.")
+        if self.replica_groups is not None and self.min_replicas > self.replica_groups:
+            raise ValueError(
+                f"fault_tolerance min_replicas={self.min_replicas} is more than replica_groups={self.replica_groups}: "
+                f"no step could ever commit. Use min_replicas between 1 and {self.replica_groups}."
+            )
+        groups = self.replica_groups
+        if self.replica_group is not None and not 0 <= self.replica_group < (groups or self.replica_group + 1):
+            raise ValueError(
+                f"fault_tolerance replica_group={self.replica_group} is outside 0..{(self.replica_groups or 1) - 1} "
+                f"(replica_groups={self.replica_groups}): number the groups from 0."
+            )
+
+    def resolved(self, environ: Mapping[str, str]) -> FaultTolerance:
+        """These settings with every field not given read from ``environ``; a field missing in both is an error
+        naming the variable and the fix."""
+        values: dict[str, Any] = {}
+        for name, env in (("lighthouse", LIGHTHOUSE_ENV), ("replica_group", GROUP_ENV), ("replica_groups", GROUPS_ENV)):
+            value = getattr(self, name)
+            if value is None and env in environ:
+                text = environ[env]
+                if name == "lighthouse":
+                    value = text
+                else:
+                    try:
+                        value = int(text)
+                    except ValueError:
+                        raise ValueError(f"{env}={text!r} must be a whole number.") from None
+            if value is None:
+                hint = (
+                    f"start one with `{LIGHTHOUSE_COMMAND}` and pass its address, e.g. {env}=http://<its host>:29510"
+                    if name == "lighthouse"
+                    else f"give every launch its group (0, 1, ...) and the number of groups, e.g. {GROUP_ENV}=0 "
+                    f"{GROUPS_ENV}=2"
+                )
+                raise ValueError(
+                    f"fault_tolerance needs {name}: pass fault_tolerance={{{name!r}: ...}} or set {env}; {hint}."
+                )
+            values[name] = value
+        return dataclasses.replace(self, **values)
+
+
+def check_fault_tolerance(value: Any, environ: Optional[Mapping[str, str]] = None) -> Optional[FaultTolerance]:
+    """The strategy's ``fault_tolerance`` argument as settings, resolved against the environment, or None (off):
+    ``True`` (everything from the environment), a mapping of :class:`FaultTolerance`'s fields (a LightningCLI
+    config gives one), or a :class:`FaultTolerance`. Refused with the fix: torchft missing, an unknown field, a
+    field missing in both places."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        config = FaultTolerance()
+    elif isinstance(value, FaultTolerance):
+        config = value
+    elif isinstance(value, Mapping):
+        names = [f.name for f in dataclasses.fields(FaultTolerance)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise TypeError(f"fault_tolerance does not take {unknown}; its fields are {names}.")
+        config = FaultTolerance(**value)
+    else:
+        raise TypeError(
+            f"fault_tolerance={value!r} must be True (settings from the environment), a dict of {{lighthouse, "
+            f"replica_group, replica_groups, min_replicas, timeout, quorum_timeout}}, or None."
+        )
+    if importlib.util.find_spec("torchft") is None:
+        raise ImportError(f"fault_tolerance needs torchft, which is not installed: {EXTRA}")
+    return config.resolved(os.environ if environ is None else environ)
 
 
 @dataclass(frozen=True)
@@ -505,6 +624,14 @@ class DDPSettings(CommonSettings):
     one gradient-sized buffer and one copy per step, and lets the ledger count plain all-reduce from the buckets
     without a Python comm hook. Set it to False if your code replaces ``param.grad`` tensors or calls ``detach_()``
     on them (the ledger then counts through a Python hook, one extra pass over the gradients per step)."""
+    fault_tolerance: Optional[FaultToleranceSetting] = None
+    """Fault-tolerant replica groups (torchft; the ``torchft`` extra): the job is several launches, one per replica
+    group, that keep training when a group dies and heal it from a live group when it is started again; each
+    optimizer step commits only when every group of the step's quorum succeeded. ``True``: the lighthouse's address,
+    this group and the number of groups from ``TORCHFT_LIGHTHOUSE``, ``MGPU_REPLICA_GROUP``, ``MGPU_REPLICA_GROUPS``;
+    or a dict of :class:`~lightning_mgpu.FaultTolerance`'s fields (``lighthouse``,
+    ``replica_group``, ``replica_groups``, ``min_replicas``, ``timeout``, ``quorum_timeout``). Automatic
+    optimization only. See the fault-tolerance guide."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments of :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``...)."""
 
@@ -517,6 +644,7 @@ class DDPSettings(CommonSettings):
             raise TypeError(f"MGPUDDPStrategy does not take {replaced}. Use instead: {hints}.")
         super().__post_init__()
         check_comm_hook(self.comm_hook, self.comm_state)
+        object.__setattr__(self, "fault_tolerance", check_fault_tolerance(self.fault_tolerance))
         if self.micro_batch_size is not None and self.comm_hook in ("powersgd", "batched_powersgd"):
             raise ValueError(
                 f"micro_batch_size={self.micro_batch_size!r} with comm_hook={self.comm_hook!r}: with micro-batching "
@@ -595,6 +723,12 @@ class LocalSGDSettings:
                 f"sync_every steps. Use a smaller loader batch with accumulate_grad_batches."
             )
         kwargs.pop("micro_batch_size", None)
+        if kwargs.get("fault_tolerance") not in (None, False):
+            raise TypeError(
+                f"{owner} does not take fault_tolerance yet: fault-tolerant replica groups are built for mgpu_ddp "
+                f"(strategy=MGPUDDPStrategy(fault_tolerance=True), or 'mgpu_ddp_ft'). Remove fault_tolerance."
+            )
+        kwargs.pop("fault_tolerance", None)
         for name in ("comm_hook", "comm_state", "static_graph"):
             if kwargs.get(name) not in (None, False):
                 raise TypeError(

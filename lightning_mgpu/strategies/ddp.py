@@ -36,6 +36,7 @@ from lightning_mgpu import _compat
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave
 from lightning_mgpu.parts.ddp import DDPWrapping
+from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
 from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_directory_message
 from lightning_mgpu.plugins.precision import PrecisionAdoption
@@ -44,6 +45,7 @@ from lightning_mgpu.settings import (
     CommHookName,
     CompileSetting,
     DDPSettings,
+    FaultToleranceSetting,
     LossNormalization,
     MicroBatchSetting,
     NonFinite,
@@ -128,6 +130,7 @@ class MGPUDDPStrategy(DDPStrategy):
         compile: CompileSetting = False,
         exact_evaluation: bool = True,
         check_uneven_inputs: bool = True,
+        fault_tolerance: Optional[FaultToleranceSetting] = None,
         **ddp_kwargs: Any,
     ) -> None:
         ddp_kwargs = split_ddp_kwargs(ddp_kwargs)
@@ -169,6 +172,12 @@ class MGPUDDPStrategy(DDPStrategy):
     def comm_stats(self) -> CommStats:
         """The communication ledger of this rank (see :class:`~lightning_mgpu.CommStats`)."""
         return self._runtime.comm_stats
+
+    @property
+    def replicas(self) -> Optional[ReplicaGroups]:
+        """The fault-tolerant replica groups (``fault_tolerance``): committed and dropped steps, heals, the last
+        step's quorum; None where fault tolerance is off."""
+        return self._runtime.replicas
 
     @property
     def comm_hook(self) -> Optional[str]:
@@ -268,6 +277,7 @@ class MGPUDDPStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self._runtime.setup_ddp_sync(trainer, self._ddp)
+        self._runtime.join_replica_groups(trainer)
 
     @override
     def configure_ddp(self) -> None:
@@ -284,7 +294,8 @@ class MGPUDDPStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         self._runtime.sampler_requested()
-        return super().distributed_sampler_kwargs
+        kwargs = super().distributed_sampler_kwargs
+        return kwargs if self._runtime.replicas is None else self._runtime.replicas.sampler_kwargs(kwargs)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -293,7 +304,7 @@ class MGPUDDPStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         lightning_hook = super().on_train_batch_start
-        self._runtime.train_batch_start(lambda: lightning_hook(batch, batch_idx))
+        self._runtime.train_batch_start(lambda: lightning_hook(batch, batch_idx), batch_idx)
 
     @override
     def reduce(

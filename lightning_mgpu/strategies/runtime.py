@@ -48,6 +48,7 @@ from lightning_mgpu.parts.compilation import Compilation
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import ExactEvaluation
 from lightning_mgpu.parts.failures import FailureHandling
+from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
 from lightning_mgpu.parts.nonfinite import NonFiniteCheck
 from lightning_mgpu.parts.periodic_sync import CHECKPOINT_KEY, PeriodicSync
 from lightning_mgpu.parts.predictions import PredictionGathering
@@ -185,6 +186,9 @@ class Runtime:
         self.predictions = PredictionGathering()
         self.ddp = DDPWrapping(settings) if isinstance(settings, DDPSettings) else None
         """The DDP part (``mgpu_ddp``, its periodic family, the sharded stage 1); None where no DDP wraps the model."""
+        ft = getattr(settings, "fault_tolerance", None)
+        self.replicas = ReplicaGroups(ft, self.ledger.stats) if ft is not None else None
+        """The fault-tolerant replica groups (``fault_tolerance``); None where it is off."""
         self.periodic: Optional[PeriodicSync] = None
         """The periodic weight sync (``mgpu_local_sgd``, ``mgpu_diloco`` set it); None elsewhere."""
         self._periodic_restore: Optional[dict[str, Any]] = None  # loaded with the weights, applied with the optimizers
@@ -396,6 +400,17 @@ class Runtime:
         if self.periodic is not None and fitting and module is not None:
             self.periodic.setup(module.parameters(), ddp.process_group, strategy.world_size, module.buffers())
 
+    def join_replica_groups(self, trainer: pl.Trainer) -> None:
+        """Fault tolerance, when fitting: join the other replica groups through the lighthouse, over the store this
+        group's process group was made on."""
+        strategy = self.strategy
+        module = strategy.lightning_module
+        if self.replicas is None or trainer.state.fn != TrainerFn.FITTING or module is None:
+            return
+        env = strategy.cluster_environment
+        assert env is not None
+        self.replicas.setup(trainer, module, strategy.global_rank, strategy.world_size, env.main_address, env.main_port)
+
     def sync_manual_gradients(self, optimizer: Any, ddp: DistributedDataParallel) -> None:
         """Manual optimization: average ``optimizer``'s gradients across ranks, once per step; handed to the
         precision plugin, which calls it before it moves or clips the gradients."""
@@ -484,6 +499,10 @@ class Runtime:
             closure = self._token_closure(optimizer, closure)
         if self.nonfinite is not None:
             closure = self._nonfinite_closure(optimizer, closure)
+        replicas = self.replicas
+        if replicas is not None:  # a transaction over the replica groups: committed, or dropped everywhere
+            inner = step
+            step = lambda c: replicas.optimizer_step(optimizer, c, inner)  # noqa: E731
         if manual is not None:
             with manual.stepping():
                 output = step(closure)
@@ -620,11 +639,13 @@ class Runtime:
             return comm.lightning_reduce(tensor, group, reduce_op, exact_mean=self.settings.exact_evaluation)
         return tensor
 
-    def train_batch_start(self, lightning_hook: Callable[[], None]) -> None:
+    def train_batch_start(self, lightning_hook: Callable[[], None], batch_idx: int) -> None:
         trainer = self._attached()
         self.uneven.on_train_batch_start(trainer)  # once per epoch: the counts
         lightning_hook()
         self.resume.batch_started(trainer)
+        if self.replicas is not None and trainer is not None:  # the step's quorum (and a heal) before its forward
+            self.replicas.begin_step(accumulating_before=batch_idx % trainer.accumulate_grad_batches != 0)
 
     # --- trainer.predict, and what a worker hands to the main process ----------------------------------------
     def predict_start(self) -> None:
@@ -803,12 +824,16 @@ class Runtime:
 
     # --- end --------------------------------------------------------------------------------------------------
     def train_end(self) -> None:
+        if self.replicas is not None:
+            self.replicas.settle()  # the last batch's dropped step, undone
         self.settle_async_writes()  # fit's end waits for the last write; its failure raises on every rank
         self.ledger.write(self.strategy.lightning_module, self.strategy.is_global_zero, force=True)
 
     def teardown(self) -> None:
         if self.writes is not None:
             self.writes.end()
+        if self.replicas is not None:
+            self.replicas.teardown()
         if self.ddp is not None:
             self.ddp.manual.teardown()
             PrecisionAdoption.connect_gradient_sync(self.strategy.precision_plugin, None)

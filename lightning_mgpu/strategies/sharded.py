@@ -976,7 +976,7 @@ class MGPUShardedStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         lightning_hook = super().on_train_batch_start
-        self._runtime.train_batch_start(lambda: lightning_hook(batch, batch_idx))
+        self._runtime.train_batch_start(lambda: lightning_hook(batch, batch_idx), batch_idx)
 
     # --- memory ---------------------------------------------------------------------------------------
     def memory_report(self) -> ShardMemory:

@@ -16,6 +16,7 @@ import pytest
 from torch import nn
 
 from lightning_mgpu import (
+    FaultTolerance,
     MGPUAutoStrategy,
     MGPUDDPStrategy,
     MGPUDiLoCoStrategy,
@@ -58,6 +59,8 @@ NOT_NAMED = {
         "checkpoint_params",
     },
     MGPUAutoStrategy: {"activation_checkpointing_reentrant", "activation_checkpointing_save"},
+    # fault-tolerant replica groups are built for mgpu_ddp only: the sharded strategy refuses the keyword
+    MGPUShardedStrategy: {"fault_tolerance"},
 }
 # a valid value other than the default, per option, and what it needs beside it (where the strategy has that keyword)
 GIVEN: dict[str, Any] = {
@@ -81,6 +84,7 @@ GIVEN: dict[str, Any] = {
     "static_graph": True,
     "find_unused_parameters": True,
     "gradient_as_bucket_view": False,
+    "fault_tolerance": FaultTolerance(lighthouse="http://localhost:29510", replica_group=0, replica_groups=2),
     "stage": 3,
     "backend": "torch",
     "checkpoint": "sharded",

@@ -1,0 +1,184 @@
+"""Fault-tolerant replica groups: a group of ranks dies, the other groups keep training, the group is started again
+and heals from a live peer, without any rank of the others restarting. Built on torchft (PyTorch's
+fault-tolerance library; the ``torchft`` extra), not on a quorum of our own.
+
+The layout: the job is ``replica_groups`` independent launches (a script, ``torchrun`` or SLURM each, any number of
+processes per group), and a *lighthouse* (torchft's ``torchft_lighthouse``) that every group's first rank talks to.
+Inside a group, the strategy is what it is without fault tolerance (``mgpu_ddp``: DDP over the group's ranks).
+Across groups, each optimizer step is a transaction:
+
+1. before the step's first micro-batch, the groups agree on a *quorum* through the lighthouse (who is alive, at
+   which step); a group that is behind (started again after a failure, or new) first loads the weights, optimizer
+   and scheduler state and the loop's step count from a live group (torchft sends them; this is *healing*);
+2. after the step's last backward, the gradients (already averaged inside the group) are averaged over the groups
+   of the quorum through torchft's reconfigurable process group;
+3. the optimizer steps only if every group of the quorum says the step succeeded (``should_commit``); otherwise
+   the step is dropped on every group: no optimizer step, no scheduler step, and Lightning's ``global_step``
+   (so ``max_steps``, checkpoints' step and the progress bar) does not move. A group whose peer died in the
+   middle of the all-reduce drops the step and carries on with the next quorum.
+
+What a failure costs: the steps the failed group had taken since it last committed, and the batches the survivors
+were on when their all-reduce failed (those batches are skipped, not retried). ``min_replicas`` groups must take
+part in a step for it to commit; with fewer alive, the survivors wait for the quorum (up to ``quorum_timeout``).
+
+Each group draws its own share of the data: Lightning's distributed sampler sees ``replica_groups x group size``
+replicas, and this group's ranks are the ``replica_group``-th block of them.
+
+Example (two groups of one process each on one machine, after starting ``torchft_lighthouse --min_replicas 1``)::
+
+    # shell 1: MGPU_REPLICA_GROUP=0 MGPU_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://localhost:29510 \\
+    #          MASTER_PORT=29600 python train.py
+    # shell 2: the same with MGPU_REPLICA_GROUP=1 and MASTER_PORT=29700
+    trainer = Trainer(strategy=MGPUDDPStrategy(fault_tolerance=True), devices=1, max_steps=1000)
+    trainer.fit(model)
+    trainer.strategy.replicas.committed_steps
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_mgpu import _compat, comm
+from lightning_mgpu.settings import FaultTolerance
+
+
+class ReplicaGroups:
+    """The replica-group part of a strategy: torchft's manager, the per-step quorum, the cross-group gradient
+    average and the commit gate, the state a healing group receives, and Lightning's loop kept to committed steps.
+
+    Read after fit: :attr:`committed_steps`, :attr:`dropped_steps` (steps this group took part in), :attr:`heals`
+    (times this group loaded the state of a live group: the first quorum's start sync of a group other than the first
+    counts) and :attr:`participants` (groups in the last step's quorum).
+    """
+
+    def __init__(self, config: FaultTolerance, stats: Any) -> None:
+        self.config = config
+        self.stats = stats
+        self.manager: Any = None
+        self.committed_steps = 0
+        self.dropped_steps = 0
+        self.heals = 0
+        self.participants = 0
+        self.trainer: Any = None
+        self.module: Any = None
+        self._undo: Optional[Callable[[], None]] = None
+
+    @property
+    def group(self) -> int:
+        assert self.config.replica_group is not None  # resolved
+        return self.config.replica_group
+
+    @property
+    def groups(self) -> int:
+        assert self.config.replica_groups is not None  # resolved
+        return self.config.replica_groups
+
+    def sampler_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's sampler arguments for one group's ranks -> this group's block of every group's ranks."""
+        per_group = int(kwargs["num_replicas"])
+        return {**kwargs, "num_replicas": per_group * self.groups, "rank": self.group * per_group + int(kwargs["rank"])}
+
+    def setup(self, trainer: Any, module: Any, group_rank: int, group_size: int, address: str, port: int) -> None:
+        """Join the replica groups (fit only): torchft's manager over this group's store (``address:port``, the
+        store Lightning's process group was made on), a cross-group process group on the gradients' device."""
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        if not module.automatic_optimization:
+            raise RuntimeError(
+                "fault_tolerance supports automatic optimization only: a dropped step must be one optimizer step "
+                "Lightning takes. Remove fault_tolerance, or use automatic optimization."
+            )
+        self.trainer, self.module = trainer, module
+        timeout = timedelta(seconds=self.config.timeout)
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        group = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=group,
+            load_state_dict=self.load_heal_state,
+            state_dict=self.heal_state,
+            min_replica_size=self.config.min_replicas,
+            use_async_quorum=False,  # a healing group loads its state before the step's forward and takes part in it
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=self.config.quorum_timeout),
+            connect_timeout=timeout,
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=address,
+            store_port=port,
+            lighthouse_addr=self.config.lighthouse,
+            replica_id=f"mgpu_group_{self.group}",
+            hostname=socket.gethostname(),
+        )
+
+    def begin_step(self, accumulating_before: bool) -> None:
+        """Before a training batch: a batch that starts an optimizer step (``accumulating_before`` False: no
+        micro-batch of this step ran yet) starts the quorum, healing this group first if it is behind."""
+        self.settle()
+        if self.manager is not None and not accumulating_before:
+            self.manager.start_quorum()
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any]
+    ) -> Any:
+        """One optimizer step as a transaction: the closure (the step's last forward and backward), the gradients
+        averaged over the quorum's groups, then Lightning's ``step`` only if every group commits."""
+        if self.manager is None:
+            return step(closure)
+        output = closure()
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        comm.replica_group_mean(self.manager, [p.grad for p in params], self.stats)
+        self.participants = self.manager.num_participants()
+        if self.manager.should_commit():
+            self.committed_steps += 1
+            return step(lambda: output)
+        self.dropped_steps += 1
+        self._undo = _compat.drop_optimizer_step(self.trainer)
+        return output
+
+    def settle(self) -> None:
+        """After a dropped step, once Lightning's loop has finished it: its scheduler step and logging step undone."""
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+    def heal_state(self) -> dict[str, Any]:
+        trainer, module = self.trainer, self.module
+        return {
+            "module": module.state_dict(),
+            "optimizers": [o.state_dict() for o in trainer.optimizers],
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "loop": _compat.committed_loop_state(trainer),
+        }
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        trainer, module = self.trainer, self.module
+        module.load_state_dict(state["module"])
+        for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+            config.scheduler.load_state_dict(saved)
+        _compat.load_committed_loop_state(trainer, state["loop"])
+        self.heals += 1
+        self.stats.heal_bytes += sum(t.numel() * t.element_size() for t in _tensors(state))
+
+    def teardown(self) -> None:
+        self.settle()
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, Mapping):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return []

@@ -1,0 +1,173 @@
+"""One replica group of the fault-tolerance tests (``test_fault_tolerance.py``), a script as a user's would be: a
+LightningModule trained by ``Trainer(strategy=MGPUDDPStrategy(fault_tolerance=...))``.
+
+``python fault_tolerance_worker.py NAMESPACE OUT GROUP LIGHTHOUSE [--die-after N] [--seed SEED] [--devices N]
+[--signal NAME] [--wait NAME:STEP ...]``
+
+Every training batch appends one line to ``OUT/group{GROUP}.jsonl`` as it ends (so a killed group's lines stay):
+the step count before and after it, the dataset rows it trained on, the groups in its quorum, this process's pid.
+With ``--die-after N``, the group's last rank SIGKILLs itself in the forward of its (N+1)-th batch (the other
+ranks of the group then fail in their next collective, and the group ends). The test's choreography:
+``--signal NAME`` writes ``OUT/NAME`` when training starts (the group has joined the lighthouse's job);
+``--wait NAME:STEP`` holds the group before the batch that would make step STEP+1 until ``OUT/NAME`` exists
+(0: when training starts). At the end, ``OUT/weights{GROUP}.pt`` holds the weights and ``OUT/end{GROUP}.json``
+the part's counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("namespace", choices=("pytorch_lightning", "lightning"))
+parser.add_argument("out", type=Path)
+parser.add_argument("group", type=int)
+parser.add_argument("lighthouse")
+parser.add_argument("--die-after", type=int, default=None)
+parser.add_argument("--signal", default=None)
+parser.add_argument("--wait", action="append", default=[])
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--devices", type=int, default=1)
+parser.add_argument("--start-method", default="fork")
+parser.add_argument("--max-steps", type=int, default=24)
+parser.add_argument("--pause", type=float, default=0.05)
+args = parser.parse_args()
+
+if args.namespace == "lightning":
+    import lightning.pytorch as pl
+
+    from lightning_mgpu.lightning import MGPUDDPStrategy
+else:
+    import pytorch_lightning as pl
+
+    from lightning_mgpu import MGPUDDPStrategy
+
+torch.set_default_dtype(torch.float64)
+ROWS, FEATURES, BATCH, GROUPS = 256, 4, 8, 2
+LR, MOMENTUM = 0.05, 0.9
+
+
+def decay(step: int) -> float:
+    return 1.0 / (1.0 + 0.1 * step)
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(ROWS, FEATURES, generator=g)
+    return x, x @ torch.randn(FEATURES, 1, generator=g) + 0.1 * torch.randn(ROWS, 1, generator=g)
+
+
+class Indexed(Dataset):
+    def __init__(self) -> None:
+        self.x, self.y = data()
+
+    def __len__(self) -> int:
+        return ROWS
+
+    def __getitem__(self, i: int):
+        return i, self.x[i], self.y[i]
+
+
+class Net(pl.LightningModule):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def on_train_start(self):
+        if args.signal is not None:
+            (args.out / args.signal).touch()
+        self._batches = 0
+        self._hold(0)
+
+    def _hold(self, step: int) -> None:
+        for name, at in (w.split(":") for w in args.wait):
+            while int(at) == step and not (args.out / name).exists():
+                time.sleep(0.05)
+
+    def training_step(self, batch, batch_idx):
+        rows, x, y = batch
+        self._before, self._rows = self.trainer.global_step, rows.tolist()
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if args.die_after is not None and self._batches == args.die_after and self.global_rank == args.devices - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the step: after its forward, before its backward
+        self._batches += 1
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        replicas = self.trainer.strategy.replicas
+        line = {
+            "before": self._before,
+            "after": self.trainer.global_step,
+            "rows": self._rows,
+            "participants": replicas.participants,
+            "rank": self.global_rank,
+            "pid": os.getpid(),
+        }
+        with open(args.out / f"group{args.group}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        time.sleep(args.pause)
+        self._hold(self.trainer.global_step)
+
+    def on_train_end(self):
+        if self.global_rank != 0:
+            return
+        strategy = self.trainer.strategy
+        torch.save({k: v.detach().clone() for k, v in self.state_dict().items()}, args.out / f"weights{args.group}.pt")
+        end = {
+            "global_step": self.trainer.global_step,
+            "committed": strategy.replicas.committed_steps,
+            "dropped": strategy.replicas.dropped_steps,
+            "heals": strategy.replicas.heals,
+            "replica_group_bytes": strategy.comm_stats.replica_group_bytes,
+            "heal_bytes": strategy.comm_stats.heal_bytes,
+        }
+        (args.out / f"end{args.group}.json").write_text(json.dumps(end))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)  # steps with committed steps only
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(Indexed(), batch_size=BATCH)
+
+
+if __name__ == "__main__":
+    strategy = MGPUDDPStrategy(
+        fault_tolerance={
+            "lighthouse": args.lighthouse,
+            "replica_group": args.group,
+            "replica_groups": GROUPS,
+            "timeout": 10,
+            "quorum_timeout": 60,
+        },
+        # inside the group: a dead rank ends the others after a 3 s roll call (parts/failures.py), not 10 s
+        timeout=timedelta(seconds=12),
+        # the group's ranks forked from this process: one import of torch and Lightning per group, not per rank
+        start_method=args.start_method,
+    )
+    model = Net(args.seed)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    sys.exit(0)

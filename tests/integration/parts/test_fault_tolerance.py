@@ -1,0 +1,166 @@
+"""Fault-tolerant replica groups (``MGPUDDPStrategy(fault_tolerance=...)``, ``parts/fault_tolerance.py``): a replica
+group is SIGKILLed in the middle of a step, the other keeps committing steps without any process of its
+restarting, the group is started again, heals from the survivor and joins; at the end both hold the same weights,
+and those weights are the one-process replay of the committed steps (float64, torch's default tolerance).
+
+Each group is its own launch of ``fault_tolerance_worker.py`` (a script as users write one), the lighthouse is
+torchft's ``torchft_lighthouse`` command as the fault-tolerance guide starts it; group 0 imports Lightning as
+``pytorch_lightning``, group 1 as ``lightning`` (``import lightning as L``), so one run proves both namespaces, and
+that they train together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchft", reason="the torchft extra is not installed in this environment")
+
+ROOT = Path(__file__).resolve().parents[3]
+WORKER = Path(__file__).with_name("fault_tolerance_worker.py")
+DIE_AFTER = 4  # group 1 kills itself in the forward of its 5th batch
+REJOIN_AT = 14  # group 0 holds after step 14 until group 1, started again, has joined the job
+MAX_STEPS = 24
+GROUP_SIZE = 2  # processes per replica group (DDP inside it)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait(condition, timeout: float, what: str, procs) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        for p in procs:
+            if p.poll() not in (None, 0, -signal.SIGKILL):
+                raise AssertionError(f"a group failed (exit {p.returncode}): {p.args}")
+        time.sleep(0.1)
+
+
+def _replay(logs: dict[int, list[dict]], steps: int, drop_group: int | None = None) -> dict[str, torch.Tensor]:
+    """One process, float64: the worker's model and optimizer; at each committed step, the gradient is the mean over
+    the groups that committed it of each group's gradient, itself the mean over the group's ranks of each rank's
+    batch-mean gradient (the rows each logged): DDP inside a group, torchft's average across groups. The learning
+    rate decays with the committed steps."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, y = _data()
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.1 * step))
+        for step in range(steps):
+            groups = {
+                group: [line["rows"] for line in lines if line["before"] == step and line["after"] == step + 1]
+                for group, lines in sorted(logs.items())
+                if group != drop_group
+            }
+            groups = {group: ranks for group, ranks in groups.items() if ranks}
+            assert groups, f"no group committed step {step + 1}"
+            opt.zero_grad()
+            for ranks in groups.values():
+                for rows in ranks:
+                    loss = nn.functional.mse_loss(net(x[rows]), y[rows]) / (len(ranks) * len(groups))
+                    loss.backward()
+            opt.step()
+            schedule.step()
+        return {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 4, generator=g)
+    return x, x @ torch.randn(4, 1, generator=g) + 0.1 * torch.randn(256, 1, generator=g)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_equal_the_replay(tmp_path):
+    lighthouse_port = _free_port()
+    lighthouse_bin = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str, **env: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{len(procs)}.log", "w")
+        proc = subprocess.Popen(
+            list(args), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        )  # fmt: skip
+        procs.append(proc)
+        return proc
+
+    def group(number: int, namespace: str, *extra: str) -> subprocess.Popen:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        address = f"http://127.0.0.1:{lighthouse_port}"
+        args = (namespace, str(tmp_path), str(number), address, "--devices", str(GROUP_SIZE), *extra)
+        return start(sys.executable, str(WORKER), *args, **env)
+
+    try:
+        # the guide's command; a dead group is dropped from the quorum after 1 s without its heartbeat
+        start(lighthouse_bin, "--min_replicas", "1", "--bind", f"[::]:{lighthouse_port}",
+              "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1000")  # fmt: skip
+        # both start together; group 0 waits after step REJOIN_AT for group 1's second start
+        first = group(0, "pytorch_lightning", "--wait", "started:0", "--wait", f"rejoined:{REJOIN_AT}")
+        doomed = group(1, "lightning", "--signal", "started", "--die-after", str(DIE_AFTER))
+        log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
+        _wait(lambda: doomed.poll() is not None, 120, "group 1 to kill itself", procs)
+        assert doomed.returncode != 0
+        _wait(lambda: len(_lines(log0)) >= REJOIN_AT, 60, "group 0 to go on alone", procs)
+        # started again, with other initial weights than group 0's: only the heal can make them equal
+        again = group(1, "lightning", "--signal", "rejoined", "--seed", "7")
+        for proc in (first, again):
+            proc.wait(timeout=150)
+            assert proc.returncode == 0, (tmp_path / f"{procs.index(proc)}.log").read_text()[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    logs = {0: _lines(log0), 1: _lines(log1)}
+    ends = {g: json.loads((tmp_path / f"end{g}.json").read_text()) for g in (0, 1)}
+    # the survivor: the same processes all along, kept committing while group 1 was gone (a quorum of itself)
+    assert len({line["pid"] for line in logs[0]}) == GROUP_SIZE
+    alone = {line["after"] for line in logs[0] if line["after"] > line["before"] and line["participants"] == 1}
+    assert len(alone) >= REJOIN_AT - DIE_AFTER - 2, logs[0]  # the steps it committed while group 1 was gone
+    # the restarted group healed: it started at the survivor's step, not at 0, and trained with it to the end
+    first_pids = {line["pid"] for line in logs[1][: GROUP_SIZE * DIE_AFTER]}
+    restarted = [line for line in logs[1] if line["pid"] not in first_pids]
+    assert restarted[0]["before"] >= REJOIN_AT and ends[1]["heals"] >= 1 and ends[1]["heal_bytes"] > 0
+    assert all(line["participants"] == 2 for line in restarted if line["after"] > line["before"])
+    assert ends[0]["global_step"] == ends[1]["global_step"] == MAX_STEPS
+    # every step counted by Lightning was committed; a dropped one is not counted (global_step did not move)
+    for lines in logs.values():
+        assert all(line["after"] - line["before"] in (0, 1) for line in lines)
+    weights = {g: torch.load(tmp_path / f"weights{g}.pt") for g in (0, 1)}
+    for name in weights[0]:
+        torch.testing.assert_close(weights[1][name], weights[0][name])
+    replay = _replay(logs, MAX_STEPS)
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], replay[name])
+    # negative control: the replay without group 1's batches is not what the groups trained
+    wrong = _replay(logs, MAX_STEPS, drop_group=1)
+    with pytest.raises(AssertionError):
+        for name in weights[0]:
+            torch.testing.assert_close(weights[0][name], wrong[name])

@@ -1,0 +1,72 @@
+"""The fault-tolerance option (``fault_tolerance``): where its settings come from, what is refused before anything
+starts, and each group's share of the data. The kill-and-rejoin proof is
+``tests/integration/parts/test_fault_tolerance.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from lightning_mgpu import FaultTolerance, MGPUDDPStrategy, MGPUDiLoCoStrategy, MGPULocalSGDStrategy
+from lightning_mgpu.ledger import CommStats
+from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
+from lightning_mgpu.settings import check_fault_tolerance
+
+ENV = {"TORCHFT_LIGHTHOUSE": "http://lighthouse:29510", "MGPU_REPLICA_GROUP": "1", "MGPU_REPLICA_GROUPS": "3"}
+
+
+def test_true_reads_the_lighthouse_group_and_groups_from_the_environment_and_arguments_win():
+    assert check_fault_tolerance(True, ENV) == FaultTolerance(
+        lighthouse="http://lighthouse:29510", replica_group=1, replica_groups=3
+    )
+    given = check_fault_tolerance({"replica_group": 2, "min_replicas": 2}, ENV)
+    assert (given.replica_group, given.replica_groups, given.min_replicas) == (2, 3, 2)
+    assert check_fault_tolerance(None, ENV) is None and check_fault_tolerance(False, ENV) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "environ", "message"),
+    [
+        (True, {}, "fault_tolerance needs lighthouse: pass fault_tolerance={'lighthouse': ...} or set "
+                   "TORCHFT_LIGHTHOUSE; start one with `torchft_lighthouse --min_replicas 1"),
+        (True, {"TORCHFT_LIGHTHOUSE": "http://h:1"}, "fault_tolerance needs replica_group: pass fault_tolerance="
+                                                      "{'replica_group': ...} or set MGPU_REPLICA_GROUP"),
+        (True, {**ENV, "MGPU_REPLICA_GROUP": "one"}, "MGPU_REPLICA_GROUP='one' must be a whole number."),
+        ({"min_replicas": 4}, ENV, "min_replicas=4 is more than replica_groups=3: no step could ever commit"),
+        ({"replica_group": 3}, ENV, "replica_group=3 is outside 0..2 (replica_groups=3): number the groups from 0."),
+        ({"timeout": 0}, ENV, "fault_tolerance timeout=0 must be a positive number of seconds."),
+        ({"lighthose": "x"}, ENV, "fault_tolerance does not take ['lighthose']; its fields are ['lighthouse', "),
+        ("yes", ENV, "fault_tolerance='yes' must be True (settings from the environment), a dict of"),
+    ],
+)  # fmt: skip
+def test_a_bad_or_missing_setting_is_refused_naming_it_and_the_fix(value, environ, message):
+    with pytest.raises((ValueError, TypeError)) as err:
+        check_fault_tolerance(value, environ)
+    assert message in str(err.value)
+
+
+def test_without_torchft_the_option_names_the_extra_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    with pytest.raises(ImportError, match=r"fault_tolerance needs torchft, which is not installed: pip install "
+                                          r"'lightning-mgpu\[torchft\]'"):  # fmt: skip
+        check_fault_tolerance(True, ENV)
+
+
+def test_the_strategy_takes_it_at_construction_and_the_periodic_strategies_refuse_it(monkeypatch):
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    strategy = MGPUDDPStrategy(fault_tolerance=True)
+    assert strategy.settings.fault_tolerance.replica_groups == 3 and strategy.replicas is not None
+    assert MGPUDDPStrategy().replicas is None
+    for cls in (MGPULocalSGDStrategy, MGPUDiLoCoStrategy):
+        with pytest.raises(TypeError, match=f"{cls.__name__} does not take fault_tolerance yet"):
+            cls(fault_tolerance=True)
+
+
+def test_each_group_draws_its_own_block_of_the_data():
+    """3 groups of 2 ranks: Lightning's sampler sees 6 replicas; group 1's ranks are replicas 2 and 3."""
+    replicas = ReplicaGroups(check_fault_tolerance(True, ENV), CommStats())
+    kwargs = {"num_replicas": 2, "rank": 1, "shuffle": True}
+    assert replicas.sampler_kwargs(kwargs) == {"num_replicas": 6, "rank": 3, "shuffle": True}
