@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_mgpu import _compat, comm
-from lightning_mgpu.settings import FaultTolerance
+from lightning_mgpu.settings import LIGHTHOUSE_COMMAND, FaultTolerance
 
 
 class ReplicaGroups:
@@ -120,8 +120,21 @@ class ReplicaGroups:
         """Before a training batch: a batch that starts an optimizer step (``accumulating_before`` False: no
         micro-batch of this step ran yet) starts the quorum, healing this group first if it is behind."""
         self.settle()
-        if self.manager is not None and not accumulating_before:
+        if self.manager is None or accumulating_before:
+            return
+        try:
             self.manager.start_quorum()
+        except Exception as err:  # torchft's quorum RPC: a TimeoutError, or a RuntimeError when it cannot connect
+            config = self.config
+            raise RuntimeError(
+                f"lightning-mgpu: replica group {self.group} got no quorum from the lighthouse at {config.lighthouse} "
+                f"within quorum_timeout={config.quorum_timeout:g} s ({type(err).__name__}: {err}). Is the lighthouse "
+                f"still running? Start it again (`{LIGHTHOUSE_COMMAND}`), then this group: it heals from a group "
+                f"still training or, where none is, resume it from its last checkpoint (trainer.fit(..., "
+                f"ckpt_path=...)). With fewer than min_replicas={config.min_replicas} groups alive no step can commit "
+                f"either. This group's weights are those of its last committed step, {self.trainer.global_step}; "
+                f"its checkpoints so far are whole."
+            ) from err
 
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any]

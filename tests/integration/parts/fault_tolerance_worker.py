@@ -42,6 +42,8 @@ parser.add_argument("--devices", type=int, default=1)
 parser.add_argument("--start-method", default="fork")
 parser.add_argument("--max-steps", type=int, default=24)
 parser.add_argument("--pause", type=float, default=0.05)
+parser.add_argument("--quorum-timeout", type=float, default=60)
+parser.add_argument("--checkpoint-every", type=int, default=None)
 args = parser.parse_args()
 
 if args.namespace == "lightning":
@@ -151,7 +153,7 @@ if __name__ == "__main__":
             "replica_group": args.group,
             "replica_groups": GROUPS,
             "timeout": 10,
-            "quorum_timeout": 60,
+            "quorum_timeout": args.quorum_timeout,
         },
         # inside the group: a dead rank ends the others after a 3 s roll call (parts/failures.py), not 10 s
         timeout=timedelta(seconds=12),
@@ -165,7 +167,11 @@ if __name__ == "__main__":
         strategy=strategy,
         max_steps=args.max_steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.checkpoint_every is not None,
+        callbacks=[
+            pl.callbacks.ModelCheckpoint(args.out / "checkpoints", every_n_train_steps=n, save_top_k=-1)
+            for n in ([args.checkpoint_every] if args.checkpoint_every else [])
+        ],
         enable_progress_bar=False,
         enable_model_summary=False,
     )

@@ -94,49 +94,64 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ torch.randn(4, 1, generator=g) + 0.1 * torch.randn(256, 1, generator=g)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_equal_the_replay(tmp_path):
-    lighthouse_port = _free_port()
-    lighthouse_bin = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
-    procs: list[subprocess.Popen] = []
+class _Job:
+    """The processes of one fault-tolerant job, each in a session of its own, its output in ``<n>.log``; every one
+    still running at the end is SIGKILLed with its children."""
 
-    def start(*args: str, **env: str) -> subprocess.Popen:
-        log = open(tmp_path / f"{len(procs)}.log", "w")
-        proc = subprocess.Popen(
-            list(args), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        )  # fmt: skip
-        procs.append(proc)
-        return proc
+    def __init__(self, out: Path) -> None:
+        self.out, self.procs, self.lighthouse_port = out, [], _free_port()
 
-    def group(number: int, namespace: str, *extra: str) -> subprocess.Popen:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-        address = f"http://127.0.0.1:{lighthouse_port}"
-        args = (namespace, str(tmp_path), str(number), address, "--devices", str(GROUP_SIZE), *extra)
-        return start(sys.executable, str(WORKER), *args, **env)
+    def __enter__(self) -> _Job:
+        return self
 
-    try:
-        # the guide's command; a dead group is dropped from the quorum after 1 s without its heartbeat
-        start(lighthouse_bin, "--min_replicas", "1", "--bind", f"[::]:{lighthouse_port}",
-              "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1000")  # fmt: skip
-        # both start together; group 0 waits after step REJOIN_AT for group 1's second start
-        first = group(0, "pytorch_lightning", "--wait", "started:0", "--wait", f"rejoined:{REJOIN_AT}")
-        doomed = group(1, "lightning", "--signal", "started", "--die-after", str(DIE_AFTER))
-        log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
-        _wait(lambda: doomed.poll() is not None, 120, "group 1 to kill itself", procs)
-        assert doomed.returncode != 0
-        _wait(lambda: len(_lines(log0)) >= REJOIN_AT, 60, "group 0 to go on alone", procs)
-        # started again, with other initial weights than group 0's: only the heal can make them equal
-        again = group(1, "lightning", "--signal", "rejoined", "--seed", "7")
-        for proc in (first, again):
-            proc.wait(timeout=150)
-            assert proc.returncode == 0, (tmp_path / f"{procs.index(proc)}.log").read_text()[-4000:]
-    finally:
-        for proc in procs:
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+    def start(self, *args: str, **env: str) -> subprocess.Popen:
+        log = open(self.out / f"{len(self.procs)}.log", "w")
+        proc = subprocess.Popen(
+            list(args), cwd=self.out, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        )  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def output(self, proc: subprocess.Popen) -> str:
+        return (self.out / f"{self.procs.index(proc)}.log").read_text()
+
+    def lighthouse(self) -> subprocess.Popen:
+        """The guide's command; a dead group is dropped from the quorum after 1 s without its heartbeat."""
+        command = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
+        return self.start(command, "--min_replicas", "1", "--bind", f"[::]:{self.lighthouse_port}",
+                          "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1000")  # fmt: skip
+
+    def group(self, number: int, namespace: str, *extra: str) -> subprocess.Popen:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        address = f"http://127.0.0.1:{self.lighthouse_port}"
+        args = (namespace, str(self.out), str(number), address, "--devices", str(GROUP_SIZE), *extra)
+        return self.start(sys.executable, str(WORKER), *args, **env)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_equal_the_replay(tmp_path):
+    log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
+    with _Job(tmp_path) as job:
+        job.lighthouse()
+        # both start together; group 0 waits after step REJOIN_AT for group 1's second start
+        first = job.group(0, "pytorch_lightning", "--wait", "started:0", "--wait", f"rejoined:{REJOIN_AT}")
+        doomed = job.group(1, "lightning", "--signal", "started", "--die-after", str(DIE_AFTER))
+        _wait(lambda: doomed.poll() is not None, 120, "group 1 to kill itself", job.procs)
+        assert doomed.returncode != 0
+        _wait(lambda: len(_lines(log0)) >= REJOIN_AT, 60, "group 0 to go on alone", job.procs)
+        # started again, with other initial weights than group 0's: only the heal can make them equal
+        again = job.group(1, "lightning", "--signal", "rejoined", "--seed", "7")
+        for proc in (first, again):
+            proc.wait(timeout=150)
+            assert proc.returncode == 0, job.output(proc)[-4000:]
 
     logs = {0: _lines(log0), 1: _lines(log1)}
     ends = {g: json.loads((tmp_path / f"end{g}.json").read_text()) for g in (0, 1)}
@@ -164,3 +179,28 @@ def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_e
     with pytest.raises(AssertionError):
         for name in weights[0]:
             torch.testing.assert_close(weights[0][name], wrong[name])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_lighthouse_going_away_ends_the_group_within_its_quorum_timeout_naming_it_checkpoints_whole(tmp_path):
+    log = tmp_path / "group0.jsonl"
+    with _Job(tmp_path) as job:
+        lighthouse = job.lighthouse()
+        group = job.group(0, "pytorch_lightning", "--max-steps", "10000", "--quorum-timeout", "3",
+                          "--checkpoint-every", "2")  # fmt: skip
+        _wait(lambda: len(_lines(log)) >= 6 * GROUP_SIZE, 120, "group 0 to train", job.procs)
+        lighthouse.kill()
+        gone = time.monotonic()
+        group.wait(timeout=60)
+        ended = time.monotonic() - gone
+        output = job.output(group)
+    assert group.returncode != 0 and ended < 3 + 30, ended  # the quorum timeout, the roll call, the exit
+    address = f"http://127.0.0.1:{job.lighthouse_port}"
+    assert f"replica group 0 got no quorum from the lighthouse at {address} within quorum_timeout=3 s" in output
+    assert "Start it again (`torchft_lighthouse --min_replicas 1 --bind [::]:29510`), then this group" in output
+    committed = max(line["after"] for line in _lines(log))
+    saved = list(tmp_path.glob("checkpoints/*"))
+    assert saved and all(path.suffix == ".ckpt" for path in saved)  # no file left half written
+    steps = sorted(torch.load(path, weights_only=False)["global_step"] for path in saved)  # each loads: whole
+    assert steps == list(range(2, committed + 1, 2)), (steps, committed)
