@@ -401,13 +401,18 @@ class FaultTolerance:
     """Seconds a cross-group all-reduce, a commit vote or a heal may take before the step is dropped."""
     quorum_timeout: float = 60.0
     """Seconds to wait for a quorum of at least ``min_replicas`` groups before failing."""
+    step_timeout: float = 600.0
+    """Seconds one optimizer step of this group may take, from its quorum (and heal) to its commit vote (its
+    micro-batches included), before the group takes itself out of the job: a group stuck in user code or a data
+    loader keeps heartbeating, and would hold every other group's next quorum. Its processes then end with an error
+    naming the step; started again, the group heals."""
 
     def __post_init__(self) -> None:
         for name in ("replica_group", "replica_groups", "min_replicas"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"fault_tolerance {name}={value!r} must be an int.")
-        for name in ("timeout", "quorum_timeout"):
+        for name in ("timeout", "quorum_timeout", "step_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"fault_tolerance {name}={value!r} must be a positive number of seconds.")
@@ -476,7 +481,7 @@ def check_fault_tolerance(value: Any, environ: Optional[Mapping[str, str]] = Non
     else:
         raise TypeError(
             f"fault_tolerance={value!r} must be True (settings from the environment), a dict of {{lighthouse, "
-            f"replica_group, replica_groups, min_replicas, timeout, quorum_timeout}}, or None."
+            f"replica_group, replica_groups, min_replicas, timeout, quorum_timeout, step_timeout}}, or None."
         )
     if importlib.util.find_spec("torchft") is None:
         raise ImportError(f"fault_tolerance needs torchft, which is not installed: {EXTRA}")

@@ -36,7 +36,11 @@ Example (two groups of one process each on one machine, after starting ``torchft
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
+import threading
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -67,6 +71,8 @@ class ReplicaGroups:
         self.trainer: Any = None
         self.module: Any = None
         self._undo: Optional[Callable[[], None]] = None
+        self._deadline: Optional[float] = None  # the running step's end by step_timeout (monotonic); None between steps
+        self._watch: Optional[threading.Event] = None  # set: the watchdog stops
 
     @property
     def group(self) -> int:
@@ -115,6 +121,10 @@ class ReplicaGroups:
             replica_id=f"mgpu_group_{self.group}",
             hostname=socket.gethostname(),
         )
+        self._watch = threading.Event()
+        threading.Thread(
+            target=self._watchdog, args=(self._watch, group_rank), name="mgpu-step-watchdog", daemon=True
+        ).start()
 
     def begin_step(self, accumulating_before: bool) -> None:
         """Before a training batch: a batch that starts an optimizer step (``accumulating_before`` False: no
@@ -123,7 +133,7 @@ class ReplicaGroups:
         if self.manager is None or accumulating_before:
             return
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum()  # bounded by quorum_timeout
         except Exception as err:  # torchft's quorum RPC: a TimeoutError, or a RuntimeError when it cannot connect
             config = self.config
             raise RuntimeError(
@@ -135,6 +145,7 @@ class ReplicaGroups:
                 f"either. This group's weights are those of its last committed step, {self.trainer.global_step}; "
                 f"its checkpoints so far are whole."
             ) from err
+        self._deadline = time.monotonic() + self.config.step_timeout
 
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any]
@@ -147,7 +158,9 @@ class ReplicaGroups:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         comm.replica_group_mean(self.manager, [p.grad for p in params], self.stats)
         self.participants = self.manager.num_participants()
-        if self.manager.should_commit():
+        committed = self.manager.should_commit()
+        self._deadline = None
+        if committed:
             self.committed_steps += 1
             return step(lambda: output)
         self.dropped_steps += 1
@@ -180,7 +193,28 @@ class ReplicaGroups:
         self.heals += 1
         self.stats.heal_bytes += sum(t.numel() * t.element_size() for t in _tensors(state))
 
+    def _watchdog(self, stop: threading.Event, rank: int) -> None:
+        """A daemon thread: a step past its deadline ends this process (the others of the group end alike, or with
+        the failure of their next collective inside the group)."""
+        while not stop.wait(0.25):
+            deadline = self._deadline
+            if deadline is None or time.monotonic() < deadline:
+                continue
+            step = self.trainer.global_step + 1 if self.trainer is not None else "?"
+            print(
+                f"lightning-mgpu: replica group {self.group}, rank {rank}: step {step} has run for "
+                f"step_timeout={self.config.step_timeout:g} s without reaching its commit vote; the group is stuck "
+                f"(user code, a data loader, a collective inside the group) and leaves the job so that the other "
+                f"groups can go on. Start it again: it heals from a live group.",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)  # the main thread is stuck: nothing else can end it
+
     def teardown(self) -> None:
+        if self._watch is not None:
+            self._watch.set()
+        self._deadline = None
         self.settle()
         manager, self.manager = self.manager, None
         if manager is not None:

@@ -35,6 +35,7 @@ parser.add_argument("out", type=Path)
 parser.add_argument("group", type=int)
 parser.add_argument("lighthouse")
 parser.add_argument("--die-after", type=int, default=None)
+parser.add_argument("--hang-after", type=int, default=None)
 parser.add_argument("--signal", default=None)
 parser.add_argument("--wait", action="append", default=[])
 parser.add_argument("--seed", type=int, default=0)
@@ -43,6 +44,7 @@ parser.add_argument("--start-method", default="fork")
 parser.add_argument("--max-steps", type=int, default=24)
 parser.add_argument("--pause", type=float, default=0.05)
 parser.add_argument("--quorum-timeout", type=float, default=60)
+parser.add_argument("--step-timeout", type=float, default=600)
 parser.add_argument("--checkpoint-every", type=int, default=None)
 args = parser.parse_args()
 
@@ -104,6 +106,8 @@ class Net(pl.LightningModule):
         loss = nn.functional.mse_loss(self.net(x), y)
         if args.die_after is not None and self._batches == args.die_after and self.global_rank == args.devices - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the step: after its forward, before its backward
+        if args.hang_after is not None and self._batches == args.hang_after:
+            time.sleep(3600)  # stuck in user code, alive: its heartbeats to the lighthouse go on
         self._batches += 1
         return loss
 
@@ -154,6 +158,7 @@ if __name__ == "__main__":
             "replica_groups": GROUPS,
             "timeout": 10,
             "quorum_timeout": args.quorum_timeout,
+            "step_timeout": args.step_timeout,
         },
         # inside the group: a dead rank ends the others after a 3 s roll call (parts/failures.py), not 10 s
         timeout=timedelta(seconds=12),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -182,20 +183,30 @@ def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_e
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_the_lighthouse_going_away_ends_the_group_within_its_quorum_timeout_naming_it_checkpoints_whole(tmp_path):
+@pytest.mark.timeout(150)
+def test_a_hung_group_leaves_by_its_step_timeout_then_the_lighthouse_going_away_ends_the_survivor_naming_it(tmp_path):
+    """Group 1 hangs in user code (alive, heartbeating) in its 5th step: after step_timeout it takes itself out of
+    the job, naming the step, and group 0 goes on alone. Then the lighthouse is killed: group 0 ends within its
+    quorum_timeout with an error naming the lighthouse and the way back, and every checkpoint it wrote loads."""
     log = tmp_path / "group0.jsonl"
     with _Job(tmp_path) as job:
         lighthouse = job.lighthouse()
-        group = job.group(0, "pytorch_lightning", "--max-steps", "10000", "--quorum-timeout", "3",
-                          "--checkpoint-every", "2")  # fmt: skip
-        _wait(lambda: len(_lines(log)) >= 6 * GROUP_SIZE, 120, "group 0 to train", job.procs)
+        survivor = job.group(0, "pytorch_lightning", "--wait", "started:0", "--max-steps", "10000",
+                             "--quorum-timeout", "3", "--checkpoint-every", "2")  # fmt: skip
+        hung = job.group(1, "lightning", "--signal", "started", "--hang-after", "4", "--step-timeout", "3")
+        _wait(lambda: hung.poll() is not None, 90, "the hung group to leave", [survivor])
+        left = len(_lines(log))
+        alone = lambda: [x for x in _lines(log)[left:] if x["after"] > x["before"] and x["participants"] == 1]  # noqa: E731
+        _wait(lambda: len(alone()) >= 3 * GROUP_SIZE, 60, "group 0 to go on alone", [survivor])
         lighthouse.kill()
         gone = time.monotonic()
-        group.wait(timeout=60)
+        survivor.wait(timeout=60)
         ended = time.monotonic() - gone
-        output = job.output(group)
-    assert group.returncode != 0 and ended < 3 + 30, ended  # the quorum timeout, the roll call, the exit
+        hung_output, output = job.output(hung), job.output(survivor)
+    assert hung.returncode == 1
+    assert re.search(r"replica group 1, rank \d: step \d+ has run for step_timeout=3 s without reaching its commit "
+                     r"vote; the group is stuck", hung_output), hung_output[-3000:]  # fmt: skip
+    assert survivor.returncode != 0 and ended < 3 + 30, ended  # the quorum timeout, the roll call, the exit
     address = f"http://127.0.0.1:{job.lighthouse_port}"
     assert f"replica group 0 got no quorum from the lighthouse at {address} within quorum_timeout=3 s" in output
     assert "Start it again (`torchft_lighthouse --min_replicas 1 --bind [::]:29510`), then this group" in output
