@@ -557,6 +557,16 @@ class CommonSettings:
     that cannot complete, instead of hanging: compared once per epoch for loaders with a length, agreed at every
     step (one all-reduce of one number) for iterable datasets (``lightning_mgpu/parts/uneven_inputs.py``).
     ``False``: Lightning's behaviour."""
+    fault_tolerance: Optional[FaultToleranceSetting] = None
+    """Fault-tolerant replica groups (torchft; the ``torchft`` extra): the job is several launches, one per replica
+    group, that keep training when a group dies and heal it from a live group when it is started again; each
+    optimizer step commits only when every group of the step's quorum succeeded. ``True``: the lighthouse's address,
+    this group and the number of groups from ``TORCHFT_LIGHTHOUSE``, ``MGPU_REPLICA_GROUP``, ``MGPU_REPLICA_GROUPS``;
+    or a dict of :class:`~lightning_mgpu.FaultTolerance`'s fields (``lighthouse``,
+    ``replica_group``, ``replica_groups``, ``min_replicas``, ``timeout``, ``quorum_timeout``, ``step_timeout``).
+    Inside a group the strategy is what it is without it: ``mgpu_ddp``'s DDP, or the sharded strategy's ZeRO stages
+    2/3 (the groups then replicate the shards: HSDP with torchft as its replicate dimension). Automatic
+    optimization only. See the fault-tolerance guide."""
 
     def __post_init__(self) -> None:
         _check_start_method(self.start_method)
@@ -601,6 +611,7 @@ class CommonSettings:
             )
         _check_bool("exact_evaluation", self.exact_evaluation)
         _check_bool("check_uneven_inputs", self.check_uneven_inputs)
+        object.__setattr__(self, "fault_tolerance", check_fault_tolerance(self.fault_tolerance))
 
     @classmethod
     def keywords(cls) -> tuple[str, ...]:
@@ -629,14 +640,6 @@ class DDPSettings(CommonSettings):
     one gradient-sized buffer and one copy per step, and lets the ledger count plain all-reduce from the buckets
     without a Python comm hook. Set it to False if your code replaces ``param.grad`` tensors or calls ``detach_()``
     on them (the ledger then counts through a Python hook, one extra pass over the gradients per step)."""
-    fault_tolerance: Optional[FaultToleranceSetting] = None
-    """Fault-tolerant replica groups (torchft; the ``torchft`` extra): the job is several launches, one per replica
-    group, that keep training when a group dies and heal it from a live group when it is started again; each
-    optimizer step commits only when every group of the step's quorum succeeded. ``True``: the lighthouse's address,
-    this group and the number of groups from ``TORCHFT_LIGHTHOUSE``, ``MGPU_REPLICA_GROUP``, ``MGPU_REPLICA_GROUPS``;
-    or a dict of :class:`~lightning_mgpu.FaultTolerance`'s fields (``lighthouse``,
-    ``replica_group``, ``replica_groups``, ``min_replicas``, ``timeout``, ``quorum_timeout``). Automatic
-    optimization only. See the fault-tolerance guide."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments of :class:`torch.nn.parallel.DistributedDataParallel` (``bucket_cap_mb``...)."""
 
@@ -649,7 +652,6 @@ class DDPSettings(CommonSettings):
             raise TypeError(f"MGPUDDPStrategy does not take {replaced}. Use instead: {hints}.")
         super().__post_init__()
         check_comm_hook(self.comm_hook, self.comm_state)
-        object.__setattr__(self, "fault_tolerance", check_fault_tolerance(self.fault_tolerance))
         if self.micro_batch_size is not None and self.comm_hook in ("powersgd", "batched_powersgd"):
             raise ValueError(
                 f"micro_batch_size={self.micro_batch_size!r} with comm_hook={self.comm_hook!r}: with micro-batching "
@@ -1292,6 +1294,30 @@ class ShardedSettings:
     @property
     def uses_fsdp2(self) -> bool:
         return self.stage in (2, 3) and self.backend == "torch"
+
+    def check_fault_tolerance(self, fault_tolerance: Any) -> None:
+        """Fault-tolerant replica groups are built over one flat torch-native ZeRO stage 2 or 3 inside each group
+        (the groups replicate its shards); refuse the layouts around it that are not built yet, naming them."""
+        if fault_tolerance is None:
+            return
+        refused = [
+            f"{name}={value!r}"
+            for name, value, built in (
+                ("stage", self.stage, self.stage != 1),
+                ("backend", self.backend, self.backend == "torch"),
+                ("mesh", self.mesh, self.mesh == "flat"),
+                ("tensor_parallel_size", self.tensor_parallel_size, self.tensor_parallel_size == 1),
+                ("pipeline_parallel_size", self.pipeline_parallel_size, self.pipeline_parallel_size == 1),
+                ("offload", self.offload, self.offload is None),
+            )
+            if not built
+        ]
+        if refused:
+            raise ValueError(
+                f"fault_tolerance with {', '.join(refused)} is not built yet: the replica groups replicate one flat "
+                f"ZeRO stage 2 or 3 (backend='torch', mesh='flat', no tensor or pipeline split, no offload). Use "
+                f"MGPUShardedStrategy(stage=3, fault_tolerance=...) or MGPUDDPStrategy(fault_tolerance=...)."
+            )
 
     def check_ddp_settings(self, given: Mapping[str, Any]) -> None:
         """Refuse DDP all-reduce settings (``comm_hook=...``, ``bucket_cap_mb=...``) where the gradients are not

@@ -156,7 +156,7 @@ class ReplicaGroups:
             return step(closure)
         output = closure()
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        comm.replica_group_mean(self.manager, [p.grad for p in params], self.stats)
+        comm.replica_group_mean(self.manager, [comm.local_shard(p.grad) for p in params], self.stats)
         self.participants = self.manager.num_participants()
         committed = self.manager.should_commit()
         self._deadline = None
@@ -174,19 +174,26 @@ class ReplicaGroups:
             undo()
 
     def heal_state(self) -> dict[str, Any]:
+        """What a healing group receives from this rank: this rank's part of the weights and of the optimizer state
+        (its shards under ZeRO; the rank of the same number in the healing group takes it), the schedulers and the
+        loop's counters."""
         trainer, module = self.trainer, self.module
         return {
-            "module": module.state_dict(),
-            "optimizers": [o.state_dict() for o in trainer.optimizers],
+            "module": _local(module.state_dict()),
+            "optimizers": [_local(o.state_dict()) for o in trainer.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "loop": _compat.committed_loop_state(trainer),
         }
 
+    @torch.no_grad()
     def load_heal_state(self, state: dict[str, Any]) -> None:
+        """:meth:`heal_state` of the same rank of a live group, copied into this rank's tensors in place (the
+        weights stay the parameters the optimizer holds, shards stay shards)."""
         trainer, module = self.trainer, self.module
-        module.load_state_dict(state["module"])
+        for name, tensor in module.state_dict().items():
+            comm.local_shard(tensor).copy_(state["module"][name])
         for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(saved)
+            _load_optimizer_in_place(optimizer, saved)
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(saved)
         _compat.load_committed_loop_state(trainer, state["loop"])
@@ -229,3 +236,30 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return [t for v in tree for t in _tensors(v)]
     return []
+
+
+def _local(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by this rank's part of it (a DTensor's local shard), detached."""
+    if isinstance(tree, torch.Tensor):
+        return comm.local_shard(tree).detach()
+    if isinstance(tree, Mapping):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local(v) for v in tree)
+    return tree
+
+
+def _load_optimizer_in_place(optimizer: Any, saved: dict[str, Any]) -> None:
+    """``saved`` (an optimizer's :func:`_local` state dict) into ``optimizer``'s own state tensors: created first
+    where it has none (a group started again), then each copied in place, so that a sharded state stays sharded."""
+    _compat.init_optimizer_state(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entries in saved["state"].items():
+        state = optimizer.state[params[int(index)]]
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
+                comm.local_shard(state[key]).copy_(value)
+            else:
+                state[key] = value
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})

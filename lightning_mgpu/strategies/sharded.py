@@ -49,6 +49,7 @@ from lightning_mgpu.mesh import DATA_PARALLEL, ParallelMesh, expose_to_module
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave, classes_present
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import planned_counts_differ
+from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
 from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.parts.pipeline import PipelineBackend, PipelineStats
 from lightning_mgpu.parts.sharding import (
@@ -79,6 +80,7 @@ from lightning_mgpu.settings import (
     CommonSettings,
     CompileSetting,
     DDPSettings,
+    FaultToleranceSetting,
     LossNormalization,
     MeshLayout,
     MicroBatchSetting,
@@ -220,10 +222,12 @@ class MGPUShardedStrategy(ParallelStrategy):
         pipeline_microbatches: Optional[int] = None,
         pipeline_split: PipelineSplit = "auto",
         offload: Offload = None,
+        fault_tolerance: Optional[FaultToleranceSetting] = None,
         **ddp_kwargs: Any,
     ) -> None:
         arguments = dict(locals())
         sharded = from_arguments(ShardedSettings, arguments)
+        sharded.check_fault_tolerance(fault_tolerance)
         ddp_kwargs = split_ddp_kwargs(ddp_kwargs)
         ddp_only = {
             "comm_hook": comm_hook,
@@ -293,6 +297,12 @@ class MGPUShardedStrategy(ParallelStrategy):
     def ddp_settings(self) -> CommonSettings:
         """The launch settings and, at stage 1, the DDP ones (a :class:`~lightning_mgpu.settings.DDPSettings`)."""
         return self._common
+
+    @property
+    def replicas(self) -> Optional[ReplicaGroups]:
+        """The fault-tolerant replica groups (``fault_tolerance``): committed and dropped steps, heals, the last
+        step's quorum; None where fault tolerance is off."""
+        return self._runtime.replicas
 
     @property
     def stage(self) -> int:
@@ -416,7 +426,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._runtime.sampler_requested()  # Lightning builds its DistributedSampler with these
         # the ranks of a tensor-parallel group see the same batch: the data is split over the data dimension only
         dims = self._sharded_settings.parallel_dims(self.num_nodes * self.num_processes, self.num_nodes)
-        return {"num_replicas": dims.data_parallel, "rank": dims.coordinates(self.global_rank)[DATA_PARALLEL]}
+        kwargs = {"num_replicas": dims.data_parallel, "rank": dims.coordinates(self.global_rank)[DATA_PARALLEL]}
+        return kwargs if self._runtime.replicas is None else self._runtime.replicas.sampler_kwargs(kwargs)
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -759,6 +770,7 @@ class MGPUShardedStrategy(ParallelStrategy):
             PrecisionAdoption.connect_norm_clipping(self.precision_plugin, clipping)  # shards: the global norm
             if self._sharded_settings.offload is None:  # offloaded: the optimizer state stays in host memory
                 _compat.optimizers_to_device(self.optimizers, self.root_device)
+            self._runtime.join_replica_groups(trainer)  # fault tolerance: the groups replicate these shards
 
     def _wrap_model(self, policy: Any) -> None:
         """The model's set-up order, in one place (torchtitan's ``parallelize`` order): SyncBatchNorm conversion

@@ -45,6 +45,7 @@ SETTINGS: dict[type, tuple[type, ...]] = {
 # fields a strategy takes through ``**kwargs`` only (handed to MGPUDDPStrategy), not as named keywords
 NOT_NAMED = {
     MGPULocalSGDStrategy: {
+        "fault_tolerance",
         "loss_normalization",
         "nonfinite",
         "micro_batch_size",
@@ -52,15 +53,15 @@ NOT_NAMED = {
         "checkpoint_params",
     },
     MGPUDiLoCoStrategy: {
+        "fault_tolerance",
         "loss_normalization",
         "nonfinite",
         "micro_batch_size",
         "async_checkpoint",
         "checkpoint_params",
     },
-    MGPUAutoStrategy: {"activation_checkpointing_reentrant", "activation_checkpointing_save"},
-    # fault-tolerant replica groups are built for mgpu_ddp only: the sharded strategy refuses the keyword
-    MGPUShardedStrategy: {"fault_tolerance"},
+    # fault tolerance: mgpu_auto chooses among layouts without it (refused as a keyword it does not take)
+    MGPUAutoStrategy: {"activation_checkpointing_reentrant", "activation_checkpointing_save", "fault_tolerance"},
 }
 # a valid value other than the default, per option, and what it needs beside it (where the strategy has that keyword)
 GIVEN: dict[str, Any] = {
@@ -122,6 +123,7 @@ NEEDS: dict[str, dict[str, Any]] = {
     "tensor_parallel_plan": {"stage": 3, "tensor_parallel_size": 2},
     "tensor_comm_stats": {"stage": 3},
     "offload": {"stage": 3},
+    "fault_tolerance": {"stage": 3},
 }
 
 

@@ -40,6 +40,7 @@ parser.add_argument("--signal", default=None)
 parser.add_argument("--wait", action="append", default=[])
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--devices", type=int, default=1)
+parser.add_argument("--strategy", choices=("ddp", "zero3"), default="ddp")
 parser.add_argument("--start-method", default="fork")
 parser.add_argument("--max-steps", type=int, default=24)
 parser.add_argument("--pause", type=float, default=0.05)
@@ -51,11 +52,11 @@ args = parser.parse_args()
 if args.namespace == "lightning":
     import lightning.pytorch as pl
 
-    from lightning_mgpu.lightning import MGPUDDPStrategy
+    from lightning_mgpu.lightning import MGPUDDPStrategy, MGPUShardedStrategy
 else:
     import pytorch_lightning as pl
 
-    from lightning_mgpu import MGPUDDPStrategy
+    from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
 
 torch.set_default_dtype(torch.float64)
 ROWS, FEATURES, BATCH, GROUPS = 256, 4, 8, 2
@@ -127,10 +128,12 @@ class Net(pl.LightningModule):
         self._hold(self.trainer.global_step)
 
     def on_train_end(self):
+        # every rank: ZeRO-3's weights are shards, gathered whole (a collective of the group)
+        weights = {k: getattr(v, "full_tensor", v.detach)().detach().clone() for k, v in self.state_dict().items()}
         if self.global_rank != 0:
             return
         strategy = self.trainer.strategy
-        torch.save({k: v.detach().clone() for k, v in self.state_dict().items()}, args.out / f"weights{args.group}.pt")
+        torch.save(weights, args.out / f"weights{args.group}.pt")
         end = {
             "global_step": self.trainer.global_step,
             "committed": strategy.replicas.committed_steps,
@@ -151,7 +154,7 @@ class Net(pl.LightningModule):
 
 
 if __name__ == "__main__":
-    strategy = MGPUDDPStrategy(
+    options = dict(
         fault_tolerance={
             "lighthouse": args.lighthouse,
             "replica_group": args.group,
@@ -165,6 +168,8 @@ if __name__ == "__main__":
         # the group's ranks forked from this process: one import of torch and Lightning per group, not per rank
         start_method=args.start_method,
     )
+    # inside a group: DDP, or ZeRO-3 (FSDP2) whose shards the groups replicate
+    strategy = MGPUDDPStrategy(**options) if args.strategy == "ddp" else MGPUShardedStrategy(stage=3, **options)
     model = Net(args.seed)
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -138,18 +138,22 @@ class _Job:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_equal_the_replay(tmp_path):
+@pytest.mark.parametrize("inside", ["ddp", "zero3"])
+def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_equal_the_replay(tmp_path, inside):
+    """``inside``: each group's own layout, DDP (mgpu_ddp), or ZeRO-3 whose shards the groups replicate (HSDP with
+    torchft as the replicate dimension: each rank heals its shard from the same rank of the live group)."""
     log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
     with _Job(tmp_path) as job:
         job.lighthouse()
         # both start together; group 0 waits after step REJOIN_AT for group 1's second start
-        first = job.group(0, "pytorch_lightning", "--wait", "started:0", "--wait", f"rejoined:{REJOIN_AT}")
-        doomed = job.group(1, "lightning", "--signal", "started", "--die-after", str(DIE_AFTER))
+        first = job.group(0, "pytorch_lightning", "--strategy", inside, "--wait", "started:0",
+                          "--wait", f"rejoined:{REJOIN_AT}")  # fmt: skip
+        doomed = job.group(1, "lightning", "--strategy", inside, "--signal", "started", "--die-after", str(DIE_AFTER))
         _wait(lambda: doomed.poll() is not None, 120, "group 1 to kill itself", job.procs)
         assert doomed.returncode != 0
         _wait(lambda: len(_lines(log0)) >= REJOIN_AT, 60, "group 0 to go on alone", job.procs)
         # started again, with other initial weights than group 0's: only the heal can make them equal
-        again = job.group(1, "lightning", "--signal", "rejoined", "--seed", "7")
+        again = job.group(1, "lightning", "--strategy", inside, "--signal", "rejoined", "--seed", "7")
         for proc in (first, again):
             proc.wait(timeout=150)
             assert proc.returncode == 0, job.output(proc)[-4000:]

@@ -5,10 +5,17 @@ starts, and each group's share of the data. The kill-and-rejoin proof is
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 
-from lightning_mgpu import FaultTolerance, MGPUDDPStrategy, MGPUDiLoCoStrategy, MGPULocalSGDStrategy
+from lightning_mgpu import (
+    FaultTolerance,
+    MGPUDDPStrategy,
+    MGPUDiLoCoStrategy,
+    MGPULocalSGDStrategy,
+    MGPUShardedStrategy,
+)
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
 from lightning_mgpu.settings import check_fault_tolerance
@@ -63,6 +70,27 @@ def test_the_strategy_takes_it_at_construction_and_the_periodic_strategies_refus
     for cls in (MGPULocalSGDStrategy, MGPUDiLoCoStrategy):
         with pytest.raises(TypeError, match=f"{cls.__name__} does not take fault_tolerance yet"):
             cls(fault_tolerance=True)
+
+
+@pytest.mark.parametrize(
+    ("layout", "named"),
+    [
+        ({"stage": 1}, "stage=1"),
+        ({"stage": 3, "mesh": "hybrid"}, "mesh='hybrid'"),
+        ({"stage": 3, "tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+        ({"stage": 2, "offload": "cpu"}, "offload='cpu'"),
+    ],
+)  # fmt: skip
+def test_the_sharded_strategy_takes_it_over_a_flat_zero_stage_and_refuses_the_layouts_not_built(
+    monkeypatch, layout, named
+):
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    assert MGPUShardedStrategy(stage=3, fault_tolerance=True).replicas is not None
+    with pytest.raises(
+        ValueError, match=f"fault_tolerance with {re.escape(named)} is not built yet: the replica groups "
+    ):
+        MGPUShardedStrategy(fault_tolerance=True, **layout)
 
 
 def test_each_group_draws_its_own_block_of_the_data():
