@@ -73,6 +73,7 @@ class ReplicaGroups:
         self._undo: Optional[Callable[[], None]] = None
         self._deadline: Optional[float] = None  # the running step's end by step_timeout (monotonic); None between steps
         self._watch: Optional[threading.Event] = None  # set: the watchdog stops
+        self._quorums = 0  # quorums this group took part in
 
     @property
     def group(self) -> int:
@@ -145,6 +146,7 @@ class ReplicaGroups:
                 f"either. This group's weights are those of its last committed step, {self.trainer.global_step}; "
                 f"its checkpoints so far are whole."
             ) from err
+        self._quorums += 1
         self._deadline = time.monotonic() + self.config.step_timeout
 
     def optimizer_step(
@@ -166,6 +168,15 @@ class ReplicaGroups:
         self.dropped_steps += 1
         self._undo = _compat.drop_optimizer_step(self.trainer)
         return output
+
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes (and removes) the checkpoints Lightning asks for: the lowest group of the
+        last quorum, group 0 before the first; the others hold the same weights at every committed step."""
+        if self.manager is None:
+            return True
+        if self._quorums == 0:
+            return self.group == 0
+        return bool(self.manager.participating_rank() == 0)
 
     def settle(self) -> None:
         """After a dropped step, once Lightning's loop has finished it: its scheduler step and logging step undone."""

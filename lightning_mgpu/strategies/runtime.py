@@ -742,7 +742,10 @@ class Runtime:
         lightning_save: Callable[[dict[str, Any], Any, Optional[Any]], None],
     ) -> None:
         """One checkpoint file, written by rank 0 through the checkpoint IO (atomic by default; ``lightning_save``
-        is Lightning's save), in the background with ``async_checkpoint=True``."""
+        is Lightning's save), in the background with ``async_checkpoint=True``; with fault tolerance, by the lowest
+        replica group only."""
+        if not self.writes_checkpoints():
+            return
         if not self.saves_async():
             lightning_save(checkpoint, filepath, storage_options)
             return
@@ -769,9 +772,18 @@ class Runtime:
         if self.writes is not None:
             self.writes.settle(self.strategy.world_size)
 
+    def writes_checkpoints(self) -> bool:
+        """Whether this process's group writes checkpoints: always, except under fault tolerance, where the lowest
+        replica group of the last quorum writes and removes them (:class:`~lightning_mgpu.parts.fault_tolerance.
+        ReplicaGroups`)."""
+        return self.replicas is None or self.replicas.writes_checkpoints()
+
     def remove_when_written(self, remove: Callable[[], None]) -> None:
         """Remove an old checkpoint once the write in flight has succeeded (ModelCheckpoint's top-k and
-        ``save_last`` ask right after submitting the replacement), at once without a write in flight."""
+        ``save_last`` ask right after submitting the replacement), at once without a write in flight; with fault
+        tolerance, only where this group writes them."""
+        if not self.writes_checkpoints():
+            return
         if self.writes is not None:
             self.writes.writer.remove_after_write(remove)
         else:

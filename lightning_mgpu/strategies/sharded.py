@@ -565,6 +565,8 @@ class MGPUShardedStrategy(ParallelStrategy):
             return
         if storage_options is not None:
             raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
+        if not self._runtime.writes_checkpoints():  # fault tolerance: the lowest replica group writes
+            return
         save_dir(
             checkpoint,
             local if local is not None else str(filepath),  # a local directory, or a prefix at an fsspec URL

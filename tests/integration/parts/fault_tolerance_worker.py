@@ -179,7 +179,9 @@ if __name__ == "__main__":
         logger=False,
         enable_checkpointing=args.checkpoint_every is not None,
         callbacks=[
-            pl.callbacks.ModelCheckpoint(args.out / "checkpoints", every_n_train_steps=n, save_top_k=-1)
+            pl.callbacks.ModelCheckpoint(
+                args.out / "checkpoints", f"group{args.group}-{{step}}", every_n_train_steps=n, save_top_k=-1
+            )
             for n in ([args.checkpoint_every] if args.checkpoint_every else [])
         ],
         enable_progress_bar=False,

@@ -146,14 +146,14 @@ def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_e
     with _Job(tmp_path) as job:
         job.lighthouse()
         # both start together; group 0 waits after step REJOIN_AT for group 1's second start
-        first = job.group(0, "pytorch_lightning", "--strategy", inside, "--wait", "started:0",
-                          "--wait", f"rejoined:{REJOIN_AT}")  # fmt: skip
-        doomed = job.group(1, "lightning", "--strategy", inside, "--signal", "started", "--die-after", str(DIE_AFTER))
+        both = ("--strategy", inside, "--checkpoint-every", "4")  # into one folder: written by the lowest group
+        first = job.group(0, "pytorch_lightning", *both, "--wait", "started:0", "--wait", f"rejoined:{REJOIN_AT}")
+        doomed = job.group(1, "lightning", *both, "--signal", "started", "--die-after", str(DIE_AFTER))
         _wait(lambda: doomed.poll() is not None, 120, "group 1 to kill itself", job.procs)
         assert doomed.returncode != 0
         _wait(lambda: len(_lines(log0)) >= REJOIN_AT, 60, "group 0 to go on alone", job.procs)
         # started again, with other initial weights than group 0's: only the heal can make them equal
-        again = job.group(1, "lightning", "--strategy", inside, "--signal", "rejoined", "--seed", "7")
+        again = job.group(1, "lightning", *both, "--signal", "rejoined", "--seed", "7")
         for proc in (first, again):
             proc.wait(timeout=150)
             assert proc.returncode == 0, job.output(proc)[-4000:]
@@ -173,6 +173,9 @@ def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_e
     # every step counted by Lightning was committed; a dropped one is not counted (global_step did not move)
     for lines in logs.values():
         assert all(line["after"] - line["before"] in (0, 1) for line in lines)
+    # one writer, the lowest live group, of one file per 4 committed steps (group 1 saved as often, wrote nothing)
+    written = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    assert written == sorted(f"group0-step={step}.ckpt" for step in range(4, MAX_STEPS + 1, 4)), written
     weights = {g: torch.load(tmp_path / f"weights{g}.pt") for g in (0, 1)}
     for name in weights[0]:
         torch.testing.assert_close(weights[1][name], weights[0][name])
