@@ -89,10 +89,12 @@ def group_main(args: argparse.Namespace) -> None:
             if not trainer.is_global_zero:
                 return
             stats = trainer.strategy.comm_stats if hasattr(trainer.strategy, "comm_stats") else None
-            state = [module.state_dict(), *(o.state_dict()["state"] for o in trainer.optimizers)]
-            tensors = [t for part in state for t in _tensors(part)]
+            weights = list(module.state_dict().values())
+            moments = [
+                v for o in trainer.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)
+            ]
             end = {
-                "state_bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "state_bytes": sum(t.numel() * t.element_size() for t in weights + moments),
                 "heal_bytes": stats.heal_bytes if stats is not None else 0,
                 "replica_group_bytes": stats.replica_group_bytes if stats is not None else 0,
                 "steps": trainer.global_step,
@@ -119,18 +121,6 @@ def group_main(args: argparse.Namespace) -> None:
         callbacks=[Record()],
     )
     trainer.fit(DigitsTransformer(), DigitsDataModule(batch_size=32))
-
-
-def _tensors(tree: Any) -> list[Any]:
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors(v)]
-    return []
 
 
 def _launch(out: Path, name: str, *extra: str) -> subprocess.Popen:

@@ -163,6 +163,14 @@ def broadcast(
         tensor.copy_(buffer)
 
 
+def replica_process_group(device: torch.device, timeout: Any) -> Any:
+    """The process group torchft reconfigures across replica groups at every new quorum, for tensors on ``device``:
+    its NCCL one for CUDA tensors, its gloo one otherwise (``lightning_mgpu/parts/fault_tolerance.py``)."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+
+
 def replica_group_mean(manager: Any, tensors: Sequence[torch.Tensor], ledger: Optional[CommStats] = None) -> None:
     """Average ``tensors`` in place over the replica groups of the current quorum through torchft's ``manager``
     (``lightning_mgpu/parts/fault_tolerance.py``): one all-reduce per dtype and device, of a flat copy, on the

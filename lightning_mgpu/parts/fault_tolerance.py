@@ -41,13 +41,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
 
 from lightning_mgpu import _compat, comm
+from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.settings import LIGHTHOUSE_COMMAND, FaultTolerance
 
 
@@ -60,7 +60,7 @@ class ReplicaGroups:
     counts) and :attr:`participants` (groups in the last step's quorum).
     """
 
-    def __init__(self, config: FaultTolerance, stats: Any) -> None:
+    def __init__(self, config: FaultTolerance, stats: CommStats) -> None:
         self.config = config
         self.stats = stats
         self.manager: Any = None
@@ -94,7 +94,6 @@ class ReplicaGroups:
         """Join the replica groups (fit only): torchft's manager over this group's store (``address:port``, the
         store Lightning's process group was made on), a cross-group process group on the gradients' device."""
         from torchft import Manager
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         if not module.automatic_optimization:
             raise RuntimeError(
@@ -104,9 +103,8 @@ class ReplicaGroups:
         self.trainer, self.module = trainer, module
         timeout = timedelta(seconds=self.config.timeout)
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        group = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=group,
+            pg=comm.replica_process_group(device, timeout),
             load_state_dict=self.load_heal_state,
             state_dict=self.heal_state,
             min_replica_size=self.config.min_replicas,
@@ -209,7 +207,7 @@ class ReplicaGroups:
             config.scheduler.load_state_dict(saved)
         _compat.load_committed_loop_state(trainer, state["loop"])
         self.heals += 1
-        self.stats.heal_bytes += sum(t.numel() * t.element_size() for t in _tensors(state))
+        self.stats.heal_bytes += _nbytes(state)
 
     def _watchdog(self, stop: threading.Event, rank: int) -> None:
         """A daemon thread: a step past its deadline ends this process (the others of the group end alike, or with
@@ -239,25 +237,15 @@ class ReplicaGroups:
             manager.shutdown(wait=False)
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, Mapping):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors(v)]
-    return []
-
-
 def _local(tree: Any) -> Any:
     """``tree`` with every tensor replaced by this rank's part of it (a DTensor's local shard), detached."""
-    if isinstance(tree, torch.Tensor):
-        return comm.local_shard(tree).detach()
-    if isinstance(tree, Mapping):
-        return {k: _local(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_local(v) for v in tree)
-    return tree
+    return _compat.tree_map_tensors(lambda t: comm.local_shard(t).detach(), tree)
+
+
+def _nbytes(tree: Any) -> int:
+    sizes: list[int] = []
+    _compat.tree_map_tensors(lambda t: sizes.append(t.numel() * t.element_size()), tree)
+    return sum(sizes)
 
 
 def _load_optimizer_in_place(optimizer: Any, saved: dict[str, Any]) -> None:
