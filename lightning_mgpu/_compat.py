@@ -856,13 +856,15 @@ def drop_optimizer_step(trainer: Any) -> Callable[[], None]:
     """Fault tolerance: the optimizer step Lightning is taking now (called inside ``Strategy.optimizer_step``) was
     not committed. Its progress is taken back at once (Lightning marks the step ready before the hook and completed
     after it, so ``global_step`` stays where it was); returns the undo of what Lightning does after the hook, to run
-    once the batch is over: the step's scheduler steps (state and learning rates restored) and the logging step
+    once the batch is over: the step's scheduler steps (``interval="step"`` schedulers: state and learning rates
+    restored; an epoch's scheduler step after the epoch's last batch is kept) and the logging step
     (``_TrainingEpochLoop._batches_that_stepped``, private in 2.6)."""
     step = _optimizer_step_progress(trainer)
     for tracker in (step.total, step.current):
         tracker.ready -= 1
         tracker.completed -= 1  # Lightning's increment_completed follows the hook
-    schedulers = [(c.scheduler, c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+    configs = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
+    schedulers = [(c.scheduler, c.scheduler.state_dict()) for c in configs]
     loop = trainer.fit_loop.epoch_loop
 
     def undo() -> None:

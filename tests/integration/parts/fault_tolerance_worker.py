@@ -5,7 +5,8 @@ LightningModule trained by ``Trainer(strategy=MGPUDDPStrategy(fault_tolerance=..
 [--signal NAME] [--wait NAME:STEP ...]``
 
 Every training batch appends one line to ``OUT/group{GROUP}.jsonl`` as it ends (so a killed group's lines stay):
-the step count before and after it, the dataset rows it trained on, the groups in its quorum, this process's pid.
+the step count before and after it, the dataset rows it trained on, its accumulation window (``--accumulate``
+micro-batches per optimizer step), the groups in its quorum, this process's pid.
 With ``--die-after N``, the group's last rank SIGKILLs itself in the forward of its (N+1)-th batch (the other
 ranks of the group then fail in their next collective, and the group ends). The test's choreography:
 ``--signal NAME`` writes ``OUT/NAME`` when training starts (the group has joined the lighthouse's job);
@@ -40,6 +41,7 @@ parser.add_argument("--signal", default=None)
 parser.add_argument("--wait", action="append", default=[])
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--devices", type=int, default=1)
+parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--strategy", choices=("ddp", "zero3"), default="ddp")
 parser.add_argument("--start-method", default="fork")
 parser.add_argument("--max-steps", type=int, default=24)
@@ -104,6 +106,7 @@ class Net(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         rows, x, y = batch
         self._before, self._rows = self.trainer.global_step, rows.tolist()
+        self._window = self._batches // args.accumulate  # the optimizer step's micro-batches share one window
         loss = nn.functional.mse_loss(self.net(x), y)
         if args.die_after is not None and self._batches == args.die_after and self.global_rank == args.devices - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the step: after its forward, before its backward
@@ -118,6 +121,7 @@ class Net(pl.LightningModule):
             "before": self._before,
             "after": self.trainer.global_step,
             "rows": self._rows,
+            "window": self._window,
             "participants": replicas.participants,
             "rank": self.global_rank,
             "pid": os.getpid(),
@@ -176,6 +180,7 @@ if __name__ == "__main__":
         devices=args.devices,
         strategy=strategy,
         max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
         logger=False,
         enable_checkpointing=args.checkpoint_every is not None,
         callbacks=[

@@ -59,9 +59,10 @@ def _wait(condition, timeout: float, what: str, procs) -> None:
 
 def _replay(logs: dict[int, list[dict]], steps: int, drop_group: int | None = None) -> dict[str, torch.Tensor]:
     """One process, float64: the worker's model and optimizer; at each committed step, the gradient is the mean over
-    the groups that committed it of each group's gradient, itself the mean over the group's ranks of each rank's
-    batch-mean gradient (the rows each logged): DDP inside a group, torchft's average across groups. The learning
-    rate decays with the committed steps."""
+    the groups that committed it of each group's gradient, itself the mean over the group's ranks and their
+    micro-batches of each batch-mean gradient (the rows each logged): accumulation and DDP (or ZeRO-3) inside a group,
+    torchft's average across groups. A committed step's micro-batches are the window (of one process) whose last
+    line moved the step; a dropped window's lines are left out. The learning rate decays with the committed steps."""
     torch.set_default_dtype(torch.float64)
     try:
         x, y = _data()
@@ -70,18 +71,19 @@ def _replay(logs: dict[int, list[dict]], steps: int, drop_group: int | None = No
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.1 * step))
         for step in range(steps):
-            groups = {
-                group: [line["rows"] for line in lines if line["before"] == step and line["after"] == step + 1]
-                for group, lines in sorted(logs.items())
-                if group != drop_group
-            }
-            groups = {group: ranks for group, ranks in groups.items() if ranks}
+            groups: dict[int, list[list[list[int]]]] = {}
+            for group, lines in sorted(logs.items()):
+                ends = {(x["pid"], x["window"]) for x in lines if x["before"] == step and x["after"] == step + 1}
+                ranks = [[x["rows"] for x in lines if (x["pid"], x["window"]) == end] for end in sorted(ends)]
+                if ranks and group != drop_group:
+                    groups[group] = ranks
             assert groups, f"no group committed step {step + 1}"
             opt.zero_grad()
             for ranks in groups.values():
-                for rows in ranks:
-                    loss = nn.functional.mse_loss(net(x[rows]), y[rows]) / (len(ranks) * len(groups))
-                    loss.backward()
+                for micro in ranks:
+                    for rows in micro:
+                        loss = nn.functional.mse_loss(net(x[rows]), y[rows]) / (len(micro) * len(ranks) * len(groups))
+                        loss.backward()
             opt.step()
             schedule.step()
         return {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}
@@ -138,15 +140,19 @@ class _Job:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("inside", ["ddp", "zero3"])
-def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_equal_the_replay(tmp_path, inside):
+@pytest.mark.parametrize(("inside", "accumulate"), [("ddp", 1), ("zero3", 2)])
+def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_equal_the_replay(
+    tmp_path, inside, accumulate
+):
     """``inside``: each group's own layout, DDP (mgpu_ddp), or ZeRO-3 whose shards the groups replicate (HSDP with
-    torchft as the replicate dimension: each rank heals its shard from the same rank of the live group)."""
+    torchft as the replicate dimension: each rank heals its shard from the same rank of the live group), there with
+    2 micro-batches per optimizer step (the quorum before the first, the commit after the last)."""
     log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
     with _Job(tmp_path) as job:
         job.lighthouse()
         # both start together; group 0 waits after step REJOIN_AT for group 1's second start
-        both = ("--strategy", inside, "--checkpoint-every", "4")  # into one folder: written by the lowest group
+        # into one folder: written by the lowest group
+        both = ("--strategy", inside, "--accumulate", str(accumulate), "--checkpoint-every", "4")
         first = job.group(0, "pytorch_lightning", *both, "--wait", "started:0", "--wait", f"rejoined:{REJOIN_AT}")
         doomed = job.group(1, "lightning", *both, "--signal", "started", "--die-after", str(DIE_AFTER))
         _wait(lambda: doomed.poll() is not None, 120, "group 1 to kill itself", job.procs)
