@@ -732,8 +732,9 @@ class LocalSGDSettings:
         kwargs.pop("micro_batch_size", None)
         if kwargs.get("fault_tolerance") not in (None, False):
             raise TypeError(
-                f"{owner} does not take fault_tolerance yet: fault-tolerant replica groups are built for mgpu_ddp "
-                f"(strategy=MGPUDDPStrategy(fault_tolerance=True), or 'mgpu_ddp_ft'). Remove fault_tolerance."
+                f"{owner} does not take fault_tolerance yet: fault-tolerant replica groups are built for "
+                f"MGPUDDPStrategy(fault_tolerance=True) and MGPUShardedStrategy(stage=3, fault_tolerance=True). "
+                f"Remove fault_tolerance."
             )
         kwargs.pop("fault_tolerance", None)
         for name in ("comm_hook", "comm_state", "static_graph"):
@@ -1298,7 +1299,7 @@ class ShardedSettings:
     def check_fault_tolerance(self, fault_tolerance: Any) -> None:
         """Fault-tolerant replica groups are built over one flat torch-native ZeRO stage 2 or 3 inside each group
         (the groups replicate its shards); refuse the layouts around it that are not built yet, naming them."""
-        if fault_tolerance is None:
+        if fault_tolerance in (None, False):  # off, as CommonSettings reads it
             return
         refused = [
             f"{name}={value!r}"
