@@ -171,24 +171,48 @@ def replica_process_group(device: torch.device, timeout: Any) -> Any:
     return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
 
 
-def replica_group_mean(manager: Any, tensors: Sequence[torch.Tensor], ledger: Optional[CommStats] = None) -> None:
+def replica_group_mean(
+    manager: Any,
+    tensors: Sequence[torch.Tensor],
+    ledger: Optional[CommStats] = None,
+    *,
+    weight: Optional[float] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> int:
     """Average ``tensors`` in place over the replica groups of the current quorum through torchft's ``manager``
-    (``lightning_mgpu/parts/fault_tolerance.py``): one all-reduce per dtype and device, of a flat copy, on the
-    tensors' own device (the manager's process group was made for it). A failed all-reduce does not raise: the
-    manager records it and the step is not committed. Counted in ``ledger.replica_group_*``."""
+    (``lightning_mgpu/parts/fault_tolerance.py``): one all-reduce per dtype and device, of a flat copy (in ``dtype``
+    where given), on the tensors' own device (the manager's process group was made for it). A failed all-reduce does
+    not raise: the manager records it and the step is not committed. Counted in ``ledger.replica_group_*``.
+
+    With ``weight`` (the periodic sync), each group's tensors count with its weight (0: a group that only listens,
+    such as one that has just healed) and one extra element carries the weights' sum, which the result is divided by;
+    where that sum is 0 the tensors are left as they are. Returns how many groups contributed (without ``weight``:
+    the quorum's groups)."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    contributors = int(manager.num_participants())
     for same in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        manager.allreduce(flat).wait()
+        parts = [t.reshape(-1).to(dtype or t.dtype) for t in same]
+        if weight is None:
+            flat = torch.cat(parts)
+            manager.allreduce(flat).wait()
+        else:
+            flat = torch.cat([*parts, parts[0].new_ones(1)]).mul_(weight)
+            manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
         if ledger is not None:
             ledger.replica_group_calls += 1
             ledger.replica_group_bytes += flat.numel() * flat.element_size()
+        if weight is not None:
+            contributors = round(float(flat[-1]))
+            if contributors == 0:
+                continue
+            flat = flat[:-1].div_(flat[-1])
         offset = 0
         for tensor in same:
             tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
+    return contributors
 
 
 def all_gather(

@@ -719,9 +719,10 @@ class LocalSGDSettings:
             )
 
     @staticmethod
-    def ddp_kwargs(owner: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    def ddp_kwargs(owner: str, given: Mapping[str, Any], warmup_steps: int = 0) -> dict[str, Any]:
         """The DistributedDataParallel keywords of a periodic-sync strategy (``owner``): the DDP options it has no use
-        for are refused, naming why; buffers are averaged by the sync, so DDP's buffer broadcast is turned off."""
+        for are refused, naming why; buffers are averaged by the sync, so DDP's buffer broadcast is turned off.
+        ``fault_tolerance`` passes through (to :class:`~lightning_mgpu.MGPUDDPStrategy`), without a warm-up."""
         kwargs = dict(given)
         if kwargs.get("micro_batch_size") is not None:
             raise TypeError(
@@ -730,13 +731,12 @@ class LocalSGDSettings:
                 f"sync_every steps. Use a smaller loader batch with accumulate_grad_batches."
             )
         kwargs.pop("micro_batch_size", None)
-        if kwargs.get("fault_tolerance") not in (None, False):
+        if kwargs.get("fault_tolerance") not in (None, False) and warmup_steps:
             raise TypeError(
-                f"{owner} does not take fault_tolerance yet: fault-tolerant replica groups are built for "
-                f"MGPUDDPStrategy(fault_tolerance=True) and MGPUShardedStrategy(stage=3, fault_tolerance=True). "
-                f"Remove fault_tolerance."
+                f"{owner} does not take fault_tolerance with warmup_steps={warmup_steps}: across replica groups a "
+                f"period is the unit that commits, and a warm-up step all-reduces gradients every step. Use "
+                f"warmup_steps=0, or warm up with MGPUDDPStrategy(fault_tolerance=...) and resume from its checkpoint."
             )
-        kwargs.pop("fault_tolerance", None)
         for name in ("comm_hook", "comm_state", "static_graph"):
             if kwargs.get(name) not in (None, False):
                 raise TypeError(

@@ -17,6 +17,14 @@ Across groups, each optimizer step is a transaction:
    (so ``max_steps``, checkpoints' step and the progress bar) does not move. A group whose peer died in the
    middle of the all-reduce drops the step and carries on with the next quorum.
 
+With local SGD or DiLoCo (``mgpu_local_sgd``, ``mgpu_diloco``) the transaction is a *sync*, not a step: every rank
+takes its ``sync_every`` inner steps alone, and at the start of the step after a period the groups agree on a quorum
+(a group started again heals there: weights, last synced weights, outer and inner optimizer state, counters), the
+weight differences, averaged inside each group, are averaged over the groups that trained the period (a group that
+has just joined or healed listens: it counts with weight 0), and the outer step is taken only if every group commits;
+a sync that is not committed leaves every group's weights as they are, and the next sync carries that period too.
+A group's first sync (at its first step) is its joining; a fit's last period is synced when training ends.
+
 What a failure costs: the steps the failed group had taken since it last committed, and the batches the survivors
 were on when their all-reduce failed (those batches are skipped, not retried). ``min_replicas`` groups must take
 part in a step for it to commit; with fewer alive, the survivors wait for the quorum (up to ``quorum_timeout``).
@@ -48,6 +56,7 @@ import torch
 
 from lightning_mgpu import _compat, comm
 from lightning_mgpu.ledger import CommStats
+from lightning_mgpu.parts.periodic_sync import PeriodicSync
 from lightning_mgpu.settings import LIGHTHOUSE_COMMAND, FaultTolerance
 
 
@@ -55,9 +64,11 @@ class ReplicaGroups:
     """The replica-group part of a strategy: torchft's manager, the per-step quorum, the cross-group gradient
     average and the commit gate, the state a healing group receives, and Lightning's loop kept to committed steps.
 
-    Read after fit: :attr:`committed_steps`, :attr:`dropped_steps` (steps this group took part in), :attr:`heals`
-    (times this group loaded the state of a live group: the first quorum's start sync of a group other than the first
-    counts) and :attr:`participants` (groups in the last step's quorum).
+    Read after fit: :attr:`committed_steps`, :attr:`dropped_steps` (steps this group took part in; with
+    :attr:`periodic`, syncs), :attr:`heals` (times this group loaded the state of a live group: the first quorum's
+    start sync of a group other than the first counts), :attr:`participants` (groups in the last quorum) and, with
+    :attr:`periodic`, :attr:`contributors` (groups whose period the last sync averaged) and :attr:`contributed`;
+    :attr:`step`.
     """
 
     def __init__(self, config: FaultTolerance, stats: CommStats) -> None:
@@ -68,6 +79,13 @@ class ReplicaGroups:
         self.dropped_steps = 0
         self.heals = 0
         self.participants = 0
+        self.periodic: Optional[PeriodicSync] = None
+        """Local SGD / DiLoCo (set by the runtime): the transaction is then the periodic sync."""
+        self.contributors = 0
+        self.contributed = False
+        self.step = 0
+        """torchft's count of the steps (syncs) the replica groups committed, as of this group's last transaction:
+        the same in every group that took part in it (a healed group takes it from the live one)."""
         self.trainer: Any = None
         self.module: Any = None
         self._undo: Optional[Callable[[], None]] = None
@@ -127,10 +145,19 @@ class ReplicaGroups:
 
     def begin_step(self, accumulating_before: bool) -> None:
         """Before a training batch: a batch that starts an optimizer step (``accumulating_before`` False: no
-        micro-batch of this step ran yet) starts the quorum, healing this group first if it is behind."""
+        micro-batch of this step ran yet) starts the quorum, healing this group first if it is behind; with
+        :attr:`periodic`, only the group's first step and the step after a completed period do (:meth:`sync`)."""
         self.settle()
         if self.manager is None or accumulating_before:
             return
+        periodic = self.periodic
+        if periodic is None:
+            self._quorum()
+        elif self._quorums == 0 or periodic.due:
+            self.sync()
+        self._deadline = time.monotonic() + self.config.step_timeout
+
+    def _quorum(self) -> None:
         try:
             self.manager.start_quorum()  # bounded by quorum_timeout
         except Exception as err:  # torchft's quorum RPC: a TimeoutError, or a RuntimeError when it cannot connect
@@ -145,7 +172,38 @@ class ReplicaGroups:
                 f"its checkpoints so far are whole."
             ) from err
         self._quorums += 1
-        self._deadline = time.monotonic() + self.config.step_timeout
+        self.step = self.manager.current_step()
+
+    def sync(self) -> None:
+        """The periodic sync as a transaction over the groups (local SGD, DiLoCo): the quorum (healing this group
+        first if it is behind), the period's weight differences averaged over the groups that trained it (a group
+        that joins or has just healed counts with weight 0), the outer step only if every group commits."""
+        periodic = self.periodic
+        assert periodic is not None and self.manager is not None
+        joining, heals = self._quorums == 0, self.heals
+        self._quorum()
+        self.contributed = not joining and self.heals == heals
+        contributors: list[Optional[int]] = [None]
+
+        def across(tensors: list[torch.Tensor]) -> Optional[int]:
+            weight = 1.0 if self.contributed else 0.0
+            count = comm.replica_group_mean(self.manager, tensors, self.stats, weight=weight, dtype=periodic.comm_dtype)
+            self.participants = self.manager.num_participants()
+            contributors[0] = count if self.manager.should_commit() else None
+            return contributors[0]
+
+        committed = periodic.sync(self.stats, across)
+        self.step = self.manager.current_step()
+        if committed:
+            self.committed_steps += 1
+            self.contributors = int(contributors[0] or 0)
+        else:
+            self.dropped_steps += 1
+
+    def finish(self) -> None:
+        """When training ends: the last period's sync, if it is complete (every group ends at the same step)."""
+        if self.manager is not None and self.periodic is not None and self.periodic.due:
+            self.sync()
 
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any]
@@ -154,11 +212,16 @@ class ReplicaGroups:
         averaged over the quorum's groups, then Lightning's ``step`` only if every group commits."""
         if self.manager is None:
             return step(closure)
+        if self.periodic is not None:  # a step inside a period: this rank's own; the sync is the transaction
+            output = step(closure)
+            self._deadline = None
+            return output
         output = closure()
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         comm.replica_group_mean(self.manager, [comm.local_shard(p.grad) for p in params], self.stats)
         self.participants = self.manager.num_participants()
         committed = self.manager.should_commit()
+        self.step = self.manager.current_step()
         self._deadline = None
         if committed:
             self.committed_steps += 1
@@ -192,6 +255,7 @@ class ReplicaGroups:
             "optimizers": [_local(o.state_dict()) for o in trainer.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "loop": _compat.committed_loop_state(trainer),
+            "periodic": self.periodic.heal_state() if self.periodic is not None else None,
         }
 
     @torch.no_grad()
@@ -206,6 +270,8 @@ class ReplicaGroups:
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(saved)
         _compat.load_committed_loop_state(trainer, state["loop"])
+        if self.periodic is not None:
+            self.periodic.load_heal_state(state["periodic"])
         self.heals += 1
         self.stats.heal_bytes += _nbytes(state)
 
@@ -217,9 +283,10 @@ class ReplicaGroups:
             if deadline is None or time.monotonic() < deadline:
                 continue
             step = self.trainer.global_step + 1 if self.trainer is not None else "?"
+            vote = "commit vote" if self.periodic is None else "optimizer step"
             print(
                 f"lightning-mgpu: replica group {self.group}, rank {rank}: step {step} has run for "
-                f"step_timeout={self.config.step_timeout:g} s without reaching its commit vote; the group is stuck "
+                f"step_timeout={self.config.step_timeout:g} s without reaching its {vote}; the group is stuck "
                 f"(user code, a data loader, a collective inside the group) and leaves the job so that the other "
                 f"groups can go on. Start it again: it heals from a live group.",
                 file=sys.stderr,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
@@ -62,6 +62,9 @@ class PeriodicSync:
         self.since_sync = 0
         """Optimizer steps since the last sync (or since the end of the warm-up)."""
         self.syncs = 0
+        self.deferred = False
+        """Fault tolerance: a completed period's sync waits for the start of the next step (:attr:`due`), where the
+        replica groups meet (``parts/fault_tolerance.py``)."""
         self.resumed: Optional[str] = None
         """After a restore: ``"exact"`` (same world size: every rank's own weights and inner optimizer state) or
         ``"synced"`` (another world size: every rank starts from the last synced weights)."""
@@ -91,6 +94,16 @@ class PeriodicSync:
         """Whether the current step is a warm-up step (gradients all-reduced by DDP, no periodic sync)."""
         return self.steps < self.settings.warmup_steps
 
+    @property
+    def due(self) -> bool:
+        """Whether a period is complete and not synced yet (a deferred sync, under fault tolerance)."""
+        return not self.in_warmup and self.since_sync >= self.settings.sync_every
+
+    @property
+    def comm_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the weight differences are averaged in (``comm_dtype``); None: their own."""
+        return _COMM_DTYPES.get(self.settings.comm_dtype) if self.settings.comm_dtype else None
+
     # --- the steps ----------------------------------------------------------------------------------------
     def after_optimizer_step(self, stats: CommStats) -> bool:
         """Count one optimizer step; sync when it completes a period. Returns whether it synced."""
@@ -101,25 +114,37 @@ class PeriodicSync:
                 self._set_anchor_from_params()
             return False
         self.since_sync += 1
-        if self.since_sync < self.settings.sync_every:
+        if self.since_sync < self.settings.sync_every or self.deferred:
             return False
         self.sync(stats)
         return True
 
     @torch.no_grad()
-    def sync(self, stats: CommStats) -> None:
+    def sync(self, stats: CommStats, across: Optional[Callable[[list[Tensor]], Optional[int]]] = None) -> bool:
         """Average ``anchor - weights`` across ranks, step the anchor (mean, or the outer optimizer) and copy it into
-        every rank's parameters. One all-reduce per bucket of at most :data:`BUCKET_BYTES`, counted in ``stats``."""
+        every rank's parameters. One all-reduce per bucket of at most :data:`BUCKET_BYTES`, counted in ``stats``.
+
+        ``across`` (fault tolerance) then averages the group's differences and buffers in place over the replica
+        groups and returns how many groups contributed, or None where the sync is not committed: the weights and
+        buffers then stay as they are, and the next sync carries this period too. With 0 contributors (every group
+        only joined) the anchor does not move. Returns whether the sync was committed."""
         deltas = [a - p.detach() for a, p in zip(self.anchor, self.params)]
-        comm_dtype = _COMM_DTYPES.get(self.settings.comm_dtype) if self.settings.comm_dtype else None
-        calls, nbytes = self._average(deltas, comm_dtype)
-        buffer_calls, buffer_bytes = self._average(self.buffers, None)
+        calls, nbytes = self._average(deltas, self.comm_dtype)
+        buffers = [b.clone() for b in self.buffers] if across is not None else self.buffers
+        buffer_calls, buffer_bytes = self._average(buffers, None)
         stats.record(calls + buffer_calls, nbytes + buffer_bytes)
         stats.sync_rounds += 1
-        if self.outer is None:
+        contributors = across([*deltas, *buffers]) if across is not None else self.world_size
+        self.since_sync = 0
+        if contributors is None:
+            return False
+        if buffers is not self.buffers:
+            for b, averaged in zip(self.buffers, buffers):
+                b.copy_(averaged)
+        if self.outer is None and contributors:
             for a, d in zip(self.anchor, deltas):
                 a.sub_(d)
-        else:
+        elif self.outer is not None and contributors:
             for a, d in zip(self.anchor, deltas):
                 a.grad = d
             self.outer.step()
@@ -127,8 +152,8 @@ class PeriodicSync:
                 a.grad = None
         for p, a in zip(self.params, self.anchor):
             p.copy_(a)
-        self.since_sync = 0
         self.syncs += 1
+        return True
 
     def _average(self, tensors: list[Tensor], comm_dtype: Optional[torch.dtype]) -> tuple[int, int]:
         """Average ``tensors`` in place across the group (in ``comm_dtype`` if set); returns (calls, payload bytes)."""
@@ -166,6 +191,24 @@ class PeriodicSync:
             "synced_weights": [t.detach().cpu().clone() for t in synced],
             "outer_optimizer": copy.deepcopy(self.outer.state_dict()) if self.outer is not None else None,
         }
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a healing replica group's rank takes from the same rank of a live group (fault tolerance): the last
+        synced weights, the outer optimizer and the counters (its own weights travel with the module's)."""
+        return {
+            "anchor": [a.detach() for a in self.anchor],
+            "outer_optimizer": self.outer.state_dict() if self.outer is not None else None,
+            "counters": [self.steps, self.since_sync, self.syncs],
+        }
+
+    @torch.no_grad()
+    def load_heal_state(self, state: Mapping[str, Any]) -> None:
+        """:meth:`heal_state` of a live group's rank, copied in place."""
+        for a, saved in zip(self.anchor, state["anchor"], strict=True):
+            a.copy_(saved)
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer_optimizer"])
+        self.steps, self.since_sync, self.syncs = (int(n) for n in state["counters"])
 
     def local_weights(self) -> list[Tensor]:
         """This rank's own weights and averaged buffers (they differ between ranks inside a period)."""

@@ -61,6 +61,8 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
       the same number of ranks continues exactly; on another number, from the last synced weights (with a
       warning). ``checkpoint["state_dict"]`` is rank 0's own weights, as in mgpu_ddp.
     * Manual optimization is refused (what a period counts is one optimizer's steps); use mgpu_ddp.
+    * ``fault_tolerance`` (as :class:`MGPUDDPStrategy`'s, without ``warmup_steps``): replica groups that sync
+      through torchft, each sync a transaction over the groups alive at it (the fault-tolerance guide).
 
     The other arguments (``process_group_backend``, ``timeout``, ``start_method``, ``log_comm_stats``, activation
     checkpointing, ``compile``, ``exact_evaluation``, ``check_uneven_inputs``, ``checkpoint_io`` and
@@ -112,7 +114,7 @@ class MGPULocalSGDStrategy(MGPUDDPStrategy):
         super().__init__(
             **lightning_arguments(arguments),
             **arguments_of(CommonSettings, arguments),
-            **LocalSGDSettings.ddp_kwargs(type(self).__name__, ddp_kwargs),
+            **LocalSGDSettings.ddp_kwargs(type(self).__name__, ddp_kwargs, settings.warmup_steps),
         )
         self._periodic = self._runtime.sync_periodically(settings)
 
@@ -191,7 +193,7 @@ class MGPUDiLoCoStrategy(MGPUDDPStrategy):
         super().__init__(
             **lightning_arguments(arguments),
             **arguments_of(CommonSettings, arguments),
-            **LocalSGDSettings.ddp_kwargs(type(self).__name__, ddp_kwargs),
+            **LocalSGDSettings.ddp_kwargs(type(self).__name__, ddp_kwargs, settings.warmup_steps),
         )
         self._periodic = self._runtime.sync_periodically(settings)
 

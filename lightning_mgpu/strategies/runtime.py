@@ -565,6 +565,9 @@ class Runtime:
         """Sync the weights every ``sync_every`` steps instead of the gradients every step (the strategy's DDP hooks
         then hand the steps, backwards and checkpoints to the sync as well)."""
         self.periodic = PeriodicSync(settings)
+        if self.replicas is not None:  # across replica groups the sync is the transaction, at the next step's start
+            self.replicas.periodic = self.periodic
+            self.periodic.deferred = True
         return self.periodic
 
     def _check_periodic(self, model: pl.LightningModule) -> None:
@@ -838,6 +841,7 @@ class Runtime:
     def train_end(self) -> None:
         if self.replicas is not None:
             self.replicas.settle()  # the last batch's dropped step, undone
+            self.replicas.finish()  # local SGD / DiLoCo: the last period's sync
         self.settle_async_writes()  # fit's end waits for the last write; its failure raises on every rank
         self.ledger.write(self.strategy.lightning_module, self.strategy.is_global_zero, force=True)
 

@@ -1,18 +1,16 @@
 """One replica group of the fault-tolerance tests (``test_fault_tolerance.py``), a script as a user's would be: a
-LightningModule trained by ``Trainer(strategy=MGPUDDPStrategy(fault_tolerance=...))``.
+LightningModule trained by ``Trainer(strategy=MGPUDDPStrategy(fault_tolerance=...))`` (``--strategy ddp``; ``zero3``:
+``MGPUShardedStrategy(stage=3, ...)``; ``diloco``: ``MGPUDiLoCoStrategy(sync_every=4, ...)``).
 
 ``python fault_tolerance_worker.py NAMESPACE OUT GROUP LIGHTHOUSE [--die-after N] [--seed SEED] [--devices N]
 [--signal NAME] [--wait NAME:STEP ...]``
 
 Every training batch appends one line to ``OUT/group{GROUP}.jsonl`` as it ends (so a killed group's lines stay):
 the step count before and after it, the dataset rows it trained on, its accumulation window (``--accumulate``
-micro-batches per optimizer step), the groups in its quorum, this process's pid.
-With ``--die-after N``, the group's last rank SIGKILLs itself in the forward of its (N+1)-th batch (the other
-ranks of the group then fail in their next collective, and the group ends). The test's choreography:
-``--signal NAME`` writes ``OUT/NAME`` when training starts (the group has joined the lighthouse's job);
-``--wait NAME:STEP`` holds the group before the batch that would make step STEP+1 until ``OUT/NAME`` exists
-(0: when training starts). At the end, ``OUT/weights{GROUP}.pt`` holds the weights and ``OUT/end{GROUP}.json``
-the part's counts.
+micro-batches per optimizer step), the groups in its quorum, this process's pid; under ``diloco`` also the syncs
+this process took part in so far, how many committed, whether its group contributed to the last one, and torchft's
+committed count after it (each rank adds one more such line, ``"final": true``, once fit has ended: after the last
+period's sync; the rank that kills itself one, ``"killed": true``, before it does).
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ parser.add_argument("--wait", action="append", default=[])
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--devices", type=int, default=1)
 parser.add_argument("--accumulate", type=int, default=1)
-parser.add_argument("--strategy", choices=("ddp", "zero3"), default="ddp")
+parser.add_argument("--strategy", choices=("ddp", "zero3", "diloco"), default="ddp")
 parser.add_argument("--start-method", default="fork")
 parser.add_argument("--max-steps", type=int, default=24)
 parser.add_argument("--pause", type=float, default=0.05)
@@ -54,15 +52,16 @@ args = parser.parse_args()
 if args.namespace == "lightning":
     import lightning.pytorch as pl
 
-    from lightning_mgpu.lightning import MGPUDDPStrategy, MGPUShardedStrategy
+    from lightning_mgpu.lightning import MGPUDDPStrategy, MGPUDiLoCoStrategy, MGPUShardedStrategy
 else:
     import pytorch_lightning as pl
 
-    from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
+    from lightning_mgpu import MGPUDDPStrategy, MGPUDiLoCoStrategy, MGPUShardedStrategy
 
 torch.set_default_dtype(torch.float64)
 ROWS, FEATURES, BATCH, GROUPS = 256, 4, 8, 2
 LR, MOMENTUM = 0.05, 0.9
+SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM = 4, 0.7, 0.9  # diloco
 
 
 def decay(step: int) -> float:
@@ -109,6 +108,8 @@ class Net(pl.LightningModule):
         self._window = self._batches // args.accumulate  # the optimizer step's micro-batches share one window
         loss = nn.functional.mse_loss(self.net(x), y)
         if args.die_after is not None and self._batches == args.die_after and self.global_rank == args.devices - 1:
+            if args.strategy == "diloco":  # the sync at this step's start took this rank's period: said before dying
+                self._write({"killed": True, "rank": self.global_rank, "pid": os.getpid(), **self._syncs()})
             os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the step: after its forward, before its backward
         if args.hang_after is not None and self._batches == args.hang_after:
             time.sleep(3600)  # stuck in user code, alive: its heartbeats to the lighthouse go on
@@ -125,17 +126,41 @@ class Net(pl.LightningModule):
             "participants": replicas.participants,
             "rank": self.global_rank,
             "pid": os.getpid(),
+            **self._syncs(),
         }
-        with open(args.out / f"group{args.group}.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
+        self._write(line)
         time.sleep(args.pause)
         self._hold(self.trainer.global_step)
 
+    def _syncs(self) -> dict:
+        replicas = self.trainer.strategy.replicas
+        if args.strategy != "diloco":
+            return {}
+        syncs = replicas.committed_steps + replicas.dropped_steps
+        return {"syncs": syncs, "committed": replicas.committed_steps, "contributed": replicas.contributed,
+                "participants": replicas.participants,
+                "step": replicas.step}  # fmt: skip
+
+    def _write(self, line: dict) -> None:
+        with open(args.out / f"group{args.group}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def on_fit_end(self):
+        if args.strategy != "diloco":
+            return
+        self._write({"final": True, "rank": self.global_rank, "pid": os.getpid(), **self._syncs()})
+        if self.global_rank == 0:  # the weights after the last period's sync (at the end of training)
+            self._save({k: v.detach().clone() for k, v in self.state_dict().items()})
+
     def on_train_end(self):
+        if args.strategy == "diloco":
+            return  # on_fit_end: after the strategy's sync of the last period
         # every rank: ZeRO-3's weights are shards, gathered whole (a collective of the group)
         weights = {k: getattr(v, "full_tensor", v.detach)().detach().clone() for k, v in self.state_dict().items()}
-        if self.global_rank != 0:
-            return
+        if self.global_rank == 0:
+            self._save(weights)
+
+    def _save(self, weights: dict) -> None:
         strategy = self.trainer.strategy
         torch.save(weights, args.out / f"weights{args.group}.pt")
         end = {
@@ -172,8 +197,15 @@ if __name__ == "__main__":
         # the group's ranks forked from this process: one import of torch and Lightning per group, not per rank
         start_method=args.start_method,
     )
-    # inside a group: DDP, or ZeRO-3 (FSDP2) whose shards the groups replicate
-    strategy = MGPUDDPStrategy(**options) if args.strategy == "ddp" else MGPUShardedStrategy(stage=3, **options)
+    # inside a group: DDP, ZeRO-3 (FSDP2) whose shards the groups replicate, or DiLoCo (every rank its own inner steps)
+    if args.strategy == "ddp":
+        strategy = MGPUDDPStrategy(**options)
+    elif args.strategy == "zero3":
+        strategy = MGPUShardedStrategy(stage=3, **options)
+    else:
+        strategy = MGPUDiLoCoStrategy(
+            sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, **options
+        )
     model = Net(args.seed)
     trainer = pl.Trainer(
         accelerator="cpu",

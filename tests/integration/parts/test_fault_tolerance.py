@@ -1,4 +1,5 @@
-"""Fault-tolerant replica groups (``MGPUDDPStrategy(fault_tolerance=...)``, ``parts/fault_tolerance.py``): a replica
+"""Fault-tolerant replica groups (``MGPUDDPStrategy(fault_tolerance=...)``, ``parts/fault_tolerance.py``; ZeRO-3 and
+DiLoCo inside the groups too): a replica
 group is SIGKILLed in the middle of a step, the other keeps committing steps without any process of its
 restarting, the group is started again, heals from the survivor and joins; at the end both hold the same weights,
 and those weights are the one-process replay of the committed steps (float64, torch's default tolerance).
@@ -190,6 +191,121 @@ def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_e
         torch.testing.assert_close(weights[0][name], replay[name])
     # negative control: the replay without group 1's batches is not what the groups trained
     wrong = _replay(logs, MAX_STEPS, drop_group=1)
+    with pytest.raises(AssertionError):
+        for name in weights[0]:
+            torch.testing.assert_close(weights[0][name], wrong[name])
+
+
+def _replay_diloco(logs: dict[int, list[dict]], drop_group: int | None = None) -> dict[str, torch.Tensor]:
+    """One process, float64, DiLoCo over every rank of every group: each rank (a pid) runs its own SGD with momentum
+    on the rows it logged, from the synced weights of the sync its batches started after; at each committed sync
+    (torchft's step ``s``) the outer Nesterov SGD steps the synced weights along the mean over the contributing
+    groups of each group's mean of ``synced - local``. A rank's batches count in the committed sync they end in
+    where its group contributed to it (after a dropped sync they go on into the next; a killed rank's last ones
+    count nowhere). A group that joins at sync ``s`` takes each rank's momentum from the same rank of the live group
+    (the heal)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, y = _data()
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        anchor = [p.detach().clone() for p in net.parameters()]
+        outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+        synced = {0: [a.clone() for a in anchor]}  # torchft's step -> the synced weights after it
+        ends: dict[int, list[tuple[int, int, int, list[dict]]]] = {}  # step -> (group, rank, pid, batches)
+        joins: dict[int, list[tuple[int, int, int]]] = {}  # step -> (group, rank, pid) joining there
+        for group, lines in logs.items():
+            for pid in dict.fromkeys(line["pid"] for line in lines):
+                mine = [line for line in lines if line["pid"] == pid]
+                joins.setdefault(mine[0]["step"], []).append((group, mine[0]["rank"], pid))
+                batches: list[dict] = []
+                committed = mine[0]["committed"]
+                for line in mine:
+                    if line["committed"] != committed:  # a committed sync before this line
+                        assert line["committed"] == committed + 1, line
+                        if line["contributed"] and group != drop_group:
+                            ends.setdefault(line["step"], []).append((group, line["rank"], pid, batches))
+                        batches, committed = [], line["committed"]
+                    if "rows" in line:  # not a final line or a killed rank's last word
+                        batches.append(line)
+        momentum: dict[int, list[torch.Tensor]] = {}
+        for step in range(1, max(line["step"] for lines in logs.values() for line in lines) + 1):
+            by_group: dict[int, list[list[torch.Tensor]]] = {}
+            for group, _rank, pid, batches in ends.get(step, []):
+                start = synced[batches[0]["step"]]
+                params = [w.clone().requires_grad_(True) for w in start]
+                for line in batches:
+                    w1, b1, w2, b2 = params
+                    rows = line["rows"]
+                    loss = nn.functional.mse_loss(torch.tanh(x[rows] @ w1.T + b1) @ w2.T + b2, y[rows])
+                    grads = torch.autograd.grad(loss, params)
+                    old = momentum.get(pid)
+                    momentum[pid] = (
+                        [g.clone() for g in grads] if old is None else [0.9 * m + g for m, g in zip(old, grads)]
+                    )
+                    with torch.no_grad():
+                        for p, m in zip(params, momentum[pid]):
+                            p -= 0.05 / (1.0 + 0.1 * line["before"]) * m
+                by_group.setdefault(group, []).append([w - p.detach() for w, p in zip(start, params)])
+            if by_group:
+                means = [[sum(d) / len(ranks) for d in zip(*ranks)] for ranks in by_group.values()]
+                for a, d in zip(anchor, zip(*means)):
+                    a.grad = sum(d) / len(means)
+                outer.step()
+            synced[step] = [a.detach().clone() for a in anchor]
+            for group, rank, pid in joins.get(step, []):  # healed from the same rank of a live group
+                live = [p for g, r, p, _ in ends.get(step, []) if r == rank and g != group and p in momentum]
+                if live:
+                    momentum[pid] = [m.clone() for m in momentum[live[0]]]
+        last = synced[max(synced)]
+        return {f"net.{k}": w for k, w in zip(("0.weight", "0.bias", "2.weight", "2.bias"), last)}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_diloco_groups_sync_through_torchft_a_killed_group_heals_at_a_sync_and_all_equal_the_replay(tmp_path):
+    """``MGPUDiLoCoStrategy(sync_every=4, fault_tolerance=...)``: every rank takes its own inner steps; at the start of
+    the step after each period the groups meet, the weight differences of the groups that trained the period are
+    averaged, the outer step taken only if all commit. Group 1 is SIGKILLed in its second period (its surviving
+    rank ends at the next sync); group 0 goes on syncing alone; group 1, started again with other weights, heals at
+    group 0's next sync and trains with it to the end, where the last period is synced."""
+    log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
+    with _Job(tmp_path) as job:
+        job.lighthouse()
+        both = ("--strategy", "diloco", "--quorum-timeout", "10", "--checkpoint-every", "4")
+        first = job.group(0, "pytorch_lightning", *both, "--wait", "started:0", "--wait", f"rejoined:{REJOIN_AT}")
+        doomed = job.group(1, "lightning", *both, "--signal", "started", "--die-after", str(DIE_AFTER))
+        _wait(lambda: doomed.poll() is not None, 120, "group 1 to end", job.procs)
+        assert doomed.returncode != 0
+        _wait(lambda: len(_lines(log0)) >= GROUP_SIZE * REJOIN_AT, 90, "group 0 to go on alone", [first])
+        again = job.group(1, "lightning", *both, "--signal", "rejoined", "--seed", "7")
+        for proc in (first, again):
+            proc.wait(timeout=150)
+            assert proc.returncode == 0, job.output(proc)[-4000:]
+
+    logs = {0: _lines(log0), 1: _lines(log1)}
+    ends = {g: json.loads((tmp_path / f"end{g}.json").read_text()) for g in (0, 1)}
+    assert len({line["pid"] for line in logs[0]}) == GROUP_SIZE  # the survivor never restarted
+    # group 0 committed syncs alone (group 1 gone), and group 1's second start contributed from its first period on
+    alone = {
+        line["step"] for line in logs[0] if line["committed"] and line["contributed"] and line["participants"] == 1
+    }
+    assert alone, logs[0]
+    first_pids = {line["pid"] for line in logs[1][: GROUP_SIZE * DIE_AFTER]}
+    restarted = [line for line in logs[1] if line["pid"] not in first_pids]
+    assert restarted[0]["before"] >= REJOIN_AT and ends[1]["heals"] >= 1 and ends[1]["heal_bytes"] > 0
+    assert restarted[-1]["final"] and restarted[-1]["contributed"] and restarted[-1]["participants"] == 2
+    assert ends[0]["global_step"] == ends[1]["global_step"] == MAX_STEPS
+    written = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    assert written == sorted(f"group0-step={step}.ckpt" for step in range(4, MAX_STEPS + 1, 4)), written
+    weights = {g: torch.load(tmp_path / f"weights{g}.pt") for g in (0, 1)}
+    replay = _replay_diloco(logs)
+    for name in weights[0]:
+        torch.testing.assert_close(weights[1][name], weights[0][name])
+        torch.testing.assert_close(weights[0][name], replay[name])
+    wrong = _replay_diloco(logs, drop_group=1)  # negative control: without group 1's periods
     with pytest.raises(AssertionError):
         for name in weights[0]:
             torch.testing.assert_close(weights[0][name], wrong[name])

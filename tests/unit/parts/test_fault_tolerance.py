@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
 
 from lightning_mgpu import (
     FaultTolerance,
@@ -16,9 +19,11 @@ from lightning_mgpu import (
     MGPULocalSGDStrategy,
     MGPUShardedStrategy,
 )
+from lightning_mgpu.comm import replica_group_mean
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
-from lightning_mgpu.settings import check_fault_tolerance
+from lightning_mgpu.parts.periodic_sync import PeriodicSync
+from lightning_mgpu.settings import LocalSGDSettings, check_fault_tolerance
 
 ENV = {"TORCHFT_LIGHTHOUSE": "http://lighthouse:29510", "MGPU_REPLICA_GROUP": "1", "MGPU_REPLICA_GROUPS": "3"}
 
@@ -61,15 +66,67 @@ def test_without_torchft_the_option_names_the_extra_to_install(monkeypatch):
         check_fault_tolerance(True, ENV)
 
 
-def test_the_strategy_takes_it_at_construction_and_the_periodic_strategies_refuse_it(monkeypatch):
+def test_the_strategies_take_it_at_construction_the_periodic_ones_sync_at_the_next_step_and_refuse_a_warmup(
+    monkeypatch,
+):
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     strategy = MGPUDDPStrategy(fault_tolerance=True)
     assert strategy.settings.fault_tolerance.replica_groups == 3 and strategy.replicas is not None
-    assert MGPUDDPStrategy().replicas is None
+    assert MGPUDDPStrategy().replicas is None and strategy.replicas.periodic is None
     for cls in (MGPULocalSGDStrategy, MGPUDiLoCoStrategy):
-        with pytest.raises(TypeError, match=f"{cls.__name__} does not take fault_tolerance yet"):
-            cls(fault_tolerance=True)
+        periodic = cls(sync_every=2, fault_tolerance=True)
+        assert periodic.replicas.periodic is periodic.periodic_sync and periodic.periodic_sync.deferred
+        assert not cls(sync_every=2).periodic_sync.deferred and cls().replicas is None
+        with pytest.raises(TypeError, match=f"{cls.__name__} does not take fault_tolerance with warmup_steps=3: "):
+            cls(fault_tolerance=True, warmup_steps=3)
+
+
+class _Manager:
+    """torchft's manager as the weighted mean sees it: this group's part, summed with the other groups' parts."""
+
+    def __init__(self, others: list[torch.Tensor]) -> None:
+        self.others = others
+
+    def num_participants(self) -> int:
+        return 1 + len(self.others)
+
+    def allreduce(self, flat: torch.Tensor, reduce_op: object = None) -> Any:
+        for other in self.others:
+            flat.add_(other)
+        return SimpleNamespace(wait=lambda: None)
+
+
+def test_the_periodic_sync_across_groups_averages_the_contributing_groups_and_a_listener_or_a_drop_moves_nothing():
+    """Local SGD on one rank of a group (world size 1): ``anchor - weights`` averaged with another group's
+    difference (weight 1 each); a group that listens (weight 0) takes the others' mean; 0 contributors leave the
+    anchor; a dropped sync leaves the weights where they are (the next sync carries the period)."""
+    weight = torch.nn.Parameter(torch.tensor([4.0]))
+    sync = PeriodicSync(LocalSGDSettings(sync_every=1))
+    sync.setup([weight], group=None, world_size=1)
+    sync.deferred = True
+    stats = CommStats()
+    with torch.no_grad():
+        weight.sub_(1.0)  # this rank's period: anchor 4 -> weights 3 (difference 1)
+    assert sync.after_optimizer_step(stats) is False and sync.due  # deferred to the next step's start
+    other = _Manager([torch.tensor([3.0, 1.0])])  # another group's difference 3, weight 1
+    assert sync.sync(stats, lambda t: replica_group_mean(other, t, stats, weight=1.0)) is True
+    assert weight.item() == sync.anchor[0].item() == 2.0 and not sync.due  # 4 - mean(1, 3)
+    with torch.no_grad():
+        weight.sub_(5.0)  # a joining group's garbage difference, weight 0: it takes the other's mean
+    assert sync.sync(stats, lambda t: replica_group_mean(other, t, stats, weight=0.0)) is True
+    assert weight.item() == -1.0  # 2 - 3
+    alone = _Manager([])
+    with torch.no_grad():
+        weight.sub_(1.0)
+    assert sync.sync(stats, lambda t: replica_group_mean(alone, t, stats, weight=0.0)) is True
+    assert weight.item() == sync.anchor[0].item() == -1.0  # nobody contributed: the anchor stays
+    with torch.no_grad():
+        weight.sub_(1.0)
+    assert sync.sync(stats, lambda t: None) is False  # not committed: the weights stay, the anchor too
+    assert (weight.item(), sync.anchor[0].item(), sync.syncs, stats.replica_group_calls) == (-2.0, -1.0, 3, 3)
+    assert sync.sync(stats, lambda t: replica_group_mean(alone, t, stats, weight=1.0)) is True
+    assert weight.item() == -2.0  # both periods' difference, carried to this sync
 
 
 @pytest.mark.parametrize(
