@@ -10,12 +10,15 @@ same number of optimizer steps, one process per rank:
 2. ``mgpu_ddp``: one job of 2 ranks;
 3. ``mgpu_ddp`` with ``fault_tolerance``: 2 replica groups of 1 rank each and a lighthouse (torchft's), the same 2
    ranks, the gradients averaged across the groups through torchft instead of inside DDP;
-4. the same, with group 1 SIGKILLed in the middle of a step and started again at once: it heals from group 0.
+4. the same, with group 1 SIGKILLed in the middle of a step and started again at once: it heals from group 0;
+5. ``mgpu_diloco`` (``sync_every=8``): one job of 2 ranks, then 2 replica groups of 1 rank with ``fault_tolerance``
+   (the weight differences averaged across the groups through torchft every 8 steps).
 
 Printed: the median wall time per optimizer step of each run against ``mgpu_ddp``'s (run 1-3); for run 4, the steps
 group 0 committed while group 1 was gone, the seconds from the kill to the restarted group's first committed step
 (its start-up included: importing torch and Lightning is most of it), and the bytes the heal received against the
-weights and the optimizer state; from the ledger, the bytes of the cross-group all-reduce per step. The machine's
+weights and the optimizer state; from the ledger, the bytes of the cross-group all-reduce per step (for run 5 too:
+about 1/8 of run 3's). The machine's
 load is the same for all runs (2 processes each); the figures of one run are comparable with each other only.
 """
 
@@ -51,7 +54,7 @@ def group_main(args: argparse.Namespace) -> None:
     import torch
 
     import lightning_mgpu  # noqa: F401  (registers the presets)
-    from lightning_mgpu import MGPUDDPStrategy
+    from lightning_mgpu import MGPUDDPStrategy, MGPUDiLoCoStrategy
     from lightning_mgpu.examples import DigitsDataModule, DigitsTransformer
 
     out = Path(args.out)
@@ -101,13 +104,15 @@ def group_main(args: argparse.Namespace) -> None:
             }
             (out / f"{args.name}.end.json").write_text(json.dumps(end))
 
+    ft = None
+    if args.lighthouse:
+        ft = {"lighthouse": args.lighthouse, "replica_group": args.group, "replica_groups": 2, "timeout": 10}
     if args.strategy == "ddp":
         strategy: Any = "ddp"
-    elif args.lighthouse:
-        ft = {"lighthouse": args.lighthouse, "replica_group": args.group, "replica_groups": 2, "timeout": 10}
-        strategy = MGPUDDPStrategy(fault_tolerance=ft, start_method="fork")
+    elif args.strategy == "diloco":
+        strategy = MGPUDiLoCoStrategy(sync_every=8, fault_tolerance=ft, start_method="fork")
     else:
-        strategy = MGPUDDPStrategy(start_method="fork")
+        strategy = MGPUDDPStrategy(fault_tolerance=ft, start_method="fork")
     torch.manual_seed(0)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -164,6 +169,9 @@ def main(args: argparse.Namespace) -> None:
     doomed.wait(timeout=600)
     restarted = _launch(out, "kill1again", *ft, "--group", "1")
     _wait([survivor, restarted])
+    diloco = ("--strategy", "diloco")
+    _wait([_launch(out, "diloco", *diloco, "--devices", "2")])
+    _wait([_launch(out, f"diloco_ft{g}", *diloco, "--lighthouse", address, "--group", str(g)) for g in (0, 1)])
     lighthouse.shutdown()
 
     base = _median_ms(_lines(out, "mgpu_ddp"))
@@ -171,6 +179,8 @@ def main(args: argparse.Namespace) -> None:
         ("Lightning ddp, 2 ranks", _median_ms(_lines(out, "lightning_ddp"))),
         ("mgpu_ddp, 2 ranks", base),
         ("mgpu_ddp fault_tolerance, 2 groups x 1 rank", _median_ms(_lines(out, "ft0"))),
+        ("mgpu_diloco sync_every=8, 2 ranks", _median_ms(_lines(out, "diloco"))),
+        ("mgpu_diloco fault_tolerance, 2 groups x 1 rank", _median_ms(_lines(out, "diloco_ft0"))),
     ]
     print(f"{'run':<46} {'step ms':>8} {'vs mgpu_ddp':>12}")
     for name, ms in rows:
@@ -179,6 +189,7 @@ def main(args: argparse.Namespace) -> None:
     alone = [line for line in _lines(out, "kill0") if line["after"] > line["before"] and line["participants"] == 1]
     first = next(line for line in _lines(out, "kill1again") if line["after"] > line["before"])
     end0 = json.loads((out / "ft0.end.json").read_text())
+    diloco0 = json.loads((out / "diloco_ft0.end.json").read_text())
     healed = json.loads((out / "kill1again.end.json").read_text())
     figures = {
         "steps": {name: ms for name, ms in rows},
@@ -188,6 +199,8 @@ def main(args: argparse.Namespace) -> None:
         "heal_bytes": healed["heal_bytes"],
         "state_bytes": healed["state_bytes"],
         "replica_group_bytes_per_step": end0["replica_group_bytes"] / end0["steps"],
+        "diloco_ft_vs_diloco": rows[4][1] / rows[3][1],
+        "diloco_replica_group_bytes_per_step": diloco0["replica_group_bytes"] / diloco0["steps"],
     }
     print(f"\nkill group 1 at step {KILL_AT}, start it again at once:")
     print(f"  steps group 0 committed alone             {len(alone)}")
@@ -197,6 +210,11 @@ def main(args: argparse.Namespace) -> None:
         f"({healed['heal_bytes'] / healed['state_bytes']:.2f}x weights + optimizer state, {healed['state_bytes']:,} B)"
     )
     print(f"  cross-group all-reduce per step           {figures['replica_group_bytes_per_step']:,.0f} B")
+    print(
+        f"mgpu_diloco with fault_tolerance: {figures['diloco_ft_vs_diloco']:.2f}x mgpu_diloco's step; cross-group "
+        f"all-reduce per step {figures['diloco_replica_group_bytes_per_step']:,.0f} B "
+        f"({figures['diloco_replica_group_bytes_per_step'] / figures['replica_group_bytes_per_step']:.3f}x mgpu_ddp's)"
+    )
     if args.json:
         print(json.dumps(figures))
 
