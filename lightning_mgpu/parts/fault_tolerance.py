@@ -247,8 +247,8 @@ class ReplicaGroups:
 
     def heal_state(self) -> dict[str, Any]:
         """What a healing group receives from this rank: this rank's part of the weights and of the optimizer state
-        (its shards under ZeRO; the rank of the same number in the healing group takes it), the schedulers and the
-        loop's counters."""
+        (its shards under ZeRO; the rank of the same number in the healing group takes it), the schedulers, the
+        loop's counters and the random states."""
         trainer, module = self.trainer, self.module
         return {
             "module": _local(module.state_dict()),
@@ -256,6 +256,7 @@ class ReplicaGroups:
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "loop": _compat.committed_loop_state(trainer),
             "periodic": self.periodic.heal_state() if self.periodic is not None else None,
+            "rng": _compat.rng_states(),  # dropout and the like go on as on the live group's rank
         }
 
     @torch.no_grad()
@@ -272,6 +273,7 @@ class ReplicaGroups:
         _compat.load_committed_loop_state(trainer, state["loop"])
         if self.periodic is not None:
             self.periodic.load_heal_state(state["periodic"])
+        _compat.set_rng_states(state["rng"])
         self.heals += 1
         self.stats.heal_bytes += _nbytes(state)
 

@@ -5,12 +5,12 @@ LightningModule trained by ``Trainer(strategy=MGPUDDPStrategy(fault_tolerance=..
 ``python fault_tolerance_worker.py NAMESPACE OUT GROUP LIGHTHOUSE [--die-after N] [--seed SEED] [--devices N]
 [--signal NAME] [--wait NAME:STEP ...]``
 
-Every training batch appends one line to ``OUT/group{GROUP}.jsonl`` as it ends (so a killed group's lines stay):
-the step count before and after it, the dataset rows it trained on, its accumulation window (``--accumulate``
-micro-batches per optimizer step), the groups in its quorum, this process's pid; under ``diloco`` also the syncs
-this process took part in so far, how many committed, whether its group contributed to the last one, and torchft's
-committed count after it (each rank adds one more such line, ``"final": true``, once fit has ended: after the last
-period's sync; the rank that kills itself one, ``"killed": true``, before it does).
+Every training batch appends one line to ``OUT/group{GROUP}.jsonl`` as it ends (so a killed group's lines stay): the
+step count before and after it, the dataset rows it trained on, a draw of torch's random generator, its accumulation
+window (``--accumulate`` micro-batches per optimizer step), the groups in its quorum, this process's pid; under
+``diloco`` also the syncs this process took part in so far, how many committed, whether its group contributed to the
+last one, and torchft's committed count after it (each rank adds one more such line, ``"final": true``, once fit has
+ended: after the last period's sync; the rank that kills itself one, ``"killed": true``, before it does).
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ class Net(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         rows, x, y = batch
         self._before, self._rows = self.trainer.global_step, rows.tolist()
+        self._draw = torch.rand(()).item()  # the random state: a healed group goes on with the live group's
         self._window = self._batches // args.accumulate  # the optimizer step's micro-batches share one window
         loss = nn.functional.mse_loss(self.net(x), y)
         if args.die_after is not None and self._batches == args.die_after and self.global_rank == args.devices - 1:
@@ -122,6 +123,7 @@ class Net(pl.LightningModule):
             "before": self._before,
             "after": self.trainer.global_step,
             "rows": self._rows,
+            "draw": self._draw,
             "window": self._window,
             "participants": replicas.participants,
             "rank": self.global_rank,

@@ -92,6 +92,17 @@ def _replay(logs: dict[int, list[dict]], steps: int, drop_group: int | None = No
         torch.set_default_dtype(torch.float32)
 
 
+def _draws_follow_the_live_group(logs: dict[int, list[dict]], restarted: list[dict]) -> None:
+    """The random state travelled with the heal: in its first step the restarted group (started with another seed)
+    drew what group 0's rank of the same number drew in that step. (Later steps may differ: the data position does
+    not travel, so the groups start epochs at different steps, and a new epoch's loader draws from the generator.)"""
+    first = restarted[0]["before"]
+    for rank in range(GROUP_SIZE):
+        live = [line["draw"] for line in logs[0] if line.get("before") == first and line["rank"] == rank]
+        healed = [line["draw"] for line in restarted if line.get("before") == first and line["rank"] == rank]
+        assert healed and healed == live[-len(healed) :], (rank, healed, live)
+
+
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 4, generator=g)
@@ -176,6 +187,7 @@ def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_e
     restarted = [line for line in logs[1] if line["pid"] not in first_pids]
     assert restarted[0]["before"] >= REJOIN_AT and ends[1]["heals"] >= 1 and ends[1]["heal_bytes"] > 0
     assert all(line["participants"] == 2 for line in restarted if line["after"] > line["before"])
+    _draws_follow_the_live_group(logs, restarted)
     assert ends[0]["global_step"] == ends[1]["global_step"] == MAX_STEPS
     # every step counted by Lightning was committed; a dropped one is not counted (global_step did not move)
     for lines in logs.values():
@@ -297,6 +309,7 @@ def test_diloco_groups_sync_through_torchft_a_killed_group_heals_at_a_sync_and_a
     restarted = [line for line in logs[1] if line["pid"] not in first_pids]
     assert restarted[0]["before"] >= REJOIN_AT and ends[1]["heals"] >= 1 and ends[1]["heal_bytes"] > 0
     assert restarted[-1]["final"] and restarted[-1]["contributed"] and restarted[-1]["participants"] == 2
+    _draws_follow_the_live_group(logs, restarted)
     assert ends[0]["global_step"] == ends[1]["global_step"] == MAX_STEPS
     written = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
     assert written == sorted(f"group0-step={step}.ckpt" for step in range(4, MAX_STEPS + 1, 4)), written
