@@ -25,6 +25,10 @@ has just joined or healed listens: it counts with weight 0), and the outer step 
 a sync that is not committed leaves every group's weights as they are, and the next sync carries that period too.
 A group's first sync (at its first step) is its joining; a fit's last period is synced when training ends.
 
+Checkpoints are written, and Lightning's loggers write, on the lowest group of the last quorum only (group 0
+before the first): every group runs the same callbacks and loggers, one writes. Between a writer's death and the
+next quorum (a step; under local SGD / DiLoCo, up to a period) no group writes.
+
 What a failure costs: the steps the failed group had taken since it last committed, and the batches the survivors
 were on when their all-reduce failed (those batches are skipped, not retried). ``min_replicas`` groups must take
 part in a step for it to commit; with fewer alive, the survivors wait for the quorum (up to ``quorum_timeout``).
@@ -53,6 +57,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_mgpu import _compat, comm
 from lightning_mgpu.ledger import CommStats
@@ -92,6 +97,7 @@ class ReplicaGroups:
         self._deadline: Optional[float] = None  # the running step's end by step_timeout (monotonic); None between steps
         self._watch: Optional[threading.Event] = None  # set: the watchdog stops
         self._quorums = 0  # quorums this group took part in
+        self._rank, self._size = 0, 1  # this rank in its group, the group's size
 
     @property
     def group(self) -> int:
@@ -119,6 +125,7 @@ class ReplicaGroups:
                 "Lightning takes. Remove fault_tolerance, or use automatic optimization."
             )
         self.trainer, self.module = trainer, module
+        self._rank, self._size = group_rank, group_size
         timeout = timedelta(seconds=self.config.timeout)
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self.manager = Manager(
@@ -138,6 +145,7 @@ class ReplicaGroups:
             replica_id=f"mgpu_group_{self.group}",
             hostname=socket.gethostname(),
         )
+        self._route_logging()
         self._watch = threading.Event()
         threading.Thread(
             target=self._watchdog, args=(self._watch, group_rank), name="mgpu-step-watchdog", daemon=True
@@ -173,6 +181,13 @@ class ReplicaGroups:
             ) from err
         self._quorums += 1
         self.step = self.manager.current_step()
+        self._route_logging()
+
+    def _route_logging(self) -> None:
+        """Lightning's loggers (and its rank-zero messages) on the first rank of the group that writes checkpoints
+        only: the other groups' ranks count as ranks above the writer's for ``rank_zero_only``."""
+        writes = self.writes_checkpoints()
+        rank_zero_only.rank = self._rank if writes else self._rank + self._size  # type: ignore[attr-defined]
 
     def sync(self) -> None:
         """The periodic sync as a transaction over the groups (local SGD, DiLoCo): the quorum (healing this group

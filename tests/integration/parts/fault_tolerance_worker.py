@@ -47,6 +47,7 @@ parser.add_argument("--pause", type=float, default=0.05)
 parser.add_argument("--quorum-timeout", type=float, default=60)
 parser.add_argument("--step-timeout", type=float, default=600)
 parser.add_argument("--checkpoint-every", type=int, default=None)
+parser.add_argument("--log", action="store_true")  # a CSV logger into OUT/logs/group{GROUP}, every step
 args = parser.parse_args()
 
 if args.namespace == "lightning":
@@ -108,6 +109,7 @@ class Net(pl.LightningModule):
         self._draw = torch.rand(()).item()  # the random state: a healed group goes on with the live group's
         self._window = self._batches // args.accumulate  # the optimizer step's micro-batches share one window
         loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)
         if args.die_after is not None and self._batches == args.die_after and self.global_rank == args.devices - 1:
             if args.strategy == "diloco":  # the sync at this step's start took this rank's period: said before dying
                 self._write({"killed": True, "rank": self.global_rank, "pid": os.getpid(), **self._syncs()})
@@ -215,7 +217,10 @@ if __name__ == "__main__":
         strategy=strategy,
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
-        logger=False,
+        logger=pl.loggers.CSVLogger(args.out / "logs", f"group{args.group}", flush_logs_every_n_steps=1)
+        if args.log
+        else False,
+        log_every_n_steps=1,
         enable_checkpointing=args.checkpoint_every is not None,
         callbacks=[
             pl.callbacks.ModelCheckpoint(

@@ -12,6 +12,7 @@ that they train together.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -92,15 +93,16 @@ def _replay(logs: dict[int, list[dict]], steps: int, drop_group: int | None = No
         torch.set_default_dtype(torch.float32)
 
 
-def _draws_follow_the_live_group(logs: dict[int, list[dict]], restarted: list[dict]) -> None:
+def _draws_follow_the_live_group(logs: dict[int, list[dict]], restarted: list[dict], live: int = 0) -> None:
     """The random state travelled with the heal: in its first step the restarted group (started with another seed)
-    drew what group 0's rank of the same number drew in that step. (Later steps may differ: the data position does
-    not travel, so the groups start epochs at different steps, and a new epoch's loader draws from the generator.)"""
+    drew what the live group's rank of the same number drew in that step. (Later steps may differ: the data position
+    does not travel, so the groups start epochs at different steps, and a new epoch's loader draws from the
+    generator.)"""
     first = restarted[0]["before"]
     for rank in range(GROUP_SIZE):
-        live = [line["draw"] for line in logs[0] if line.get("before") == first and line["rank"] == rank]
+        drew = [line["draw"] for line in logs[live] if line.get("before") == first and line["rank"] == rank]
         healed = [line["draw"] for line in restarted if line.get("before") == first and line["rank"] == rank]
-        assert healed and healed == live[-len(healed) :], (rank, healed, live)
+        assert healed and healed == drew[-len(healed) :], (rank, healed, drew)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,11 +139,12 @@ class _Job:
     def output(self, proc: subprocess.Popen) -> str:
         return (self.out / f"{self.procs.index(proc)}.log").read_text()
 
-    def lighthouse(self) -> subprocess.Popen:
-        """The guide's command; a dead group is dropped from the quorum after 1 s without its heartbeat."""
+    def lighthouse(self, join_timeout_ms: int = 500) -> subprocess.Popen:
+        """The guide's command; a dead group is dropped from the quorum after 1 s without its heartbeat, a live one
+        that has not asked for the quorum after ``join_timeout_ms``."""
         command = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
         return self.start(command, "--min_replicas", "1", "--bind", f"[::]:{self.lighthouse_port}",
-                          "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1000")  # fmt: skip
+                          "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", "1000")  # fmt: skip
 
     def group(self, number: int, namespace: str, *extra: str) -> subprocess.Popen:
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
@@ -277,48 +280,61 @@ def _replay_diloco(logs: dict[int, list[dict]], drop_group: int | None = None) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_diloco_groups_sync_through_torchft_a_killed_group_heals_at_a_sync_and_all_equal_the_replay(tmp_path):
+def test_diloco_groups_sync_through_torchft_the_writing_group_killed_heals_at_a_sync_and_all_equal_the_replay(
+    tmp_path,
+):
     """``MGPUDiLoCoStrategy(sync_every=4, fault_tolerance=...)``: every rank takes its own inner steps; at the start of
     the step after each period the groups meet, the weight differences of the groups that trained the period are
-    averaged, the outer step taken only if all commit. Group 1 is SIGKILLed in its second period (its surviving
-    rank ends at the next sync); group 0 goes on syncing alone; group 1, started again with other weights, heals at
-    group 0's next sync and trains with it to the end, where the last period is synced."""
+    averaged, the outer step taken only if all commit. Group 0, the one that writes checkpoints and logs, is
+    SIGKILLed in its second period (its surviving rank ends at the next sync); group 1 goes on syncing alone and takes
+    over the writing from its next quorum; group 0, started again with other weights, heals at group 1's next sync,
+    writes again from there and trains with it to the end, where the last period is synced."""
     log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
     with _Job(tmp_path) as job:
-        job.lighthouse()
-        both = ("--strategy", "diloco", "--quorum-timeout", "10", "--checkpoint-every", "4")
-        first = job.group(0, "pytorch_lightning", *both, "--wait", "started:0", "--wait", f"rejoined:{REJOIN_AT}")
-        doomed = job.group(1, "lightning", *both, "--signal", "started", "--die-after", str(DIE_AFTER))
-        _wait(lambda: doomed.poll() is not None, 120, "group 1 to end", job.procs)
+        job.lighthouse(join_timeout_ms=10_000)  # groups that arrive at a sync apart still meet (the guide says why)
+        both = ("--strategy", "diloco", "--quorum-timeout", "10", "--checkpoint-every", "4", "--log")
+        # each waits for the other at the start of training (both heartbeating, so the first quorum has both)
+        first = job.group(1, "lightning", *both, "--signal", "started1", "--wait", "started0:0",
+                          "--wait", f"rejoined:{REJOIN_AT}")  # fmt: skip
+        doomed = job.group(0, "pytorch_lightning", *both, "--signal", "started0", "--wait", "started1:0",
+                           "--die-after", str(DIE_AFTER))  # fmt: skip
+        _wait(lambda: doomed.poll() is not None, 120, "group 0 to end", job.procs)
         assert doomed.returncode != 0
-        _wait(lambda: len(_lines(log0)) >= GROUP_SIZE * REJOIN_AT, 90, "group 0 to go on alone", [first])
-        again = job.group(1, "lightning", *both, "--signal", "rejoined", "--seed", "7")
+        _wait(lambda: len(_lines(log1)) >= GROUP_SIZE * REJOIN_AT, 90, "group 1 to go on alone", [first])
+        again = job.group(0, "pytorch_lightning", *both, "--signal", "rejoined", "--seed", "7")
         for proc in (first, again):
             proc.wait(timeout=150)
             assert proc.returncode == 0, job.output(proc)[-4000:]
 
     logs = {0: _lines(log0), 1: _lines(log1)}
     ends = {g: json.loads((tmp_path / f"end{g}.json").read_text()) for g in (0, 1)}
-    assert len({line["pid"] for line in logs[0]}) == GROUP_SIZE  # the survivor never restarted
-    # group 0 committed syncs alone (group 1 gone), and group 1's second start contributed from its first period on
+    assert len({line["pid"] for line in logs[1]}) == GROUP_SIZE  # the survivor never restarted
     alone = {
-        line["step"] for line in logs[0] if line["committed"] and line["contributed"] and line["participants"] == 1
+        line["step"] for line in logs[1] if line["committed"] and line["contributed"] and line["participants"] == 1
     }
-    assert alone, logs[0]
-    first_pids = {line["pid"] for line in logs[1][: GROUP_SIZE * DIE_AFTER]}
-    restarted = [line for line in logs[1] if line["pid"] not in first_pids]
-    assert restarted[0]["before"] >= REJOIN_AT and ends[1]["heals"] >= 1 and ends[1]["heal_bytes"] > 0
+    assert alone, logs[1]  # syncs group 1 committed without group 0
+    first_pids = {line["pid"] for line in logs[0][: GROUP_SIZE * DIE_AFTER]}
+    restarted = [line for line in logs[0] if line["pid"] not in first_pids]
+    assert restarted[0]["before"] >= REJOIN_AT and ends[0]["heals"] >= 1 and ends[0]["heal_bytes"] > 0
     assert restarted[-1]["final"] and restarted[-1]["contributed"] and restarted[-1]["participants"] == 2
-    _draws_follow_the_live_group(logs, restarted)
+    _draws_follow_the_live_group(logs, restarted, live=1)
     assert ends[0]["global_step"] == ends[1]["global_step"] == MAX_STEPS
+    # one writer at a time, the lowest group of its last quorum: group 0, group 1 from its first quorum without
+    # group 0 (the checkpoint due before it, step 8, has no writer), group 0 again from the sync it rejoined at
     written = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
-    assert written == sorted(f"group0-step={step}.ckpt" for step in range(4, MAX_STEPS + 1, 4)), written
+    expected = ["group0-step=4", "group1-step=12", "group1-step=16", "group0-step=20", "group0-step=24"]
+    assert written == sorted(f"{name}.ckpt" for name in expected), written
+    # and one group's loggers at a time: group 1's from that quorum until group 0 is back
+    logged = {p: {int(row["step"]) for row in csv.DictReader(p.open())} for p in tmp_path.glob("logs/*/*/metrics.csv")}
+    assert sum(map(len, logged.values())) == len(set().union(*logged.values())), logged  # no step logged twice
+    by_group = {g: set().union(*(s for p, s in logged.items() if p.parts[-3] == f"group{g}")) for g in (0, 1)}
+    assert by_group[1] == set(range(8, 16)) and set(range(16, MAX_STEPS)) <= by_group[0], by_group
     weights = {g: torch.load(tmp_path / f"weights{g}.pt") for g in (0, 1)}
     replay = _replay_diloco(logs)
     for name in weights[0]:
         torch.testing.assert_close(weights[1][name], weights[0][name])
         torch.testing.assert_close(weights[0][name], replay[name])
-    wrong = _replay_diloco(logs, drop_group=1)  # negative control: without group 1's periods
+    wrong = _replay_diloco(logs, drop_group=0)  # negative control: without group 0's periods
     with pytest.raises(AssertionError):
         for name in weights[0]:
             torch.testing.assert_close(weights[0][name], wrong[name])
