@@ -11,6 +11,14 @@ window (``--accumulate`` micro-batches per optimizer step), the groups in its qu
 ``diloco`` also the syncs this process took part in so far, how many committed, whether its group contributed to the
 last one, and torchft's committed count after it (each rank adds one more such line, ``"final": true``, once fit has
 ended: after the last period's sync; the rank that kills itself one, ``"killed": true``, before it does).
+With ``--die-after N``, the group's last rank SIGKILLs itself in the forward of its (N+1)-th batch (``--die-in
+validation``: in the validation that follows its N-th batch, with ``--validate``; ``--die-in checkpoint``: its
+first rank, half-way through writing the checkpoint of step N; the other ranks of the group then fail in their next
+collective, and the group ends). The test's choreography: ``--signal NAME`` writes ``OUT/NAME``
+when training starts (the group has joined the lighthouse's job); ``--wait NAME:STEP`` holds the group before the
+batch that would make step STEP+1 until ``OUT/NAME`` exists (0: when training starts). At the end,
+``OUT/weights{GROUP}.pt`` holds the weights and ``OUT/end{GROUP}.json`` the part's counts; ``--log`` adds a CSV
+logger (``OUT/logs/group{GROUP}``), ``--checkpoint-every N`` a checkpoint callback (``OUT/checkpoints``).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ parser.add_argument("out", type=Path)
 parser.add_argument("group", type=int)
 parser.add_argument("lighthouse")
 parser.add_argument("--die-after", type=int, default=None)
+parser.add_argument("--die-in", choices=("training", "validation", "checkpoint"), default="training")
+parser.add_argument("--validate", action="store_true")  # 2 validation batches after every 4 training batches
 parser.add_argument("--hang-after", type=int, default=None)
 parser.add_argument("--signal", default=None)
 parser.add_argument("--wait", action="append", default=[])
@@ -110,7 +120,7 @@ class Net(pl.LightningModule):
         self._window = self._batches // args.accumulate  # the optimizer step's micro-batches share one window
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("loss", loss)
-        if args.die_after is not None and self._batches == args.die_after and self.global_rank == args.devices - 1:
+        if self._dies("training"):
             if args.strategy == "diloco":  # the sync at this step's start took this rank's period: said before dying
                 self._write({"killed": True, "rank": self.global_rank, "pid": os.getpid(), **self._syncs()})
             os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the step: after its forward, before its backward
@@ -118,6 +128,16 @@ class Net(pl.LightningModule):
             time.sleep(3600)  # stuck in user code, alive: its heartbeats to the lighthouse go on
         self._batches += 1
         return loss
+
+    def _dies(self, where: str) -> bool:
+        last = self.global_rank == args.devices - 1
+        return args.die_in == where and args.die_after is not None and self._batches == args.die_after and last
+
+    def validation_step(self, batch, batch_idx):
+        _, x, y = batch
+        if self._dies("validation"):  # in the middle of the validation after its DIE_AFTER-th training batch
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         replicas = self.trainer.strategy.replicas
@@ -185,8 +205,27 @@ class Net(pl.LightningModule):
     def train_dataloader(self):
         return DataLoader(Indexed(), batch_size=BATCH)
 
+    def val_dataloader(self):
+        return DataLoader(Indexed(), batch_size=BATCH)
+
+
+def _dying_save(save):
+    """``torch.save`` that, for the checkpoint of step ``--die-after``, writes part of it and SIGKILLs this process."""
+
+    def dying(obj, f, *rest, **kwargs):
+        if isinstance(obj, dict) and obj.get("global_step") == args.die_after and hasattr(f, "write"):
+            f.write(b"half a checkpoint")
+            f.flush()
+            os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(obj, f, *rest, **kwargs)
+
+    return dying
+
 
 if __name__ == "__main__":
+    if args.die_in == "checkpoint" and args.die_after is not None:
+        torch.save = _dying_save(torch.save)
     options = dict(
         fault_tolerance={
             "lighthouse": args.lighthouse,
@@ -221,6 +260,9 @@ if __name__ == "__main__":
         if args.log
         else False,
         log_every_n_steps=1,
+        limit_val_batches=2 if args.validate else 0,
+        val_check_interval=4 if args.validate else None,
+        num_sanity_val_steps=0,
         enable_checkpointing=args.checkpoint_every is not None,
         callbacks=[
             pl.callbacks.ModelCheckpoint(

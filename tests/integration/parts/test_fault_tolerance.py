@@ -155,21 +155,24 @@ class _Job:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("inside", "accumulate"), [("ddp", 1), ("zero3", 2)])
+@pytest.mark.parametrize(("inside", "accumulate", "dies_in"), [("ddp", 1, "training"), ("zero3", 2, "validation")])
 def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_equal_the_replay(
-    tmp_path, inside, accumulate
+    tmp_path, inside, accumulate, dies_in
 ):
     """``inside``: each group's own layout, DDP (mgpu_ddp), or ZeRO-3 whose shards the groups replicate (HSDP with
     torchft as the replicate dimension: each rank heals its shard from the same rank of the live group), there with
-    2 micro-batches per optimizer step (the quorum before the first, the commit after the last)."""
+    2 micro-batches per optimizer step (the quorum before the first, the commit after the last), validation every 4
+    batches, and group 1 killed in the middle of a validation instead of a training step."""
     log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
     with _Job(tmp_path) as job:
         job.lighthouse()
         # both start together; group 0 waits after step REJOIN_AT for group 1's second start
         # into one folder: written by the lowest group
-        both = ("--strategy", inside, "--accumulate", str(accumulate), "--checkpoint-every", "4")
+        both = ("--strategy", inside, "--accumulate", str(accumulate), "--checkpoint-every", "4", "--validate")
+        both = both[: -1 if dies_in == "training" else None]
         first = job.group(0, "pytorch_lightning", *both, "--wait", "started:0", "--wait", f"rejoined:{REJOIN_AT}")
-        doomed = job.group(1, "lightning", *both, "--signal", "started", "--die-after", str(DIE_AFTER))
+        doomed = job.group(1, "lightning", *both, "--signal", "started", "--die-after", str(DIE_AFTER),
+                           "--die-in", dies_in)  # fmt: skip
         _wait(lambda: doomed.poll() is not None, 120, "group 1 to kill itself", job.procs)
         assert doomed.returncode != 0
         _wait(lambda: len(_lines(log0)) >= REJOIN_AT, 60, "group 0 to go on alone", job.procs)
@@ -286,9 +289,11 @@ def test_diloco_groups_sync_through_torchft_the_writing_group_killed_heals_at_a_
     """``MGPUDiLoCoStrategy(sync_every=4, fault_tolerance=...)``: every rank takes its own inner steps; at the start of
     the step after each period the groups meet, the weight differences of the groups that trained the period are
     averaged, the outer step taken only if all commit. Group 0, the one that writes checkpoints and logs, is
-    SIGKILLed in its second period (its surviving rank ends at the next sync); group 1 goes on syncing alone and takes
-    over the writing from its next quorum; group 0, started again with other weights, heals at group 1's next sync,
-    writes again from there and trains with it to the end, where the last period is synced."""
+    SIGKILLed half-way through writing the checkpoint of step 4, its first period's end (its other rank ends at the
+    next sync); group 1 goes on syncing alone and takes over the writing from that sync; group 0, started again with
+    other weights, heals at group 1's sync after step 16, writes again from there and trains with it to the end,
+    where the last period is synced. The checkpoint being written when the kill came is not there under its name:
+    only its hidden temporary file is."""
     log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
     with _Job(tmp_path) as job:
         job.lighthouse(join_timeout_ms=10_000)  # groups that arrive at a sync apart still meet (the guide says why)
@@ -297,7 +302,7 @@ def test_diloco_groups_sync_through_torchft_the_writing_group_killed_heals_at_a_
         first = job.group(1, "lightning", *both, "--signal", "started1", "--wait", "started0:0",
                           "--wait", f"rejoined:{REJOIN_AT}")  # fmt: skip
         doomed = job.group(0, "pytorch_lightning", *both, "--signal", "started0", "--wait", "started1:0",
-                           "--die-after", str(DIE_AFTER))  # fmt: skip
+                           "--die-after", str(DIE_AFTER), "--die-in", "checkpoint")  # fmt: skip
         _wait(lambda: doomed.poll() is not None, 120, "group 0 to end", job.procs)
         assert doomed.returncode != 0
         _wait(lambda: len(_lines(log1)) >= GROUP_SIZE * REJOIN_AT, 90, "group 1 to go on alone", [first])
@@ -309,26 +314,30 @@ def test_diloco_groups_sync_through_torchft_the_writing_group_killed_heals_at_a_
     logs = {0: _lines(log0), 1: _lines(log1)}
     ends = {g: json.loads((tmp_path / f"end{g}.json").read_text()) for g in (0, 1)}
     assert len({line["pid"] for line in logs[1]}) == GROUP_SIZE  # the survivor never restarted
+    assert all(line["participants"] == 2 for line in logs[1] if line.get("before", MAX_STEPS) < DIE_AFTER)
     alone = {
         line["step"] for line in logs[1] if line["committed"] and line["contributed"] and line["participants"] == 1
     }
     assert alone, logs[1]  # syncs group 1 committed without group 0
-    first_pids = {line["pid"] for line in logs[0][: GROUP_SIZE * DIE_AFTER]}
+    first_pids = {line["pid"] for line in logs[0] if line.get("before", MAX_STEPS) < DIE_AFTER}
     restarted = [line for line in logs[0] if line["pid"] not in first_pids]
     assert restarted[0]["before"] >= REJOIN_AT and ends[0]["heals"] >= 1 and ends[0]["heal_bytes"] > 0
     assert restarted[-1]["final"] and restarted[-1]["contributed"] and restarted[-1]["participants"] == 2
     _draws_follow_the_live_group(logs, restarted, live=1)
     assert ends[0]["global_step"] == ends[1]["global_step"] == MAX_STEPS
-    # one writer at a time, the lowest group of its last quorum: group 0, group 1 from its first quorum without
-    # group 0 (the checkpoint due before it, step 8, has no writer), group 0 again from the sync it rejoined at
-    written = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
-    expected = ["group0-step=4", "group1-step=12", "group1-step=16", "group0-step=20", "group0-step=24"]
+    # one writer at a time, the lowest group of its last quorum: group 1 from its first quorum without group 0
+    # (the sync after step 4), group 0 again from the sync it rejoined at (after step 16)
+    written = sorted(path.name for path in (tmp_path / "checkpoints").iterdir() if not path.name.startswith("."))
+    expected = ["group1-step=8", "group1-step=12", "group1-step=16", "group0-step=20", "group0-step=24"]
     assert written == sorted(f"{name}.ckpt" for name in expected), written
-    # and one group's loggers at a time: group 1's from that quorum until group 0 is back
+    for name in written:
+        torch.load(tmp_path / "checkpoints" / name, weights_only=False)  # each whole
+    assert len(list((tmp_path / "checkpoints").glob(".group0-step=4.ckpt.tmp-*"))) == 1  # the killed write, unnamed
+    # and one group's loggers at a time: group 1's from that sync until group 0 is back
     logged = {p: {int(row["step"]) for row in csv.DictReader(p.open())} for p in tmp_path.glob("logs/*/*/metrics.csv")}
     assert sum(map(len, logged.values())) == len(set().union(*logged.values())), logged  # no step logged twice
     by_group = {g: set().union(*(s for p, s in logged.items() if p.parts[-3] == f"group{g}")) for g in (0, 1)}
-    assert by_group[1] == set(range(8, 16)) and set(range(16, MAX_STEPS)) <= by_group[0], by_group
+    assert by_group[1] == set(range(DIE_AFTER, 16)) and set(range(16, MAX_STEPS)) <= by_group[0], by_group
     weights = {g: torch.load(tmp_path / f"weights{g}.pt") for g in (0, 1)}
     replay = _replay_diloco(logs)
     for name in weights[0]:
