@@ -889,6 +889,25 @@ def set_rng_states(states: dict[str, Any]) -> None:
     _set_rng_states(states)
 
 
+def fit_loop_state(trainer: Any) -> dict[str, Any]:
+    """Lightning's fit loop state as its checkpoints hold it (``loops.fit_loop``: the progress counters, the
+    logging step and the training loaders' states, the resumable sampler's position among them)."""
+    return dict(trainer.fit_loop.state_dict())
+
+
+def restart_fit_loop(trainer: Any, state: dict[str, Any]) -> None:
+    """Fault tolerance, in ``on_train_start`` (inside ``_FitLoop.on_run_start``, after its ``reset``): make the fit
+    loop go on from :func:`fit_loop_state` of a live group as a resume from a checkpoint of that state would
+    (``load_state_dict``, then ``reset``'s restart stages and the loaders' states, as ``_FitLoop.setup_data`` gives
+    them; Lightning 2.6.6 checked)."""
+    loop = trainer.fit_loop
+    loop.load_state_dict(state)
+    loop.reset()
+    if not loop._iteration_based_training():  # what on_run_start did before this hook
+        loop.epoch_progress.current.completed = loop.epoch_progress.current.processed
+    loop._load_combined_loader_states()
+
+
 def committed_loop_state(trainer: Any) -> dict[str, int]:
     """The loop counters a healing replica group takes from a live one: ``global_step`` and the logging step."""
     loop = trainer.fit_loop.epoch_loop

@@ -98,6 +98,9 @@ class ReplicaGroups:
         self._watch: Optional[threading.Event] = None  # set: the watchdog stops
         self._quorums = 0  # quorums this group took part in
         self._rank, self._size = 0, 1  # this rank in its group, the group's size
+        self._joining = False  # inside join(): a heal then restarts Lightning's fit loop where the live group is
+        self._joined = False  # join() formed the quorum of the first step: its begin_step forms none
+        self._rng: Optional[dict[str, Any]] = None  # a heal's random states, set where the live group took them
 
     @property
     def group(self) -> int:
@@ -151,6 +154,19 @@ class ReplicaGroups:
             target=self._watchdog, args=(self._watch, group_rank), name="mgpu-step-watchdog", daemon=True
         ).start()
 
+    def join(self) -> None:
+        """Before the first batch is drawn (``on_train_start``): the first quorum (with local SGD / DiLoCo, the
+        joining sync). A group that heals here takes the live group's whole fit loop state, the data position of its
+        training loader included, so that it goes on with the live group's next batch of its share of the data."""
+        if self.manager is None:
+            return
+        self._joining = True
+        try:
+            self.sync() if self.periodic is not None else self._quorum()
+        finally:
+            self._joining = False
+        self._joined = True
+
     def begin_step(self, accumulating_before: bool) -> None:
         """Before a training batch: a batch that starts an optimizer step (``accumulating_before`` False: no
         micro-batch of this step ran yet) starts the quorum, healing this group first if it is behind; with
@@ -159,7 +175,12 @@ class ReplicaGroups:
         if self.manager is None or accumulating_before:
             return
         periodic = self.periodic
-        if periodic is None:
+        joined, self._joined = self._joined, False
+        if joined:  # the quorum (or sync) of this step was formed before the first batch
+            rng, self._rng = self._rng, None
+            if rng is not None:  # here, as the live group's were taken: its loader's iterator drew from them since
+                _compat.set_rng_states(rng)
+        elif periodic is None:
             self._quorum()
         elif self._quorums == 0 or periodic.due:
             self.sync()
@@ -270,6 +291,7 @@ class ReplicaGroups:
             "optimizers": [_local(o.state_dict()) for o in trainer.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "loop": _compat.committed_loop_state(trainer),
+            "fit_loop": _compat.fit_loop_state(trainer),
             "periodic": self.periodic.heal_state() if self.periodic is not None else None,
             "rng": _compat.rng_states(),  # dropout and the like go on as on the live group's rank
         }
@@ -285,10 +307,16 @@ class ReplicaGroups:
             _load_optimizer_in_place(optimizer, saved)
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(saved)
-        _compat.load_committed_loop_state(trainer, state["loop"])
+        if self._joining and state["loop"]["global_step"] > 0:  # before the first batch: where the live group is
+            _compat.restart_fit_loop(trainer, state["fit_loop"])
+        else:
+            _compat.load_committed_loop_state(trainer, state["loop"])
         if self.periodic is not None:
             self.periodic.load_heal_state(state["periodic"])
-        _compat.set_rng_states(state["rng"])
+        if self._joining:
+            self._rng = state["rng"]
+        else:
+            _compat.set_rng_states(state["rng"])
         self.heals += 1
         self.stats.heal_bytes += _nbytes(state)
 

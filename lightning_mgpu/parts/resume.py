@@ -179,10 +179,19 @@ def resumed_epoch(trainer: pl.Trainer) -> int:
     return int(current.processed) + 1 if last_batch_done else int(current.processed)
 
 
+def _in_on_train_batch_start(trainer: pl.Trainer) -> bool:
+    """A batch is drawn and has not started (``on_train_batch_start``): a state taken now resumes with it."""
+    total: Any = trainer.fit_loop.epoch_loop.batch_progress.total
+    return bool(total.ready == total.completed + 1 and total.started == total.completed)
+
+
 def mid_epoch(trainer: pl.Trainer) -> bool:
     """Whether a checkpoint written now resumes inside an epoch: some of its batches are done and the last one
-    is not (after the last batch, Lightning's resume moves on to the next epoch)."""
-    return batches_done(trainer) > 0 and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    is not (after the last batch, Lightning's resume moves on to the next epoch). In ``on_train_batch_start`` (where
+    a fault-tolerant replica group's state is taken for a healing one) the drawn batch is still to run, the epoch's
+    last included."""
+    batch = trainer.fit_loop.epoch_loop.batch_progress
+    return batches_done(trainer) > 0 and (not batch.is_last_batch or _in_on_train_batch_start(trainer))
 
 
 def _is_torchdata(obj: object, name: str, package: str = "torchdata.") -> bool:

@@ -642,6 +642,12 @@ class Runtime:
             return comm.lightning_reduce(tensor, group, reduce_op, exact_mean=self.settings.exact_evaluation)
         return tensor
 
+    def train_start(self) -> None:
+        """Fault tolerance: the group joins the others before its first batch is drawn (a group started again heals
+        there, the data position included)."""
+        if self.replicas is not None:
+            self.replicas.join()
+
     def train_batch_start(self, lightning_hook: Callable[[], None], batch_idx: int) -> None:
         trainer = self._attached()
         self.uneven.on_train_batch_start(trainer)  # once per epoch: the counts

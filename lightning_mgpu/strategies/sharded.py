@@ -988,6 +988,11 @@ class MGPUShardedStrategy(ParallelStrategy):
         return self._runtime.process_dataloader(super().process_dataloader(dataloader))
 
     @override
+    def on_train_start(self) -> None:
+        self._runtime.train_start()
+        super().on_train_start()
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         lightning_hook = super().on_train_batch_start
         self._runtime.train_batch_start(lambda: lightning_hook(batch, batch_idx), batch_idx)

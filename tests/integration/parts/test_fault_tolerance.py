@@ -28,6 +28,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_mgpu.parts.resume import ResumableDistributedSampler
+
 pytest.importorskip("torchft", reason="the torchft extra is not installed in this environment")
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -93,16 +95,36 @@ def _replay(logs: dict[int, list[dict]], steps: int, drop_group: int | None = No
         torch.set_default_dtype(torch.float32)
 
 
-def _draws_follow_the_live_group(logs: dict[int, list[dict]], restarted: list[dict], live: int = 0) -> None:
-    """The random state travelled with the heal: in its first step the restarted group (started with another seed)
-    drew what the live group's rank of the same number drew in that step. (Later steps may differ: the data position
-    does not travel, so the groups start epochs at different steps, and a new epoch's loader draws from the
-    generator.)"""
-    first = restarted[0]["before"]
+def _position(rows: list[int], replica: int) -> tuple[int, int]:
+    """(epoch, batch) of ``rows`` in the share of Lightning's sampler (shuffled, seed 0) of ``replica`` out of
+    ``2 x GROUP_SIZE``."""
+    for epoch in range(8):  # 24 steps of 2 micro-batches: 6 epochs of 8 batches
+        sampler = ResumableDistributedSampler(range(256), num_replicas=2 * GROUP_SIZE, rank=replica, seed=0)
+        sampler.set_epoch(epoch)
+        share = list(sampler)
+        for batch in range(len(share) // 8):
+            if share[batch * 8 : batch * 8 + 8] == rows:
+                return epoch, batch
+    raise AssertionError(f"rows {rows} are no batch of replica {replica}")
+
+
+def _heal_continues_the_live_group(logs: dict[int, list[dict]], restarted: list[dict], live: int = 0) -> None:
+    """What travelled with the heal besides the weights. The data position: at every step the restarted group
+    trained the batch of its own share of the data at the epoch and batch where the live group was in its share
+    (not the start of an epoch). The random state: in its first step the restarted group (started with another
+    seed) drew what the live group's rank of the same number drew in that step."""
+    group = 1 - live
     for rank in range(GROUP_SIZE):
-        drew = [line["draw"] for line in logs[live] if line.get("before") == first and line["rank"] == rank]
-        healed = [line["draw"] for line in restarted if line.get("before") == first and line["rank"] == rank]
-        assert healed and healed == drew[-len(healed) :], (rank, healed, drew)
+        mine = [line for line in restarted if "rows" in line and line["rank"] == rank]
+        for step in sorted({line["before"] for line in mine}):
+            healed = [line for line in mine if line["before"] == step]
+            theirs = [line for line in logs[live] if line.get("before") == step and line["rank"] == rank]
+            theirs = theirs[-len(healed) :]  # a step dropped on the live group before it was taken again
+            assert [_position(x["rows"], group * GROUP_SIZE + rank) for x in healed] == [
+                _position(x["rows"], live * GROUP_SIZE + rank) for x in theirs
+            ], (step, rank)
+            if step == mine[0]["before"]:
+                assert [x["draw"] for x in healed] == [x["draw"] for x in theirs], (rank, healed, theirs)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +197,7 @@ def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_e
                            "--die-in", dies_in)  # fmt: skip
         _wait(lambda: doomed.poll() is not None, 120, "group 1 to kill itself", job.procs)
         assert doomed.returncode != 0
-        _wait(lambda: len(_lines(log0)) >= REJOIN_AT, 60, "group 0 to go on alone", job.procs)
+        _wait(lambda: len(_lines(log0)) >= REJOIN_AT, 60, "group 0 to go on alone", [first])
         # started again, with other initial weights than group 0's: only the heal can make them equal
         again = job.group(1, "lightning", *both, "--signal", "rejoined", "--seed", "7")
         for proc in (first, again):
@@ -193,7 +215,7 @@ def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_e
     restarted = [line for line in logs[1] if line["pid"] not in first_pids]
     assert restarted[0]["before"] >= REJOIN_AT and ends[1]["heals"] >= 1 and ends[1]["heal_bytes"] > 0
     assert all(line["participants"] == 2 for line in restarted if line["after"] > line["before"])
-    _draws_follow_the_live_group(logs, restarted)
+    _heal_continues_the_live_group(logs, restarted)
     assert ends[0]["global_step"] == ends[1]["global_step"] == MAX_STEPS
     # every step counted by Lightning was committed; a dropped one is not counted (global_step did not move)
     for lines in logs.values():
@@ -323,7 +345,7 @@ def test_diloco_groups_sync_through_torchft_the_writing_group_killed_heals_at_a_
     restarted = [line for line in logs[0] if line["pid"] not in first_pids]
     assert restarted[0]["before"] >= REJOIN_AT and ends[0]["heals"] >= 1 and ends[0]["heal_bytes"] > 0
     assert restarted[-1]["final"] and restarted[-1]["contributed"] and restarted[-1]["participants"] == 2
-    _draws_follow_the_live_group(logs, restarted, live=1)
+    _heal_continues_the_live_group(logs, restarted, live=1)
     assert ends[0]["global_step"] == ends[1]["global_step"] == MAX_STEPS
     # one writer at a time, the lowest group of its last quorum: group 1 from its first quorum without group 0
     # (the sync after step 4), group 0 again from the sync it rejoined at (after step 16)
