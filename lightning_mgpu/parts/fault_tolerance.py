@@ -9,7 +9,10 @@ Across groups, each optimizer step is a transaction:
 
 1. before the step's first micro-batch, the groups agree on a *quorum* through the lighthouse (who is alive, at
    which step); a group that is behind (started again after a failure, or new) first loads the weights, optimizer
-   and scheduler state and the loop's step count from a live group (torchft sends them; this is *healing*);
+   and scheduler state, the loop's step count and the random states from a live group (torchft sends them; this
+   is *healing*). A group's first quorum comes before its first batch is drawn (``on_train_start``): healed there,
+   it takes the live group's whole fit loop state, so that its training loader goes on at the live group's place
+   in the epoch (in its own share of the data);
 2. after the step's last backward, the gradients (already averaged inside the group) are averaged over the groups
    of the quorum through torchft's reconfigurable process group;
 3. the optimizer steps only if every group of the quorum says the step succeeded (``should_commit``); otherwise
