@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -161,6 +162,21 @@ class _Job:
     def output(self, proc: subprocess.Popen) -> str:
         return (self.out / f"{self.procs.index(proc)}.log").read_text()
 
+    def outage(
+        self, survivor: subprocess.Popen, doomed: subprocess.Popen, log: Path, lines: int, again: Any
+    ) -> tuple[dict[int, list[dict]], dict[int, dict]]:
+        """The outage: ``doomed`` ends (not cleanly), ``survivor`` logs ``lines`` lines into ``log`` without it,
+        ``again()`` starts the group again; both groups end cleanly. Returns both groups' lines and end counts."""
+        _wait(lambda: doomed.poll() is not None, 120, "the doomed group to end", self.procs)
+        assert doomed.returncode != 0
+        _wait(lambda: len(_lines(log)) >= lines, 90, "the survivor to go on alone", [survivor])
+        restarted = again()
+        for proc in (survivor, restarted):
+            proc.wait(timeout=150)
+            assert proc.returncode == 0, self.output(proc)[-4000:]
+        logs = {g: _lines(self.out / f"group{g}.jsonl") for g in (0, 1)}
+        return logs, {g: json.loads((self.out / f"end{g}.json").read_text()) for g in (0, 1)}
+
     def lighthouse(self, join_timeout_ms: int = 500) -> subprocess.Popen:
         """The guide's command; a dead group is dropped from the quorum after 1 s without its heartbeat, a live one
         that has not asked for the quorum after ``join_timeout_ms``."""
@@ -185,7 +201,7 @@ def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_e
     torchft as the replicate dimension: each rank heals its shard from the same rank of the live group), there with
     2 micro-batches per optimizer step (the quorum before the first, the commit after the last), validation every 4
     batches, and group 1 killed in the middle of a validation instead of a training step."""
-    log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
+    log0 = tmp_path / "group0.jsonl"
     with _Job(tmp_path) as job:
         job.lighthouse()
         # both start together; group 0 waits after step REJOIN_AT for group 1's second start
@@ -195,17 +211,9 @@ def test_a_group_killed_mid_step_leaves_the_other_training_then_heals_and_both_e
         first = job.group(0, "pytorch_lightning", *both, "--wait", "started:0", "--wait", f"rejoined:{REJOIN_AT}")
         doomed = job.group(1, "lightning", *both, "--signal", "started", "--die-after", str(DIE_AFTER),
                            "--die-in", dies_in)  # fmt: skip
-        _wait(lambda: doomed.poll() is not None, 120, "group 1 to kill itself", job.procs)
-        assert doomed.returncode != 0
-        _wait(lambda: len(_lines(log0)) >= REJOIN_AT, 60, "group 0 to go on alone", [first])
         # started again, with other initial weights than group 0's: only the heal can make them equal
-        again = job.group(1, "lightning", *both, "--signal", "rejoined", "--seed", "7")
-        for proc in (first, again):
-            proc.wait(timeout=150)
-            assert proc.returncode == 0, job.output(proc)[-4000:]
-
-    logs = {0: _lines(log0), 1: _lines(log1)}
-    ends = {g: json.loads((tmp_path / f"end{g}.json").read_text()) for g in (0, 1)}
+        again = lambda: job.group(1, "lightning", *both, "--signal", "rejoined", "--seed", "7")  # noqa: E731
+        logs, ends = job.outage(first, doomed, log0, REJOIN_AT, again)
     # the survivor: the same processes all along, kept committing while group 1 was gone (a quorum of itself)
     assert len({line["pid"] for line in logs[0]}) == GROUP_SIZE
     alone = {line["after"] for line in logs[0] if line["after"] > line["before"] and line["participants"] == 1}
@@ -316,7 +324,7 @@ def test_diloco_groups_sync_through_torchft_the_writing_group_killed_heals_at_a_
     other weights, heals at group 1's sync after step 16, writes again from there and trains with it to the end,
     where the last period is synced. The checkpoint being written when the kill came is not there under its name:
     only its hidden temporary file is."""
-    log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
+    log1 = tmp_path / "group1.jsonl"
     with _Job(tmp_path) as job:
         job.lighthouse(join_timeout_ms=10_000)  # groups that arrive at a sync apart still meet (the guide says why)
         both = ("--strategy", "diloco", "--quorum-timeout", "10", "--checkpoint-every", "4", "--log")
@@ -325,16 +333,8 @@ def test_diloco_groups_sync_through_torchft_the_writing_group_killed_heals_at_a_
                           "--wait", f"rejoined:{REJOIN_AT}")  # fmt: skip
         doomed = job.group(0, "pytorch_lightning", *both, "--signal", "started0", "--wait", "started1:0",
                            "--die-after", str(DIE_AFTER), "--die-in", "checkpoint")  # fmt: skip
-        _wait(lambda: doomed.poll() is not None, 120, "group 0 to end", job.procs)
-        assert doomed.returncode != 0
-        _wait(lambda: len(_lines(log1)) >= GROUP_SIZE * REJOIN_AT, 90, "group 1 to go on alone", [first])
-        again = job.group(0, "pytorch_lightning", *both, "--signal", "rejoined", "--seed", "7")
-        for proc in (first, again):
-            proc.wait(timeout=150)
-            assert proc.returncode == 0, job.output(proc)[-4000:]
-
-    logs = {0: _lines(log0), 1: _lines(log1)}
-    ends = {g: json.loads((tmp_path / f"end{g}.json").read_text()) for g in (0, 1)}
+        again = lambda: job.group(0, "pytorch_lightning", *both, "--signal", "rejoined", "--seed", "7")  # noqa: E731
+        logs, ends = job.outage(first, doomed, log1, GROUP_SIZE * REJOIN_AT, again)
     assert len({line["pid"] for line in logs[1]}) == GROUP_SIZE  # the survivor never restarted
     assert all(line["participants"] == 2 for line in logs[1] if line.get("before", MAX_STEPS) < DIE_AFTER)
     alone = {
