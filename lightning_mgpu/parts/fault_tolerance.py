@@ -26,7 +26,7 @@ takes its ``sync_every`` inner steps alone, and at the start of the step after a
 weight differences, averaged inside each group, are averaged over the groups that trained the period (a group that
 has just joined or healed listens: it counts with weight 0), and the outer step is taken only if every group commits;
 a sync that is not committed leaves every group's weights as they are, and the next sync carries that period too.
-A group's first sync (at its first step) is its joining; a fit's last period is synced when training ends.
+A group's first sync (before its first batch) is its joining; a fit's last period is synced when training ends.
 
 Checkpoints are written, and Lightning's loggers write, on the lowest group of the last quorum only (group 0
 before the first): every group runs the same callbacks and loggers, one writes. Between a writer's death and the
@@ -172,8 +172,9 @@ class ReplicaGroups:
 
     def begin_step(self, accumulating_before: bool) -> None:
         """Before a training batch: a batch that starts an optimizer step (``accumulating_before`` False: no
-        micro-batch of this step ran yet) starts the quorum, healing this group first if it is behind; with
-        :attr:`periodic`, only the group's first step and the step after a completed period do (:meth:`sync`)."""
+        micro-batch of this step ran yet) starts the quorum, healing this group first if it is behind (the first
+        step's was formed by :meth:`join`); with :attr:`periodic`, only the step after a completed period does
+        (:meth:`sync`)."""
         self.settle()
         if self.manager is None or accumulating_before:
             return
