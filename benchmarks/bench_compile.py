@@ -184,7 +184,8 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         prefix = "gpu-" if gpu else ""
-        name = f"{prefix}compile-{device.split(',')[0].replace(' ', '_')}-{time.strftime('%Y-%m-%d')}.json"
+        stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime())  # UTC, as the GPU benchmarks' result_name
+        name = f"{prefix}compile-{device.split(',')[0].replace(' ', '_')}-{stamp}.json"
         config = {k: v for k, v in vars(args).items() if k != "out"}
         result = {"device": device, "config": config, "rows": rows, "user_compiled_with_log": outcome}
         (args.out / name).write_text(json.dumps(result, indent=1))

@@ -9,8 +9,9 @@ A marked block is the text between ``<!-- results:NAME -->`` and ``<!-- /results
 :data:`TABLES` maps each ``NAME`` to the function that renders it. ``tests/meta/test_results_tables.py`` checks that
 every block equals its rendering, so a new results file (``make gpu-proof`` writes them) is followed by ``--write``.
 
-Each benchmark's file is named ``gpu-<benchmark>-<device>-<date>.json``; a table takes the newest file of each
-device, and says the device and the date of every figure.
+Each benchmark's file is named ``gpu-<benchmark>-<device>-<date>.json`` (the date with the UTC time of the run,
+``2026-11-30T1115``, in files written since the time was added); a table takes the newest file of each device, by
+the time its environment records, and says the device and the date of every figure.
 """
 
 from __future__ import annotations

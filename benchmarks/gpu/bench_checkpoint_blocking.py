@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from env import environment
+from env import environment, result_name
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
 
@@ -157,7 +157,7 @@ def main() -> None:
         )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"gpu-checkpoint-blocking-{env['device'].replace(' ', '_')}-{env['date'][:10]}.json"
+        name = result_name("checkpoint-blocking", env)
         config = {k: v for k, v in vars(args).items() if k != "out"}
         (args.out / name).write_text(json.dumps({"environment": env, "config": config, "rows": rows}, indent=1))
         print(f"saved {args.out / name}")

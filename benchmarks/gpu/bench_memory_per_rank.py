@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from env import environment
+from env import environment, result_name
 
 from lightning_mgpu.parts.sharding import local_bytes
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism
@@ -224,7 +224,7 @@ def main() -> None:
         print("(no CUDA device: states counted from the tensors each rank holds; peak not measured)")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"gpu-memory-per-rank-{env['device'].replace(' ', '_')}-{env['date'][:10]}.json"
+        name = result_name("memory-per-rank", env)
         (args.out / name).write_text(
             json.dumps({"environment": env, "config": vars(args) | {"out": None}, "rows": rows}, indent=1)
         )

@@ -38,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_throughput import LAYER, _data, parse_arguments, run_trainer
-from env import environment
+from env import environment, result_name
 
 import lightning_mgpu
 from lightning_mgpu.planning.lm import TransformerLM
@@ -151,7 +151,7 @@ def main() -> None:
             print(line)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"gpu-offload-{env['device'].replace(' ', '_')}-{env['date'][:10]}.json"
+        name = result_name("offload", env)
         config = {k: v for k, v in vars(args).items() if k != "out"}
         (args.out / name).write_text(json.dumps({"environment": env, "config": config, "rows": rows}, indent=1))
         print(f"saved {args.out / name}")

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from env import environment
+from env import environment, result_name
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy, plan
 from lightning_mgpu.planning import format_bytes
@@ -176,7 +176,7 @@ def main() -> None:
             )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"gpu-planner-vs-allocator-{env['device'].replace(' ', '_')}-{env['date'][:10]}.json"
+        name = result_name("planner-vs-allocator", env)
         config = {k: v for k, v in vars(args).items() if k != "out"}
         (args.out / name).write_text(json.dumps({"environment": env, "config": config, "rows": rows}, indent=1))
         print(f"saved {args.out / name}")

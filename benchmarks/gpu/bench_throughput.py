@@ -24,6 +24,15 @@ Each runner trains ``--warmup`` + ``--steps`` optimizer steps; the step time is 
 synchronised at each step's end), over ``--rounds`` rounds that visit the runners in turn. MFU counts model FLOPs
 (6 x non-embedding parameters + attention 12 x layers x d_model x seq per token; recomputation is not counted)
 against the device's dense bf16 peak. The result is the ratios; absolute figures are reported with the device.
+
+``--profile N`` then runs each of ``--profile-runners`` (default: torch, Lightning's ``ddp`` and ``FSDPStrategy``,
+``mgpu_ddp``, ``mgpu_zero3``) once more with N steps under ``torch.profiler`` and prints, per step: the wall time, how
+long the device was busy (the union of its kernels and copies) and its share of the wall time, the kernels launched,
+the calls that made the host wait for the device (``_local_scalar_dense`` is ``item()`` and its kin; the CUDA
+synchronizations), then, for each runner, the operators whose host self time and device time differ most from the
+plain loop's: where a runner's step goes beyond plain torch. ``--rounds 0 --profile 5`` runs the profile alone. On
+CPU (``--tiny``) the device columns read 0. The profile is not measured on a GPU yet (``python
+benchmarks/gpu/bench_throughput.py --rounds 0 --profile 5 --profile-runners torch lightning_ddp mgpu_ddp``).
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from env import environment
+from env import environment, result_name
 
 import lightning_mgpu
 from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
@@ -57,13 +66,35 @@ def peak_flops(device: str) -> float | None:
 
 
 class StepTimer(pl.Callback):
-    def __init__(self) -> None:
+    def __init__(self, profiled: Optional[Profiled] = None) -> None:
         self.stamps: list[float] = []
+        self.profiled = profiled
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.stamps.append(time.perf_counter())
+        if self.profiled is not None:
+            self.profiled.mark(len(self.stamps))
+
+
+class Profiled:
+    """``torch.profiler`` over ``n`` steps of one run, after ``warmup`` steps: ``mark(done)`` is called as each step
+    ends (``done`` steps so far)."""
+
+    def __init__(self, warmup: int, n: int) -> None:
+        self.warmup, self.n = warmup, n
+        self.prof: Optional[torch.profiler.profile] = None
+
+    def mark(self, done: int) -> None:
+        if done == self.warmup:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.start()
+        elif done == self.warmup + self.n and self.prof is not None:
+            self.prof.stop()
 
 
 def _model(args: argparse.Namespace) -> TransformerLM:
@@ -77,7 +108,7 @@ def _data(args: argparse.Namespace) -> RandomTokens:
     return RandomTokens(batch_size=args.batch, seq_len=args.seq, vocab=args.vocab, samples=total)
 
 
-def run_torch(args: argparse.Namespace, ac: bool) -> list[float]:
+def run_torch(args: argparse.Namespace, ac: bool, profiled: Optional[Profiled] = None) -> list[float]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = _model(args).to(device)
     if ac:
@@ -97,16 +128,21 @@ def run_torch(args: argparse.Namespace, ac: bool) -> list[float]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         stamps.append(time.perf_counter())
+        if profiled is not None:
+            profiled.mark(len(stamps))
         if len(stamps) == args.warmup + args.steps:
             break
     return stamps
 
 
 def run_trainer(
-    args: argparse.Namespace, strategy: Callable[[], Any], model: Callable[[argparse.Namespace], Any] = _model
+    args: argparse.Namespace,
+    strategy: Callable[[], Any],
+    model: Callable[[argparse.Namespace], Any] = _model,
+    profiled: Optional[Profiled] = None,
 ) -> list[float]:
     """``Trainer(strategy=strategy()).fit`` of ``model(args)`` on one device, bf16-mixed: each step's end time."""
-    timer = StepTimer()
+    timer = StepTimer(profiled)
     trainer = pl.Trainer(
         strategy=strategy(),
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
@@ -125,34 +161,43 @@ def run_trainer(
     return timer.stamps
 
 
-def runners(tiny: bool) -> dict[str, Callable[[argparse.Namespace], list[float]]]:
+def runners(tiny: bool) -> dict[str, Callable[..., list[float]]]:
     from pytorch_lightning.strategies import FSDPStrategy
 
-    out: dict[str, Callable[[argparse.Namespace], list[float]]] = {
-        "torch": lambda a: run_torch(a, ac=False),
-        "torch+ac": lambda a: run_torch(a, ac=True),
-        "lightning_ddp": lambda a: run_trainer(a, lambda: "ddp"),
-        "lightning_fsdp": lambda a: run_trainer(a, lambda: FSDPStrategy(auto_wrap_policy={LAYER})),
-        "lightning_fsdp+ac": lambda a: run_trainer(
-            a, lambda: FSDPStrategy(auto_wrap_policy={LAYER}, activation_checkpointing_policy={LAYER})
+    out: dict[str, Callable[..., list[float]]] = {
+        "torch": lambda a, p=None: run_torch(a, ac=False, profiled=p),
+        "torch+ac": lambda a, p=None: run_torch(a, ac=True, profiled=p),
+        "lightning_ddp": lambda a, p=None: run_trainer(a, profiled=p, strategy=lambda: "ddp"),
+        "lightning_fsdp": lambda a, p=None: run_trainer(
+            a, profiled=p, strategy=lambda: FSDPStrategy(auto_wrap_policy={LAYER})
         ),
-        "mgpu_ddp": lambda a: run_trainer(a, lambda: "mgpu_ddp"),
-        "mgpu_ddp+ac": lambda a: run_trainer(
-            a, lambda: lightning_mgpu.MGPUDDPStrategy(activation_checkpointing={LAYER})
-        ),
-        "mgpu_ddp+sac": lambda a: run_trainer(
+        "lightning_fsdp+ac": lambda a, p=None: run_trainer(
             a,
-            lambda: lightning_mgpu.MGPUDDPStrategy(
+            profiled=p,
+            strategy=lambda: FSDPStrategy(auto_wrap_policy={LAYER}, activation_checkpointing_policy={LAYER}),
+        ),
+        "mgpu_ddp": lambda a, p=None: run_trainer(a, profiled=p, strategy=lambda: "mgpu_ddp"),
+        "mgpu_ddp+ac": lambda a, p=None: run_trainer(
+            a, profiled=p, strategy=lambda: lightning_mgpu.MGPUDDPStrategy(activation_checkpointing={LAYER})
+        ),
+        "mgpu_ddp+sac": lambda a, p=None: run_trainer(
+            a,
+            profiled=p,
+            strategy=lambda: lightning_mgpu.MGPUDDPStrategy(
                 activation_checkpointing={LAYER}, activation_checkpointing_save="matmuls"
             ),
         ),
-        "mgpu_sharded": lambda a: run_trainer(a, lambda: "mgpu_sharded"),
-        "mgpu_sharded+ac": lambda a: run_trainer(
-            a, lambda: lightning_mgpu.MGPUShardedStrategy(stage=2, activation_checkpointing={LAYER})
+        "mgpu_sharded": lambda a, p=None: run_trainer(a, profiled=p, strategy=lambda: "mgpu_sharded"),
+        "mgpu_sharded+ac": lambda a, p=None: run_trainer(
+            a,
+            profiled=p,
+            strategy=lambda: lightning_mgpu.MGPUShardedStrategy(stage=2, activation_checkpointing={LAYER}),
         ),
-        "mgpu_zero3": lambda a: run_trainer(a, lambda: "mgpu_zero3"),
-        "mgpu_zero3+ac": lambda a: run_trainer(
-            a, lambda: lightning_mgpu.MGPUShardedStrategy(stage=3, activation_checkpointing={LAYER})
+        "mgpu_zero3": lambda a, p=None: run_trainer(a, profiled=p, strategy=lambda: "mgpu_zero3"),
+        "mgpu_zero3+ac": lambda a, p=None: run_trainer(
+            a,
+            profiled=p,
+            strategy=lambda: lightning_mgpu.MGPUShardedStrategy(stage=3, activation_checkpointing={LAYER}),
         ),
     }
     if not torch.cuda.is_available():
@@ -162,10 +207,11 @@ def runners(tiny: bool) -> dict[str, Callable[[argparse.Namespace], list[float]]
 
 
 def parse_arguments(
-    description: str, layers: int, warmup: int, steps: int, rounds: Optional[int] = None
+    description: str, layers: int, warmup: int, steps: int, rounds: Optional[int] = None, profile: bool = False
 ) -> argparse.Namespace:
     """The language model's shape, the steps, ``--only``, ``--tiny`` (a small model, to check the script) and
-    ``--out``, with these defaults; ``rounds``: a ``--rounds`` option too."""
+    ``--out``, with these defaults; ``rounds``: a ``--rounds`` option too; ``profile``: ``--profile`` and
+    ``--profile-runners``."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
@@ -178,6 +224,9 @@ def parse_arguments(
     if rounds is not None:
         ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--only", nargs="*", default=None, help="runner names (default: all)")
+    if profile:
+        ap.add_argument("--profile", type=int, default=0, help="then profile N steps of --profile-runners")
+        ap.add_argument("--profile-runners", nargs="*", default=list(PROFILED), help="runners to profile")
     ap.add_argument("--tiny", action="store_true", help="a small model, to check the script")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
     args = ap.parse_args()
@@ -189,8 +238,92 @@ def parse_arguments(
     return args
 
 
+#: the runners ``--profile`` profiles by default: the plain loop and the two strategies each of the pack's presets is
+#: measured against
+PROFILED = ("torch", "lightning_ddp", "mgpu_ddp", "lightning_fsdp", "mgpu_zero3")
+#: the calls that make the host wait for the device, as the profiler names them
+WAITS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _busy_us(kernels: list[tuple[float, float]]) -> float:
+    """The time covered by the union of the device intervals ``(start, end)``, in microseconds."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(kernels):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
+
+
+def profile_summary(prof: torch.profiler.profile, n: int, wall_s: float) -> dict[str, Any]:
+    """Per step of ``n`` profiled steps: wall time, how long the device was busy (the union of its kernels and copies),
+    kernels launched, the calls that made the host wait, and each operator's host self time and device time."""
+    events = prof.events()
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = _busy_us([(e.time_range.start, e.time_range.end) for e in device])
+    host: dict[str, float] = {}
+    dev: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for e in prof.key_averages():
+        host[e.key] = e.self_cpu_time_total / n / 1e3
+        counts[e.key] = e.count
+    for e in device:
+        dev[e.name] = dev.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / n / 1e3
+    return {
+        "wall_ms": wall_s / n * 1e3,
+        "device_busy_ms": busy / n / 1e3,
+        "kernels": len(device) / n,
+        "waits": {w: counts.get(w, 0) / n for w in WAITS},
+        "host_self_ms": host,
+        "device_ms": dev,
+    }
+
+
+def print_profiles(profiles: dict[str, dict[str, Any]], top: int = 12) -> None:
+    """The profiled runners side by side, then, for each, where its host and device time per step go beyond the plain
+    torch loop's (the operators with the largest differences)."""
+    print("\nprofile, per step (torch.profiler slows the host: read the figures as shares)")
+    waits = " ".join(f"{w.split('::')[-1].replace('cuda', ''):>20}" for w in WAITS)
+    print(f"{'runner':<16}{'wall ms':>9}{'device ms':>11}{'busy':>7}{'kernels':>9} {waits}")
+    for name, p in profiles.items():
+        busy = p["device_busy_ms"] / p["wall_ms"] if p["wall_ms"] else 0.0
+        w = " ".join(f"{p['waits'][k]:>20.1f}" for k in WAITS)
+        print(f"{name:<16}{p['wall_ms']:>9.1f}{p['device_busy_ms']:>11.1f}{busy:>7.1%}{p['kernels']:>9.0f} {w}")
+    ref = profiles.get("torch")
+    for name, p in profiles.items():
+        if ref is None or name == "torch":
+            continue
+        for what, key in (("host self ms", "host_self_ms"), ("device ms", "device_ms")):
+            diff = {k: v - ref[key].get(k, 0.0) for k, v in p[key].items()}
+            diff.update({k: -v for k, v in ref[key].items() if k not in p[key]})
+            rows = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]
+            print(f"\n{name} vs torch, {what} per step (+: {name} spends more), total {sum(diff.values()):+.2f}")
+            for k, v in rows:
+                print(f"  {v:>+9.3f}  {k[:110]}")
+
+
+def profile_runners(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each of ``--profile-runners`` run once more, ``--profile`` steps after the warm-up under ``torch.profiler``."""
+    available = runners(args.tiny)
+    out = {}
+    for name in args.profile_runners:
+        if name not in available:
+            print(f"profile: {name} skipped (not a runner here: {sorted(available)})")
+            continue
+        run = argparse.Namespace(**{**vars(args), "steps": args.profile})
+        profiled = Profiled(args.warmup, args.profile)
+        stamps = available[name](run, profiled)
+        assert profiled.prof is not None
+        out[name] = profile_summary(profiled.prof, args.profile, stamps[-1] - stamps[args.warmup - 1])
+        del profiled
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
-    args = parse_arguments(__doc__.split("\n")[0], layers=24, warmup=5, steps=20, rounds=2)
+    args = parse_arguments(__doc__.split("\n")[0], layers=24, warmup=5, steps=20, rounds=2, profile=True)
     torch.backends.cuda.matmul.allow_tf32 = True
     env = environment()
     todo = {k: v for k, v in runners(args.tiny).items() if not args.only or k in args.only}
@@ -209,9 +342,11 @@ def main() -> None:
     flops_per_token = 6 * non_embedding + 12 * args.layers * args.d_model * args.seq
     tokens = args.batch * args.seq
     peak = peak_flops(env["device"])
-    base = statistics.median(times["torch"]) if "torch" in times else None
+    base = statistics.median(times["torch"]) if times.get("torch") else None
     rows = []
     for name, ts in times.items():
+        if not ts:  # --rounds 0: the profile alone
+            continue
         step = statistics.median(ts)
         tps = tokens / step
         rows.append(
@@ -239,11 +374,25 @@ def main() -> None:
             ac = f"{plain}+{kind}"
             if plain in by and ac in by:
                 print(f"{label}, {plain}: step time x{by[ac]['step_ms'] / by[plain]['step_ms']:.3f}")
+    sys.stdout.flush()  # the table first: the profile below takes a while
+    profiles = profile_runners(args) if args.profile else {}
+    if profiles:
+        print_profiles(profiles)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"gpu-throughput-{env['device'].replace(' ', '_')}-{env['date'][:10]}.json"
+        name = result_name("throughput", env)
         config = {k: v for k, v in vars(args).items() if k != "out"}
-        (args.out / name).write_text(json.dumps({"environment": env, "config": config, "rows": rows}, indent=1))
+        result = {"environment": env, "config": config, "rows": rows}
+        if profiles:  # the 40 largest operators of each, by host self time and by device time
+            result["profiles"] = {
+                k: {
+                    **p,
+                    "host_self_ms": dict(sorted(p["host_self_ms"].items(), key=lambda kv: -kv[1])[:40]),
+                    "device_ms": dict(sorted(p["device_ms"].items(), key=lambda kv: -kv[1])[:40]),
+                }
+                for k, p in profiles.items()
+            }
+        (args.out / name).write_text(json.dumps(result, indent=1))
         print(f"saved {args.out / name}")
 
 

@@ -1,6 +1,9 @@
 """What the GPU tier runs on: device, driver, versions. Printed before `make test-gpu` and stored with every result.
 
 python benchmarks/gpu/env.py          # prints one JSON object
+
+Each GPU benchmark saves its result as ``gpu-<benchmark>-<device>-<date>T<hhmm>.json`` (:func:`result_name`: the UTC
+time of the run's environment, so that two runs on one day keep both files).
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ def environment() -> dict[str, Any]:
         "lightning_mgpu": lightning_mgpu.__version__,
         "python": platform.python_version(),
     }
+
+
+def result_name(benchmark: str, env: dict[str, Any]) -> str:
+    """``gpu-<benchmark>-<device>-<date>T<hhmm>.json`` for a run in ``env`` (:func:`environment`)."""
+    stamp = env["date"][:16].replace(":", "")
+    return f"gpu-{benchmark}-{env['device'].replace(' ', '_')}-{stamp}.json"
 
 
 if __name__ == "__main__":

@@ -750,12 +750,24 @@ def _adapters_and_base(model: pl.LightningModule) -> tuple[torch.Tensor, torch.T
     return adapters, base, sorted({t.quantized_data.device.type for t in packed}), len(packed)
 
 
+class _BaseDevices(pl.Callback):
+    """Where the packed base is when training ends, before the strategy's teardown (Lightning's single-device strategy
+    moves the module back to the host there)."""
+
+    def __init__(self, seen: dict[str, list[str]]) -> None:
+        self.seen = seen
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seen["where"] = _adapters_and_base(pl_module)[2]
+
+
 @case
 def four_bit(steps: int = 4) -> dict[str, Any]:
     """A peft LoRA over a tiny Llama whose frozen linear weights ``quantize_frozen`` packed in 4 bits (torchao's
     NF4), float64, the same ``steps`` AdamW steps three ways on the device: Lightning's own single-device strategy,
     ``mgpu_zero3`` and ``mgpu_zero3`` with ``offload="cpu"``. Returns each run's adapters against Lightning's, how far
-    training moved them, the base dequantised against Lightning's, and where the packed base was after fit."""
+    training moved them, the base dequantised against Lightning's, and where the packed base was when training
+    ended."""
     from tests.integration.test_quantization import QLoRALlama, tokens
 
     runs: dict[str, Any] = {}
@@ -763,10 +775,11 @@ def four_bit(steps: int = 4) -> dict[str, Any]:
         strategy = {"lightning": "auto", "zero3": _sharded(3), "zero3_offload": _sharded(3, offload="cpu")}[name]
         model = QLoRALlama()
         start, _, _, packed = _adapters_and_base(model)
-        trainer = _trainer(strategy, max_steps=steps)
+        seen: dict[str, list[str]] = {}
+        trainer = _trainer(strategy, max_steps=steps, callbacks=[_BaseDevices(seen)])
         trainer.fit(model, DataLoader(tokens(), batch_size=4, shuffle=False))
-        adapters, base, where, nf4 = _adapters_and_base(model)
-        runs[name] = {"adapters": adapters, "base": base, "where": where, "nf4": [packed, nf4]}
+        adapters, base, _, nf4 = _adapters_and_base(model)
+        runs[name] = {"adapters": adapters, "base": base, "where": seen["where"], "nf4": [packed, nf4]}
         runs[name]["steps"], runs[name]["moved"] = trainer.global_step, float((adapters - start).abs().max())
         del trainer, model, strategy
         gc.collect()
