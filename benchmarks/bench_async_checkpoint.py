@@ -15,7 +15,7 @@ fork-launched ranks (``--accelerator gpu``: spawn) trains a stack of ``--layers`
   step's start; "during a write": a background write was running (async only), compared with the same run's
   steps without a write (they interleave, so load on the machine hits both alike) and with the sync run's.
 
-Targets (issue 23): async blocking <= 10% of the synchronous save; steps during a write within 15% of normal.
+Targets: async blocking <= 10% of the synchronous save; steps during a write within 15% of normal.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Variants, measured in one run with their steps interleaved (so machine noise hit
   mgpu_first6     lightning_mgpu, a callable policy: the first 6 of the 8 blocks
 
 "bytes" are the distinct storages the forward made that are alive when backward starts: what autograd saved and
-what selective checkpointing kept (a whole checkpointed block keeps its input only). Targets (issue 5): mgpu <=
+what selective checkpointing kept (a whole checkpointed block keeps its input only). Targets: mgpu <=
 0.40x the bytes of none, at <= 1.35x the step time.
 """
 
