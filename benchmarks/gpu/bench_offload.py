@@ -16,8 +16,9 @@ transformer layer an FSDP unit, the same data):
 
 Offload moves every shard to the device and every gradient shard back each step, and the optimizer steps on the host:
 it is slower by what the transfers and the host's AdamW cost. What the Trainer may add to that is the ratio
-``mgpu_zero3_offload / torch_zero3_offload`` (1.00x: nothing). The step time is the median of the timed steps (CUDA
-synchronised at each step's end); the peak is ``torch.cuda.max_memory_allocated`` over the whole run (-1 on CPU).
+``mgpu_zero3_offload / torch_zero3_offload`` (1.00x: nothing). The step time is the median of the timed steps, each
+step's end a CUDA event on the device's stream (``bench_throughput.StepClock``: no wait between steps); the peak is
+``torch.cuda.max_memory_allocated`` over the whole run (-1 on CPU).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import LAYER, _data, parse_arguments, run_trainer
+from bench_throughput import LAYER, StepClock, _data, parse_arguments, run_trainer
 from env import environment, result_name
 
 import lightning_mgpu
@@ -70,7 +70,7 @@ def run_torch(args: argparse.Namespace, offload: bool) -> list[float]:
         opt = model.configure_optimizers()
         data = _data(args)
         data.setup("fit")
-        stamps = []
+        clock = StepClock()
         for tokens, targets in data.train_dataloader():
             tokens, targets = tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -79,12 +79,9 @@ def run_torch(args: argparse.Namespace, offload: bool) -> list[float]:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if CUDA:
-                torch.cuda.synchronize()
-            stamps.append(time.perf_counter())
-            if len(stamps) == args.warmup + args.steps:
+            if clock.tick() == args.warmup + args.steps:
                 break
-        return stamps
+        return clock.stamps()
     finally:
         if started:
             dist.destroy_process_group()
@@ -153,7 +150,9 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         name = result_name("offload", env)
         config = {k: v for k, v in vars(args).items() if k != "out"}
-        (args.out / name).write_text(json.dumps({"environment": env, "config": config, "rows": rows}, indent=1))
+        (args.out / name).write_text(
+            json.dumps({"environment": env, "config": config, "clock": "events", "rows": rows}, indent=1)
+        )
         print(f"saved {args.out / name}")
 
 

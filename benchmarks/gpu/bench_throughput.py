@@ -20,8 +20,12 @@ Runners (one GPU, world size 1, ``bf16-mixed``, AdamW as the module configures i
   mgpu_zero3        Trainer(strategy="mgpu_zero3")      (FSDP2, parameters sharded: ZeRO-3)
   mgpu_zero3+ac     MGPUShardedStrategy(stage=3, activation_checkpointing={TransformerEncoderLayer})
 
-Each runner trains ``--warmup`` + ``--steps`` optimizer steps; the step time is the median of the timed steps (CUDA
-synchronised at each step's end), over ``--rounds`` rounds that visit the runners in turn. MFU counts model FLOPs
+Each runner trains ``--warmup`` + ``--steps`` optimizer steps; the step time is the median of the timed steps, over
+``--rounds`` rounds that visit the runners in turn. A step's end is a CUDA event recorded on the device's stream
+(:class:`StepClock`): nothing waits for the device between steps, as in a real run, so a framework's host work between
+two steps overlaps the device's work as it would in training. Results files record it (``"clock": "events"``); those
+without the field synchronised the device at each step's end, which laid each runner's host work between two steps
+bare. MFU counts model FLOPs
 (6 x non-embedding parameters + attention 12 x layers x d_model x seq per token; recomputation is not counted)
 against the device's dense bf16 peak. The result is the ratios; absolute figures are reported with the device.
 
@@ -65,17 +69,41 @@ def peak_flops(device: str) -> float | None:
     return next((v for k, v in PEAK_BF16 if k in device), None)
 
 
+class StepClock:
+    """Each step's end, without making the host wait: on a GPU a CUDA event recorded on the current stream (the
+    device's own clock: a step whose host work outlasts its kernels shows as the device waiting), on CPU the host's
+    clock. :meth:`stamps` waits for the device once, at the end."""
+
+    def __init__(self) -> None:
+        self.marks: list[Any] = []
+
+    def tick(self) -> int:
+        """Marks a step's end; returns the steps marked so far."""
+        if torch.cuda.is_available():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        return len(self.marks)
+
+    def stamps(self) -> list[float]:
+        """Each step's end in seconds (from the first mark on a GPU)."""
+        if self.marks and isinstance(self.marks[0], torch.cuda.Event):
+            torch.cuda.synchronize()
+            return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks]
+        return list(self.marks)
+
+
 class StepTimer(pl.Callback):
     def __init__(self, profiled: Optional[Profiled] = None) -> None:
-        self.stamps: list[float] = []
+        self.clock = StepClock()
         self.profiled = profiled
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.stamps.append(time.perf_counter())
+        done = self.clock.tick()
         if self.profiled is not None:
-            self.profiled.mark(len(self.stamps))
+            self.profiled.mark(done)
 
 
 class Profiled:
@@ -116,7 +144,7 @@ def run_torch(args: argparse.Namespace, ac: bool, profiled: Optional[Profiled] =
     opt = model.configure_optimizers()
     data = _data(args)
     data.setup("fit")
-    stamps = []
+    clock = StepClock()
     for tokens, targets in data.train_dataloader():
         tokens, targets = tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -125,14 +153,12 @@ def run_torch(args: argparse.Namespace, ac: bool, profiled: Optional[Profiled] =
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        stamps.append(time.perf_counter())
+        done = clock.tick()
         if profiled is not None:
-            profiled.mark(len(stamps))
-        if len(stamps) == args.warmup + args.steps:
+            profiled.mark(done)
+        if done == args.warmup + args.steps:
             break
-    return stamps
+    return clock.stamps()
 
 
 def run_trainer(
@@ -158,7 +184,7 @@ def run_trainer(
         num_sanity_val_steps=0,
     )
     trainer.fit(model(args), _data(args))
-    return timer.stamps
+    return timer.clock.stamps()
 
 
 def runners(tiny: bool) -> dict[str, Callable[..., list[float]]]:
@@ -382,7 +408,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         name = result_name("throughput", env)
         config = {k: v for k, v in vars(args).items() if k != "out"}
-        result = {"environment": env, "config": config, "rows": rows}
+        result = {"environment": env, "config": config, "clock": "events", "rows": rows}
         if profiles:  # the 40 largest operators of each, by host self time and by device time
             result["profiles"] = {
                 k: {
