@@ -186,7 +186,7 @@ class ReplicaGroups:
                 _compat.set_rng_states(rng)
         elif periodic is None:
             self._quorum()
-        elif self._quorums == 0 or periodic.due:
+        elif periodic.due:
             self.sync()
         self._deadline = time.monotonic() + self.config.step_timeout
 
