@@ -62,7 +62,7 @@ def parts(out: Path, xdist: bool) -> list[Part]:
         Part("env", 40, (py, "benchmarks/gpu/env.py")),
         Part(
             "tier",
-            205,
+            240,
             (
                 py,
                 "-m",
