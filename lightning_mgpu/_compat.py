@@ -516,6 +516,14 @@ def foreach_norm(tensors: Any, ord: float) -> Any:
     return fn(tensors, ord)
 
 
+def steps_on_found_inf(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` reads torch's ``found_inf`` and ``grad_scale`` attributes and, given ``found_inf``
+    1, leaves the parameters and the state as they were, on the device (``_step_supports_amp_scaling``: the fused
+    Adam, AdamW, SGD and Adagrad, what ``GradScaler.step`` relies on; torch 2.13 checked). Missing: False, and the
+    caller decides on the host."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
 def tensor_version(tensor: Any) -> int:
     """``Tensor._version``: the in-place modification counter (autograd's saved-tensor check reads it).
     Missing: -1, which makes every buffer look modified (safe: it is then restored after a recompute)."""

@@ -54,6 +54,7 @@ from lightning_mgpu._compat import (
     foreach_norm,
     precision_after_closure,
     scaler_init_scale,
+    steps_on_found_inf,
     unwrap_optimizer,
 )
 from lightning_mgpu.comm import group_is_up
@@ -131,7 +132,8 @@ class MGPUPrecision(Precision):
         self.log_metrics = log_metrics
         self.scaler: Optional[torch.amp.GradScaler] = None
         self._scaler_state: Optional[dict[str, Any]] = None
-        self.skipped_steps = 0
+        self._skipped = 0  # skipped steps known on the host
+        self._skipped_on_device: Optional[Tensor] = None  # skipped by the optimizer on the device, not read yet
         self.optimizer_steps = 0
         self._scale = float(init_scale) if self.dtype == torch.float16 else 1.0
         # master modes: FP32 copies taken before the module is cast (convert_module -> attach_master_weights)
@@ -438,9 +440,22 @@ class MGPUPrecision(Precision):
         if self.master and not self._fsdp_masters and not skipped:
             self._masters_to_model(opt)
         self.optimizer_steps += 1
-        self.skipped_steps += int(skipped)
+        self._skipped += int(skipped)
         self._log_to(model)
         return output
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because a gradient was inf/NaN on some rank (reading it waits for the device when
+        a fused optimizer skipped steps there since the last read)."""
+        pending, self._skipped_on_device = self._skipped_on_device, None
+        if pending is not None:
+            self._skipped += int(pending.item())
+        return self._skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped, self._skipped_on_device = int(value), None
 
     def _step_optimizer(self, opt: Optimizer, model: pl.LightningModule, **kwargs: Any) -> tuple[bool, Any]:
         output = None
@@ -453,6 +468,14 @@ class MGPUPrecision(Precision):
             skipped = self._scale < before
         else:
             grads = [m.grad for group in opt.param_groups for m in group["params"] if m.grad is not None]
+            if grads and steps_on_found_inf(opt):
+                # a fused optimizer skips on the device: the flag never comes to the host, so the step does not wait
+                found = nonfinite_flag(grads)
+                precision_after_closure(self, model, opt)
+                output = _step_unless(opt, found, **kwargs)
+                pending = self._skipped_on_device
+                self._skipped_on_device = found if pending is None else pending + found
+                return False, output  # or skipped on the device: its masters then copy back unchanged
             skipped = any_nonfinite(grads)
             precision_after_closure(self, model, opt)
             if not skipped:
@@ -462,7 +485,9 @@ class MGPUPrecision(Precision):
     def _log_to(self, model: pl.LightningModule) -> None:
         if not self.log_metrics or getattr(model, "_current_fx_name", None) is None or attached_trainer(model) is None:
             return
-        model.log("precision/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
+        pending = self._skipped_on_device  # a tensor is read by Lightning when it logs, not at every step
+        skipped = float(self._skipped) if pending is None else pending + self._skipped
+        model.log("precision/skipped_steps", skipped, on_step=True, on_epoch=False)
         model.log("precision/loss_scale", self._scale, on_step=True, on_epoch=False)
 
     # --- checkpoints ------------------------------------------------------------------------------------
@@ -619,17 +644,36 @@ def world_size() -> int:
     return dist.get_world_size() if group_is_up() else 1
 
 
-def any_nonfinite(grads: list[Tensor]) -> bool:
-    """True if any gradient holds inf/NaN on any rank (one all-reduce when a process group is up)."""
+def nonfinite_flag(grads: list[Tensor]) -> Tensor:
+    """A 0-d float32 tensor on the gradients' device: 1 if any gradient holds inf/NaN on any rank, else 0 (one
+    all-reduce when a process group is up; nothing waits for the device)."""
     device = grads[0].device if grads else torch.device("cpu")
-    if grads:
-        norms = [n.to(device) for n in foreach_norm([comm.local_shard(g) for g in grads], float("inf"))]
+    # a rank's shard of a parameter smaller than the world is empty (ZeRO-3: a bias of 1 over 2 ranks), and the
+    # infinity norm of an empty tensor is an error
+    shards = [shard for shard in (comm.local_shard(g) for g in grads) if shard.numel()]
+    if shards:
+        norms = [n.to(device) for n in foreach_norm(shards, float("inf"))]
         found = torch.logical_not(torch.stack(norms).isfinite().all()).float().reshape(1)
     else:
         found = torch.zeros(1, device=device)
     if world_size() > 1:
         comm.all_reduce(found, op=dist.ReduceOp.MAX)
-    return bool(found.item() > 0)
+    return found.reshape(())
+
+
+def any_nonfinite(grads: list[Tensor]) -> bool:
+    """True if any gradient holds inf/NaN on any rank (:func:`nonfinite_flag`, read on the host: one wait)."""
+    return bool(nonfinite_flag(grads).item() > 0)
+
+
+def _step_unless(opt: Optimizer, found: Tensor, **kwargs: Any) -> Any:
+    """``opt.step`` of a fused optimizer given ``found`` as torch's ``GradScaler`` gives it: a step that leaves the
+    parameters and the state as they were where ``found`` is 1 (no loss scale: ``grad_scale`` None)."""
+    opt.found_inf, opt.grad_scale = found, None  # type: ignore[attr-defined]
+    try:
+        return opt.step(**kwargs)
+    finally:
+        del opt.found_inf, opt.grad_scale  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------------------------------

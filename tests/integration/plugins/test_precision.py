@@ -309,11 +309,34 @@ def test_ranks_times_accumulation_match_one_process(tmp_path: Path, mode: str, s
     assert relative_distance(w, ref, w0) < PARITY_TOL[mode], relative_distance(w, ref, w0)
 
 
-@pytest.mark.parametrize("strat", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("mode", HALF_MODES)
+class ScaledRegressor(Regressor):
+    """The regressor with a learned output scale, one element (its ZeRO-3 shard on rank 1 is empty), stepped by
+    AdamW's fused kernel (which skips a step whose gradients are not finite on the device, given the flag; torch's
+    fused SGD has no DTensor sharding rule)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr / 10, fused=True)
+
+
+@pytest.mark.parametrize(
+    ("mode", "strat"), [(m, s) for m in HALF_MODES for s in ("ddp", "fsdp2")] + [("bf16-mixed", "fsdp2_fused")]
+)
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path, mode: str, strat: str) -> None:
+    """``fsdp2_fused``: ZeRO-3 with an empty shard on one rank (the check skips it) and a fused optimizer (the flag
+    goes to its kernel: no rank waits for the device to decide)."""
+    model = ScaledRegressor().float() if strat == "fsdp2_fused" else None
     # batch 3 is the second micro-batch of optimizer step 2 (accumulation 2): the synced backward
-    ranks = _regressor_run(tmp_path, mode, strategy(strat), WORLD, batch=8, accumulate=2, inject={3: 1}, max_epochs=4)
+    ranks = _regressor_run(
+        tmp_path, mode, strategy(strat.removesuffix("_fused")), WORLD, batch=8, accumulate=2, model=model,
+        inject={3: 1}, max_epochs=4,
+    )  # fmt: skip
     for r in ranks:
         assert torch.equal(r["before"][2], r["after"][3])  # step 2 (batches 2-3) left the weights untouched
         assert not torch.equal(r["before"][0], r["after"][1])  # step 1 moved them
