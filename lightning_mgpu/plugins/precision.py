@@ -83,7 +83,8 @@ class MGPUPrecision(Precision):
         log_metrics: log ``precision/skipped_steps`` and ``precision/loss_scale`` each optimizer step.
 
     Attributes:
-        skipped_steps: optimizer steps skipped because a gradient was inf/NaN on some rank.
+        skipped_steps: optimizer steps skipped because a gradient was inf/NaN on some rank (reading it waits for the
+            device when a fused optimizer skipped steps there since the last read).
         optimizer_steps: optimizer steps taken or skipped.
         loss_scale: the current fp16 loss scale (1.0 for bf16 and fp32).
 
@@ -446,8 +447,7 @@ class MGPUPrecision(Precision):
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because a gradient was inf/NaN on some rank (reading it waits for the device when
-        a fused optimizer skipped steps there since the last read)."""
+        # documented with the class's attributes (a docstring here would describe it twice in the API reference)
         pending, self._skipped_on_device = self._skipped_on_device, None
         if pending is not None:
             self._skipped += int(pending.item())
