@@ -78,8 +78,11 @@ class GroupCollectives(Callback):
         assert len(seen["all_reduce"]) + seen["scalar_all_reduce"] == c10d_all_reduces
         self.batches.append(seen)
         self._prof = None
-        # the profiler's shape records hold weak references to the parameters, which Lightning's teardown
-        # (module.cpu(), swapping FSDP2's tensors) refuses: free them now
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the profilers' shape records hold weak references to the parameters, which Lightning's teardown
+        # (module.cpu(), swapping FSDP2's tensors) refuses: free them once before it (a collection per batch cost
+        # about a second each in a process that has imported torch and Lightning)
         gc.collect()
 
 
