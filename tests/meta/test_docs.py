@@ -1,8 +1,10 @@
 """The documentation site's promises: every code example runs, every public name is documented and listed.
 
-Code examples: every ```python block of every page is a whole script a reader can paste, and runs as one, in a
-fresh interpreter in a scratch directory (the popen presets launch their ranks by re-running that script, as they
-do a user's; the examples use small settings, ``max_steps=2``, ``devices=2`` on CPU). A block that cannot run here
+Code examples: every ```python block of every page is a whole script a reader can paste, and runs as one, as
+``__main__`` in a scratch directory, forked from one interpreter that has imported torch and nothing of Lightning or
+of the pack (``tests/scripts.py``: what each example would otherwise spend importing torch; the popen presets launch
+their other ranks by re-running that script in fresh interpreters, as they do a user's; the examples use small
+settings, ``max_steps=2``, ``devices=2`` on CPU). A block that cannot run here
 is preceded by a MyST comment line ``% docs-test: skip: <reason>``; the reason is required and the skips are few
 (counted below).
 """
@@ -14,11 +16,15 @@ import inspect
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 import lightning_mgpu
+from tests.scripts import Scripts
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts and p.name != "README.md")
@@ -66,17 +72,61 @@ def test_blocks_are_valid_python() -> None:
             ast.parse(code, filename=f"{page.name}:{line}")
 
 
+@pytest.fixture(scope="module")
+def scripts() -> Iterator[Scripts]:
+    runner = Scripts()
+    yield runner
+    runner.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("page", "line", "code"), EXAMPLES, ids=[f"{p.relative_to(DOCS)}:{line}" for p, line, _ in EXAMPLES]
 )
-def test_example_runs(page: Path, line: int, code: str, tmp_path: Path) -> None:
+def test_example_runs(page: Path, line: int, code: str, tmp_path: Path, scripts: Scripts) -> None:
     script = tmp_path / f"{page.stem.replace('-', '_')}_{line}.py"
     script.write_text(code)
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=280, check=False
-    )
+    proc = scripts.run(script, timeout=280)
     assert proc.returncode == 0, f"{page.name}:{line} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.slow
+def test_a_script_runs_as_python_runs_it(tmp_path: Path, scripts: Scripts) -> None:
+    """The examples' runner: a script as ``__main__`` with its own folder, argv, exit code and output; torch
+    imported already, Lightning and the pack not; a script over its timeout is killed with what it started."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import os, sys, __main__\n"
+        "print(__name__, __main__.__spec__, os.getcwd() == os.path.dirname(__file__), sys.argv == [__file__])\n"
+        "print(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning', 'lightning_mgpu') if m in sys.modules))\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "sys.exit(3)\n"
+    )
+    ran = scripts.run(script, timeout=60)
+    assert ran.returncode == 3
+    assert ran.stdout.splitlines() == ["__main__ None True True", "['torch']"]
+    assert ran.stderr == "to stderr\n"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "open('child.pid', 'w').write(str(child.pid))\n"
+        "time.sleep(120)\n"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        scripts.run(script, timeout=5)
+    child = int((tmp_path / "child.pid").read_text())
+    for _ in range(50):  # killed with the script: gone, or ended and waiting for init (which adopted it) to reap it
+        try:
+            if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the script's child outlived its timeout")
+    script.write_text("raise ValueError('the traceback is the output')\n")
+    ran = scripts.run(script, timeout=60)  # the runner goes on after a killed script
+    assert ran.returncode == 1 and "ValueError: the traceback is the output" in ran.stderr
 
 
 # ------------------------------------------------------------------------------------------------- API reference

@@ -1,0 +1,111 @@
+"""Running many user scripts, each as ``python script.py`` runs it, without paying each one's imports of torch.
+
+A fresh interpreter spends most of a short example's time importing torch, dynamo and torchmetrics (which every
+Lightning namespace imports): about 9 of the 11 s of ``import pytorch_lightning`` on 2 busy cores. :class:`Scripts`
+starts one interpreter that imports those three and nothing of Lightning or of the pack (so either namespace, and
+the pack, are imported by the script as in a fresh interpreter), then forks it once per script: the child takes the
+script's folder as its working directory and ``sys.path[0]``, the script as ``sys.argv[0]``, its output in files, a
+session of its own (so a timeout ends the script and every rank it launched), and runs it as ``__main__``
+(``runpy.run_path``: ``__main__.__spec__`` is ``None`` and ``__file__`` the script, as for ``python script.py``, so
+Lightning's popen launch re-runs the script for its other ranks, in fresh interpreters, and a spawn launch
+re-imports it). Nothing in the parent runs a torch operator, so the fork inherits no thread pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PRELOADED = ("torch", "torch._dynamo", "torchmetrics")
+
+_SERVER = r"""
+import json, os, runpy, sys, traceback
+for name in sys.argv[1:]:
+    __import__(name)
+requests, replies = sys.stdin, sys.stdout
+replies.write("ready\n"); replies.flush()
+for line in requests:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, job["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                               (2, job["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+            os.dup2(os.open(path, mode, 0o644), fd)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.chdir(job["cwd"])
+        sys.argv = [job["script"]]
+        sys.path[0] = os.path.dirname(job["script"])
+        code = 0
+        try:
+            runpy.run_path(job["script"], run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if not isinstance(stop.code, int | None):
+                print(stop.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    replies.write(json.dumps({"pid": pid}) + "\n"); replies.flush()
+    _, status = os.waitpid(pid, 0)
+    replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n"); replies.flush()
+"""
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class Scripts:
+    """One pre-imported interpreter that runs scripts one after the other; :meth:`close` ends it."""
+
+    def __init__(self, preload: tuple[str, ...] = PRELOADED) -> None:
+        self._server = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self._reply(timeout=300) == "ready"
+
+    def _reply(self, timeout: float) -> str:
+        assert self._server.stdout is not None
+        ready, _, _ = select.select([self._server.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        line = self._server.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the script runner ended (exit code {self._server.wait()})")
+        return line.strip()
+
+    def run(self, script: Path, timeout: float) -> Ran:
+        """``script`` as ``python script.py`` in its folder; a script still running after ``timeout`` seconds is
+        killed with everything it started, and the call raises ``subprocess.TimeoutExpired``."""
+        out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
+        job = {"script": str(script), "cwd": str(script.parent), "out": str(out), "err": str(err)}
+        assert self._server.stdin is not None
+        self._server.stdin.write(json.dumps(job) + "\n")
+        self._server.stdin.flush()
+        pid = json.loads(self._reply(timeout=30))["pid"]
+        try:
+            returncode = json.loads(self._reply(timeout=timeout))["returncode"]
+        except TimeoutError:
+            os.killpg(pid, signal.SIGKILL)  # the script's session: its launched ranks too
+            self._reply(timeout=30)  # the server reaps it
+            raise subprocess.TimeoutExpired([str(script)], timeout, out.read_text(), err.read_text()) from None
+        return Ran(returncode, out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        assert self._server.stdin is not None
+        self._server.stdin.close()
+        self._server.wait(timeout=30)
