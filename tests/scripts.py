@@ -8,7 +8,9 @@ script's folder as its working directory and ``sys.path[0]``, the script as ``sy
 session of its own (so a timeout ends the script and every rank it launched), and runs it as ``__main__``
 (``runpy.run_path``: ``__main__.__spec__`` is ``None`` and ``__file__`` the script, as for ``python script.py``, so
 Lightning's popen launch re-runs the script for its other ranks, in fresh interpreters, and a spawn launch
-re-imports it). Nothing in the parent runs a torch operator, so the fork inherits no thread pool.
+re-imports it). The child ends as that interpreter would: an exception the script raises is printed and exits 1,
+``sys.exit`` is honoured, then threads are joined and ``atexit`` functions run. Nothing in the parent runs a torch
+operator, so the fork inherits no thread pool.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 PRELOADED = ("torch", "torch._dynamo", "torchmetrics")
 
 _SERVER = r"""
-import json, os, runpy, sys, traceback
+import json, os, runpy, sys
 for name in sys.argv[1:]:
     __import__(name)
 requests, replies = sys.stdin, sys.stdout
@@ -44,18 +46,8 @@ for line in requests:
         os.chdir(job["cwd"])
         sys.argv = [job["script"]]
         sys.path[0] = os.path.dirname(job["script"])
-        code = 0
-        try:
-            runpy.run_path(job["script"], run_name="__main__")
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-            if not isinstance(stop.code, int | None):
-                print(stop.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush(); sys.stderr.flush()
-        os._exit(code)
+        runpy.run_path(job["script"], run_name="__main__")
+        raise SystemExit  # ends as the script's interpreter would: non-daemon threads joined, atexit run, exit 0
     replies.write(json.dumps({"pid": pid}) + "\n"); replies.flush()
     _, status = os.waitpid(pid, 0)
     replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n"); replies.flush()
