@@ -21,7 +21,6 @@ import select
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 PRELOADED = ("torch", "torch._dynamo", "torchmetrics")
@@ -54,13 +53,6 @@ for line in requests:
 """
 
 
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 class Scripts:
     """One pre-imported interpreter that runs scripts one after the other; :meth:`close` ends it."""
 
@@ -68,19 +60,26 @@ class Scripts:
         self._server = subprocess.Popen(
             [sys.executable, "-c", _SERVER, *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
+        self._pending = b""  # what the server wrote past the last line read: its two replies can come in one read
         assert self._reply(timeout=300) == "ready"
 
     def _reply(self, timeout: float) -> str:
+        """The server's next line. Read from the pipe's descriptor, not through a buffered file, so that ``select``
+        never waits for a line that a buffer already holds."""
         assert self._server.stdout is not None
-        ready, _, _ = select.select([self._server.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError
-        line = self._server.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the script runner ended (exit code {self._server.wait()})")
-        return line.strip()
+        fd = self._server.stdout.fileno()
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the script runner ended (exit code {self._server.wait()})")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode().strip()
 
-    def run(self, script: Path, timeout: float) -> Ran:
+    def run(self, script: Path, timeout: float) -> subprocess.CompletedProcess[str]:
         """``script`` as ``python script.py`` in its folder; a script still running after ``timeout`` seconds is
         killed with everything it started, and the call raises ``subprocess.TimeoutExpired``."""
         out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
@@ -95,7 +94,7 @@ class Scripts:
             os.killpg(pid, signal.SIGKILL)  # the script's session: its launched ranks too
             self._reply(timeout=30)  # the server reaps it
             raise subprocess.TimeoutExpired([str(script)], timeout, out.read_text(), err.read_text()) from None
-        return Ran(returncode, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess([str(script)], returncode, out.read_text(), err.read_text())
 
     def close(self) -> None:
         assert self._server.stdin is not None
