@@ -89,9 +89,9 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m "slow and not full_matrix"
 
 # The GPU tier's CPU checks: tests/gpu with MGPU_TIER_DEVICE=cpu, every test function once (its first parameters and
-# the ones its module lists in CPU_ALSO), each case in a fresh interpreter on CPU (gloo), so a fault of the tier's own
-# code shows without a GPU (tests/gpu/conftest.py): 21 cases, 3 skipped as needing CUDA hardware; docs/gpu.md gives
-# its time. MGPU_TIER_CPU_ALL=1 runs every parameter.
+# the ones its module lists in CPU_ALSO), each case forked from one interpreter that imported the worker and run on
+# CPU (gloo), so a fault of the tier's own code shows without a GPU (tests/gpu/conftest.py): 28 cases, 3 skipped as
+# needing CUDA hardware; docs/gpu.md gives its time. MGPU_TIER_CPU_ALL=1 runs every parameter.
 test-gpu-cpu: $(STAMP)
 	MGPU_TIER_DEVICE=cpu $(BIN)/python -m pytest tests/gpu -p no:cacheprovider -o addopts="-ra --strict-markers"
 

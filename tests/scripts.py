@@ -43,9 +43,14 @@ for line in requests:
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         os.chdir(job["cwd"])
-        sys.argv = [job["script"]]
-        sys.path[0] = os.path.dirname(job["script"])
-        runpy.run_path(job["script"], run_name="__main__")
+        if "module" in job:  # as python -m MODULE ARGS: the working directory first on sys.path
+            sys.argv = [job["module"], *job["argv"]]
+            sys.path[0] = job["cwd"]
+            runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [job["script"]]
+            sys.path[0] = os.path.dirname(job["script"])
+            runpy.run_path(job["script"], run_name="__main__")
         raise SystemExit  # ends as the script's interpreter would: non-daemon threads joined, atexit run, exit 0
     replies.write(json.dumps({"pid": pid}) + "\n"); replies.flush()
     _, status = os.waitpid(pid, 0)
@@ -56,9 +61,16 @@ for line in requests:
 class Scripts:
     """One pre-imported interpreter that runs scripts one after the other; :meth:`close` ends it."""
 
-    def __init__(self, preload: tuple[str, ...] = PRELOADED) -> None:
+    def __init__(
+        self, preload: tuple[str, ...] = PRELOADED, cwd: Path | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self._server = subprocess.Popen(
-            [sys.executable, "-c", _SERVER, *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", _SERVER, *preload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+            env=env,
         )
         self._pending = b""  # what the server wrote past the last line read: its two replies can come in one read
         assert self._reply(timeout=300) == "ready"
@@ -83,7 +95,21 @@ class Scripts:
         """``script`` as ``python script.py`` in its folder; a script still running after ``timeout`` seconds is
         killed with everything it started, and the call raises ``subprocess.TimeoutExpired``."""
         out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
-        job = {"script": str(script), "cwd": str(script.parent), "out": str(out), "err": str(err)}
+        return self._run({"script": str(script), "cwd": str(script.parent)}, [str(script)], out, err, timeout)
+
+    def run_module(
+        self, module: str, args: list[str], cwd: Path, output: Path, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        """``python -m module *args`` in ``cwd`` (its output in ``output``.stdout/.stderr), with the same timeout as
+        :meth:`run`. A module the runner preloaded runs again as ``__main__`` over the imports it already holds."""
+        job = {"module": module, "argv": args, "cwd": str(cwd)}
+        out, err = output.with_suffix(".stdout"), output.with_suffix(".stderr")
+        return self._run(job, ["-m", module, *args], out, err, timeout)
+
+    def _run(
+        self, job: dict[str, object], cmd: list[str], out: Path, err: Path, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        job = {**job, "out": str(out), "err": str(err)}
         assert self._server.stdin is not None
         self._server.stdin.write(json.dumps(job) + "\n")
         self._server.stdin.flush()
@@ -93,8 +119,8 @@ class Scripts:
         except TimeoutError:
             os.killpg(pid, signal.SIGKILL)  # the script's session: its launched ranks too
             self._reply(timeout=30)  # the server reaps it
-            raise subprocess.TimeoutExpired([str(script)], timeout, out.read_text(), err.read_text()) from None
-        return subprocess.CompletedProcess([str(script)], returncode, out.read_text(), err.read_text())
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text()) from None
+        return subprocess.CompletedProcess(cmd, returncode, out.read_text(), err.read_text())
 
     def close(self) -> None:
         assert self._server.stdin is not None

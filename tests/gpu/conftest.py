@@ -3,8 +3,9 @@
 * On one NVIDIA GPU (``make test-gpu``) every test runs.
 * With ``MGPU_TIER_DEVICE=cpu`` (``make test-gpu-cpu``, part of ``make test``) the cases run on CPU (gloo), so a
   fault of the tier itself shows without a GPU: every test function runs once, with its first parameters and the
-  ones its module lists in ``CPU_ALSO`` (each case is a fresh interpreter: the whole matrix would cost CI minutes
-  that prove nothing more about the tier's own code); ``MGPU_TIER_CPU_ALL=1`` runs every parameter. The tests
+  ones its module lists in ``CPU_ALSO`` (the whole matrix would cost CI minutes that prove nothing more about the
+  tier's own code); ``MGPU_TIER_CPU_ALL=1`` runs every parameter. Each case is forked from one interpreter that has
+  imported the worker, and runs as ``python -m tests.gpu.worker`` would (on CUDA each is a fresh interpreter). The tests
   only CUDA hardware can answer (the allocator's bytes, NVML, pinned memory, CUDA before a fork) are marked
   ``needs_cuda`` and skipped there with the reason; the CUDA-only assertions of the others are guarded by
   ``ON_CUDA``.
@@ -17,6 +18,7 @@ failures failed (``benchmarks/gpu/proof.py`` sets it)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -48,6 +50,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_runner() -> Iterator[None]:
+    """In the CPU mode, the interpreter that forks each case (``tests/gpu/test_gpu_tier.py``'s ``cpu_runner``), for
+    the whole session: started before any test, so no test's check for leftover processes counts it."""
+    if DEVICE != "cpu":
+        yield
+        return
+    from tests.gpu import test_gpu_tier as tier
+
+    tier.cpu_runner = tier.start_cpu_runner()
+    yield
+    tier.cpu_runner.close()
+    tier.cpu_runner = None
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,12 @@ import pytest
 
 from lightning_mgpu import PRESETS
 from tests.gpu.worker import DEVICE
+from tests.scripts import Scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 SPLIT_SIZES = ("tensor_parallel_size", "pipeline_parallel_size")
 ON_CUDA = DEVICE == "cuda"
+_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 #: a test that only CUDA hardware can answer (the allocator's bytes, NVML, pinned memory, CUDA before a fork):
 #: skipped in the tier's CPU mode (``MGPU_TIER_DEVICE=cpu``, ``make test-gpu-cpu``)
@@ -38,17 +41,25 @@ CPU_ALSO = (
 )
 
 
+#: the CPU mode's runner (started for the session by ``tests/gpu/conftest.py``): one interpreter that has imported
+#: the worker (torch, Lightning, the pack) forks each case. What the mode checks is the tier's code, not an
+#: interpreter's start, and each case would otherwise spend most of its time importing; on CUDA every case keeps its
+#: fresh interpreter (CUDA state must not cross a fork).
+cpu_runner: Scripts | None = None
+
+
+def start_cpu_runner() -> Scripts:
+    return Scripts(("tests.gpu.worker", "tests.gpu.worker_features"), cwd=ROOT, env=_ENV)
+
+
 def run(case: str, timeout: float = 600, **args: Any) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.gpu.worker", case, json.dumps(args)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    argv = [case, json.dumps(args)]
+    if cpu_runner is not None:
+        output = Path(tempfile.mkdtemp()) / case
+        done = cpu_runner.run_module("tests.gpu.worker", argv, cwd=ROOT, output=output, timeout=timeout)
+    else:
+        cmd = [sys.executable, "-m", "tests.gpu.worker", *argv]
+        done = subprocess.run(cmd, cwd=ROOT, env=_ENV, capture_output=True, text=True, timeout=timeout, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"{case}{args} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT ") :])
@@ -150,7 +161,7 @@ def test_sharded_stage_resumes_exactly_on_cuda(stage: int, checkpoint: str) -> N
 
 
 def test_activation_checkpointing_memory_and_batchnorm_on_cuda() -> None:
-    r = run("activation_checkpointing")
+    r = run("activation_checkpointing", batch=512 if ON_CUDA else 16)  # on CPU no bytes are measured
     print(json.dumps(r, indent=1))
     if ON_CUDA:  # the allocator's bytes (not measured on CPU: -1)
         assert r["held_bytes_mgpu"] < 0.5 * r["held_bytes_none"], r

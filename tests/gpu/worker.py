@@ -329,7 +329,7 @@ def activation_checkpointing(batch: int = 512) -> dict[str, Any]:
         pl.seed_everything(0)
         model = DigitsTransformer(layers=6, dropout=0.0)
         strategy = lightning_mgpu.MGPUDDPStrategy(activation_checkpointing=ac)
-        _trainer(strategy, max_steps=4, precision="64-true").fit(model, DigitsDataModule())
+        _trainer(strategy, max_steps=4, precision="64-true").fit(model, DigitsDataModule(batch_size=min(batch, 32)))
         stats = [b.running_mean for b in model.modules() if isinstance(b, nn.BatchNorm2d)]
         stats += [b.running_var for b in model.modules() if isinstance(b, nn.BatchNorm2d)]
         fits[name] = (torch.cat([s.flatten().cpu() for s in stats]), _flat(model))

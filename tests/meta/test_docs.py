@@ -131,6 +131,14 @@ def test_a_script_runs_as_python_runs_it(tmp_path: Path, scripts: Scripts) -> No
     script.write_text("raise ValueError('the traceback is the output')\n")
     ran = scripts.run(script, timeout=60)  # the runner goes on after a killed script
     assert ran.returncode == 1 and "ValueError: the traceback is the output" in ran.stderr
+    # a module as python -m runs it (the GPU tier's CPU mode runs its worker so): __main__ with the module's spec,
+    # argv[0] its file, the working directory first on sys.path
+    (tmp_path / "probe_module.py").write_text(
+        "import os, sys, __main__\n"
+        "print(__name__, __main__.__spec__.name, sys.argv[1:], sys.argv[0] == __file__, sys.path[0] == os.getcwd())\n"
+    )
+    ran = scripts.run_module("probe_module", ["a", "b"], cwd=tmp_path, output=tmp_path / "module", timeout=60)
+    assert ran.returncode == 0 and ran.stdout == "__main__ probe_module ['a', 'b'] True True\n", ran
 
 
 # ------------------------------------------------------------------------------------------------- API reference
