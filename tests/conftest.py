@@ -4,9 +4,12 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
+
+from tests.scripts import Scripts
 
 # Fork launches (the tests' default) after this process has used torch's intra-op (OpenMP) thread pool
 # deadlock in the child's first parallel op when the child runs with more than one thread: Lightning gives a
@@ -96,6 +99,16 @@ def leftovers(threads_before: set[threading.Thread], children_before: set[int]) 
         found.append("a process group is still initialised in the test process")
         torch.distributed.destroy_process_group()
     return found
+
+
+@pytest.fixture(scope="session")
+def scripts() -> Iterator[Scripts]:
+    """One interpreter that has imported torch, for the whole session (``tests/scripts.py``): every test that runs a
+    user's script or module as ``python`` runs it (the docs' examples, the main job) forks it from there. Started
+    before the first such test's check for leftover processes, so no test counts it."""
+    runner = Scripts()
+    yield runner
+    runner.close()
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,7 @@ import lightning_mgpu.examples
 import lightning_mgpu.lightning
 import lightning_mgpu.lightning.examples
 from lightning_mgpu._namespace import LIGHTNING_RENAMES, rewrite_imports
+from tests.scripts import Scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACES: dict[str, tuple[ModuleType, ModuleType]] = {
@@ -427,17 +428,15 @@ def test_a_callback_given_to_the_other_namespaces_trainer_says_which_to_use(name
 
 
 @pytest.mark.slow
-def test_the_main_job_trains_the_sample_in_the_lightning_namespace(tmp_path):
+def test_the_main_job_trains_the_sample_in_the_lightning_namespace(tmp_path: Path, scripts: Scripts) -> None:
     """``python -m lightning_mgpu.lightning.examples.train``: the sample module and the popen launch (each rank
-    re-runs the module) from the `lightning` copy."""
-    job = ["-m", "lightning_mgpu.lightning.examples.train", "--min-accuracy", "0.9", "--default-root-dir"]
-    proc = subprocess.run(
-        [sys.executable, *job, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
+    re-runs the module) from the `lightning` copy; rank 0 forked from an interpreter that has imported torch and
+    nothing of Lightning or the pack (``tests/scripts.py``)."""
+    module, args = (
+        "lightning_mgpu.lightning.examples.train",
+        ["--min-accuracy", "0.9", "--default-root-dir", str(tmp_path)],
     )
+    proc = scripts.run_module(module, args, cwd=tmp_path, output=tmp_path / "train", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "strategy mgpu_ddp" in proc.stdout and "on 2 x CPUAccelerator" in proc.stdout
     assert float(proc.stdout.split("held-out test accuracy ")[1].split()[0]) >= 0.9

@@ -1,15 +1,16 @@
 """Every launch mode of the preset table trains: the fork presets (2 CPU ranks), one spawn launch, and the popen
-presets as users run them (the main job as a subprocess)."""
+presets as users run them (the main job as ``python -m``, its rank 0 forked from an interpreter that has imported
+torch and nothing of Lightning or the pack, ``tests/scripts.py``; the popen launch re-runs it for rank 1)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import WORLD, Regressor, fit, make_data
+from tests.scripts import Scripts
 
 
 @pytest.mark.compat
@@ -37,24 +38,11 @@ def test_spawn_preset_trains(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mgpu_ddp", "mgpu_ddp_fp16_compress", "mgpu_ddp_powersgd", "mgpu_sharded"])
-def test_popen_presets_train_the_sample(tmp_path, name):
-    """popen re-runs the script per rank, so it is tested as users run it: the main job, as a subprocess."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_mgpu.examples.train",
-            "--strategy",
-            name,
-            "--min-accuracy",
-            "0.9",
-            "--default-root-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
+def test_popen_presets_train_the_sample(tmp_path: Path, name: str, scripts: Scripts) -> None:
+    """popen re-runs the script per rank, so it is tested as users run it: the main job, as ``python -m``."""
+    args = ["--strategy", name, "--min-accuracy", "0.9", "--default-root-dir", str(tmp_path)]
+    proc = scripts.run_module(
+        "lightning_mgpu.examples.train", args, cwd=tmp_path, output=tmp_path / "train", timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"strategy {name}" in proc.stdout

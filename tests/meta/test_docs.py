@@ -17,7 +17,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -70,13 +69,6 @@ def test_blocks_are_valid_python() -> None:
     for page in PAGES:
         for line, code, _ in blocks(page):
             ast.parse(code, filename=f"{page.name}:{line}")
-
-
-@pytest.fixture(scope="module")
-def scripts() -> Iterator[Scripts]:
-    runner = Scripts()
-    yield runner
-    runner.close()
 
 
 @pytest.mark.slow
