@@ -1,6 +1,7 @@
 """The ``lightning-mgpu`` command (LightningCLI with the pack imported), every YAML in configs/, and the hints
-for unknown or dropped names. Configs are parsed in this process; trainings run as a user runs them, in a
-subprocess (the popen presets re-run the command once per rank)."""
+for unknown or dropped names. Configs are parsed in this process; trainings run as a user runs them, as
+``python -m lightning_mgpu`` forked from the session's script runner (the popen presets re-run the command once per
+rank)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import lightning_mgpu
 import lightning_mgpu.cli
 from lightning_mgpu.cli import main
 from lightning_mgpu.presets import PRESETS, RENAMED
-from tests.helpers import run_isolated
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -122,10 +122,11 @@ def forked(config: Path, into: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
-def test_config_trains_with_fast_dev_run(config, tmp_path, capfd, monkeypatch):
-    """As a user runs it: ``python -m lightning_mgpu fit --config ...`` in a subprocess for the popen presets of
-    ``POPEN_AS_WRITTEN`` (the command is re-run per rank), the other popen configs under a fork launch; the fork and
-    spawn presets launch their workers from this process (the spawn configs not in ``SPAWN_AS_WRITTEN`` by fork)."""
+def test_config_trains_with_fast_dev_run(config, tmp_path, capfd, monkeypatch, scripts):
+    """As a user runs it: ``python -m lightning_mgpu fit --config ...`` for the popen presets of ``POPEN_AS_WRITTEN``
+    (rank 0 forked from the session's script runner, the command re-run per rank by the launch), the other popen
+    configs under a fork launch; the fork and spawn presets launch their workers from this process (the spawn configs
+    not in ``SPAWN_AS_WRITTEN`` by fork)."""
     as_written = {"popen": POPEN_AS_WRITTEN, "spawn": SPAWN_AS_WRITTEN}.get(launch_of(config))
     run = forked(config, tmp_path / config.name) if as_written is not None and config.name not in as_written else config
     args = [
@@ -137,8 +138,8 @@ def test_config_trains_with_fast_dev_run(config, tmp_path, capfd, monkeypatch):
         "--trainer.default_root_dir",
         str(tmp_path),
     ]
-    if launch_of(run) == "popen":
-        proc, _ = run_isolated([sys.executable, "-m", "lightning_mgpu", *args], timeout=240, cwd=tmp_path)
+    if launch_of(run) == "popen":  # rank 0 forked from the session's runner (tests/scripts.py), as python -m runs it
+        proc = scripts.run_module("lightning_mgpu", args, cwd=tmp_path, output=tmp_path / "fit", timeout=240)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out = proc.stdout
     else:
