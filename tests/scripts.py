@@ -11,6 +11,11 @@ Lightning's popen launch re-runs the script for its other ranks, in fresh interp
 re-imports it). The child ends as that interpreter would: an exception the script raises is printed and exits 1,
 ``sys.exit`` is honoured, then threads are joined and ``atexit`` functions run. Nothing in the parent runs a torch
 operator, so the fork inherits no thread pool.
+
+:meth:`Scripts.run_module` runs a module as ``python -m module args`` does (``runpy.run_module``: ``__main__`` with the
+module's spec, ``sys.argv[0]`` its file, the working directory first on ``sys.path``; a popen launch re-runs
+``python -m module``). A runner may preload more than the default (the GPU tier's CPU mode preloads its worker,
+Lightning and the pack with it), where what is tested is not an interpreter's start.
 """
 
 from __future__ import annotations
