@@ -69,9 +69,10 @@ class DigitsGAN(ManualAccumulation, pl.LightningModule):
             nn.LeakyReLU(0.2),
             nn.Linear(hidden, 1),
         )
-        # the generator as it was before fit, for test/mmd_untrained; a plain dict so that it is neither a
-        # submodule (parameters(), DDP) nor part of the checkpoint
-        self._untrained: dict[str, torch.Tensor] = {}
+        # the generator as built, before any training, for test/mmd_untrained: taken here, not when fit starts, so
+        # that the main process of a spawn or fork launch (whose fit ran in the ranks) tests against it too; a
+        # plain dict so that it is neither a submodule (parameters(), DDP) nor part of the checkpoint
+        self._untrained = {k: v.detach().clone() for k, v in self.generator.state_dict().items()}
 
     def forward(self, noise: torch.Tensor) -> torch.Tensor:
         return self.generator(noise).view(-1, 1, 8, 8)
@@ -90,10 +91,6 @@ class DigitsGAN(ManualAccumulation, pl.LightningModule):
         """Non-saturating generator loss: generated images labelled 1."""
         logits = self.discriminator(fake)
         return F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
-
-    @override
-    def on_fit_start(self) -> None:
-        self._untrained = {k: v.detach().clone() for k, v in self.generator.state_dict().items()}
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> None:
@@ -125,10 +122,9 @@ class DigitsGAN(ManualAccumulation, pl.LightningModule):
     @override
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test/mmd", self._mmd(batch, self.generator), sync_dist=True)
-        if self._untrained:
-            untrained = copy.deepcopy(self.generator)
-            untrained.load_state_dict(self._untrained)
-            self.log("test/mmd_untrained", self._mmd(batch, untrained), sync_dist=True)
+        untrained = copy.deepcopy(self.generator)
+        untrained.load_state_dict(self._untrained)
+        self.log("test/mmd_untrained", self._mmd(batch, untrained), sync_dist=True)
 
     @override
     def configure_optimizers(self) -> Any:
