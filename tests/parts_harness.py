@@ -1,24 +1,31 @@
-"""For the parts' tests: run a function in a forked child that has a one-rank gloo process group (torch's
-wrappers need one), so that no group or gloo thread is left in the pytest process."""
+"""For the parts' tests: run a function in a forked child (optionally inside a one-rank gloo process group: torch's
+wrappers need one), so that no group, gloo thread, compiled graph or compile thread is left in the pytest process.
+A fork costs a fraction of a second where a fresh interpreter costs the seconds of importing torch and Lightning."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import traceback
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _child(fn: Callable[[], None], store_path: str, error_path: str) -> None:
+def _child(fn: Callable[[], Any], store_path: Optional[str], error_path: str, result_path: str) -> None:
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=0, world_size=1)
-        try:
-            fn()
-        finally:
-            dist.destroy_process_group()
+        if store_path is None:
+            result = fn()
+        else:
+            dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=0, world_size=1)
+            try:
+                result = fn()
+            finally:
+                dist.destroy_process_group()
+        with open(result_path, "wb") as f:
+            pickle.dump(result, f)
     except BaseException:
         with open(error_path, "w") as f:
             f.write(traceback.format_exc())
@@ -26,13 +33,25 @@ def _child(fn: Callable[[], None], store_path: str, error_path: str) -> None:
     os._exit(0)
 
 
-def in_one_rank_group(fn: Callable[[], None]) -> None:
-    """Run ``fn`` in a forked child inside a world-size-1 gloo group; re-raise its failure here."""
+def in_forked_child(fn: Callable[[], Any], group: bool = False, timeout: float = 300) -> Any:
+    """Run ``fn`` in a forked child (inside a world-size-1 gloo group with ``group``) and return what it returned
+    (pickled); re-raise its failure here. A child still running after ``timeout`` seconds is killed and named."""
     with tempfile.TemporaryDirectory() as tmp:
-        store, error = os.path.join(tmp, "store"), os.path.join(tmp, "error.txt")
-        proc = mp.get_context("fork").Process(target=_child, args=(fn, store, error))
+        store, error, result = (os.path.join(tmp, name) for name in ("store", "error.txt", "result.pkl"))
+        proc = mp.get_context("fork").Process(target=_child, args=(fn, store if group else None, error, result))
         proc.start()
-        proc.join()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise AssertionError(f"the child was still running after {timeout} s and was killed")
         if proc.exitcode != 0:
             text = open(error).read() if os.path.exists(error) else f"exit code {proc.exitcode}"
             raise AssertionError(f"the child failed:\n{text}")
+        with open(result, "rb") as f:
+            return pickle.load(f)
+
+
+def in_one_rank_group(fn: Callable[[], None]) -> None:
+    """Run ``fn`` in a forked child inside a world-size-1 gloo group; re-raise its failure here."""
+    in_forked_child(fn, group=True)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from lightning_mgpu.mesh import DATA_PARALLEL, TENSOR_PARALLEL, ParallelDims, ParallelMesh
 from lightning_mgpu.settings import ShardedSettings
+from tests.parts_harness import in_forked_child
 
 
 def _suggested_call(message: str) -> ParallelDims:
@@ -190,11 +191,6 @@ def _hybrid_meshes() -> None:
 @pytest.mark.compat
 def test_a_hybrid_mesh_is_built_on_every_declared_torch():
     """The hybrid split of the data dimension (``_compat.unflatten_mesh``), flat and beside a tensor dimension, on
-    torch's fake process group of 8 ranks, in a fresh interpreter (the groups must not reach later forked tests).
+    torch's fake process group of 8 ranks, in a forked child (the groups must not reach later forked tests).
     torch 2.11 refused the dimension by name; the compatibility tiers run this on the oldest and newest torch."""
-    import multiprocessing
-
-    process = multiprocessing.get_context("spawn").Process(target=_hybrid_meshes)
-    process.start()
-    process.join(timeout=120)
-    assert process.exitcode == 0, f"building the hybrid meshes failed (exit code {process.exitcode})"
+    in_forked_child(_hybrid_meshes, timeout=120)

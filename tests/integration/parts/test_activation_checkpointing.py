@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +30,7 @@ from lightning_mgpu import (
 )
 from tests.helpers import WORLD, fit, make_data
 from tests.models import Block, BlockRegressor
+from tests.parts_harness import in_forked_child
 
 STEPS = 3
 
@@ -197,14 +195,9 @@ def test_bf16_autocast_matches_without_checkpointing(reentrant):
 def test_torch_compile_keeps_batchnorm_state_and_saves_memory():
     """Under torch.compile (aot_eager here; inductor checked by hand, see docs/guides/activation-checkpointing.md)
     the model compiles to one graph, BatchNorm statistics equal the uncompiled run without checkpointing, and less
-    is saved; a selective choice compiles to the same state. Runs in a subprocess: torch.compile starts threads in
-    this process, and later fork launches then hung in their first collective (seen twice here)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", f"from {__name__} import check_compile; check_compile()"],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3],
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "compile ok" in proc.stdout
+    is saved; a selective choice compiles to the same state. Runs in a forked child: what torch.compile leaves in a
+    process (its caches, threads) stays out of this one, where later fork launches start."""
+    in_forked_child(check_compile)
 
 
 def check_compile() -> None:
@@ -233,7 +226,6 @@ def check_compile() -> None:
     train(torch.compile(selective, backend="aot_eager"))
     for k in expected:
         torch.testing.assert_close(selective.state_dict()[k], expected[k])
-    print("compile ok")
 
 
 def test_a_buffer_the_forward_updates_is_updated_once():

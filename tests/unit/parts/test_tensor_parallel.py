@@ -22,6 +22,7 @@ from lightning_mgpu.parts.tensor_parallel import (
     split_share,
     suggested_plan,
 )
+from tests.parts_harness import in_forked_child
 from tests.tensor_parallel_models import (
     Block,
     LitConfig,
@@ -448,14 +449,9 @@ def test_auto_sequence_lays_out_a_hugging_face_gpt2_with_its_tied_head_and_refus
 
 
 def test_the_ledger_counts_the_collectives_of_the_split_layers_over_the_tensor_group_only():
-    # in a fresh interpreter: torch's DTensor caches would keep this case's fake groups for the multi-process tests
-    # that later fork from this one
-    import multiprocessing
-
-    process = multiprocessing.get_context("spawn").Process(target=_ledger_case)
-    process.start()
-    process.join(timeout=240)
-    assert process.exitcode == 0, f"the ledger case failed in its own interpreter (exit code {process.exitcode})"
+    # in a forked child: torch's DTensor caches would keep this case's fake groups for the multi-process tests that
+    # later fork from this process
+    in_forked_child(_ledger_case, timeout=240)
 
 
 def _ledger_case() -> None:

@@ -29,6 +29,7 @@ from lightning_mgpu.planning.trace import (
     unit_fractions,
 )
 from tests.models import NormedRegressor, Regressor
+from tests.parts_harness import in_forked_child
 from tests.tensor_parallel_models import VOCAB, litgpt_model
 
 # A model of 2,000 FP32 parameters (8,000 bytes), Adam (16,000 bytes of state), 4 blocks of 8 heads whose output is
@@ -357,17 +358,10 @@ def test_a_tensor_split_counts_what_the_auto_plan_splits_as_a_rank_holds_it_unde
     # tensor 2 x data 2: the auto plan splits each block's MLP (linear1, linear2; linear2's bias stays whole); the
     # packed attention, the norms, the embedding and the head stay replicated over the tensor group; ZeRO-3 then
     # shards everything over the data group
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")  # torch's DTensor caches would leak into later forked tests
-    queue = context.Queue()
-    process = context.Process(target=_held_under_tensor_2_data_2, args=(queue,))
-    process.start()
+    # in a forked child: torch's DTensor caches would leak into later forked tests
+    split, states, counters = in_forked_child(_held_under_tensor_2_data_2, timeout=240)
     result = plan_layouts(_lm, devices=4, device_memory="8GiB", batch=_batch(), precisions=("32-true",),
                           strategies=("mgpu_zero3",), pipeline_schedules=("1f1b",))  # fmt: skip
-    split, states, counters = queue.get(timeout=240)
-    process.join(timeout=60)
-    assert process.exitcode == 0, f"the split model's case failed in its own interpreter (exit code {process.exitcode})"
     x = next(
         x
         for x in result.layouts
@@ -388,7 +382,7 @@ def test_a_tensor_split_counts_what_the_auto_plan_splits_as_a_rank_holds_it_unde
     assert x.activations_bytes > y.activations_bytes  # the residual stream and the norms' activations stay whole
 
 
-def _held_under_tensor_2_data_2(queue: Any) -> None:
+def _held_under_tensor_2_data_2() -> tuple[int, int, int]:
     # one process, torch's fake backend: rank 0 of tensor 2 x data 2, split and sharded as mgpu_zero3 with
     # tensor_parallel_size=2 lays it out, then one AdamW step
     import torch
@@ -420,7 +414,7 @@ def _held_under_tensor_2_data_2(queue: Any) -> None:
         moments = sum(local_bytes(v) for s in optimizer.state.values() for k, v in s.items() if k != "step")
         counters = sum(local_bytes(s["step"]) for s in optimizer.state.values())
     assert all(isinstance(p, DTensor) for p in params) and torch.is_tensor(params[0].grad)
-    queue.put((split, held + moments + counters, counters))
+    return split, held + moments + counters, counters
 
 
 # --- the table, the command and mgpu_auto's choice --------------------------------------------------------------
