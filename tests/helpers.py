@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy, comm
 from tests.models import RankData, Regressor, make_data  # noqa: F401  (re-exported for the tests)
+from tests.scripts import session_members
 
 WORLD = 2
 #: "machines" x ranks per machine of :func:`run_on_two_machines`
@@ -359,7 +360,7 @@ def run_isolated(cmd: list[str], *, timeout: float, **kwargs: Any) -> tuple[Any,
     leftovers: list[int] = []
     try:
         out, err = proc.communicate(timeout=timeout)
-        leftovers = _session_members(proc.pid)
+        leftovers = session_members(proc.pid)
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -367,15 +368,6 @@ def run_isolated(cmd: list[str], *, timeout: float, **kwargs: Any) -> tuple[Any,
             proc.kill()
         proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), leftovers
-
-
-def _session_members(sid: int) -> list[int]:
-    members = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else []:
-        with contextlib.suppress(OSError):
-            if os.getsid(pid) == sid and pid != sid:
-                members.append(pid)
-    return members
 
 
 def _node(node: int, jobs: list[Job], ports: list[int], out: str) -> None:

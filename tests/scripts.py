@@ -20,6 +20,7 @@ Lightning and the pack with it), where what is tested is not an interpreter's st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -63,6 +64,26 @@ for line in requests:
 """
 
 
+def session_members(sid: int) -> list[int]:
+    """The pids of the processes still alive in session ``sid`` (what a script left behind), the session's leader
+    left out."""
+    members = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else []:
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == sid and pid != sid:
+                members.append(pid)
+    return members
+
+
+class ScriptRun(subprocess.CompletedProcess):  # type: ignore[type-arg]
+    """A finished script: its exit code and output, and ``leftovers``, the pids of its session still alive when it
+    ended (the runner then kills them)."""
+
+    def __init__(self, args: list[str], returncode: int, stdout: str, stderr: str, leftovers: list[int]) -> None:
+        super().__init__(args, returncode, stdout, stderr)
+        self.leftovers = leftovers
+
+
 class Scripts:
     """One pre-imported interpreter that runs scripts one after the other; :meth:`close` ends it."""
 
@@ -96,24 +117,21 @@ class Scripts:
         line, self._pending = self._pending.split(b"\n", 1)
         return line.decode().strip()
 
-    def run(self, script: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    def run(self, script: Path, timeout: float) -> ScriptRun:
         """``script`` as ``python script.py`` in its folder; a script still running after ``timeout`` seconds is
-        killed with everything it started, and the call raises ``subprocess.TimeoutExpired``."""
+        killed with everything it started, and the call raises ``subprocess.TimeoutExpired``. What the script left
+        running in its session when it ended is in ``leftovers``, then killed."""
         out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
         return self._run({"script": str(script), "cwd": str(script.parent)}, [str(script)], out, err, timeout)
 
-    def run_module(
-        self, module: str, args: list[str], cwd: Path, output: Path, timeout: float
-    ) -> subprocess.CompletedProcess[str]:
+    def run_module(self, module: str, args: list[str], cwd: Path, output: Path, timeout: float) -> ScriptRun:
         """``python -m module *args`` in ``cwd`` (its output in ``output``.stdout/.stderr), with the same timeout as
         :meth:`run`. A module the runner preloaded runs again as ``__main__`` over the imports it already holds."""
         job = {"module": module, "argv": args, "cwd": str(cwd)}
         out, err = output.with_suffix(".stdout"), output.with_suffix(".stderr")
         return self._run(job, ["-m", module, *args], out, err, timeout)
 
-    def _run(
-        self, job: dict[str, object], cmd: list[str], out: Path, err: Path, timeout: float
-    ) -> subprocess.CompletedProcess[str]:
+    def _run(self, job: dict[str, object], cmd: list[str], out: Path, err: Path, timeout: float) -> ScriptRun:
         job = {**job, "out": str(out), "err": str(err)}
         assert self._server.stdin is not None
         self._server.stdin.write(json.dumps(job) + "\n")
@@ -125,7 +143,10 @@ class Scripts:
             os.killpg(pid, signal.SIGKILL)  # the script's session: its launched ranks too
             self._reply(timeout=30)  # the server reaps it
             raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text()) from None
-        return subprocess.CompletedProcess(cmd, returncode, out.read_text(), err.read_text())
+        leftovers = session_members(pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        return ScriptRun(cmd, returncode, out.read_text(), err.read_text(), leftovers)
 
     def close(self) -> None:
         assert self._server.stdin is not None

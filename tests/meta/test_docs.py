@@ -86,7 +86,7 @@ def test_example_runs(page: Path, line: int, code: str, tmp_path: Path, scripts:
 def test_a_script_runs_as_python_runs_it(tmp_path: Path, scripts: Scripts) -> None:
     """The examples' runner: a script as ``__main__`` with its own folder, argv, exit code and output, ending as an
     interpreter ends (threads joined, then ``atexit``); torch imported already, Lightning and the pack not; a script
-    over its timeout is killed with what it started."""
+    over its timeout is killed with what it started; what a script leaves running is named and killed."""
     script = tmp_path / "probe.py"
     script.write_text(
         "import os, sys, __main__\n"
@@ -123,6 +123,25 @@ def test_a_script_runs_as_python_runs_it(tmp_path: Path, scripts: Scripts) -> No
     script.write_text("raise ValueError('the traceback is the output')\n")
     ran = scripts.run(script, timeout=60)  # the runner goes on after a killed script
     assert ran.returncode == 1 and "ValueError: the traceback is the output" in ran.stderr
+    assert ran.leftovers == []
+    # what a script leaves running when it ends is named, then killed (the popen tests assert there is none)
+    script.write_text(
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "print(child.pid)\n"
+    )
+    ran = scripts.run(script, timeout=60)
+    left = int(ran.stdout)
+    assert ran.returncode == 0 and ran.leftovers == [left]
+    for _ in range(50):
+        try:
+            if psutil.Process(left).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the script's leftover outlived the run")
     # a module as python -m runs it (the GPU tier's CPU mode runs its worker so): __main__ with the module's spec,
     # argv[0] its file, the working directory first on sys.path
     (tmp_path / "probe_module.py").write_text(

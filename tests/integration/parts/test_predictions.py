@@ -7,7 +7,6 @@ each rank gets its own 19 or 18 samples, in its own batches."""
 
 from __future__ import annotations
 
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any, Optional
@@ -17,8 +16,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.helpers import run_isolated
 from tests.models import Predictor, make_data
+from tests.scripts import Scripts
 
 ROOT = Path(__file__).resolve().parents[3]
 N, BATCH = 37, 4
@@ -122,30 +121,31 @@ torch.save(got, {out!r} + f"/rank{{trainer.global_rank}}.pt")
 """
 
 
-def popen_predict(strategy: str, out: Path) -> list[Optional[list[torch.Tensor]]]:
-    """Run the script as a user does (rank 0 is its process, rank 1 a re-run of it); each rank's return value."""
+def popen_predict(strategy: str, out: Path, scripts: Scripts) -> list[Optional[list[torch.Tensor]]]:
+    """Run the script as a user does (rank 0 is its process, forked from the session's script runner; rank 1 a re-run
+    of it in a fresh interpreter); each rank's return value."""
     script = out / "predict.py"
     code = POPEN_SCRIPT.format(root=str(ROOT), strategy=strategy, n=N, batch=BATCH, out=str(out))
     script.write_text(textwrap.dedent(code))
-    proc, leftovers = run_isolated([sys.executable, str(script)], timeout=240, cwd=out)
+    proc = scripts.run(script, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # plain Lightning's child rank may still be exiting when its parent has (run_isolated ends it)
-    assert not leftovers or not strategy.startswith("mgpu")
+    # plain Lightning's child rank may still be exiting when its parent has (the runner ends it)
+    assert not proc.leftovers or not strategy.startswith("mgpu")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_popen_every_rank_gets_every_prediction_in_dataset_order(tmp_path):
+def test_popen_every_rank_gets_every_prediction_in_dataset_order(tmp_path, scripts):
     expected = one_process()
-    for got in popen_predict("mgpu_ddp", tmp_path):
+    for got in popen_predict("mgpu_ddp", tmp_path, scripts):
         torch.testing.assert_close(got, expected)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_negative_control_plain_lightning_popen_leaves_each_rank_its_own_share(tmp_path):
-    ranks = popen_predict("ddp", tmp_path)
+def test_negative_control_plain_lightning_popen_leaves_each_rank_its_own_share(tmp_path, scripts):
+    ranks = popen_predict("ddp", tmp_path, scripts)
     assert [sum(len(b) for b in got) for got in ranks] == [19, 18]
     with pytest.raises(AssertionError):
         torch.testing.assert_close(ranks[0], one_process())

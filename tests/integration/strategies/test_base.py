@@ -7,7 +7,6 @@ main process, so they are there already; it is tested as users run it, a script 
 from __future__ import annotations
 
 import dataclasses
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import pytorch_lightning as pl
 
 from lightning_mgpu import DeviceMonitor
-from tests.helpers import RankData, Recorder, Regressor, load_ranks, make_data, run_isolated
+from tests.helpers import RankData, Recorder, Regressor, load_ranks, make_data
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -132,16 +131,18 @@ if trainer.global_rank == 0:
 
 
 @pytest.mark.slow
-def test_popen_main_process_is_rank_zero_and_has_its_results(tmp_path):
+def test_popen_main_process_is_rank_zero_and_has_its_results(tmp_path, scripts):
+    """The script as a user runs it: its process (forked from the session's script runner) is rank 0, its re-run in a
+    fresh interpreter rank 1."""
     import json
 
     import torch
 
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(POPEN_SCRIPT.format(root=str(ROOT), strategy="mgpu_auto", out=str(tmp_path))))
-    proc, leftovers = run_isolated([sys.executable, str(script)], timeout=240, cwd=tmp_path)
+    proc = scripts.run(script, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert not leftovers
+    assert not proc.leftovers
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     ledger = torch.load(tmp_path / "rank0.pt", weights_only=False)["ledger"]
     assert result["stats"] == dataclasses.asdict(ledger) and result["stats"]["optimizer_steps"] == 12
