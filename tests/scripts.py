@@ -54,7 +54,7 @@ for line in requests:
             sys.path[0] = job["cwd"]
             runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [job["script"]]
+            sys.argv = [job["script"], *job["argv"]]
             sys.path[0] = os.path.dirname(job["script"])
             runpy.run_path(job["script"], run_name="__main__")
         raise SystemExit  # ends as the script's interpreter would: non-daemon threads joined, atexit run, exit 0
@@ -117,12 +117,13 @@ class Scripts:
         line, self._pending = self._pending.split(b"\n", 1)
         return line.decode().strip()
 
-    def run(self, script: Path, timeout: float) -> ScriptRun:
-        """``script`` as ``python script.py`` in its folder; a script still running after ``timeout`` seconds is
+    def run(self, script: Path, timeout: float, args: tuple[str, ...] = ()) -> ScriptRun:
+        """``script`` as ``python script.py *args`` in its folder; a script still running after ``timeout`` seconds is
         killed with everything it started, and the call raises ``subprocess.TimeoutExpired``. What the script left
         running in its session when it ended is in ``leftovers``, then killed."""
         out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
-        return self._run({"script": str(script), "cwd": str(script.parent)}, [str(script)], out, err, timeout)
+        job = {"script": str(script), "argv": list(args), "cwd": str(script.parent)}
+        return self._run(job, [str(script), *args], out, err, timeout)
 
     def run_module(self, module: str, args: list[str], cwd: Path, output: Path, timeout: float) -> ScriptRun:
         """``python -m module *args`` in ``cwd`` (its output in ``output``.stdout/.stderr), with the same timeout as

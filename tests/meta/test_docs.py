@@ -84,13 +84,13 @@ def test_example_runs(page: Path, line: int, code: str, tmp_path: Path, scripts:
 
 @pytest.mark.slow
 def test_a_script_runs_as_python_runs_it(tmp_path: Path, scripts: Scripts) -> None:
-    """The examples' runner: a script as ``__main__`` with its own folder, argv, exit code and output, ending as an
+    """The examples' runner: a script as ``__main__`` with its own folder, arguments, exit code and output, ending as an
     interpreter ends (threads joined, then ``atexit``); torch imported already, Lightning and the pack not; a script
     over its timeout is killed with what it started; what a script leaves running is named and killed."""
     script = tmp_path / "probe.py"
     script.write_text(
         "import os, sys, __main__\n"
-        "print(__name__, __main__.__spec__, os.getcwd() == os.path.dirname(__file__), sys.argv == [__file__])\n"
+        "print(__name__, __main__.__spec__, os.getcwd() == os.path.dirname(__file__), sys.argv == [__file__, 'a'])\n"
         "print(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning', 'lightning_mgpu') if m in sys.modules))\n"
         "print('to stderr', file=sys.stderr)\n"
         "import atexit, threading, time\n"
@@ -98,7 +98,7 @@ def test_a_script_runs_as_python_runs_it(tmp_path: Path, scripts: Scripts) -> No
         "threading.Thread(target=lambda: (time.sleep(1), print('thread joined'))).start()\n"
         "sys.exit(3)\n"
     )
-    ran = scripts.run(script, timeout=60)
+    ran = scripts.run(script, timeout=60, args=("a",))
     assert ran.returncode == 3
     assert ran.stdout.splitlines() == ["__main__ None True True", "['torch']", "thread joined", "at exit"]
     assert ran.stderr == "to stderr\n"

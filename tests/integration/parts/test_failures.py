@@ -12,7 +12,6 @@ says "Timed out waiting 3000ms for recv operation"."""
 
 from __future__ import annotations
 
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,8 +22,8 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
-from tests.helpers import run_isolated
 from tests.models import RankData, Regressor, make_data
+from tests.scripts import Scripts
 
 ROOT = Path(__file__).resolve().parents[3]
 # The strategy's timeout in the popen tests: it also bounds the start-up rendezvous (rank 0's store waits that
@@ -88,21 +87,23 @@ except BaseException as error:
 """
 
 
-def run_popen(fault: str, rank: int, tmp_path: Path) -> dict[int, dict]:
+def run_popen(fault: str, rank: int, tmp_path: Path, scripts: Scripts) -> dict[int, dict]:
+    """The script as a user runs it: its process (forked from the session's script runner) is rank 0, its re-run in a
+    fresh interpreter rank 1; each rank's record."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(root=str(ROOT), timeout_s=TIMEOUT_S))
-    proc, leftovers = run_isolated(
-        [sys.executable, str(script), fault, str(rank), str(tmp_path)], timeout=LIVENESS_S, cwd=tmp_path
-    )
+    proc = scripts.run(script, timeout=LIVENESS_S, args=(fault, str(rank), str(tmp_path)))
     assert proc.returncode != 0 or fault == "raise_everywhere", proc.stdout[-2000:] + proc.stderr[-3000:]
-    live = [pid for pid in leftovers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    live = [
+        pid for pid in proc.leftovers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
     assert not live, f"ranks still running after the job ended: {live}"
     return {r: torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1) if (tmp_path / f"rank{r}.pt").exists()}
 
 
 @pytest.mark.slow
-def test_a_rank_that_raises_is_named_with_its_exception_by_the_others(tmp_path):
-    ranks = run_popen("raise", 1, tmp_path)
+def test_a_rank_that_raises_is_named_with_its_exception_by_the_others(tmp_path, scripts):
+    ranks = run_popen("raise", 1, tmp_path, scripts)
     assert ranks[1]["message"] == "boom on rank 1"  # rank 1 handles its own exception (here: records and exits)
     message = ranks[0]["message"]
     assert message.startswith("lightning-mgpu: rank 1 of 2 failed with ValueError: boom on rank 1.")
@@ -113,8 +114,8 @@ def test_a_rank_that_raises_is_named_with_its_exception_by_the_others(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_named_as_gone_and_reaped(tmp_path):
-    ranks = run_popen("kill", 1, tmp_path)
+def test_a_killed_rank_is_named_as_gone_and_reaped(tmp_path, scripts):
+    ranks = run_popen("kill", 1, tmp_path, scripts)
     assert set(ranks) == {0}
     message = ranks[0]["message"]
     assert "lightning-mgpu: rank 1 of 2 is gone: its connection closed" in message
@@ -123,8 +124,8 @@ def test_a_killed_rank_is_named_as_gone_and_reaped(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_hung_rank_is_named_after_the_timeout_and_killed(tmp_path):
-    ranks = run_popen("hang", 1, tmp_path)
+def test_a_hung_rank_is_named_after_the_timeout_and_killed(tmp_path, scripts):
+    ranks = run_popen("hang", 1, tmp_path, scripts)
     assert set(ranks) == {0}
     message = ranks[0]["message"]
     assert "rank 1 of 2 stopped answering: the collective timed out after 8 s (the strategy's timeout)" in message
@@ -133,8 +134,8 @@ def test_a_hung_rank_is_named_after_the_timeout_and_killed(tmp_path):
 
 
 @pytest.mark.slow
-def test_when_rank_0_raises_the_others_stop_and_name_it(tmp_path):
-    ranks = run_popen("raise", 0, tmp_path)
+def test_when_rank_0_raises_the_others_stop_and_name_it(tmp_path, scripts):
+    ranks = run_popen("raise", 0, tmp_path, scripts)
     assert ranks[0]["message"].startswith("boom on rank 0")
     # rank 1's collective failed when rank 0 left the group; rank 0's process hosts the store, so rank 1 names
     # rank 0 either by its announced exception or as gone (its store no longer answering), then ends itself
@@ -143,10 +144,10 @@ def test_when_rank_0_raises_the_others_stop_and_name_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_script_that_catches_the_failure_can_fit_again(tmp_path):
+def test_a_script_that_catches_the_failure_can_fit_again(tmp_path, scripts):
     """Every rank raises the same exception (an Optuna-style pruning callback): each catches it, and a second
     fit in the same processes trains; no rank is killed for having failed (review finding)."""
-    ranks = run_popen("raise_everywhere", -1, tmp_path)
+    ranks = run_popen("raise_everywhere", -1, tmp_path, scripts)
     for r in (0, 1):
         assert ranks[r]["message"] == f"boom on rank {r}"
         assert ranks[r]["second_fit_steps"] > 0
