@@ -49,6 +49,9 @@ for line in requests:
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         os.chdir(job["cwd"])
+        if job.get("env") is not None:  # the script's whole environment, as subprocess's env= gives it
+            os.environ.clear()
+            os.environ.update(job["env"])
         if "module" in job:  # as python -m MODULE ARGS: the working directory first on sys.path
             sys.argv = [job["module"], *job["argv"]]
             sys.path[0] = job["cwd"]
@@ -117,12 +120,16 @@ class Scripts:
         line, self._pending = self._pending.split(b"\n", 1)
         return line.decode().strip()
 
-    def run(self, script: Path, timeout: float, args: tuple[str, ...] = ()) -> ScriptRun:
-        """``script`` as ``python script.py *args`` in its folder; a script still running after ``timeout`` seconds is
-        killed with everything it started, and the call raises ``subprocess.TimeoutExpired``. What the script left
-        running in its session when it ended is in ``leftovers``, then killed."""
+    def run(
+        self, script: Path, timeout: float, args: tuple[str, ...] = (), env: dict[str, str] | None = None
+    ) -> ScriptRun:
+        """``script`` as ``python script.py *args`` in its folder (with ``env`` its whole environment, else the
+        runner's); a script still running after ``timeout`` seconds is killed with everything it started, and the call
+        raises ``subprocess.TimeoutExpired``. What the script left running in its session when it ended is in
+        ``leftovers``, then killed. Environment read when torch, dynamo or torchmetrics are imported is the runner's:
+        a test of such a variable starts a fresh interpreter."""
         out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
-        job = {"script": str(script), "argv": list(args), "cwd": str(script.parent)}
+        job = {"script": str(script), "argv": list(args), "cwd": str(script.parent), "env": env}
         return self._run(job, [str(script), *args], out, err, timeout)
 
     def run_module(self, module: str, args: list[str], cwd: Path, output: Path, timeout: float) -> ScriptRun:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_isolated
+from tests.scripts import ScriptRun, Scripts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -50,17 +49,20 @@ SCRIPT = textwrap.dedent(
 JOIN_TIMEOUT_S = 15  # short for the test; the default is 30 s after the last rank joined
 
 
-def _run(tmp_path: Path, args: list[str], env: dict[str, str]) -> tuple[object, list[int], float]:
+def _run(tmp_path: Path, args: list[str], env: dict[str, str], scripts: Scripts) -> tuple[ScriptRun, list[int], float]:
+    """The script as a user runs it, in the environment ``env`` adds to: its process (forked from the session's script
+    runner, which has imported torch and nothing of Lightning or the pack) is rank 0, a popen launch's re-run of it in a
+    fresh interpreter the other local rank."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     full_env = {**os.environ, "LIGHTNING_MGPU_JOIN_TIMEOUT": str(JOIN_TIMEOUT_S), **env}
     start = time.monotonic()
-    proc, leftovers = run_isolated([sys.executable, str(script), *args], timeout=200, cwd=tmp_path, env=full_env)
-    return proc, leftovers, time.monotonic() - start
+    proc = scripts.run(script, timeout=200, args=tuple(args), env=full_env)
+    return proc, proc.leftovers, time.monotonic() - start
 
 
-def test_num_nodes_2_on_one_machine_says_so_then_names_the_missing_node(tmp_path):
-    proc, leftovers, _ = _run(tmp_path, ["2", "2", "mgpu_hsdp"], {})
+def test_num_nodes_2_on_one_machine_says_so_then_names_the_missing_node(tmp_path, scripts):
+    proc, leftovers, _ = _run(tmp_path, ["2", "2", "mgpu_hsdp"], {}, scripts)
     err = proc.stderr
     assert proc.returncode != 0, err[-3000:]
     assert leftovers == []
@@ -76,14 +78,14 @@ def test_num_nodes_2_on_one_machine_says_so_then_names_the_missing_node(tmp_path
     assert "torchrun --nnodes 2 --nproc-per-node 2" in err and "srun --nodes 2 --ntasks-per-node 2" in err
 
 
-def test_a_missing_rank_under_torchrun_variables_is_named(tmp_path):
+def test_a_missing_rank_under_torchrun_variables_is_named(tmp_path, scripts):
     # what torchrun sets for rank 0 of 2 nodes x 1 process (without its agent store); rank 1 never starts
     port = _free_port()
     env = {
         "TORCHELASTIC_RUN_ID": "first-hour", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
     }  # fmt: skip
-    proc, leftovers, _ = _run(tmp_path, ["1", "2", "mgpu_ddp"], env)
+    proc, leftovers, _ = _run(tmp_path, ["1", "2", "mgpu_ddp"], env, scripts)
     err = proc.stderr
     assert proc.returncode != 0, err[-3000:]
     assert leftovers == []
@@ -93,12 +95,12 @@ def test_a_missing_rank_under_torchrun_variables_is_named(tmp_path):
     assert f"{torchrun} --master-port {port} " in err
 
 
-def test_a_master_port_in_use_is_named_and_the_job_ends(tmp_path):
+def test_a_master_port_in_use_is_named_and_the_job_ends(tmp_path, scripts):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        proc, leftovers, _ = _run(tmp_path, ["2", "1", "mgpu_ddp"], {"MASTER_PORT": str(port)})
+        proc, leftovers, _ = _run(tmp_path, ["2", "1", "mgpu_ddp"], {"MASTER_PORT": str(port)}, scripts)
     err = proc.stderr
     assert proc.returncode != 0, err[-3000:]
     assert leftovers == []
