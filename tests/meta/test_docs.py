@@ -82,6 +82,18 @@ def test_example_runs(page: Path, line: int, code: str, tmp_path: Path, scripts:
     assert proc.returncode == 0, f"{page.name}:{line} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
+def _ends(pid: int) -> bool:
+    """Whether process ``pid`` ends within 5 s: gone, or ended and waiting for init (which adopted it) to reap it."""
+    for _ in range(50):
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 @pytest.mark.slow
 def test_a_script_runs_as_python_runs_it(tmp_path: Path, scripts: Scripts) -> None:
     """The examples' runner: a script as ``__main__`` with its own folder, arguments, exit code and output, ending as an
@@ -110,16 +122,7 @@ def test_a_script_runs_as_python_runs_it(tmp_path: Path, scripts: Scripts) -> No
     )
     with pytest.raises(subprocess.TimeoutExpired):
         scripts.run(script, timeout=5)
-    child = int((tmp_path / "child.pid").read_text())
-    for _ in range(50):  # killed with the script: gone, or ended and waiting for init (which adopted it) to reap it
-        try:
-            if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError("the script's child outlived its timeout")
+    assert _ends(int((tmp_path / "child.pid").read_text())), "the script's child outlived its timeout"
     script.write_text("raise ValueError('the traceback is the output')\n")
     ran = scripts.run(script, timeout=60)  # the runner goes on after a killed script
     assert ran.returncode == 1 and "ValueError: the traceback is the output" in ran.stderr
@@ -133,15 +136,7 @@ def test_a_script_runs_as_python_runs_it(tmp_path: Path, scripts: Scripts) -> No
     ran = scripts.run(script, timeout=60)
     left = int(ran.stdout)
     assert ran.returncode == 0 and ran.leftovers == [left]
-    for _ in range(50):
-        try:
-            if psutil.Process(left).status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError("the script's leftover outlived the run")
+    assert _ends(left), "the script's leftover outlived the run"
     # a module as python -m runs it (the GPU tier's CPU mode runs its worker so): __main__ with the module's spec,
     # argv[0] its file, the working directory first on sys.path
     (tmp_path / "probe_module.py").write_text(
