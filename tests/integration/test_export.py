@@ -12,7 +12,6 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_mgpu import EMA, MGPUShardedStrategy
-from lightning_mgpu.cli import main as cli_main
 from lightning_mgpu.export import HF_MODELS_KEY, export_checkpoint, main
 from tests.corpus import HFGPT2, token_data
 from tests.helpers import fit
@@ -104,7 +103,10 @@ def test_export_sharded_and_one_file_checkpoints_to_from_pretrained_bit_for_bit(
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
             assert sorted(f.keys()) == sorted(expected)
     # one torch.save file, through the console command's entry (`lightning-mgpu export ...`) in this process: it
-    # starts no Trainer (the command in a fresh interpreter, as a user runs it: the 4-bit base's merged export)
+    # starts no Trainer (the command in a fresh interpreter, as a user runs it: the 4-bit base's merged export);
+    # imported here: the command needs jsonargparse, which the compatibility tiers' environments leave out
+    from lightning_mgpu.cli import main as cli_main
+
     single = tmp_path / "weights.pt"
     assert cli_main(["export", path, "--format", "torch", str(single)]) == 0
     torch.testing.assert_close(torch.load(single, weights_only=True), expected, rtol=0, atol=0)
