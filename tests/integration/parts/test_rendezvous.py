@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -49,23 +48,21 @@ SCRIPT = textwrap.dedent(
 JOIN_TIMEOUT_S = 15  # short for the test; the default is 30 s after the last rank joined
 
 
-def _run(tmp_path: Path, args: list[str], env: dict[str, str], scripts: Scripts) -> tuple[ScriptRun, list[int], float]:
+def _run(tmp_path: Path, args: list[str], env: dict[str, str], scripts: Scripts) -> ScriptRun:
     """The script as a user runs it, in the environment ``env`` adds to: its process (forked from the session's script
     runner, which has imported torch and nothing of Lightning or the pack) is rank 0, a popen launch's re-run of it in a
     fresh interpreter the other local rank."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     full_env = {**os.environ, "LIGHTNING_MGPU_JOIN_TIMEOUT": str(JOIN_TIMEOUT_S), **env}
-    start = time.monotonic()
-    proc = scripts.run(script, timeout=200, args=tuple(args), env=full_env)
-    return proc, proc.leftovers, time.monotonic() - start
+    return scripts.run(script, timeout=200, args=tuple(args), env=full_env)
 
 
 def test_num_nodes_2_on_one_machine_says_so_then_names_the_missing_node(tmp_path, scripts):
-    proc, leftovers, _ = _run(tmp_path, ["2", "2", "mgpu_hsdp"], {}, scripts)
+    proc = _run(tmp_path, ["2", "2", "mgpu_hsdp"], {}, scripts)
     err = proc.stderr
     assert proc.returncode != 0, err[-3000:]
-    assert leftovers == []
+    assert proc.leftovers == []
     # said before any rank waits: the announcement comes before the first rank's join
     announced = err.index("lightning-mgpu: num_nodes=2 but no cluster environment to join")
     assert announced < err.index("MEMBER: 1/4")
@@ -85,10 +82,10 @@ def test_a_missing_rank_under_torchrun_variables_is_named(tmp_path, scripts):
         "TORCHELASTIC_RUN_ID": "first-hour", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
     }  # fmt: skip
-    proc, leftovers, _ = _run(tmp_path, ["1", "2", "mgpu_ddp"], env, scripts)
+    proc = _run(tmp_path, ["1", "2", "mgpu_ddp"], env, scripts)
     err = proc.stderr
     assert proc.returncode != 0, err[-3000:]
-    assert leftovers == []
+    assert proc.leftovers == []
     assert "rank 0 of 2 stops waiting" in err, err[-3000:]
     assert "node 1 (rank 1)" in err
     torchrun = "torchrun --nnodes 2 --nproc-per-node 1 --node-rank <node> --master-addr <this machine's address>"
@@ -100,10 +97,10 @@ def test_a_master_port_in_use_is_named_and_the_job_ends(tmp_path, scripts):
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        proc, leftovers, _ = _run(tmp_path, ["2", "1", "mgpu_ddp"], {"MASTER_PORT": str(port)}, scripts)
+        proc = _run(tmp_path, ["2", "1", "mgpu_ddp"], {"MASTER_PORT": str(port)}, scripts)
     err = proc.stderr
     assert proc.returncode != 0, err[-3000:]
-    assert leftovers == []
+    assert proc.leftovers == []
     assert f"rank 0 cannot listen on port {port}: another process holds it" in err, err[-3000:]
 
 
