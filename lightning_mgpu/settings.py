@@ -495,7 +495,7 @@ class CommonSettings:
 
     start_method: StartMethod = "popen"
     """``"popen"`` (re-run the script per rank; scripts, torchrun, SLURM), ``"spawn"``, ``"fork"`` (notebooks; CPU
-    or before CUDA is initialised) or ``"forkserver"``."""
+    or before CUDA is initialised; each rank runs one CPU thread for torch's operators) or ``"forkserver"``."""
     process_group_backend: Optional[str] = None
     """``"gloo"``, ``"nccl"``; ``None``: gloo on CPU, nccl on CUDA."""
     timeout: Optional[timedelta] = default_pg_timeout

@@ -11,11 +11,16 @@ import torch
 
 from tests.scripts import Scripts
 
-# Fork launches (the tests' default) after this process has used torch's intra-op (OpenMP) thread pool
-# deadlock in the child's first parallel op when the child runs with more than one thread: Lightning gives a
-# single forked rank cpu_count() threads (seen here: a 1-rank fork resume hung in Tanh.forward after an
-# earlier test ran a reference model in this process). One thread in the test process keeps every child
-# single-threaded: it inherits this setting, and multi-rank children get 1 thread each on 2 cores anyway.
+# One intra-op thread in the test process and in everything it starts. torch runs CPU operators on an OpenMP pool
+# (libgomp) whose threads exist only in the process that ran a parallel operator with more than one thread: a child
+# forked from it that runs one with more than one thread waits for them for ever (seen here: a one-rank fork resume
+# hung in Tanh.forward, a one-process reference forked by a test in flash attention, after earlier tests had run
+# with two threads in this process). Lightning's launchers set the count of the process that launches
+# (``cpu_count() // devices``: a one-device run sets 2 here) unless ``OMP_NUM_THREADS`` is set, and children
+# inherit it; so it is set here, and ``_one_intra_op_thread`` below puts both back after every test. Ranks of two
+# processes on 2 cores get one thread each either way. The pack's own fork launch gives its ranks one thread
+# whatever the parent did (``launchers._one_intra_op_thread``; tests/integration/strategies/test_launchers.py).
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
@@ -35,6 +40,15 @@ def _fresh_distributed_env():
         os.environ.pop(k, None)
     os.environ.update(saved)
     os.environ.update(saved_seed)
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Every test starts with one intra-op thread and ``OMP_NUM_THREADS=1`` (see the top of this file), whatever a
+    test before it changed."""
+    yield
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 # --- nothing of the pack outlives a test ------------------------------------------------------------------

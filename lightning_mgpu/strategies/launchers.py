@@ -178,6 +178,22 @@ class _CheckedSubprocessScriptLauncher(_PreLaunchCheck, SubprocessScriptLauncher
             )
 
 
+def _one_intra_op_thread() -> None:
+    """In a worker forked from the main process: one intra-op thread (``torch.set_num_threads(1)``, and
+    ``OMP_NUM_THREADS=1`` in the worker's environment so that Lightning's launcher keeps it).
+
+    torch's CPU operators run in parallel on an OpenMP thread pool (GNU libgomp on Linux). Once the main process has
+    run a parallel operator with more than one thread, the pool's threads exist only there: a forked child that runs
+    a parallel operator with more than one thread waits for them forever. Lightning's fork launcher gives each worker
+    ``cpu_count() // devices`` threads, so a notebook that ran a forward pass on the CPU, then
+    ``Trainer(strategy="mgpu_ddp_notebook", accelerator="cpu", devices=2)`` on a machine with more than two cores,
+    hung in the first forward of its workers (on a GPU too, in the first parallel CPU operator, e.g. a collate of
+    large tensors). Nothing tells whether the main process has run such an operator, so a forked worker always runs
+    one thread; a spawn or popen launch starts new interpreters, which take Lightning's count."""
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
 def _end_and_reap(procs: list[subprocess.Popen], grace_s: float) -> None:
     """At exit of the process that launched them: leave the process group (a child still waiting in a
     collective for this rank, e.g. after rank 0 raised, fails at once and ends), give the child ranks
@@ -281,6 +297,7 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
         self._hand_back = results
         self._returned = returned
         self._forks = start_method in ("fork", "forkserver")
+        self._from_this_process = start_method == "fork"  # forkserver's workers come from a new interpreter
         self._device_type_of = device_type
 
     @override
@@ -301,6 +318,8 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         if self._forks:  # the parent's compile threads do not exist here (_compat.py)
             forget_inherited_compile_threads()
+        if self._from_this_process:
+            _one_intra_op_thread()
         try:
             super()._wrapping_function(*args, **kwargs)
         except BaseException as exception:

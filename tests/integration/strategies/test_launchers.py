@@ -284,15 +284,25 @@ def _fit_in_a_fork_child(strategy: Any, out: Path) -> None:
         out.write_text(traceback.format_exc())
 
 
-def _run(strategy: Any, tmp_path: Path, target: Any = None) -> str:
-    """``target(strategy, out)`` (default: the bad-fork fit) in a fork child of this process, bounded; what it wrote."""
+def _run(strategy: Any, tmp_path: Path, target: Any = None, hang_s: float | None = None) -> str | None:
+    """``target(strategy, out)`` (default: the bad-fork fit) in a fork child of this process, bounded; what it wrote.
+    A child still running after 120 s fails the test; with ``hang_s``, a child still running then is the expected
+    outcome and the call returns ``None``. Either way the child is killed, with its session where the target made
+    one (and so the ranks it forked)."""
     out = tmp_path / "result.txt"
     child = multiprocessing.get_context("fork").Process(target=target or _fit_in_a_fork_child, args=(strategy, out))
     child.start()
-    child.join(timeout=120)
+    child.join(timeout=hang_s or 120)
     if child.is_alive():
-        child.kill()
-        pytest.fail("the forked fit did not end")
+        with contextlib.suppress(ProcessLookupError):
+            if os.getsid(child.pid) == child.pid:
+                os.killpg(child.pid, signal.SIGKILL)
+            else:
+                child.kill()
+        child.join()
+        if hang_s is None:
+            pytest.fail("the forked fit did not end")
+        return None
     return out.read_text()
 
 
@@ -416,3 +426,61 @@ def test_a_fork_launch_after_inductor_compiled_in_the_parent_does_not_hang(strat
         assert result == "ok"
     else:
         assert "TimeoutError" in result
+
+
+# --- fork launches after the parent ran a parallel CPU operator ---
+
+
+HANG_S = 15  # Lightning's run of the same two steps ends in about 2 s when it does not hang
+
+
+def _parallel_op() -> torch.Tensor:
+    """A matrix product large enough that torch runs it on its OpenMP thread pool (with more than one thread)."""
+    x = torch.randn(512, 512, dtype=torch.float32)
+    return x @ x
+
+
+class _ThreadsInItsRanks(Regressor):
+    """Each training step runs a parallel CPU operator, as a user's step or collate does, and notes its threads."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        _parallel_op()
+        self.threads = torch.get_num_threads()
+        return super().training_step(batch, batch_idx)
+
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero:
+            Path(os.environ["THREADS_OUT"]).write_text(str(self.threads))
+
+
+def _fit_after_a_parallel_op(strategy: Any, out: Path) -> None:
+    os.setsid()  # a session of its own: a hung run is killed with its ranks
+    torch.set_num_threads(2)  # a notebook's kernel on a machine of several cores: torch's default
+    os.environ["OMP_NUM_THREADS"] = "2"  # Lightning's fork launcher keeps this count in each rank
+    os.environ["THREADS_OUT"] = str(out.with_name("threads.txt"))
+    _parallel_op()  # what any CPU work in the kernel leaves: an OpenMP pool whose threads live in this process only
+    try:
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        )  # fmt: skip
+        trainer.fit(_ThreadsInItsRanks().double(), datamodule=RankData(make_data(n=16), 4))
+        out.write_text("ok")
+    except BaseException:
+        out.write_text(traceback.format_exc())
+
+
+@pytest.mark.slow
+def test_a_fork_launch_after_a_parallel_cpu_operator_in_the_parent_does_not_hang(tmp_path):
+    """torch runs CPU operators on an OpenMP pool (libgomp) whose threads a fork child does not have: a forked rank
+    that runs a parallel operator with more than one thread waits for them for ever. Lightning's fork launcher
+    gives each rank ``cpu_count() // devices`` threads (or ``OMP_NUM_THREADS``), so a notebook that ran a forward
+    pass on the CPU before ``ddp_notebook`` hangs on a machine of more than two cores; the pack's fork launch gives
+    each rank one thread (``launchers._one_intra_op_thread``). Lightning's ``ddp_notebook`` is the negative control,
+    where torch's parallel backend is OpenMP: its run has not ended after ``HANG_S`` (a run that ends takes about
+    2 s), and is killed with its ranks. Each run is in a fork child of this process, whose threads stay as they
+    are."""
+    assert _run("mgpu_ddp_notebook", tmp_path, _fit_after_a_parallel_op) == "ok"
+    assert (tmp_path / "threads.txt").read_text() == "1"
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():  # another backend has no such pool
+        assert _run("ddp_notebook", tmp_path, _fit_after_a_parallel_op, hang_s=HANG_S) is None
