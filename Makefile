@@ -82,11 +82,17 @@ test-profile: $(STAMP)
 	$(BIN)/python -m pytest -p tests.suite_profile --profile-out .profile -p no:cacheprovider -q $(PROFILE_ARGS)
 	$(BIN)/python tests/suite_profile.py .profile
 
+# The default suite and the slow tier run on TEST_WORKERS worker processes (pytest-xdist), each file's tests on one
+# worker (`--dist loadfile`: a module's shared launch stays one launch). Most of a multi-process test's time is
+# waiting (interpreters starting, ranks meeting, a process ending), so two workers keep 2 cores busier than one:
+# see docs/development.md for the figures. TEST_WORKERS=0 runs the tests in pytest's own process.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 test-suite: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST)
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m "slow and not full_matrix"
+	$(BIN)/python -m pytest $(XDIST) -m "slow and not full_matrix"
 
 # The GPU tier's CPU checks: tests/gpu with MGPU_TIER_DEVICE=cpu, every test function once (its first parameters and
 # the ones its module lists in CPU_ALSO), each case forked from one interpreter that imported the worker and run on
