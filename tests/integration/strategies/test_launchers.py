@@ -24,6 +24,10 @@ then marks each process forked afterwards as a "bad fork" (``torch.cuda._is_in_b
 launcher refuses to start in such a process, even for CPU workers that never touch CUDA; the mgpu fork presets start
 (their CPU workers are safe), and keep Lightning's refusal on CUDA. On the CPU wheel the state is simulated the way
 torch reports it; on the CUDA wheel (``make test-compat``) it is real.
+
+* Fork after the parent's thread pools. A fork launch from a process that compiled with inductor, or that ran a
+parallel CPU operator with more than one thread, starts ranks that inherit pools without their threads: each mgpu
+fork launch ends, where Lightning's ``ddp_notebook`` (the negative control) hangs.
 """
 
 from __future__ import annotations
@@ -264,24 +268,22 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_weights(tm
 # --- fork launches in a process torch marks as a bad fork ---
 
 
-def _fit_in_a_fork_child(strategy: Any, out: Path) -> None:
-    torch.cuda._is_in_bad_fork = lambda: True  # what torch reports here on its CUDA wheel after a device-count query
+def _fit_two_steps(strategy: Any, module: Regressor, out: Path) -> None:
+    """Two steps of ``module`` on 2 CPU ranks; writes "ok" to ``out``, or the traceback of what failed."""
     try:
         trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-        )
-        trainer.fit(Regressor().double(), datamodule=RankData(make_data(n=16), 4))
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        )  # fmt: skip
+        trainer.fit(module.double(), datamodule=RankData(make_data(n=16), 4))
         out.write_text("ok")
     except BaseException:
         out.write_text(traceback.format_exc())
+
+
+def _fit_in_a_fork_child(strategy: Any, out: Path) -> None:
+    torch.cuda._is_in_bad_fork = lambda: True  # what torch reports here on its CUDA wheel after a device-count query
+    _fit_two_steps(strategy, Regressor(), out)
 
 
 def _run(strategy: Any, tmp_path: Path, target: Any = None, hang_s: float | None = None) -> str | None:
@@ -399,17 +401,9 @@ def _fit_after_compiling(strategy: Any, out: Path) -> None:
     from torch._inductor import config
     from torch._inductor.async_compile import AsyncCompile
 
-    try:
-        config.compile_threads = 2  # inductor's pool path, as on any machine of 2 cores or more
-        AsyncCompile.pool().submit(lambda: None).result()  # what compiling a model here leaves: a pool with a thread
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        )  # fmt: skip
-        trainer.fit(_CompilesInItsRanks().double(), datamodule=RankData(make_data(n=16), 4))
-        out.write_text("ok")
-    except BaseException:
-        out.write_text(traceback.format_exc())
+    config.compile_threads = 2  # inductor's pool path, as on any machine of 2 cores or more
+    AsyncCompile.pool().submit(lambda: None).result()  # what compiling a model here leaves: a pool with a thread
+    _fit_two_steps(strategy, _CompilesInItsRanks(), out)
 
 
 @pytest.mark.slow
@@ -459,15 +453,7 @@ def _fit_after_a_parallel_op(strategy: Any, out: Path) -> None:
     os.environ["OMP_NUM_THREADS"] = "2"  # Lightning's fork launcher keeps this count in each rank
     os.environ["THREADS_OUT"] = str(out.with_name("threads.txt"))
     _parallel_op()  # what any CPU work in the kernel leaves: an OpenMP pool whose threads live in this process only
-    try:
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        )  # fmt: skip
-        trainer.fit(_ThreadsInItsRanks().double(), datamodule=RankData(make_data(n=16), 4))
-        out.write_text("ok")
-    except BaseException:
-        out.write_text(traceback.format_exc())
+    _fit_two_steps(strategy, _ThreadsInItsRanks(), out)
 
 
 @pytest.mark.slow
