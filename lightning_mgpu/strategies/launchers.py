@@ -188,8 +188,9 @@ def _one_intra_op_thread() -> None:
     ``cpu_count() // devices`` threads, so a notebook that ran a forward pass on the CPU, then
     ``Trainer(strategy="mgpu_ddp_notebook", accelerator="cpu", devices=2)`` on a machine with more than two cores,
     hung in the first forward of its workers (reproduced on CPU; on GPUs a worker's first parallel CPU operator, such
-    as a collate of large tensors, is exposed the same way). Nothing tells whether the main process has run such an operator, so a forked worker always runs
-    one thread; a spawn or popen launch starts new interpreters, which take Lightning's count."""
+    as a collate of large tensors, is exposed the same way). Nothing tells whether the main process has run such an
+    operator, so a forked worker always runs one thread; a spawn or popen launch starts new interpreters, which take
+    Lightning's count."""
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
 
