@@ -11,6 +11,7 @@ import torch
 
 from tests.scripts import Scripts
 
+
 # One intra-op thread in the test process and in everything it starts. torch runs CPU operators on an OpenMP pool
 # (libgomp) whose threads exist only in the process that ran a parallel operator with more than one thread: a child
 # forked from it that runs one with more than one thread waits for them for ever (seen here: a one-rank fork resume
@@ -20,8 +21,12 @@ from tests.scripts import Scripts
 # inherit it; so it is set here, and ``_one_intra_op_thread`` below puts both back after every test. Ranks of two
 # processes on 2 cores get one thread each either way. The pack's own fork launch gives its ranks one thread
 # whatever the parent did (``launchers._one_intra_op_thread``; tests/integration/strategies/test_launchers.py).
-os.environ["OMP_NUM_THREADS"] = "1"
-torch.set_num_threads(1)
+def _one_thread() -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+_one_thread()
 
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 # seed_everything (LightningCLI runs it in this process for the fork/spawn configs) leaves these behind, and
@@ -47,8 +52,7 @@ def _one_intra_op_thread():
     """Every test starts with one intra-op thread and ``OMP_NUM_THREADS=1`` (see the top of this file), whatever a
     test before it changed."""
     yield
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
+    _one_thread()
 
 
 # --- nothing of the pack outlives a test ------------------------------------------------------------------

@@ -435,25 +435,28 @@ def _parallel_op() -> torch.Tensor:
 
 
 class _ThreadsInItsRanks(Regressor):
-    """Each training step runs a parallel CPU operator, as a user's step or collate does, and notes its threads."""
+    """Each training step runs a parallel CPU operator, as a user's step or collate does; rank 0 writes its thread
+    count to ``threads_out`` at the end."""
+
+    def __init__(self, threads_out: Path) -> None:
+        super().__init__()
+        self.threads_out = threads_out
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         _parallel_op()
-        self.threads = torch.get_num_threads()
         return super().training_step(batch, batch_idx)
 
     def on_train_end(self) -> None:
         if self.trainer.is_global_zero:
-            Path(os.environ["THREADS_OUT"]).write_text(str(self.threads))
+            self.threads_out.write_text(str(torch.get_num_threads()))
 
 
 def _fit_after_a_parallel_op(strategy: Any, out: Path) -> None:
     os.setsid()  # a session of its own: a hung run is killed with its ranks
     torch.set_num_threads(2)  # a notebook's kernel on a machine of several cores: torch's default
     os.environ["OMP_NUM_THREADS"] = "2"  # Lightning's fork launcher keeps this count in each rank
-    os.environ["THREADS_OUT"] = str(out.with_name("threads.txt"))
     _parallel_op()  # what any CPU work in the kernel leaves: an OpenMP pool whose threads live in this process only
-    _fit_two_steps(strategy, _ThreadsInItsRanks(), out)
+    _fit_two_steps(strategy, _ThreadsInItsRanks(out.with_name("threads.txt")), out)
 
 
 @pytest.mark.slow
