@@ -14,7 +14,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -60,6 +59,7 @@ from lightning_mgpu.parts.sharding import (
     make_backend,
     rebind_schedulers,
 )
+from lightning_mgpu.parts.steps import ModelSteps, PipelineSteps
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism
 from lightning_mgpu.parts.trainable_state import check_sharded_save, saves_trainable_only
 from lightning_mgpu.plugins.checkpoint_io import (
@@ -250,10 +250,12 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._sharding: ShardingBackend = make_backend(
             sharded.stage, backend, sharded.unit_classes, offload=sharded.offload
         )
-        self._tensor = TensorParallelism(sharded.tensor_parallel_size, sharded.tensor_parallel_plan)
-        self._pipeline: Optional[PipelineBackend] = None  # pipeline_parallel_size > 1: parts/pipeline.py
+        # how each step runs the model, chosen once (parts/steps.py): whole (split by tensor parallelism), or through
+        # the pipeline's stages, whose backend is then the sharding backend too
+        tensor = TensorParallelism(sharded.tensor_parallel_size, sharded.tensor_parallel_plan)
+        self._steps = ModelSteps(tensor)
         if sharded.pipelined:
-            self._pipeline = PipelineBackend(
+            pipeline = PipelineBackend(
                 sharded.pipeline_parallel_size,
                 pipeline_schedule,
                 pipeline_microbatches,
@@ -261,7 +263,8 @@ class MGPUShardedStrategy(ParallelStrategy):
                 token_loss=loss_normalization == "tokens",
                 shard_stage=sharded.stage,
             )
-            self._sharding = self._pipeline
+            self._sharding = pipeline
+            self._steps = PipelineSteps(tensor, pipeline)
         self._loaded_sharded = False
         self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
         self._mesh_group: Any = None  # the default process group the mesh was built over
@@ -274,7 +277,7 @@ class MGPUShardedStrategy(ParallelStrategy):
             settings,
             check_model=self._check_model,
             full_module_state=self._full_module_state,
-            hand_back=[self._pipeline] if self._pipeline is not None else [],
+            hand_back=[self._steps],
         )
 
     # --- what users read ------------------------------------------------------------------------------
@@ -364,7 +367,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         measured bubble beside the formula); None before it, or without a pipeline. After a spawn or fork launch
         (``start_method="fork"`` in a notebook) the main process holds rank 0's, as it holds its
         ``callback_metrics``."""
-        return self._pipeline.last_stats if self._pipeline is not None else None
+        return self._steps.last_stats
 
     def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
         """Manual optimization with ``loss_normalization="tokens"``: count a micro-batch's tokens (see
@@ -510,7 +513,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Any:
         # a value logged from the loss over the sharded vocabulary ("auto+sequence") is a replicated DTensor
-        return self._runtime.reduce(self._tensor.local_output(tensor), group, reduce_op)
+        return self._runtime.reduce(self._steps.local_output(tensor), group, reduce_op)
 
     def _process_group(self) -> Any:
         return torch.distributed.group.WORLD if group_is_up() else None
@@ -698,12 +701,6 @@ class MGPUShardedStrategy(ParallelStrategy):
         if self._checkpoint_layout == "sharded":
             check_sharded_save(model, self._runtime.settings.checkpoint_params)  # a 4-bit base: refused with the fix
         four_bit = has_nf4(model)
-        if four_bit and (self._tensor.size > 1 or self._pipeline is not None):
-            raise ValueError(
-                f"{type(model).__name__} has a 4-bit base (quantize_frozen), and a 4-bit base under "
-                f"{'tensor' if self._tensor.size > 1 else 'pipeline'} parallelism is not built yet. Train it with "
-                "data parallelism: mgpu_zero3 or HSDP shard the base, mgpu_ddp keeps it whole on each rank."
-            )
         if four_bit and self._backend_name == "torch" and self._sharded_settings.stage >= 2:
             processes, nodes = self._runtime.processes_and_nodes()
             check_shardable(model, self._sharded_settings.mesh_shape(processes * nodes, nodes)[1])  # before launch
@@ -716,11 +713,14 @@ class MGPUShardedStrategy(ParallelStrategy):
                 f"precision='32-true', '16-mixed' or 'bf16-mixed' (or plugins=[MGPUPrecision(...)]), "
                 f"gradient_clip_algorithm='value', or strategy='mgpu_sharded' (FSDP2)."
             )
-        self._tensor.check_before_launch(model)
-        if self._pipeline is not None:
-            callbacks = getattr(trainer, "callbacks", ())  # set by Lightning's callback connector
-            trainable_only = saves_trainable_only(model, self._runtime.settings.checkpoint_params)
-            self._pipeline.check_model(model, self.precision_plugin, bool(clip_by_norm), callbacks, trainable_only)
+        self._steps.check_model(  # tensor parallelism's and the pipeline's checks
+            model,
+            four_bit=four_bit,
+            precision_plugin=self.precision_plugin,
+            clip_by_norm=bool(clip_by_norm),
+            trainer=trainer,
+            trainable_only=saves_trainable_only(model, self._runtime.settings.checkpoint_params),
+        )
         if not model.automatic_optimization:
             raise MisconfigurationException(
                 f"{type(model).__name__} uses manual optimization, which MGPUShardedStrategy does not support yet "
@@ -785,18 +785,14 @@ class MGPUShardedStrategy(ParallelStrategy):
         if self._runtime.ddp is not None:
             self.model = self._runtime.wrap_ddp(module)  # as mgpu_ddp: checkpointing, wrap, hooks, compilation
             return
-        self._tensor.apply(module, self._built_mesh().tensor)  # tensor parallelism first (torchtitan's order)
-        if self._sharded_settings.tensor_comm_stats:
-            self._tensor.count_into(self._runtime.ledger.stats, self._built_mesh().tensor)
+        counted = self._runtime.ledger.stats if self._sharded_settings.tensor_comm_stats else None
+        self._steps.split(module, self._built_mesh().tensor, counted)  # tensor parallelism first (torchtitan's order)
         self._runtime.checkpointing.apply(module)
         mesh = self._sharding.shard_mesh(self._built_mesh())
         sharded = self._sharding.shard_model(module, mesh, policy)
         if sharded is not None:
             self.model = sharded
-        if self._pipeline is not None:  # each block of the stages; their hooks and training_step stay eager
-            self._runtime.compilation.compile_pipeline_blocks(module, self._pipeline.blocks())
-        else:
-            self._runtime.compilation.compile_blocks(module, self._sharded_settings.unit_classes)  # after sharding
+        self._steps.compile(self._runtime.compilation, module, self._sharded_settings.unit_classes)  # after sharding
         assert self.model is not None
         self._runtime.ledger.start(self.model, self.world_size, self._sharding.mesh_shape)
 
@@ -834,19 +830,11 @@ class MGPUShardedStrategy(ParallelStrategy):
         return self._runtime.training_step(self._one_training_step, self._stage1_ddp(), *args, **kwargs)
 
     def _one_training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.train_step_context(), self._tensor.counting():
-            if self._pipeline is not None:  # every micro-batch's forward and backward, through the stages
-                trainer = attached_trainer(self.lightning_module)
-                accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-                if trainer is not None:  # a last batch that cannot be split: refused now, not after an epoch
-                    steps = trainer.max_steps * accumulate if trainer.max_steps >= 0 else math.inf
-                    self._pipeline.check_training_loader(
-                        trainer.train_dataloader, min(trainer.num_training_batches, steps)
-                    )
-                self._pipeline.use_loss_scale(PrecisionAdoption.loss_scale(self.precision_plugin))
-                return self._pipeline.training_step(self.lightning_module, accumulate, *args, **kwargs)
-            with self._tensor.step_context():  # the loss over the sharded vocabulary ("auto+sequence")
-                return self._tensor.local_output(self._redirect("training_step", *args, **kwargs))
+        with self.precision_plugin.train_step_context(), self._steps.counting():
+            return self._steps.training_step(self.lightning_module, self._loss_scale, self._redirect, *args, **kwargs)
+
+    def _loss_scale(self) -> float:
+        return PrecisionAdoption.loss_scale(self.precision_plugin)
 
     def _stage1_ddp(self) -> Optional[DistributedDataParallel]:
         """Stage 1: the DDP model the runtime's DDP part drives; None at stages 2 and 3."""
@@ -855,28 +843,19 @@ class MGPUShardedStrategy(ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._step_on_stages_or_model("validation_step", *args, **kwargs)
+            return self._steps.evaluation_step(
+                self.lightning_module, "validation_step", self._redirect, *args, **kwargs
+            )
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._step_on_stages_or_model("test_step", *args, **kwargs)
+            return self._steps.evaluation_step(self.lightning_module, "test_step", self._redirect, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._step_on_stages_or_model("predict_step", *args, **kwargs)
-
-    def _step_on_stages_or_model(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """The LightningModule's ``method``: through the pipeline's stages (forward only, by stage) where the
-        other stages' blocks are freed, else on the model; under the loss over the sharded vocabulary where the
-        tensor-parallel plan has one."""
-        with self._tensor.step_context():
-            if self._pipeline is not None and self._pipeline.runs_stages_in_evaluation():
-                return self._pipeline.evaluation_step(self.lightning_module, method, *args, **kwargs)
-            if self._pipeline is not None:
-                self._pipeline.hold_whole_model()
-            return self._tensor.local_output(self._redirect(method, *args, **kwargs))
+            return self._steps.evaluation_step(self.lightning_module, "predict_step", self._redirect, *args, **kwargs)
 
     # --- evaluation whose ranks may run different numbers of batches (parts/evaluation.py) ---------------------
     def _current_evaluation_loop(self, trainer: pl.Trainer) -> Any:
@@ -893,7 +872,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         evaluation through the stages is one whatever ``exact_evaluation`` (the whole model for such a loop)."""
         trainer = attached_trainer(self.lightning_module)
         model = self.model
-        checked = self._common.exact_evaluation or self._pipeline is not None
+        checked = self._common.exact_evaluation or self._steps.checks_every_evaluation
         if not checked or trainer is None or model is None or self.world_size < 2:
             return
         if not self._sharding.forward_is_collective(model):
@@ -954,7 +933,7 @@ class MGPUShardedStrategy(ParallelStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
         # the split layers' backward collectives (tensor_comm_stats=True); the loss over the sharded vocabulary
         # ("auto+sequence") differentiates under loss_parallel too
-        with self._tensor.counting(), self._tensor.step_context():
+        with self._steps.backward_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -977,9 +956,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         step = super().optimizer_step
-        if self._pipeline is not None:
-            closure = self._pipeline.after_closure(closure)  # the replicas' and the stages' gradient sync
-        with self._tensor.counting():  # the step's own (clipping's norm of split gradients); the closure's once
+        closure = self._steps.after_closure(closure)  # a pipeline's: the replicas' and the stages' gradient sync
+        with self._steps.counting():  # the step's own (clipping's norm of split gradients); the closure's once
             return self._runtime.optimizer_step(optimizer, closure, lambda c: step(optimizer, c, model, **kwargs))
 
     # --- data -----------------------------------------------------------------------------------------
@@ -1046,8 +1024,7 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.gather_blocks()  # every rank holds the trained model after fit
+        self._steps.train_end()  # a pipeline's: every rank holds the trained model after fit
         self._runtime.train_end()
         super().on_train_end()
 

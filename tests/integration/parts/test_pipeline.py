@@ -28,6 +28,7 @@ from lightning_mgpu import MGPUPrecision, MGPUShardedStrategy, _compat
 from lightning_mgpu.parts.compilation import compiled_modules
 from lightning_mgpu.parts.pipeline import PipelineBackend, plan_stages
 from lightning_mgpu.parts.resume import POSITION_KEY
+from lightning_mgpu.parts.steps import PipelineSteps
 
 WORLD = 4
 GLOBAL_BATCH = 8
@@ -501,9 +502,9 @@ class GatheringUnsyncedReplicas(UnsyncedReplicas):
 class BrokenPipeline(MGPUShardedStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        assert self._pipeline is not None
-        broken = GatheringUnsyncedReplicas(self._pipeline.size, "1f1b", self._pipeline.microbatches, "auto")
-        self._pipeline = self._sharding = broken
+        assert isinstance(self._steps, PipelineSteps)
+        p = self._steps.pipeline
+        self._steps.pipeline = self._sharding = GatheringUnsyncedReplicas(p.size, "1f1b", p.microbatches, "auto")
 
 
 def test_negative_control_the_comparison_fails_for_a_wrong_pipeline(tmp_path: Path) -> None:
@@ -852,7 +853,7 @@ class ShardedRecord(pl.Callback):
         # FSDP2's collectives, in this process only (forked: the parent keeps its own)
         torch.distributed.reduce_scatter_single = counted_reduce
         torch.distributed.all_gather_single = counted_gather
-        assert trainer.strategy._pipeline is not None
+        assert isinstance(trainer.strategy._steps, PipelineSteps)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
         from lightning_mgpu.parts.sharding import local_bytes
@@ -860,7 +861,7 @@ class ShardedRecord(pl.Callback):
         if trainer.world_size == 1:  # the one-process reference: the pre-clip norm
             self.norms.append(float(torch.stack([p.grad.pow(2).sum() for p in module.parameters()]).sum().sqrt()))
             return
-        sharded = trainer.strategy._pipeline._sharded_params
+        sharded = trainer.strategy._steps.pipeline._sharded_params
         self.mesh = tuple(sharded[0].device_mesh.shape)
         held = whole = 0
         for p in sharded:
@@ -1015,9 +1016,9 @@ class MiscountedZero3(MGPUShardedStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        assert self._pipeline is not None
-        p = self._pipeline
-        self._pipeline = self._sharding = self.backend(p.size, "1f1b", p.microbatches, "auto", shard_stage=3)
+        assert isinstance(self._steps, PipelineSteps)
+        p = self._steps.pipeline
+        self._steps.pipeline = self._sharding = self.backend(p.size, "1f1b", p.microbatches, "auto", shard_stage=3)
 
 
 def test_negative_control_zero3_inside_the_pipeline_with_a_wrong_norm(tmp_path: Path) -> None:

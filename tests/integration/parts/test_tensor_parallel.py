@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_mgpu import EMA, MGPUShardedStrategy, _compat, export_checkpoint, plan_layouts
 from lightning_mgpu.comm import local_shard
 from lightning_mgpu.parts.pipeline import PipelineBackend
+from lightning_mgpu.parts.steps import PipelineSteps
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism, is_tensor_parallel
 from lightning_mgpu.plugins.checkpoint_io import EMA_STATE_KEY
 from tests.helpers import Recorder, load_ranks
@@ -1011,7 +1012,7 @@ def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan
         def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
             state = trainer.strategy.lightning_module_state_dict()  # a collective: on every rank
             if trainer.global_rank == 0:
-                sharded = bool(trainer.strategy._pipeline._sharded_stages)  # its stages FSDP2 units (stage=3)
+                sharded = bool(trainer.strategy._steps.pipeline._sharded_stages)  # its stages FSDP2 units (stage=3)
                 record = {"state": state, "split": is_tensor_parallel(pl_module), "sharded": sharded}
                 torch.save(record, tmp_path / "state.pt")
 
@@ -1066,9 +1067,9 @@ class StridedShardCountedAsCopies(PipelineBackend):
 class StridedShardMiscounted(MGPUShardedStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        p = self._pipeline
-        assert p is not None
-        self._pipeline = self._sharding = StridedShardCountedAsCopies(p.size, "1f1b", 2, "auto", shard_stage=3)
+        assert isinstance(self._steps, PipelineSteps)
+        p = self._steps.pipeline
+        self._steps.pipeline = self._sharding = StridedShardCountedAsCopies(p.size, "1f1b", 2, "auto", shard_stage=3)
 
 
 @pytest.mark.slow

@@ -1,0 +1,207 @@
+"""The step: how one training or evaluation step of the sharded strategy runs the model, chosen once when the
+strategy is built, so that no hook of the strategy asks which layout it trains.
+
+* :class:`ModelSteps`: the whole model on every rank (``pipeline_parallel_size=1``), its layers split by tensor
+  parallelism where ``tensor_parallel_size > 1`` (then the step runs under the loss over the sharded vocabulary where
+  the plan has one, and a replicated ``DTensor`` output becomes the plain tensor Lightning expects);
+* :class:`PipelineSteps`: ``pipeline_parallel_size > 1``, each training step the schedule's forward and backward of
+  every micro-batch through the stages (``parts/pipeline.py``), evaluation through the stages while the other stages'
+  blocks are freed, the gradients synced across stages and replicas after Lightning's closure, and the whole model
+  gathered on every rank at the end of fit. The stages' blocks may be split by tensor parallelism too.
+
+Both hold the strategy's :class:`~lightning_mgpu.parts.tensor_parallel.TensorParallelism` (which does nothing with
+``tensor_parallel_size=1``).
+
+Example::
+
+    steps = PipelineSteps(tensor, pipeline) if pipelined else ModelSteps(tensor)   # in the strategy's __init__
+    steps.training_step(module, loss_scale, redirect, batch, batch_idx)      # the strategy's training_step
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+from lightning_mgpu._compat import attached_trainer
+from lightning_mgpu.ledger import CommStats
+from lightning_mgpu.parts.compilation import Compilation
+from lightning_mgpu.parts.pipeline import PipelineBackend, PipelineStats
+from lightning_mgpu.parts.tensor_parallel import TensorParallelism
+
+#: the strategy's forward redirection: ``redirect(method, *args, **kwargs)`` runs the LightningModule's ``method``
+#: through the wrapper's forward (DDP's, fairscale's) or the sharded module's own ``__call__``
+Redirect = Callable[..., Any]
+
+
+class ModelSteps:
+    """The whole model on every rank, split by tensor parallelism where its size is above 1."""
+
+    #: whether every evaluation loop checks the ranks' planned batch counts (else only with ``exact_evaluation``)
+    checks_every_evaluation = False
+
+    def __init__(self, tensor: TensorParallelism) -> None:
+        self.tensor = tensor
+
+    @property
+    def last_stats(self) -> Optional[PipelineStats]:
+        """The pipeline's last training step (:class:`PipelineSteps`); None without a pipeline."""
+        return None
+
+    def results_for_main_process(self) -> Optional[dict[str, Any]]:
+        """What rank 0's worker hands to the main process after a spawn or fork launch (nothing here)."""
+        return None
+
+    def restore_results_from_worker(self, state: Optional[dict[str, Any]]) -> None:
+        """In the main process: what :meth:`results_for_main_process` handed over."""
+
+    # --- before launch -------------------------------------------------------------------------------------
+    def check_model(
+        self,
+        model: nn.Module,
+        *,
+        four_bit: bool,
+        precision_plugin: Any,
+        clip_by_norm: bool,
+        trainer: Any,
+        trainable_only: bool,
+    ) -> None:
+        """Before any process starts: a 4-bit base is refused under tensor parallelism (not built yet), and a
+        model the tensor-parallel plan cannot split is refused with the fix. ``trainer``: the Trainer being set up;
+        ``trainable_only``: whether checkpoints save the trainable parameters only (``checkpoint_params``)."""
+        if four_bit and self.tensor.size > 1:
+            self._refuse_four_bit(model, "tensor")
+        self.tensor.check_before_launch(model)
+
+    @staticmethod
+    def _refuse_four_bit(model: nn.Module, layout: str) -> None:
+        raise ValueError(
+            f"{type(model).__name__} has a 4-bit base (quantize_frozen), and a 4-bit base under {layout} parallelism "
+            "is not built yet. Train it with data parallelism: mgpu_zero3 or HSDP shard the base, mgpu_ddp keeps it "
+            "whole on each rank."
+        )
+
+    # --- set-up --------------------------------------------------------------------------------------------
+    def split(self, module: nn.Module, mesh: Any, stats: Optional[CommStats]) -> None:
+        """Tensor parallelism over the ``"tensor_parallel"`` mesh (nothing at size 1); ``stats``: the ledger that
+        counts its collectives from now on (``tensor_comm_stats=True``), else None."""
+        self.tensor.apply(module, mesh)
+        if stats is not None:
+            self.tensor.count_into(stats, mesh)
+
+    def compile(self, compilation: Compilation, module: nn.Module, unit_classes: Any) -> None:
+        """``compile=``: each block of the model, after sharding."""
+        compilation.compile_blocks(module, unit_classes)
+
+    # --- steps ---------------------------------------------------------------------------------------------
+    def counting(self) -> AbstractContextManager[None]:
+        """A block whose tensor-parallel collectives the ledger counts (``tensor_comm_stats=True``)."""
+        return self.tensor.counting()
+
+    @contextmanager
+    def backward_context(self) -> Generator[None, None, None]:
+        """Around Lightning's backward: the split layers' collectives counted, under the loss over the sharded
+        vocabulary (``"auto+sequence"``)."""
+        with self.tensor.counting(), self.tensor.step_context():
+            yield
+
+    def local_output(self, output: Any) -> Any:
+        """A value with each replicated ``DTensor`` as a plain tensor (what Lightning reduces and logs)."""
+        return self.tensor.local_output(output)
+
+    def training_step(
+        self, module: Any, loss_scale: Callable[[], float], redirect: Redirect, *args: Any, **kwargs: Any
+    ) -> Any:
+        """The LightningModule's ``training_step`` on the model, under the loss over the sharded vocabulary where
+        the tensor-parallel plan has one. ``loss_scale()``: the fp16 loss scale of the precision plugin (read only
+        where the step needs it: the pipeline's schedule starts its backward from it)."""
+        with self.tensor.step_context():
+            return self.tensor.local_output(redirect("training_step", *args, **kwargs))
+
+    def evaluation_step(self, module: Any, method: str, redirect: Redirect, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``validation_step``, ``test_step`` or ``predict_step`` (``method``) on the model."""
+        with self.tensor.step_context():
+            return self.tensor.local_output(redirect(method, *args, **kwargs))
+
+    def after_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Lightning's closure, as the optimizer step runs it (here: unchanged)."""
+        return closure
+
+    def train_end(self) -> None:
+        """At the end of fit, before Lightning's: nothing to gather here."""
+
+
+class PipelineSteps(ModelSteps):
+    """``pipeline_parallel_size > 1``: every step through the stages of ``pipeline`` (the sharding backend too)."""
+
+    checks_every_evaluation = True  # evaluation through the stages is one collective whatever exact_evaluation
+
+    def __init__(self, tensor: TensorParallelism, pipeline: PipelineBackend) -> None:
+        super().__init__(tensor)
+        self.pipeline = pipeline
+
+    @property
+    def last_stats(self) -> Optional[PipelineStats]:
+        return self.pipeline.last_stats
+
+    def results_for_main_process(self) -> Optional[dict[str, Any]]:
+        return self.pipeline.results_for_main_process()
+
+    def restore_results_from_worker(self, state: Optional[dict[str, Any]]) -> None:
+        self.pipeline.restore_results_from_worker(state)
+
+    def check_model(
+        self,
+        model: nn.Module,
+        *,
+        four_bit: bool,
+        precision_plugin: Any,
+        clip_by_norm: bool,
+        trainer: Any,
+        trainable_only: bool,
+    ) -> None:
+        """The tensor part's checks, a 4-bit base refused (not built yet under a pipeline), then the pipeline's:
+        the split, the clipping and the precision, the callbacks, an adapter-only checkpoint."""
+        if four_bit:
+            self._refuse_four_bit(model, "tensor" if self.tensor.size > 1 else "pipeline")
+        self.tensor.check_before_launch(model)
+        callbacks: Sequence[Any] = getattr(trainer, "callbacks", ())  # set by Lightning's callback connector
+        self.pipeline.check_model(model, precision_plugin, clip_by_norm, callbacks, trainable_only)
+
+    def compile(self, compilation: Compilation, module: nn.Module, unit_classes: Any) -> None:
+        """``compile=``: each block of the stages; their hooks and ``training_step`` stay eager."""
+        compilation.compile_pipeline_blocks(module, self.pipeline.blocks())
+
+    def training_step(
+        self, module: Any, loss_scale: Callable[[], float], redirect: Redirect, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Every micro-batch's forward and backward through the stages (the schedule's); a last batch that cannot
+        be split is refused at the first step, not after an epoch."""
+        trainer = attached_trainer(module)
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        if trainer is not None:
+            steps = trainer.max_steps * accumulate if trainer.max_steps >= 0 else math.inf
+            self.pipeline.check_training_loader(trainer.train_dataloader, min(trainer.num_training_batches, steps))
+        self.pipeline.use_loss_scale(loss_scale())
+        return self.pipeline.training_step(module, accumulate, *args, **kwargs)
+
+    def evaluation_step(self, module: Any, method: str, redirect: Redirect, *args: Any, **kwargs: Any) -> Any:
+        """Through the stages (forward only, by stage) while the other stages' blocks are freed; else on the whole
+        model, which this rank then holds (its sharded stages gathered)."""
+        with self.tensor.step_context():
+            if self.pipeline.runs_stages_in_evaluation():
+                return self.pipeline.evaluation_step(module, method, *args, **kwargs)
+            self.pipeline.hold_whole_model()
+            return self.tensor.local_output(redirect(method, *args, **kwargs))
+
+    def after_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The replicas' and the stages' gradient sync after Lightning's closure, before unscaling and clipping."""
+        return self.pipeline.after_closure(closure)
+
+    def train_end(self) -> None:
+        """Every rank holds the trained model after fit."""
+        self.pipeline.gather_blocks()
