@@ -1,5 +1,6 @@
-"""The sharded checkpoint of ``MGPUShardedStrategy(checkpoint="sharded")``: one directory per checkpoint, written by
-every rank at once and loaded at any world size.
+"""The checkpoints of ``MGPUShardedStrategy`` (:class:`ShardedCheckpoints`, what its checkpoint hooks hand their work
+to): ``checkpoint="consolidated"``, one Lightning file gathered on rank 0, or ``checkpoint="sharded"``, one directory
+per checkpoint, written by every rank at once; either loaded at any world size.
 
 What a directory holds:
 
@@ -29,17 +30,21 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
+from pytorch_lightning.strategies import ParallelStrategy
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mgpu import comm
+from lightning_mgpu._compat import unwrap_optimizer
 from lightning_mgpu.plugins.checkpoint_io import (
     EMA_STATE_KEY,
+    PathLike,
     begin_dir,
     check_complete,
     checkpoint_kind,
@@ -48,6 +53,9 @@ from lightning_mgpu.plugins.checkpoint_io import (
     join_path,
     load_file,
     load_sharded_dir,
+    local_path,
+    recover_dir,
+    remove_dir,
     save_sharded,
     write_checkpoint_file,
 )
@@ -240,3 +248,177 @@ def load_dir(
     elif saved_optimizers is not None:
         checkpoint["optimizer_states"] = []
     return checkpoint
+
+
+def _world_group() -> Any:
+    return torch.distributed.group.WORLD if comm.group_is_up() else None
+
+
+class ShardedCheckpoints:
+    """The checkpoints of ``MGPUShardedStrategy``, both layouts: what its ``save_checkpoint``, ``remove_checkpoint``,
+    ``load_checkpoint``, ``lightning_module_state_dict``, ``optimizer_state`` and the two ``load_*_state_dict`` hooks
+    do. ``layout``: ``"consolidated"`` (one file, gathered on rank 0, atomic through the checkpoint IO, a plain
+    Lightning checkpoint) or ``"sharded"`` (the directory of :func:`save_dir`); either loads at any world size.
+
+    ``strategy``: the strategy served (its ranks, ``broadcast``, ``barrier``, module and optimizers, as Lightning's
+    ``Strategy`` has them); ``runtime``: its runtime (``strategies/runtime.py``: what every save and load does first
+    and after, the background writes, adapter-only checkpoints, the precision plugin's masters); ``sharding()``: the
+    strategy's sharding backend now (``parts/sharding.py``: it gathers and scatters the states); ``marker``: what the
+    completion marker of a directory says of the layout beside the world size (stage, backend).
+
+    Example::
+
+        marker = {"stage": 3, "backend": "torch"}
+        checkpoints = ShardedCheckpoints(strategy, runtime, lambda: backend, "sharded", marker)
+        checkpoints.save(checkpoint, "run/last.ckpt", None, lightning_save)   # a directory, every rank writing
+    """
+
+    def __init__(
+        self,
+        strategy: ParallelStrategy,
+        runtime: Any,
+        sharding: Callable[[], Any],
+        layout: str,
+        marker: Mapping[str, Any],
+    ) -> None:
+        self.strategy = strategy
+        self.runtime = runtime
+        self._sharding = sharding
+        self.layout = layout
+        self._marker = dict(marker)
+        self.loaded_in_place = False  # the last load read a directory: weights and optimizer states are in place
+
+    def _served_module(self) -> nn.Module:
+        module = self.strategy.lightning_module
+        assert module is not None
+        return module
+
+    # --- saving ---------------------------------------------------------------------------------------------
+    def module_state(self) -> dict[str, Any]:
+        """The module's state as this layout saves it: this rank's shards, or the whole state (on rank 0; an
+        adapter-only save gathers the entries it keeps, not the frozen base), with the precision plugin's masters."""
+        module = self._served_module()
+        if self.layout == "sharded":
+            return self.runtime.module_state(self._sharding().sharded_model_state(module))
+        return self.runtime.module_state(self._sharding().full_model_state(module, self.runtime.saved_keys()))
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state as this layout saves it (this rank's shards, or the whole state on rank 0)."""
+        optimizer = unwrap_optimizer(optimizer)
+        if self.layout == "sharded":
+            return self._sharding().sharded_optimizer_state(self._served_module(), optimizer)
+        return self.consolidated_optimizer_state(optimizer)
+
+    def consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole state of ``optimizer`` as one process's ``optimizer.state_dict()`` on rank 0; ``{}``
+        elsewhere. A collective."""
+        optimizer = unwrap_optimizer(optimizer)
+        return self._sharding().full_optimizer_state(self._served_module(), optimizer, self.strategy.is_global_zero)
+
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: PathLike,
+        storage_options: Optional[Any],
+        lightning_save: Callable[[dict[str, Any], Any, Optional[Any]], None],
+    ) -> None:
+        """Write ``checkpoint`` at ``filepath`` (a collective): a file through the checkpoint IO
+        (``lightning_save``: Lightning's save), or the directory; in the background with ``async_checkpoint=True``;
+        with fault tolerance, by the lowest replica group only."""
+        self.runtime.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
+        filepath = self.strategy.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
+        local = local_path(filepath)
+        if self.layout == "consolidated":
+            if local is not None and os.path.isdir(local):
+                raise IsADirectoryError(
+                    f"{local} is a directory (a sharded checkpoint?); a consolidated checkpoint is one file. Choose "
+                    f"another file name, or save with MGPUShardedStrategy(checkpoint='sharded')."
+                )
+            self.runtime.write_file(checkpoint, filepath, storage_options, lightning_save)  # atomic by default
+            return
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
+        if not self.runtime.writes_checkpoints():  # fault tolerance: the lowest replica group writes
+            return
+        save_dir(
+            checkpoint,
+            local if local is not None else str(filepath),  # a local directory, or a prefix at an fsspec URL
+            rank=self.strategy.global_rank,
+            broadcast=self.strategy.broadcast,
+            barrier=self.strategy.barrier,
+            group=_world_group(),
+            marker={"world_size": self.strategy.world_size, **self._marker, "layout": self.layout},
+            writes=self.runtime.writes if self.runtime.saves_async() else None,
+        )
+
+    def remove(self, filepath: PathLike, lightning_remove: Callable[[Any], None]) -> None:
+        """Remove the checkpoint at ``filepath`` once the write in flight has succeeded: a directory by rank 0
+        (whatever the checkpoint IO: the strategy wrote it, not the plugin), a file by ``lightning_remove``."""
+        local = local_path(filepath)
+        if self.strategy.is_global_zero and local is not None and os.path.isdir(local):
+            self.runtime.remove_when_written(lambda: remove_dir(local))
+            return
+        self.runtime.remove_when_written(lambda: lightning_remove(os.fspath(filepath)))
+
+    # --- loading --------------------------------------------------------------------------------------------
+    def load(
+        self,
+        checkpoint_path: PathLike,
+        weights_only: Optional[bool],
+        lightning_load: Callable[..., dict[str, Any]],
+    ) -> dict[str, Any]:
+        """Read the checkpoint at ``checkpoint_path`` (a collective), either layout whatever this strategy saves:
+        a file through ``lightning_load`` (Lightning's), whose states :meth:`load_module_state` and
+        :meth:`load_optimizer_states` then scatter; a directory loaded in place now (weights and optimizer states,
+        each rank reading the slices it owns). A save killed in the instant of its swap is recovered first."""
+        if self.strategy.is_global_zero:
+            recover_dir(local_path(checkpoint_path) or checkpoint_path)
+        checkpoint_path = self.strategy.broadcast(str(checkpoint_path))  # the broadcast waits for the recovery
+        local = local_path(checkpoint_path)
+        path: Union[Path, str] = Path(local) if local is not None else str(checkpoint_path)  # a URL stays a string
+        if checkpoint_kind(path) != "dir":
+            self.loaded_in_place = False
+            return self.runtime.after_load(lightning_load(os.fspath(checkpoint_path), weights_only=weights_only))
+        checkpoint = load_dir(
+            path,
+            self.strategy.lightning_module,  # needed once the directory is found complete and its meta.pt read
+            weights_only=weights_only,
+            group=_world_group(),
+            optimizers=self.strategy.optimizers,
+            restore_optimizers=self.strategy.lightning_restore_optimizer,
+            sharding=self._sharding(),
+            frozen_left_out=self.runtime.frozen_left_out,
+        )
+        self.loaded_in_place = True
+        return self.runtime.after_load(checkpoint)
+
+    def load_module_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        """A file's weights scattered into the module (a directory's are loaded already), then the masters."""
+        if not self.loaded_in_place:
+            module = self._served_module()
+            sharding = self._sharding()
+            self.runtime.load_weights(
+                checkpoint, strict, lambda c, s: sharding.load_full_model_state(module, c["state_dict"], s)
+            )
+        self.runtime.load_masters(checkpoint)
+
+    def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        """A file's optimizer states scattered into the optimizers (a directory's are loaded already)."""
+        if self.loaded_in_place:
+            return
+        optimizers = self.strategy.optimizers
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(optimizers):
+            raise ValueError(
+                f"The checkpoint has {len(states)} optimizer states and configure_optimizers returned "
+                f"{len(optimizers)} optimizers: resume with the same configure_optimizers."
+            )
+        for opt, state in zip(optimizers, states):
+            if not state:
+                raise ValueError(
+                    "The checkpoint's optimizer state is empty: it was saved in the main process after a spawn or "
+                    "fork launch (plain Lightning does that). Resume from a checkpoint written during fit "
+                    "(ModelCheckpoint), or pass weights_only=True to Trainer.fit's ckpt_path logic by loading the "
+                    "weights with LightningModule.load_from_checkpoint and starting a new fit."
+                )
+            self._sharding().load_full_optimizer_state(self._served_module(), opt, state)

@@ -14,12 +14,10 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Optional, Union, cast
 
 import pytorch_lightning as pl
@@ -41,7 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import _compat, comm
-from lightning_mgpu._compat import attached_trainer, unwrap_optimizer
+from lightning_mgpu._compat import attached_trainer
 from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.mesh import DATA_PARALLEL, ParallelMesh, expose_to_module
@@ -64,13 +62,9 @@ from lightning_mgpu.parts.tensor_parallel import TensorParallelism
 from lightning_mgpu.parts.trainable_state import check_sharded_save, saves_trainable_only
 from lightning_mgpu.plugins.checkpoint_io import (
     PathLike,
-    checkpoint_kind,
-    local_path,
-    recover_dir,
-    remove_dir,
 )
 from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
-from lightning_mgpu.plugins.sharded_checkpoint import load_dir, save_dir
+from lightning_mgpu.plugins.sharded_checkpoint import ShardedCheckpoints
 from lightning_mgpu.quantization import check_shardable, has_nf4
 from lightning_mgpu.settings import (
     Backend,
@@ -127,11 +121,6 @@ class ShardMemory:
     optimizer_state: int
     gradients: int
     parameters: int
-
-
-# The checkpoints of :class:`~lightning_mgpu.MGPUShardedStrategy`: the consolidated file or the sharded directory
-# (``plugins/sharded_checkpoint.py``), written atomically (and in the background with ``async_checkpoint=True``), and
-# loaded at any world size; the sharding backend (``parts/sharding.py``) gathers and scatters the states.
 
 
 @strategy_options(
@@ -265,7 +254,6 @@ class MGPUShardedStrategy(ParallelStrategy):
             )
             self._sharding = pipeline
             self._steps = PipelineSteps(tensor, pipeline)
-        self._loaded_sharded = False
         self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
         self._mesh_group: Any = None  # the default process group the mesh was built over
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
@@ -279,6 +267,13 @@ class MGPUShardedStrategy(ParallelStrategy):
             full_module_state=self._full_module_state,
             hand_back=[self._steps],
         )
+        # both layouts' saves and loads (plugins/sharded_checkpoint.py), over the sharding backend in use
+        self._checkpoints = ShardedCheckpoints(
+            self, self._runtime, self._sharding_backend, checkpoint, {"stage": sharded.stage, "backend": backend}
+        )
+
+    def _sharding_backend(self) -> ShardingBackend:
+        return self._sharding
 
     # --- what users read ------------------------------------------------------------------------------
     @property
@@ -528,131 +523,40 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        module = self.lightning_module
-        assert module is not None
-        if self._checkpoint_layout == "sharded":
-            return self._runtime.module_state(self._sharding.sharded_model_state(module))
-        # checkpoint_params: an adapter-only save gathers the entries it keeps, not the frozen base
-        return self._runtime.module_state(self._sharding.full_model_state(module, self._runtime.saved_keys()))
+        return self._checkpoints.module_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        optimizer = unwrap_optimizer(optimizer)
-        assert self.lightning_module is not None
-        if self._checkpoint_layout == "sharded":
-            return self._sharding.sharded_optimizer_state(self.lightning_module, optimizer)
-        return self.consolidated_optimizer_state(optimizer)
+        return self._checkpoints.optimizer_state(optimizer)
 
     def consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole state of ``optimizer`` as one process's ``optimizer.state_dict()`` (indexed by parameter),
         on rank 0; ``{}`` elsewhere. A collective: call it on every rank."""
-        optimizer = unwrap_optimizer(optimizer)
-        assert self.lightning_module is not None
-        return self._sharding.full_optimizer_state(self.lightning_module, optimizer, self.is_global_zero)
+        return self._checkpoints.consolidated_optimizer_state(optimizer)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
     ) -> None:
-        self._runtime.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
-        filepath = self.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
-        local = local_path(filepath)
-        if self._checkpoint_layout == "consolidated":
-            if local is not None and os.path.isdir(local):
-                raise IsADirectoryError(
-                    f"{local} is a directory (a sharded checkpoint?); a consolidated checkpoint is one file. Choose "
-                    f"another file name, or save with MGPUShardedStrategy(checkpoint='sharded')."
-                )
-            # checkpoint_io: atomic by default
-            self._runtime.write_file(checkpoint, filepath, storage_options, super().save_checkpoint)
-            return
-        if storage_options is not None:
-            raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
-        if not self._runtime.writes_checkpoints():  # fault tolerance: the lowest replica group writes
-            return
-        save_dir(
-            checkpoint,
-            local if local is not None else str(filepath),  # a local directory, or a prefix at an fsspec URL
-            rank=self.global_rank,
-            broadcast=self.broadcast,
-            barrier=self.barrier,
-            group=self._process_group(),
-            marker={
-                "world_size": self.world_size,
-                "stage": self._sharded_settings.stage,
-                "backend": self._backend_name,
-                "layout": self._checkpoint_layout,
-            },
-            writes=self._runtime.writes if self._runtime.saves_async() else None,
-        )
+        self._checkpoints.save(checkpoint, filepath, storage_options, super().save_checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
-        local = local_path(filepath)
-        if self.is_global_zero and local is not None and os.path.isdir(local):
-            # whatever the checkpoint_io: the strategy wrote the directory, not the plugin
-            self._runtime.remove_when_written(lambda: remove_dir(local))
-            return
-        remove = super().remove_checkpoint
-        self._runtime.remove_when_written(lambda: remove(os.fspath(filepath)))
+        self._checkpoints.remove(filepath, super().remove_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if weights_only is None:  # Lightning drops the user's for strategies that restore after set-up
             weights_only = launched_weights_only(self.launcher)
-        if self.is_global_zero:
-            recover_dir(local_path(checkpoint_path) or checkpoint_path)  # a save killed in the instant of its swap
-        checkpoint_path = self.broadcast(str(checkpoint_path))  # the broadcast waits for the recovery
-        local = local_path(checkpoint_path)
-        path: Union[Path, str] = Path(local) if local is not None else str(checkpoint_path)  # a URL stays a string
-        if checkpoint_kind(path) != "dir":
-            self._loaded_sharded = False
-            return self._runtime.after_load(
-                super().load_checkpoint(os.fspath(checkpoint_path), weights_only=weights_only)
-            )
-        checkpoint = load_dir(
-            path,
-            self.lightning_module,  # needed once the directory is found complete and its meta.pt read
-            weights_only=weights_only,
-            group=self._process_group(),
-            optimizers=self.optimizers,
-            restore_optimizers=self.lightning_restore_optimizer,
-            sharding=self._sharding,
-            frozen_left_out=self._runtime.frozen_left_out,
-        )
-        self._loaded_sharded = True
-        return self._runtime.after_load(checkpoint)
+        return self._checkpoints.load(checkpoint_path, weights_only, super().load_checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self._loaded_sharded:  # else loaded in place by load_checkpoint
-            module = self.lightning_module
-            assert module is not None
-            self._runtime.load_weights(
-                checkpoint, strict, lambda c, s: self._sharding.load_full_model_state(module, c["state_dict"], s)
-            )
-        self._runtime.load_masters(checkpoint)
+        self._checkpoints.load_module_state(checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._loaded_sharded:
-            return
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(
-                f"The checkpoint has {len(states)} optimizer states and configure_optimizers returned "
-                f"{len(self.optimizers)} optimizers: resume with the same configure_optimizers."
-            )
-        assert self.lightning_module is not None
-        for opt, state in zip(self.optimizers, states):
-            if not state:
-                raise ValueError(
-                    "The checkpoint's optimizer state is empty: it was saved in the main process after a spawn or "
-                    "fork launch (plain Lightning does that). Resume from a checkpoint written during fit "
-                    "(ModelCheckpoint), or pass weights_only=True to Trainer.fit's ckpt_path logic by loading the "
-                    "weights with LightningModule.load_from_checkpoint and starting a new fit."
-                )
-            self._sharding.load_full_optimizer_state(self.lightning_module, opt, state)
+        self._checkpoints.load_optimizer_states(checkpoint)
 
     # --- launch ---------------------------------------------------------------------------------------
     @override
