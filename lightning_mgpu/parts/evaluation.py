@@ -39,7 +39,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
-from lightning_mgpu import _compat
+from lightning_mgpu import _compat, comm
 
 
 def common_batch_count(total: int, world_size: int, batch_size: int) -> Optional[int]:
@@ -278,3 +278,48 @@ def planned_counts_differ(counts: list[float]) -> bool:
     """Whether the ranks' planned numbers of evaluation batches (one entry per rank, ``inf`` when unknown) may
     differ, i.e. whether a collective in every forward could be left waiting."""
     return any(math.isinf(c) for c in counts) or len(set(counts)) > 1
+
+
+def running_evaluation_loop(trainer: Any) -> Any:
+    """The evaluation loop ``trainer`` runs now: fit's validation loop, or validate's, test's or predict's."""
+    if trainer.predicting:
+        return trainer.predict_loop
+    if trainer.testing:
+        return trainer.test_loop
+    return trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == TrainerFn.FITTING else trainer.validate_loop
+
+
+class UnevenLoops:
+    """A sharded model's evaluation loops whose ranks may run different numbers of batches (``batch_size=1`` and a
+    set that does not divide by the world size, a sampler of your own, ``limit_val_batches`` that differ): every
+    forward of a sharded model is a collective (FSDP2 gathers the parameters, fairscale's ShardedDataParallel
+    broadcasts its buffers), so the rank with the extra batch would wait for ever. At the start of each loop one
+    all-gather of the ranks' planned batch counts says whether they may differ; if so the sharding backend does the
+    forward's collective once for the loop (:meth:`~lightning_mgpu.parts.sharding.ShardingBackend.
+    start_uneven_evaluation`), and undoes it at the loop's end.
+
+    Example (the sharded strategy's ``on_validation_start`` / ``on_validation_end``)::
+
+        loops = UnevenLoops()
+        loops.start(trainer, model, sharding, world_size=2)
+        ...
+        loops.end(sharding)
+    """
+
+    def __init__(self) -> None:
+        self._gathered: Any = None  # the model whose loop runs with its forward's collective done once
+
+    def start(self, trainer: Any, model: Any, sharding: Any, world_size: int) -> None:
+        """Before an evaluation loop, on every rank (a collective where the model's forward is one)."""
+        if trainer is None or model is None or world_size < 2 or not sharding.forward_is_collective(model):
+            return
+        planned = float(sum(running_evaluation_loop(trainer).max_batches))
+        if planned_counts_differ(comm.all_gather_object(planned)):
+            sharding.start_uneven_evaluation(model)
+            self._gathered = model
+
+    def end(self, sharding: Any) -> None:
+        """After the loop: every forward a collective again (FSDP2: back to the shards)."""
+        if self._gathered is not None:
+            model, self._gathered = self._gathered, None
+            sharding.end_uneven_evaluation(model)

@@ -45,7 +45,7 @@ from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.mesh import DATA_PARALLEL, ParallelMesh, expose_to_module
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave, classes_present
 from lightning_mgpu.parts.ddp import DDPWrapping
-from lightning_mgpu.parts.evaluation import planned_counts_differ
+from lightning_mgpu.parts.evaluation import UnevenLoops
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
 from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.parts.pipeline import PipelineBackend, PipelineStats
@@ -257,7 +257,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
         self._mesh_group: Any = None  # the default process group the mesh was built over
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
-        self._gathered_for_evaluation = False  # an evaluation loop runs with its forward's collective done once
+        self._uneven = UnevenLoops()  # evaluation loops whose ranks may run different numbers of batches
         # stage 1: the DDP part of mgpu_ddp, composed (parts/ddp.py), in the runtime; None at stages 2 and 3
         self._runtime = Runtime(
             self,
@@ -762,34 +762,10 @@ class MGPUShardedStrategy(ParallelStrategy):
             return self._steps.evaluation_step(self.lightning_module, "predict_step", self._redirect, *args, **kwargs)
 
     # --- evaluation whose ranks may run different numbers of batches (parts/evaluation.py) ---------------------
-    def _current_evaluation_loop(self, trainer: pl.Trainer) -> Any:
-        if trainer.predicting:
-            return trainer.predict_loop
-        if trainer.testing:
-            return trainer.test_loop
-        return trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == TrainerFn.FITTING else trainer.validate_loop
-
     def _start_evaluation(self) -> None:
-        """Every forward of a sharded model is a collective (FSDP2 gathers parameters, fairscale's
-        ShardedDataParallel broadcasts buffers): if the ranks could run different numbers of batches in this loop
-        (one all-gather of the planned counts says so), do that collective once for the loop instead. The pipeline's
-        evaluation through the stages is one whatever ``exact_evaluation`` (the whole model for such a loop)."""
-        trainer = attached_trainer(self.lightning_module)
-        model = self.model
-        checked = self._common.exact_evaluation or self._steps.checks_every_evaluation
-        if not checked or trainer is None or model is None or self.world_size < 2:
-            return
-        if not self._sharding.forward_is_collective(model):
-            return
-        planned = float(sum(self._current_evaluation_loop(trainer).max_batches))
-        if planned_counts_differ(comm.all_gather_object(planned)):
-            self._sharding.start_uneven_evaluation(model)
-            self._gathered_for_evaluation = True
-
-    def _end_evaluation(self) -> None:
-        if self._gathered_for_evaluation and self.model is not None:
-            self._gathered_for_evaluation = False
-            self._sharding.end_uneven_evaluation(self.model)
+        # The pipeline's evaluation through the stages is one collective whatever exact_evaluation: checked always
+        if self._common.exact_evaluation or self._steps.checks_every_evaluation:
+            self._uneven.start(attached_trainer(self.lightning_module), self.model, self._sharding, self.world_size)
 
     @override
     def on_validation_start(self) -> None:
@@ -809,17 +785,17 @@ class MGPUShardedStrategy(ParallelStrategy):
 
     @override
     def on_validation_end(self) -> None:
-        self._end_evaluation()
+        self._uneven.end(self._sharding)
         super().on_validation_end()
 
     @override
     def on_test_end(self) -> None:
-        self._end_evaluation()
+        self._uneven.end(self._sharding)
         super().on_test_end()
 
     @override
     def on_predict_end(self) -> None:
-        self._end_evaluation()
+        self._uneven.end(self._sharding)
         super().on_predict_end()
 
     @override
