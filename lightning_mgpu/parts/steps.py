@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Optional
 
@@ -41,6 +41,8 @@ Redirect = Callable[..., Any]
 class ModelSteps:
     """The whole model on every rank, split by tensor parallelism where its size is above 1."""
 
+    #: whether the model runs through pipeline stages
+    pipelined = False
     #: whether every evaluation loop checks the ranks' planned batch counts (else only with ``exact_evaluation``)
     checks_every_evaluation = False
 
@@ -70,20 +72,24 @@ class ModelSteps:
         trainer: Any,
         trainable_only: bool,
     ) -> None:
-        """Before any process starts: a 4-bit base is refused under tensor parallelism (not built yet), and a
-        model the tensor-parallel plan cannot split is refused with the fix. ``trainer``: the Trainer being set up;
-        ``trainable_only``: whether checkpoints save the trainable parameters only (``checkpoint_params``)."""
-        if four_bit and self.tensor.size > 1:
-            self._refuse_four_bit(model, "tensor")
+        """Before any process starts: a 4-bit base is refused under tensor or pipeline parallelism (not built yet),
+        a model the tensor-parallel plan cannot split is refused with the fix, then the stages are checked
+        (:meth:`check_stages`). ``trainer``: the Trainer being set up; ``trainable_only``: whether checkpoints save
+        the trainable parameters only (``checkpoint_params``)."""
+        layout = "tensor" if self.tensor.size > 1 else "pipeline" if self.pipelined else None
+        if four_bit and layout is not None:
+            raise ValueError(
+                f"{type(model).__name__} has a 4-bit base (quantize_frozen), and a 4-bit base under {layout} "
+                "parallelism is not built yet. Train it with data parallelism: mgpu_zero3 or HSDP shard the base, "
+                "mgpu_ddp keeps it whole on each rank."
+            )
         self.tensor.check_before_launch(model)
+        self.check_stages(model, precision_plugin, clip_by_norm, getattr(trainer, "callbacks", ()), trainable_only)
 
-    @staticmethod
-    def _refuse_four_bit(model: nn.Module, layout: str) -> None:
-        raise ValueError(
-            f"{type(model).__name__} has a 4-bit base (quantize_frozen), and a 4-bit base under {layout} parallelism "
-            "is not built yet. Train it with data parallelism: mgpu_zero3 or HSDP shard the base, mgpu_ddp keeps it "
-            "whole on each rank."
-        )
+    def check_stages(
+        self, model: nn.Module, precision_plugin: Any, clip_by_norm: bool, callbacks: Any, trainable_only: bool
+    ) -> None:
+        """The pipeline's checks before launch (:class:`PipelineSteps`); nothing without stages."""
 
     # --- set-up --------------------------------------------------------------------------------------------
     def split(self, module: nn.Module, mesh: Any, stats: Optional[CommStats]) -> None:
@@ -138,6 +144,7 @@ class ModelSteps:
 class PipelineSteps(ModelSteps):
     """``pipeline_parallel_size > 1``: every step through the stages of ``pipeline`` (the sharding backend too)."""
 
+    pipelined = True
     checks_every_evaluation = True  # evaluation through the stages is one collective whatever exact_evaluation
 
     def __init__(self, tensor: TensorParallelism, pipeline: PipelineBackend) -> None:
@@ -154,22 +161,11 @@ class PipelineSteps(ModelSteps):
     def restore_results_from_worker(self, state: Optional[dict[str, Any]]) -> None:
         self.pipeline.restore_results_from_worker(state)
 
-    def check_model(
-        self,
-        model: nn.Module,
-        *,
-        four_bit: bool,
-        precision_plugin: Any,
-        clip_by_norm: bool,
-        trainer: Any,
-        trainable_only: bool,
+    def check_stages(
+        self, model: nn.Module, precision_plugin: Any, clip_by_norm: bool, callbacks: Any, trainable_only: bool
     ) -> None:
-        """The tensor part's checks, a 4-bit base refused (not built yet under a pipeline), then the pipeline's:
-        the split, the clipping and the precision, the callbacks, an adapter-only checkpoint."""
-        if four_bit:
-            self._refuse_four_bit(model, "tensor" if self.tensor.size > 1 else "pipeline")
-        self.tensor.check_before_launch(model)
-        callbacks: Sequence[Any] = getattr(trainer, "callbacks", ())  # set by Lightning's callback connector
+        """The split, the clipping and the precision, the callbacks (``callbacks``: the Trainer's, set by
+        Lightning's callback connector), an adapter-only checkpoint."""
         self.pipeline.check_model(model, precision_plugin, clip_by_norm, callbacks, trainable_only)
 
     def compile(self, compilation: Compilation, module: nn.Module, unit_classes: Any) -> None:

@@ -61,6 +61,8 @@ from lightning_mgpu.quantization import loads_once_imported
 
 # a local path, or a URL fsspec understands (what Lightning calls _PATH)
 PathLike = Union[str, "os.PathLike[str]"]
+#: Lightning's ``Strategy.save_checkpoint(checkpoint, filepath, storage_options)``, handed to what writes one file
+LightningSave = Callable[[dict[str, Any], Any, Optional[Any]], None]
 
 log = logging.getLogger(__name__)
 

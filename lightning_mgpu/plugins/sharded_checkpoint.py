@@ -44,6 +44,7 @@ from lightning_mgpu import comm
 from lightning_mgpu._compat import unwrap_optimizer
 from lightning_mgpu.plugins.checkpoint_io import (
     EMA_STATE_KEY,
+    LightningSave,
     PathLike,
     begin_dir,
     check_complete,
@@ -315,13 +316,7 @@ class ShardedCheckpoints:
         optimizer = unwrap_optimizer(optimizer)
         return self._sharding().full_optimizer_state(self._served_module(), optimizer, self.strategy.is_global_zero)
 
-    def save(
-        self,
-        checkpoint: dict[str, Any],
-        filepath: PathLike,
-        storage_options: Optional[Any],
-        lightning_save: Callable[[dict[str, Any], Any, Optional[Any]], None],
-    ) -> None:
+    def save(self, checkpoint: dict[str, Any], filepath: PathLike, options: Any, lightning_save: LightningSave) -> None:
         """Write ``checkpoint`` at ``filepath`` (a collective): a file through the checkpoint IO
         (``lightning_save``: Lightning's save), or the directory; in the background with ``async_checkpoint=True``;
         with fault tolerance, by the lowest replica group only."""
@@ -334,9 +329,9 @@ class ShardedCheckpoints:
                     f"{local} is a directory (a sharded checkpoint?); a consolidated checkpoint is one file. Choose "
                     f"another file name, or save with MGPUShardedStrategy(checkpoint='sharded')."
                 )
-            self.runtime.write_file(checkpoint, filepath, storage_options, lightning_save)  # atomic by default
+            self.runtime.write_file(checkpoint, filepath, options, lightning_save)  # atomic by default
             return
-        if storage_options is not None:
+        if options is not None:
             raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
         if not self.runtime.writes_checkpoints():  # fault tolerance: the lowest replica group writes
             return

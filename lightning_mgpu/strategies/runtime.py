@@ -63,7 +63,7 @@ from lightning_mgpu.parts.trainable_state import (
 )
 from lightning_mgpu.parts.uneven_inputs import UnevenInputs
 from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError, failure_message
-from lightning_mgpu.plugins.checkpoint_io import choose_checkpoint_io
+from lightning_mgpu.plugins.checkpoint_io import LightningSave, choose_checkpoint_io
 from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
 from lightning_mgpu.settings import CommonSettings, DDPSettings, LocalSGDSettings
 from lightning_mgpu.strategies.launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
@@ -744,11 +744,7 @@ class Runtime:
             )
 
     def write_file(
-        self,
-        checkpoint: dict[str, Any],
-        filepath: Any,
-        storage_options: Optional[Any],
-        lightning_save: Callable[[dict[str, Any], Any, Optional[Any]], None],
+        self, checkpoint: dict[str, Any], filepath: Any, options: Any, lightning_save: LightningSave
     ) -> None:
         """One checkpoint file, written by rank 0 through the checkpoint IO (atomic by default; ``lightning_save``
         is Lightning's save), in the background with ``async_checkpoint=True``; with fault tolerance, by the lowest
@@ -756,14 +752,14 @@ class Runtime:
         if not self.writes_checkpoints():
             return
         if not self.saves_async():
-            lightning_save(checkpoint, filepath, storage_options)
+            lightning_save(checkpoint, filepath, options)
             return
         assert self.writes is not None
         self.writes.unsettled = True
         if self.strategy.is_global_zero:  # one file, written by rank 0 (as Lightning's)
             staged = self.writes.writer.stage(checkpoint)
             io = self.strategy.checkpoint_io
-            self.writes.submit(str(filepath), 0, lambda: io.save_checkpoint(staged, filepath, storage_options))
+            self.writes.submit(str(filepath), 0, lambda: io.save_checkpoint(staged, filepath, options))
 
     def saves_async(self) -> bool:
         """Async only inside a running fit: a save outside it (after fit, in validate) has no end of fit that
