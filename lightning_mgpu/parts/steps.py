@@ -5,7 +5,7 @@ strategy is built, so that no hook of the strategy asks which layout it trains.
   parallelism where ``tensor_parallel_size > 1`` (then the step runs under the loss over the sharded vocabulary where
   the plan has one, and a replicated ``DTensor`` output becomes the plain tensor Lightning expects);
 * :class:`PipelineSteps`: ``pipeline_parallel_size > 1``, each training step the schedule's forward and backward of
-  every micro-batch through the stages (``parts/pipeline.py``), evaluation through the stages while the other stages'
+  every micro-batch through the stages (``parts/pipeline/``), evaluation through the stages while the other stages'
   blocks are freed, the gradients synced across stages and replicas after Lightning's closure, and the whole model
   gathered on every rank at the end of fit. The stages' blocks may be split by tensor parallelism too.
 

@@ -11,7 +11,7 @@ multiplied by ``W * k / T``, before unscaling, clipping or any non-finite check 
 ``sum / T`` (the global token mean) is logged as ``loss_per_token``.
 
 Ranks that compute the gradient of the same batch count its tokens each (the P stages of a pipeline, whose step
-returns the sum over its micro-batches and their count; ``parts/pipeline.py``): T is then counted P times and the
+returns the sum over its micro-batches and their count; ``parts/pipeline/``): T is then counted P times and the
 factor is ``W * k / (P * T)``, which is what the gradients synced over the ``W / P`` data replicas need.
 
 Manual optimization: call ``self.trainer.strategy.add_tokens(num_tokens, loss_sum)`` for each micro-batch before

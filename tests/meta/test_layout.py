@@ -12,8 +12,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_mgpu"
 LOWER = [
-    *sorted((PACKAGE / "parts").glob("*.py")),
-    *sorted((PACKAGE / "plugins").glob("*.py")),
+    *sorted((PACKAGE / "parts").rglob("*.py")),  # a part that is a package (parts/pipeline/) included
+    *sorted((PACKAGE / "plugins").rglob("*.py")),
     PACKAGE / "settings.py",
     PACKAGE / "comm.py",
     PACKAGE / "comm_hooks.py",

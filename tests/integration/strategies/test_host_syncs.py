@@ -100,7 +100,7 @@ def _extra(ours: list[collections.Counter], theirs: list[collections.Counter]) -
 
 #: what the pipeline layout still waits for per step: the last stage's loss and logged values go to the other
 #: stages in one object broadcast (the last stage copies them to the host, the others read the broadcast's size)
-PIPELINE = ("lightning_mgpu/parts/pipeline.py:", "lightning_mgpu/comm.py:")
+PIPELINE = ("lightning_mgpu/parts/pipeline/", "lightning_mgpu/comm.py:")
 
 
 def test_the_pack_adds_no_host_sync_per_step_to_lightnings():

@@ -17,13 +17,13 @@ from lightning_mgpu.parts.compilation import Compilation, compiled_modules
 from lightning_mgpu.parts.pipeline import (
     PipelineBackend,
     PipelineError,
-    _StageOutput,
     balanced_bounds,
     check_loader_batches,
     combine_logs,
     plan_stages,
     split_batch,
 )
+from lightning_mgpu.parts.pipeline.stages import _StageOutput
 
 
 class Stack(pl.LightningModule):

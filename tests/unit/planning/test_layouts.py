@@ -298,7 +298,7 @@ def _bytes(params: Any) -> int:
 
 def test_a_pipeline_stage_holds_the_parameters_the_plan_gives_a_rank():
     # a rank of a pipeline holds its stage's blocks and every weight outside the blocks (the embedding, the final
-    # norm, the head: parts/pipeline.py frees only the other stages' blocks)
+    # norm, the head: parts/pipeline/ frees only the other stages' blocks)
     x = next(x for x in _lm_plan().layouts if (x.tensor, x.pipeline, x.activation_checkpointing) == (1, 2, False))
     model = _lm()
     outside = [*model.embed.parameters(), *model.norm.parameters(), *model.head.parameters()]
@@ -326,7 +326,7 @@ class _WideVocabulary(TransformerLM):
 def test_zero3_in_a_pipeline_keeps_the_weights_outside_the_blocks_whole_on_every_rank():
     # ZeRO-3 over 2 data ranks x 2 stages: each stage's blocks sharded over its data ranks (kept gathered from the
     # first micro-batch to the last), the embedding, final norm and head whole on every rank with their whole
-    # gradients and momentum (parts/pipeline.py: only the stages' blocks are FSDP units)
+    # gradients and momentum (parts/pipeline/: only the stages' blocks are FSDP units)
     data = RandomTokens(batch_size=4, seq_len=8, vocab=4096)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))

@@ -1,77 +1,7 @@
-"""Pipeline parallelism: the model's blocks split into consecutive stages, each on its own ranks, every batch cut
-into micro-batches that flow through the stages (``torch.distributed.pipelining``: ``PipelineStage`` and its
-GPipe, 1F1B and interleaved 1F1B schedules).
-
-The model is the user's LightningModule, unchanged. Its blocks are the children of one ``nn.Sequential`` or
-``nn.ModuleList`` that its forward calls in order (``for block in self.blocks: x = block(x)``); everything else
-(embeddings, masks, positions, the final norm and head, the loss) is computed by the user's own ``training_step``.
-Each stage runs that ``training_step`` on its micro-batch with hooks on the blocks: the blocks before the stage's
-are skipped, the first block of the stage takes the activation received from the previous stage in place of its
-first argument, and the forward stops after the stage's last block, whose output (its first tensor) is sent on.
-The last stage runs the ``training_step`` to its end: its loss, scaled by ``1 / (micro-batches x
-accumulate_grad_batches)``, is what the schedule's backward starts from (the ``1 / accumulate_grad_batches`` is
-applied by Lightning's own backward of the loss the step returns), so the gradients are those of one process with
-the same global batch. Under the fp16 loss scaler the schedule's backward starts from that loss times the loss
-scale (:meth:`PipelineBackend.use_loss_scale`), as one process's backward of the scaled loss does, so every stage's
-half-precision backward runs on scaled gradients. With ``loss_normalization="tokens"`` the last stage's
-``training_step`` returns each micro-batch's sum of token losses and its ``num_tokens``: the sums are added, not
-averaged, and the pipeline's step
-returns ``{"loss": <the batch's sum>, "num_tokens": <the batch's count>}`` on every rank of the pipeline, so each
-of its P ranks counts its replica's tokens (``parts/token_loss.py``: the all-reduce over all W ranks gives
-``P x T``, and the rescale by ``W x k / (P x T)`` turns the synced gradients, ``sum / (replicas x k)``, into
-``sum / T``). ``self.log`` calls made in ``training_step`` on the last stage are collected per
-micro-batch, combined with their ``reduce_fx`` (the mean of equal micro-batches: the value of the whole batch),
-and logged once on every rank of the pipeline.
-
-Each rank trains the blocks of its stages and the parameters outside the blocks (their gradients are summed over
-the stages, which handles weights tied between the embedding and the head). During training it holds only those:
-at the first training step the storage of the other stages' blocks' parameters and buffers is freed (each keeps its
-Parameter object, dtype and device, with an empty tensor in place of its values), so they have no gradient and no
-optimizer state. Evaluation during fit runs through the stages too (:meth:`PipelineBackend.evaluation_step`): the
-user's ``validation_step`` on each stage with its blocks, forward only, on the whole batch, its logs and output
-those of the last stage on every rank of the pipeline. For a consolidated checkpoint, an evaluation loop whose
-ranks may run different numbers of batches, and at the end of fit, the freed tensors are allocated again and each
-block's weights are broadcast from the stage that trains them, so that every rank holds the trained model (an
-evaluation step then runs it whole, data-parallel over the data replicas). MGPUPrecision's master modes are refused
-before launch (each rank's optimizer would step FP32 masters of every block, the other stages' never trained
-there). With
-``compile=...`` each block's ``forward`` is compiled in place (``parts/compilation.py``) and the hooks above stay
-eager; a block skipped as another stage's gets its compiled ``forward`` back after the step.
-
-With tensor parallelism within the stages (``tensor_parallel_size > 1``: the plan applied over the mesh's tensor
-dimension before :meth:`PipelineBackend.shard_model`), the pipeline group of a rank is the mesh's pipeline dimension
-at its data and tensor coordinates, so stages exchange plain activations with the rank holding the same shards. The
-blocks' ``DTensor`` parameters are freed and gathered by their local shards (each keeps its global shape), the
-weights outside the blocks are summed over the stages per tensor coordinate, the clipping norm weighs each gradient
-by ``1 / (the ranks holding its values)``, and the consolidated state is gathered over the tensor group.
-
-With ``stage=3`` the data dimension shards each stage instead of replicating it (ZeRO-3 inside the pipeline, as
-torchtitan composes pipeline and FSDP): each of this rank's stages (the ``PipelineStage``'s module) is one FSDP2
-unit, ``fully_shard`` over the mesh's ``data_parallel`` dimension, so its blocks' parameters, gradients and
-optimizer state are ``DTensor`` shards between optimizer steps. The unit is gathered at the step's first forward
-and kept gathered (``reshard_after_forward=False``, as torchtitan does with a pipeline: one all-gather per optimizer
-step); ``PipelineStage`` turns gradient sync off during the schedule, and the end of the schedule's step does not
-reduce either
-(:meth:`_ChunkedStage.perform_reduce_grad`): the gradients accumulate unsharded over every micro-batch and every
-``accumulate_grad_batches`` batch, and :meth:`PipelineBackend.sync_gradients` reduce-scatters them once per
-optimizer step, then scales them by what flowed into the step's loss. The parameters outside the blocks stay
-replicated. For the probe, evaluation and :meth:`PipelineBackend.gather_blocks` the units are gathered whole
-(``unshard``), and resharded at the next training step. With ``mesh="hybrid"`` (HSDP inside the pipeline) the
-unit is sharded over the 2-D ``("data_replicate", "data_shard")`` mesh of its stage: the reduce-scatter stays in
-the shard group and the replicas all-reduce their shards. With tensor parallelism too (torchtitan's pipeline x FSDP
-x tensor), the plan splits the blocks first and FSDP2 shards their ``DTensor`` parameters over the data dimension
-of the same mesh (2-D ``DTensor`` parameters on ``("data_parallel", "tensor_parallel")``). The clipping norm weighs
-each gradient by ``1 / (the ranks of its stage holding the same values)``: HSDP's replicas of a shard, the tensor
-ranks of a weight the plan leaves whole.
-
-Example::
-
-    backend = PipelineBackend(size=2, schedule="1f1b", microbatches=4, split="auto")  # the strategy's backend
-    backend.shard_model(module, parallel_mesh)  # at set-up: the stages and their blocks
-    loss = backend.training_step(module, 1, batch, batch_idx)  # all stages' forwards and backwards (k=1)
-    loss.backward()  # Lightning's closure: the schedule's gradients land in .grad
-    backend.sync_gradients()  # after the closure: the replicas and the weights outside the blocks
-"""
+"""``PipelineBackend``: the sharded strategy's backend with ``pipeline_parallel_size > 1`` (the package's docstring,
+``parts/pipeline/__init__.py``, says what it does): the stages built over the mesh, the schedule's step, the gradient
+sync across replicas and stages, the clipping, evaluation through the stages, the blocks freed and gathered, and the
+whole model's states for checkpoints."""
 
 from __future__ import annotations
 
@@ -85,23 +15,41 @@ from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.optim import Optimizer
 
 from lightning_mgpu import _compat, comm
 from lightning_mgpu.ledger import CommStats
-from lightning_mgpu.mesh import DATA_PARALLEL, PIPELINE, TENSOR_PARALLEL, ParallelDims, ParallelMesh
-from lightning_mgpu.parts.accumulation import BackwardSyncControl
-from lightning_mgpu.parts.clipping import GlobalNormClipping, copies_among
+from lightning_mgpu.mesh import DATA_PARALLEL, PIPELINE, ParallelDims, ParallelMesh
+from lightning_mgpu.parts.clipping import GlobalNormClipping
+from lightning_mgpu.parts.pipeline.batches import (
+    _fingerprint,
+    _first_tensor,
+    _leaves,
+    _to_device,
+    check_loader_batches,
+    combine_logs,
+    split_batch,
+)
+from lightning_mgpu.parts.pipeline.plan import (
+    SHAPE_NEEDED,
+    PipelineError,
+    StagePlan,
+    check_stage_count,
+    master_precision_refusal,
+)
+from lightning_mgpu.parts.pipeline.stages import (
+    PipelineSyncControl,
+    _ChunkedStage,
+    _copies_over,
+    _like,
+    _over_data,
+    _PendingGradients,
+    _Stage,
+    _StageOutput,
+)
 from lightning_mgpu.parts.sharding import ShardingBackend, optimizer_params
 from lightning_mgpu.parts.token_loss import TokenNormalization
-
-#: what the container of the blocks must look like, for the errors
-SHAPE_NEEDED = (
-    "the blocks as the children of one nn.Sequential or nn.ModuleList that forward calls in order, each once, each "
-    "block's output (or its first element) handed to the next block as its first argument: `self.blocks = "
-    "nn.ModuleList([...])` and `for block in self.blocks: x = block(x)` (or `x = block(x)[0]`)"
-)
 
 
 @dataclass(frozen=True)
@@ -117,421 +65,6 @@ class PipelineStats:
     bytes_sent: int
     bubble: float
     bubble_theory: float
-
-
-class PipelineError(ValueError):
-    """A model or batch the pipeline cannot split, with the shape it needs."""
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """Where the stages begin: ``container`` (a module name, ``""`` for the LightningModule itself) holds the
-    blocks ``names``; stage ``s`` trains ``names[bounds[s][0]:bounds[s][1]]``."""
-
-    container: str
-    names: tuple[str, ...]
-    bounds: tuple[tuple[int, int], ...]
-
-    @property
-    def stages(self) -> int:
-        return len(self.bounds)
-
-    def begins(self) -> list[str]:
-        """The module names where stages 1, 2, ... begin (``pipeline_split`` that gives this plan)."""
-        return [self.names[start] for start, _ in self.bounds[1:]]
-
-
-def _containers(module: nn.Module) -> dict[str, Any]:
-    return {name: m for name, m in module.named_modules() if isinstance(m, (nn.Sequential, nn.ModuleList))}
-
-
-def _full(prefix: str, child: str) -> str:
-    return f"{prefix}.{child}" if prefix else child
-
-
-def balanced_bounds(costs: Sequence[int], stages: int) -> tuple[tuple[int, int], ...]:
-    """Consecutive ranges of ``costs`` (one per block), ``stages`` of them, each non-empty, whose largest sum is the
-    smallest possible.
-
-    >>> balanced_bounds([1, 1, 1, 1, 4], 2)
-    ((0, 4), (4, 5))
-    """
-    n = len(costs)
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[s][i]: the smallest largest-stage cost of the first i blocks in s stages
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for s in range(1, stages + 1):
-        for i in range(s, n + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    bounds = []
-    end = n
-    for s in range(stages, 0, -1):
-        start = cut[s][end]
-        bounds.append((start, end))
-        end = start
-    return tuple(reversed(bounds))
-
-
-def plan_stages(module: nn.Module, split: Any, stages: int) -> StagePlan:
-    """The stages of ``module``: from ``split`` (the module names where stages 1, 2, ... begin) or ``"auto"`` (the
-    ``nn.Sequential`` or ``nn.ModuleList`` with the most parameters among those with at least ``stages`` children,
-    cut into stages of balanced parameter count). Raises :class:`PipelineError` naming the fix."""
-    owner = type(module).__name__
-    containers = _containers(module)
-    if split == "auto":
-        candidates = [(n, c) for n, c in containers.items() if len(c) >= stages]
-        if not candidates:
-            largest = max((len(c) for c in containers.values()), default=0)
-            raise PipelineError(
-                f"pipeline_split='auto' found no nn.Sequential or nn.ModuleList in {owner} with at least {stages} "
-                f"children (blocks) to make {stages} stages (the largest has {largest}). The pipeline needs "
-                f"{SHAPE_NEEDED}. Use fewer stages, or give the model that shape."
-            )
-        name, container = max(
-            candidates, key=lambda nc: (sum(p.numel() for p in nc[1].parameters()), len(nc[1]), -len(nc[0]))
-        )
-        children = [n for n, _ in container.named_children()]
-        costs = [sum(p.numel() for p in child.parameters()) + 1 for child in container.children()]
-        bounds = balanced_bounds(costs, stages)
-        return StagePlan(name, tuple(_full(name, c) for c in children), bounds)
-    names = list(split)
-    modules = dict(module.named_modules())
-    missing = [n for n in names if n not in modules]
-    if missing:
-        close = [n for n in modules if n and any(n.endswith("." + m.split(".")[-1]) for m in missing)][:6]
-        raise PipelineError(
-            f"pipeline_split={names!r}: {owner} has no module named {missing[0]!r}. Give names from "
-            f"{owner}.named_modules() where the stages after the first begin{f', e.g. {close}' if close else ''}."
-        )
-    parents = {n.rpartition(".")[0] for n in names}
-    parent = parents.pop() if len(parents) == 1 else None
-    if parent is None or parent not in containers:
-        raise PipelineError(
-            f"pipeline_split={names!r}: the names must be children of one nn.Sequential or nn.ModuleList (the "
-            f"blocks), such as ['blocks.2'] for `self.blocks = nn.ModuleList(...)`. The pipeline needs "
-            f"{SHAPE_NEEDED}."
-        )
-    children = [_full(parent, c) for c, _ in containers[parent].named_children()]
-    starts = [children.index(n) for n in names]
-    if starts != sorted(set(starts)) or starts[0] == 0:
-        raise PipelineError(
-            f"pipeline_split={names!r} must name blocks in increasing order, after the first block "
-            f"({children[0]!r} begins stage 0): each name is where one stage after the first begins."
-        )
-    edges = [0, *starts, len(children)]
-    bounds = tuple((edges[i], edges[i + 1]) for i in range(len(edges) - 1))
-    return StagePlan(parent, tuple(children), bounds)
-
-
-def check_stage_count(module: nn.Module, split: Any, stages: int) -> StagePlan:
-    """:func:`plan_stages`, with the error for more stages than blocks."""
-    plan = plan_stages(module, split, stages)
-    if plan.stages != stages:  # only names can disagree; settings checked the count against the schedule
-        raise PipelineError(f"pipeline_split makes {plan.stages} stages where {stages} are needed.")
-    return plan
-
-
-# --- micro-batches --------------------------------------------------------------------------------------------
-
-
-def _leaves(batch: Any) -> list[Tensor]:
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in _leaves(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _leaves(v)]
-    return []
-
-
-def _split(batch: Any, m: int) -> list[Any]:
-    if isinstance(batch, Tensor):
-        return list(batch.chunk(m)) if batch.dim() > 0 else [batch] * m
-    if isinstance(batch, dict):
-        parts = {k: _split(v, m) for k, v in batch.items()}
-        return [type(batch)({k: parts[k][i] for k in batch}) for i in range(m)]
-    if isinstance(batch, (list, tuple)):
-        parts_list = [_split(v, m) for v in batch]
-        rows = [[p[i] for p in parts_list] for i in range(m)]
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-            return [type(batch)(*row) for row in rows]
-        return [type(batch)(row) for row in rows]
-    return [batch] * m
-
-
-def split_batch(batch: Any, m: int) -> list[Any]:
-    """``batch`` (tensors, and lists, tuples and dicts of them) cut into ``m`` micro-batches along the first
-    dimension of every tensor; anything else is repeated. Raises :class:`PipelineError` where a tensor's first
-    dimension does not divide by ``m``."""
-    sizes = {t.shape[0] for t in _leaves(batch) if t.dim() > 0}
-    bad = sorted(s for s in sizes if s % m)
-    if bad:
-        raise PipelineError(
-            f"A batch of {bad[0]} samples does not divide into pipeline_microbatches={m} equal micro-batches. Use a "
-            f"batch size that is a multiple of {m} (and drop_last=True in the DataLoader if the dataset's last batch "
-            f"is smaller), or pipeline_microbatches={math.gcd(bad[0], m)}."
-        )
-    return _split(batch, m)
-
-
-def master_precision_refusal(mode: str, size: int) -> str:
-    """Why MGPUPrecision's master mode ``mode`` is refused with ``pipeline_parallel_size=size``, and the fix (the
-    pipeline's check before launch, and the layout planner's for a pipelined layout of that precision).
-
-    Example:
-
-        >>> master_precision_refusal("bf16-master", 2).split(":")[0]
-        "MGPUPrecision('bf16-master') with pipeline_parallel_size=2 is not supported yet"
-    """
-    return (
-        f"MGPUPrecision({mode!r}) with pipeline_parallel_size={size} is not supported yet: each rank's optimizer "
-        f"would step FP32 masters of every block, and those of the other stages' blocks are never trained on that "
-        f"rank (the model and its checkpoint would get their stale values; at stage=3 the masters would be whole on "
-        f"every rank, where ZeRO-3 shards the stage). Use precision='bf16-mixed' (or '16-mixed', '32-true'): the "
-        f"weights stay FP32, autocast computes in half."
-    )
-
-
-def check_loader_batches(loader: Any, m: int, batches_run: float) -> None:
-    """Refuse, before the first training batch, a training ``loader`` whose batches do not all split into ``m``
-    equal micro-batches: its batch size, or its last (smaller) batch where ``batches_run`` (the batches an epoch
-    runs: Lightning's ``num_training_batches``, the steps' limit) reaches it, instead of failing at the end of the
-    first epoch. A loader whose length is unknown (an iterable dataset, a batch sampler) is checked batch by batch
-    (:func:`split_batch`).
-
-    Example:
-
-        >>> from torch.utils.data import DataLoader
-        >>> check_loader_batches(DataLoader(range(12), batch_size=4), m=2, batches_run=3)  # 3 batches of 4
-        >>> check_loader_batches(DataLoader(range(13), batch_size=4), m=2, batches_run=2)  # the last never runs
-    """
-    from torch.utils.data import DataLoader
-
-    if not isinstance(loader, DataLoader) or loader.batch_size is None:
-        return
-    try:
-        samples = len(loader.sampler)  # type: ignore[arg-type]  # this data replica's, after Lightning's sampler
-    except TypeError:
-        return
-    size = loader.batch_size
-    if samples < size:  # one batch, of every sample (none with drop_last)
-        if loader.drop_last or not samples or samples % m == 0:
-            return
-        size = samples
-    last = 0 if loader.drop_last else samples % size
-    if size % m == 0 and (not last or last % m == 0 or batches_run < len(loader)):
-        return
-    bad = size if size % m else last
-    raise PipelineError(
-        f"The training loader's batches do not all divide into pipeline_microbatches={m} equal micro-batches: "
-        f"{samples} samples per data replica in batches of {size} "
-        + (f"give a batch of {size}. Use a batch size that is a multiple of {m}" if size % m else "")
-        + (
-            f"leave a last batch of {last}. Pass drop_last=True to the training DataLoader, or use a batch size and "
-            f"dataset size whose remainder divides by {m}"
-            if not size % m
-            else ""
-        )
-        + f", or pipeline_microbatches={math.gcd(bad, m)}."
-    )
-
-
-def _first_tensor(value: Any) -> Optional[Tensor]:
-    if isinstance(value, Tensor):
-        return value
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
-        return value[0]
-    return None
-
-
-def _fingerprint(batch: Any) -> list[tuple[tuple[int, ...], float]]:
-    """The shapes and sums of ``batch``'s tensors: what the ranks of a pipeline compare to know they hold the same
-    evaluation batch."""
-    return [(tuple(t.shape), float(t.detach().double().nan_to_num().sum())) for t in _leaves(batch)]
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """``value`` (tensors, and lists, tuples and dicts of them) with its tensors detached and on ``device``."""
-    if isinstance(value, Tensor):
-        return value.detach().to(device)
-    if isinstance(value, dict):
-        return type(value)({k: _to_device(v, device) for k, v in value.items()})
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_to_device(v, device) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
-class _StageOutput(Exception):
-    """Raised by the hook after a stage's last block: the forward of this stage ends there."""
-
-    def __init__(self, output: Tensor) -> None:
-        super().__init__("pipeline stage output")
-        self.output = output
-
-
-# --- logging ----------------------------------------------------------------------------------------------------
-
-_REDUCE = {"mean": "mean", "sum": "sum", "max": "max", "min": "min"}
-
-
-def _reduce_name(fx: Any) -> str:
-    name = fx if isinstance(fx, str) else getattr(fx, "__name__", repr(fx))
-    if name not in _REDUCE:
-        raise PipelineError(
-            f"self.log(..., reduce_fx={fx!r}) under pipeline parallelism: the micro-batches' values are combined "
-            f"with reduce_fx, which must be one of 'mean', 'sum', 'max', 'min'."
-        )
-    return name
-
-
-def combine_logs(records: list[list[tuple[str, Any, dict[str, Any]]]]) -> list[tuple[str, Tensor, dict[str, Any]]]:
-    """The ``self.log`` calls of each micro-batch's ``training_step`` (in micro-batch order) as one call per name:
-    the values combined with the call's ``reduce_fx`` (a mean of equal micro-batches is the whole batch's value)."""
-    combined: dict[str, tuple[list[Tensor], dict[str, Any]]] = {}
-    for calls in records:
-        for name, value, kwargs in calls:
-            if not isinstance(value, (Tensor, int, float)):
-                raise PipelineError(
-                    f"self.log({name!r}, {type(value).__name__}) under pipeline parallelism: only numbers and "
-                    f"tensors can be combined over the micro-batches. Log a tensor (metric.compute()) instead."
-                )
-            combined.setdefault(name, ([], kwargs))[0].append(torch.as_tensor(value).detach().cpu())
-    out = []
-    for name, (values, kwargs) in combined.items():
-        stacked = torch.stack([v.reshape(()) for v in values])
-        fx = _reduce_name(kwargs.get("reduce_fx", "mean"))
-        value = getattr(stacked, fx)() if fx in ("mean", "sum") else getattr(stacked, fx)().reshape(())
-        out.append((name, value, kwargs))
-    return out
-
-
-# --- the backend ------------------------------------------------------------------------------------------------
-
-
-def _like(param: Tensor, local: Tensor) -> Tensor:
-    """``local`` as ``param``'s gradient: a ``DTensor`` of ``param``'s mesh and placements where ``param`` is one
-    (tensor parallelism), else ``local`` itself."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
-
-
-def _over_data(param: Tensor) -> int:
-    """The elements of ``param`` the data dimension shards (``stage=3``): all of them, or this rank's tensor shard
-    of them where the tensor-parallel plan splits ``param`` (a ``DTensor`` sharded over the ``tensor_parallel``
-    dimension of its mesh; its data dimensions, flat or HSDP's two, do not count)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return param.numel()
-    names = param.device_mesh.mesh_dim_names or ()
-    split = math.prod(
-        param.device_mesh.size(d)
-        for d, p in enumerate(param.placements)
-        if not (p.is_replicate() or p.is_partial()) and (names[d] if d < len(names) else None) == TENSOR_PARALLEL
-    )
-    return param.numel() // split
-
-
-def _copies_over(ranks: int, replicas: int) -> Callable[[Tensor], int]:
-    """Each gradient's copies over every rank where the ``ranks`` that hold its parameter (its tensor group with
-    tensor parallelism, its stage's data x tensor ranks at ``stage=3``) may hold copies of it
-    (:func:`~lightning_mgpu.parts.clipping.copies_among`, a plain tensor whole on each of them), times the
-    ``replicas`` that hold equal gradients after the sync."""
-    return lambda grad: copies_among(grad, ranks, plain=ranks) * replicas
-
-
-class _ChunkedStage(PipelineStage):
-    """``PipelineStage`` that tells its module (a :class:`_Stage`) which micro-batch it runs, and times its
-    computation (the schedule waits for the received tensors before calling these)."""
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        runner = cast(_Stage, self.submod)
-        runner.chunk = fwd_chunk_id
-        with runner.timed():
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with cast(_Stage, self.submod).timed():
-            return super().backward_one_chunk(*args, **kwargs)
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        """The schedule's end of one step. A stage sharded with FSDP2 (``stage=3``) keeps its gradients unsharded
-        and unreduced here: they are reduce-scattered once per optimizer step, by :meth:`reduce_now` from
-        :meth:`PipelineBackend.sync_gradients`, not once per ``accumulate_grad_batches`` micro-step."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if not isinstance(self.submod, FSDPModule):
-            super().perform_reduce_grad(grad_scale_factor)
-
-    def reduce_now(self) -> None:
-        """Reduce-scatter the stage's accumulated gradients over the data dimension (FSDP2's post-backward, as the
-        schedule's own end of step does it), and reshard its parameters."""
-        super().perform_reduce_grad(1)
-
-
-class _PendingGradients(torch.autograd.Function):
-    """The loss Lightning's closure backpropagates: its backward adds the schedule's gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: Tensor, backend: PipelineBackend) -> Tensor:
-        ctx.backend = backend
-        return loss.detach().clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
-        ctx.backend.add_pending(grad)
-        return None, None
-
-
-class PipelineSyncControl(BackwardSyncControl):
-    """Nothing to block: the pipeline's gradients are synced once per optimizer step, after the closure
-    (:meth:`PipelineBackend.sync_gradients`), never inside a backward."""
-
-    wrapper = "the pipeline (no wrapper)"
-
-    def controls(self, module: nn.Module) -> bool:
-        return True
-
-    def _block(self, module: nn.Module) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-
-class _Stage(nn.Module):
-    """What ``PipelineStage`` runs for stage ``index``: the user's ``training_step`` on the micro-batch, hooked to
-    this stage's blocks (:meth:`PipelineBackend.run_stage`)."""
-
-    def __init__(self, backend: PipelineBackend, index: int, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.index = index
-        self.blocks = nn.ModuleList(blocks)
-        self._backend = [backend]  # not a submodule
-        self.chunk = 0
-
-    def forward(self, *args: Tensor) -> Tensor:
-        return self._backend[0].run_stage(self.index, self.chunk, args[0])
-
-    @contextlib.contextmanager
-    def timed(self) -> Generator[None, None, None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._backend[0].busy_s += time.perf_counter() - start
 
 
 class PipelineBackend(ShardingBackend):
