@@ -249,38 +249,38 @@ class PipelineBackend(ShardingBackend):
         return optimizer
 
     def norm_clipping(self, group: Any, ledger: CommStats) -> Optional[GlobalNormClipping]:
-        self.ledger = ledger
-        if self._sharded_stages:  # stage=3 (with tensor parallelism too)
-            return self._sharded_norm_clipping(ledger)
-        if self.dims is not None and self.dims.tensor > 1:
-            return self._tensor_parallel_clipping(ledger)
-        owned = {id(p) for p in self._owned_params()}
-        shared = {id(p) for p in self._shared_params()}
-        return GlobalNormClipping(
-            lambda opt: [p for p in optimizer_params(opt) if id(p) in owned],
-            self.pipeline_group,
-            ledger,
-            replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
-            count_replicated=self.pipeline_index == 0,
-            norm_dtype=torch.float64,  # a stage may hold no gradient: every rank the same dtype
-        )
+        """Clipping by the norm over every stage, one rule for every layout inside the pipeline: each rank sums the
+        squares of the gradients it trains, each weighted by ``1 / (the ranks holding the same values)``, and of the
+        weights outside the blocks on the first stage only; the sum is all-reduced (in float64: a stage may hold no
+        gradient, and every rank must add the same dtype). Who holds the same values:
 
-    def _tensor_parallel_clipping(self, ledger: CommStats) -> GlobalNormClipping:
-        """Tensor parallelism within the stages: the squared norm summed over every rank, each gradient weighted
-        by ``1 / (the ranks holding the same values)``: its tensor group's ranks that hold a copy (a layer the plan
-        does not split, a row-wise layer's bias) times the data replicas (whose gradients are equal after the sync);
-        the weights outside the blocks counted on the first stage only."""
-        assert self.dims is not None
-        owned = {id(p) for p in self._owned_params()}
+        * ``stage=3`` (with HSDP or tensor parallelism too): a gradient's copies among its stage's data x tensor
+          ranks (:func:`~lightning_mgpu.parts.clipping.copies_among`: 1 for a block's weight sharded over flat data,
+          HSDP's replicas for one sharded within a shard group, the tensor size for a layer the plan leaves whole, data
+          x tensor over the plan's split for the weights outside the blocks), over all ranks;
+        * tensor parallelism with whole replicas of each stage: its copies in the tensor group (a layer the plan does
+          not split, a row-wise layer's bias) times the data replicas (equal after the sync), over all ranks;
+        * neither: whole gradients, equal on the data replicas, so the pipeline's own ranks hold the norm (the sum
+          over the pipeline group alone, no weighting)."""
+        self.ledger = ledger
+        data, tensor = (self.dims.data_parallel, self.dims.tensor) if self.dims is not None else (1, 1)
+        copies: Optional[Callable[[Tensor], int]] = None
+        if self._sharded_stages:
+            group, copies = None, _copies_over(data * tensor, 1)  # copies among the stage's ranks
+        elif tensor > 1:
+            group, copies = None, _copies_over(tensor, data)
+        else:
+            group = self.pipeline_group
+        owned = {id(p) for p in self._owned_params()}  # the optimizer's DTensors at stage=3
         shared = {id(p) for p in self._shared_params()}
         return GlobalNormClipping(
             lambda opt: [p for p in optimizer_params(opt) if id(p) in owned],
-            None,
+            group,
             ledger,
             replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
             count_replicated=self.pipeline_index == 0,
-            norm_dtype=torch.float64,  # a stage may hold no gradient: every rank the same dtype
-            copies=_copies_over(self.dims.tensor, self.dims.data_parallel),
+            norm_dtype=torch.float64,
+            copies=copies,
         )
 
     # --- stage=3: ZeRO-3 over the data dimension, each local stage one FSDP2 unit -----------------------------
@@ -355,27 +355,6 @@ class PipelineBackend(ShardingBackend):
             )
             for s in sorted(self._sharded_stages)
         ]
-
-    def _sharded_norm_clipping(self, ledger: CommStats) -> GlobalNormClipping:
-        """``stage=3``: the squared norm summed over every rank, each gradient weighted by ``1 / (the ranks of its
-        stage holding the same values)``. A stage's ranks are its data x tensor ranks; a gradient's copies among
-        them are their number over its distinct pieces (:func:`~lightning_mgpu.parts.clipping.copies_among`): 1 for
-        a block's weight sharded over flat data (and split by the tensor plan), HSDP's replicas for one sharded within
-        a shard group, the tensor size for one sharded over data only (a layer the plan leaves whole, a row-wise
-        bias), data x tensor over the plan's split for the weights outside the blocks (replicated over data), counted
-        on the first stage only."""
-        assert self.dims is not None
-        owned = {id(p) for p in self._sharded_params}
-        shared = {id(p) for p in self._shared_params()}
-        return GlobalNormClipping(
-            lambda opt: [p for p in optimizer_params(opt) if id(p) in owned],
-            None,
-            ledger,
-            replicated=lambda opt: [p for p in optimizer_params(opt) if id(p) in shared],
-            count_replicated=self.pipeline_index == 0,
-            norm_dtype=torch.float64,  # a stage may hold no gradient: every rank the same dtype
-            copies=_copies_over(self.dims.data_parallel * self.dims.tensor, 1),  # copies among the stage's ranks
-        )
 
     @staticmethod
     def _in_shards(params: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:

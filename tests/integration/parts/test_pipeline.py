@@ -1005,8 +1005,8 @@ class ReplicatedCountedTwice(PipelineBackend):
     """Negative control: the clipping norm counts the parameters outside the blocks (replicated on all 4 ranks)
     whole on both data ranks of the first stage, not once."""
 
-    def _sharded_norm_clipping(self, ledger: Any) -> Any:
-        clipping = super()._sharded_norm_clipping(ledger)
+    def norm_clipping(self, group: Any, ledger: Any) -> Any:
+        clipping = super().norm_clipping(group, ledger)
         clipping.copies = lambda grad: 1  # no copies: the weights outside the blocks whole on both ranks of stage 0
         return clipping
 
@@ -1064,10 +1064,10 @@ class ShardCopiesCountedTwice(PipelineBackend):
     """Negative control for HSDP: the clipping norm counts each shard whole on both replicas that hold it (the
     weights outside the blocks still once)."""
 
-    def _sharded_norm_clipping(self, ledger: Any) -> Any:
+    def norm_clipping(self, group: Any, ledger: Any) -> Any:
         from torch.distributed.tensor import DTensor
 
-        clipping = super()._sharded_norm_clipping(ledger)
+        clipping = super().norm_clipping(group, ledger)
         ranks = self.dims.data_parallel * self.dims.tensor  # the stage's ranks
 
         def total_norm(grads: Any) -> torch.Tensor:

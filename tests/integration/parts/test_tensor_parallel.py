@@ -1046,8 +1046,8 @@ class StridedShardCountedAsCopies(PipelineBackend):
     gives a weight the plan splits) for copies, as ``Placement.is_shard()`` does: a split weight's shards weigh
     ``1 / D``, not 1."""
 
-    def _sharded_norm_clipping(self, ledger: Any) -> Any:
-        clipping = super()._sharded_norm_clipping(ledger)
+    def norm_clipping(self, group: Any, ledger: Any) -> Any:
+        clipping = super().norm_clipping(group, ledger)
         ranks = self.dims.data_parallel * self.dims.tensor  # the stage's data x tensor ranks
 
         def total_norm(grads: Any) -> torch.Tensor:
