@@ -14,7 +14,7 @@ Both hold the strategy's :class:`~lightning_mgpu.parts.tensor_parallel.TensorPar
 
 Example::
 
-    steps = PipelineSteps(tensor, pipeline) if pipelined else ModelSteps(tensor)   # in the strategy's __init__
+    steps = steps_for(settings, token_loss=False)   # in the strategy's __init__: ModelSteps or PipelineSteps
     steps.training_step(module, loss_scale, redirect, batch, batch_idx)      # the strategy's training_step
 """
 
@@ -32,6 +32,7 @@ from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.compilation import Compilation
 from lightning_mgpu.parts.pipeline import PipelineBackend, PipelineStats
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism
+from lightning_mgpu.settings import ShardedSettings
 
 #: the strategy's forward redirection: ``redirect(method, *args, **kwargs)`` runs the LightningModule's ``method``
 #: through the wrapper's forward (DDP's, fairscale's) or the sharded module's own ``__call__``
@@ -48,6 +49,10 @@ class ModelSteps:
 
     def __init__(self, tensor: TensorParallelism) -> None:
         self.tensor = tensor
+
+    def sharding(self, backend: Any) -> Any:
+        """The sharding backend the strategy holds: ``backend``, the one its stage and options make."""
+        return backend
 
     @property
     def last_stats(self) -> Optional[PipelineStats]:
@@ -151,6 +156,10 @@ class PipelineSteps(ModelSteps):
         super().__init__(tensor)
         self.pipeline = pipeline
 
+    def sharding(self, backend: Any) -> Any:
+        """The pipeline's backend (which shards each stage over the data dimension at ``stage=3``)."""
+        return self.pipeline
+
     @property
     def last_stats(self) -> Optional[PipelineStats]:
         return self.pipeline.last_stats
@@ -201,3 +210,20 @@ class PipelineSteps(ModelSteps):
     def train_end(self) -> None:
         """Every rank holds the trained model after fit."""
         self.pipeline.gather_blocks()
+
+
+def steps_for(settings: ShardedSettings, token_loss: bool) -> ModelSteps:
+    """The step object of the sharded strategy built with ``settings``: :class:`PipelineSteps` with
+    ``pipeline_parallel_size > 1``, else :class:`ModelSteps`; ``token_loss``: ``loss_normalization="tokens"``."""
+    tensor = TensorParallelism(settings.tensor_parallel_size, settings.tensor_parallel_plan)
+    if not settings.pipelined:
+        return ModelSteps(tensor)
+    pipeline = PipelineBackend(
+        settings.pipeline_parallel_size,
+        settings.pipeline_schedule,
+        settings.pipeline_microbatches,
+        settings.pipeline_split,
+        token_loss=token_loss,
+        shard_stage=settings.stage,
+    )
+    return PipelineSteps(tensor, pipeline)

@@ -48,7 +48,7 @@ from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import UnevenLoops
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
 from lightning_mgpu.parts.micro_batching import MicroBatching
-from lightning_mgpu.parts.pipeline import PipelineBackend, PipelineStats
+from lightning_mgpu.parts.pipeline import PipelineStats
 from lightning_mgpu.parts.sharding import (
     ShardingBackend,
     check_optimizer,
@@ -57,8 +57,7 @@ from lightning_mgpu.parts.sharding import (
     make_backend,
     rebind_schedulers,
 )
-from lightning_mgpu.parts.steps import ModelSteps, PipelineSteps
-from lightning_mgpu.parts.tensor_parallel import TensorParallelism
+from lightning_mgpu.parts.steps import steps_for
 from lightning_mgpu.parts.trainable_state import check_sharded_save, saves_trainable_only
 from lightning_mgpu.plugins.checkpoint_io import (
     PathLike,
@@ -236,24 +235,12 @@ class MGPUShardedStrategy(ParallelStrategy):
         self._sharded_settings = sharded
         self._backend_name: str = backend
         self._checkpoint_layout: str = checkpoint
-        self._sharding: ShardingBackend = make_backend(
-            sharded.stage, backend, sharded.unit_classes, offload=sharded.offload
-        )
         # how each step runs the model, chosen once (parts/steps.py): whole (split by tensor parallelism), or through
         # the pipeline's stages, whose backend is then the sharding backend too
-        tensor = TensorParallelism(sharded.tensor_parallel_size, sharded.tensor_parallel_plan)
-        self._steps = ModelSteps(tensor)
-        if sharded.pipelined:
-            pipeline = PipelineBackend(
-                sharded.pipeline_parallel_size,
-                pipeline_schedule,
-                pipeline_microbatches,
-                sharded.pipeline_split,
-                token_loss=loss_normalization == "tokens",
-                shard_stage=sharded.stage,
-            )
-            self._sharding = pipeline
-            self._steps = PipelineSteps(tensor, pipeline)
+        self._steps = steps_for(sharded, token_loss=loss_normalization == "tokens")
+        self._sharding: ShardingBackend = self._steps.sharding(
+            make_backend(sharded.stage, backend, sharded.unit_classes, offload=sharded.offload)
+        )
         self._parallel_mesh: Optional[ParallelMesh] = None  # built at set-up: lightning_mgpu/mesh.py
         self._mesh_group: Any = None  # the default process group the mesh was built over
         self._sync_blocked = False  # inside block_backward_sync: the backward's gradients are not reduced
