@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from lightning_mgpu import comm
 from lightning_mgpu._compat import unwrap_optimizer
+from lightning_mgpu.parts.trainable_state import check_sharded_save
 from lightning_mgpu.plugins.checkpoint_io import (
     EMA_STATE_KEY,
     LightningSave,
@@ -288,6 +289,24 @@ class ShardedCheckpoints:
         self.layout = layout
         self._marker = dict(marker)
         self.loaded_in_place = False  # the last load read a directory: weights and optimizer states are in place
+
+    # --- before launch --------------------------------------------------------------------------------------
+    def check_model(self, model: nn.Module, checkpoint_params: Any) -> None:
+        """Before launch: a model whose checkpoints this layout cannot write is refused with the fix (a sharded
+        directory of a 4-bit base with ``checkpoint_params="all"``)."""
+        if self.layout == "sharded":
+            check_sharded_save(model, checkpoint_params)
+
+    def check_masters(self, mode: str, stage: int) -> None:
+        """At Trainer construction, with MGPUPrecision's master mode ``mode``: stage 1's sharded directory is
+        refused (its optimizer state is keyed by the model's parameter names, and the optimizer steps FP32
+        masters)."""
+        if stage == 1 and self.layout == "sharded":
+            raise ValueError(
+                f"MGPUPrecision({mode!r}) with stage=1 and checkpoint='sharded' is not supported: the sharded "
+                f"optimizer checkpoint is keyed by the model's parameter names and the optimizer steps FP32 masters. "
+                f"Use checkpoint='consolidated' (the default) or stage=2/3, whose FP32 masters FSDP2 shards itself."
+            )
 
     def _served_module(self) -> nn.Module:
         module = self.strategy.lightning_module

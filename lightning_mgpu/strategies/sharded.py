@@ -58,7 +58,7 @@ from lightning_mgpu.parts.sharding import (
     rebind_schedulers,
 )
 from lightning_mgpu.parts.steps import steps_for
-from lightning_mgpu.parts.trainable_state import check_sharded_save, saves_trainable_only
+from lightning_mgpu.parts.trainable_state import saves_trainable_only
 from lightning_mgpu.plugins.checkpoint_io import (
     PathLike,
 )
@@ -565,12 +565,7 @@ class MGPUShardedStrategy(ParallelStrategy):
                 f"separate FP32 masters. Use strategy='mgpu_sharded' (FSDP2 keeps sharded FP32 masters) or "
                 f"'mgpu_zero1', or MGPUPrecision('{plugin.mode.replace('master', 'mixed')}') with fairscale."
             )
-        if self._sharded_settings.stage == 1 and self._checkpoint_layout == "sharded":
-            raise ValueError(
-                f"MGPUPrecision({plugin.mode!r}) with stage=1 and checkpoint='sharded' is not supported: the sharded "
-                f"optimizer checkpoint is keyed by the model's parameter names and the optimizer steps FP32 masters. "
-                f"Use checkpoint='consolidated' (the default) or stage=2/3, whose FP32 masters FSDP2 shards itself."
-            )
+        self._checkpoints.check_masters(plugin.mode, self._sharded_settings.stage)
 
     def _full_module_state(self) -> dict[str, Any]:
         # Lightning's launcher hands back rank 0's state_dict(), which under FSDP2 holds only its shards
@@ -589,8 +584,7 @@ class MGPUShardedStrategy(ParallelStrategy):
                 f"one FSDP unit. Name classes the model has; the module classes present are "
                 f"{classes_present(model)}. Or leave wrap_modules=None (the model's blocks are chosen for you)."
             )
-        if self._checkpoint_layout == "sharded":
-            check_sharded_save(model, self._runtime.settings.checkpoint_params)  # a 4-bit base: refused with the fix
+        self._checkpoints.check_model(model, self._runtime.settings.checkpoint_params)
         four_bit = has_nf4(model)
         if four_bit and self._backend_name == "torch" and self._sharded_settings.stage >= 2:
             processes, nodes = self._runtime.processes_and_nodes()
