@@ -28,6 +28,7 @@ import inspect
 from typing import Any, Optional
 
 import torch
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.optim import Optimizer
 
@@ -41,6 +42,7 @@ from lightning_mgpu.parts.accumulation import (
     FSDP2SyncControl,
     ShardedDDPSyncControl,
 )
+from lightning_mgpu.parts.activation_checkpointing import classes_present
 from lightning_mgpu.parts.clipping import GlobalNormClipping
 from lightning_mgpu.parts.tensor_parallel import fsdp_dim
 from lightning_mgpu.quantization import check_shardable, has_nf4, is_nf4
@@ -113,6 +115,16 @@ class ShardingBackend:
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
+
+    # --- before launch ------------------------------------------------------------------------------
+    def check_precision(self, mode: str) -> None:
+        """At Trainer construction, with MGPUPrecision's master mode ``mode``: refused where this backend cannot
+        keep separate FP32 masters (nothing to refuse here)."""
+
+    def check_before_launch(self, model: nn.Module, precision_plugin: Any, clip_by_norm: Any, shard_ranks: int) -> None:
+        """Before launch: what this backend cannot shard or clip, refused with the fix (nothing here).
+        ``clip_by_norm``: the Trainer's ``gradient_clip_val`` where it clips by norm, else None; ``shard_ranks``: the
+        ranks of one shard group."""
 
     # --- model and optimizers -----------------------------------------------------------------------
     def is_sharded(self, model: nn.Module) -> bool:
@@ -328,6 +340,26 @@ class FairscaleOSSBackend(TorchZeroBackend):
         self.needs_global_norm = stage == 2
         self.sync_control = DDPSyncControl() if stage == 1 else ShardedDDPSyncControl()
 
+    def check_precision(self, mode: str) -> None:
+        raise ValueError(
+            f"MGPUPrecision({mode!r}) with backend='fairscale': fairscale's ShardedDataParallel reduces each gradient "
+            f"to the rank whose optimizer owns that very parameter, so the optimizer cannot hold separate FP32 "
+            f"masters. Use strategy='mgpu_sharded' (FSDP2 keeps sharded FP32 masters) or 'mgpu_zero1', or "
+            f"MGPUPrecision('{mode.replace('master', 'mixed')}') with fairscale."
+        )
+
+    def check_before_launch(self, model: nn.Module, precision_plugin: Any, clip_by_norm: Any, shard_ranks: int) -> None:
+        """Stage 2 clips by the norm over all ranks only under MGPUPrecision (the plugin with ``use_norm_clipping``):
+        another plugin would clip each rank's shard by its own norm."""
+        if clip_by_norm and self.needs_global_norm and not hasattr(precision_plugin, "use_norm_clipping"):
+            raise MisconfigurationException(
+                f"gradient_clip_val={clip_by_norm} by norm with {type(precision_plugin).__name__}: fairscale's "
+                f"ShardedDataParallel leaves each rank the gradients it owns, and only MGPUPrecision clips them by the "
+                f"norm over all ranks (this plugin would clip each shard by its own norm). Use precision='32-true', "
+                f"'16-mixed' or 'bf16-mixed' (or plugins=[MGPUPrecision(...)]), gradient_clip_algorithm='value', or "
+                f"strategy='mgpu_sharded' (FSDP2)."
+            )
+
     def wrap_optimizer(self, optimizer: Optimizer, group: Any) -> Optimizer:
         from fairscale.optim import OSS
 
@@ -463,6 +495,21 @@ class FSDP2Backend(ShardingBackend):
         self.offload = offload
         self.sync_control = FSDP2SyncControl()
         self._mesh: Any = None
+
+    def check_before_launch(self, model: nn.Module, precision_plugin: Any, clip_by_norm: Any, shard_ranks: int) -> None:
+        """``wrap_modules`` that match no module of the model (FSDP2 would silently make the whole model one unit,
+        all parameters gathered at once), and a 4-bit base whose shards over ``shard_ranks`` would split a block of
+        its packed bytes, refused with the fix."""
+        wrap = self.wrap_modules
+        if wrap is not None and not any(isinstance(m, wrap) for m in model.modules()):
+            names = [c.__name__ for c in wrap]
+            raise ValueError(
+                f"wrap_modules={names} matches no module of {type(model).__name__}, so the whole model would be "
+                f"one FSDP unit. Name classes the model has; the module classes present are "
+                f"{classes_present(model)}. Or leave wrap_modules=None (the model's blocks are chosen for you)."
+            )
+        if has_nf4(model):
+            check_shardable(model, shard_ranks)
 
     def _unit_roots(self, module: nn.Module) -> list[nn.Module]:
         return fsdp_unit_roots(module, self.wrap_modules)

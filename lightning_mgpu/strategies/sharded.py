@@ -43,7 +43,7 @@ from lightning_mgpu._compat import attached_trainer
 from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.mesh import DATA_PARALLEL, ParallelMesh, expose_to_module
-from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave, classes_present
+from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import UnevenLoops
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
@@ -64,7 +64,7 @@ from lightning_mgpu.plugins.checkpoint_io import (
 )
 from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
 from lightning_mgpu.plugins.sharded_checkpoint import ShardedCheckpoints
-from lightning_mgpu.quantization import check_shardable, has_nf4
+from lightning_mgpu.quantization import has_nf4
 from lightning_mgpu.settings import (
     Backend,
     CheckpointLayout,
@@ -558,13 +558,7 @@ class MGPUShardedStrategy(ParallelStrategy):
         plugin = self.precision_plugin
         if not (isinstance(plugin, MGPUPrecision) and plugin.master):
             return
-        if self._backend_name == "fairscale":
-            raise ValueError(
-                f"MGPUPrecision({plugin.mode!r}) with backend='fairscale': fairscale's ShardedDataParallel reduces "
-                f"each gradient to the rank whose optimizer owns that very parameter, so the optimizer cannot hold "
-                f"separate FP32 masters. Use strategy='mgpu_sharded' (FSDP2 keeps sharded FP32 masters) or "
-                f"'mgpu_zero1', or MGPUPrecision('{plugin.mode.replace('master', 'mixed')}') with fairscale."
-            )
+        self._sharding.check_precision(plugin.mode)
         self._checkpoints.check_masters(plugin.mode, self._sharded_settings.stage)
 
     def _full_module_state(self) -> dict[str, Any]:
@@ -575,29 +569,14 @@ class MGPUShardedStrategy(ParallelStrategy):
     def _check_model(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
         """The sharded strategy's checks of the model before launch (fitting only; stage 1's DDP part checks its
         own before, in the runtime)."""
-        wrap = self._sharded_settings.unit_classes
-        if wrap is not None and not any(isinstance(m, wrap) for m in model.modules()):
-            # FSDP2 would silently make the whole model one unit (all parameters gathered at once)
-            names = [c.__name__ for c in wrap]
-            raise ValueError(
-                f"wrap_modules={names} matches no module of {type(model).__name__}, so the whole model would be "
-                f"one FSDP unit. Name classes the model has; the module classes present are "
-                f"{classes_present(model)}. Or leave wrap_modules=None (the model's blocks are chosen for you)."
-            )
         self._checkpoints.check_model(model, self._runtime.settings.checkpoint_params)
-        four_bit = has_nf4(model)
-        if four_bit and self._backend_name == "torch" and self._sharded_settings.stage >= 2:
-            processes, nodes = self._runtime.processes_and_nodes()
-            check_shardable(model, self._sharded_settings.mesh_shape(processes * nodes, nodes)[1])  # before launch
         clip_by_norm = trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm")
-        if clip_by_norm and self._sharding.needs_global_norm and not isinstance(self.precision_plugin, MGPUPrecision):
-            raise MisconfigurationException(
-                f"gradient_clip_val={trainer.gradient_clip_val} by norm with {type(self.precision_plugin).__name__}: "
-                f"fairscale's ShardedDataParallel leaves each rank the gradients it owns, and only MGPUPrecision "
-                f"clips them by the norm over all ranks (this plugin would clip each shard by its own norm). Use "
-                f"precision='32-true', '16-mixed' or 'bf16-mixed' (or plugins=[MGPUPrecision(...)]), "
-                f"gradient_clip_algorithm='value', or strategy='mgpu_sharded' (FSDP2)."
-            )
+        processes, nodes = self._runtime.processes_and_nodes()
+        shard_ranks = self._sharded_settings.mesh_shape(processes * nodes, nodes)[1]
+        self._sharding.check_before_launch(  # FSDP2's units and 4-bit shards, fairscale's clipping
+            model, self.precision_plugin, trainer.gradient_clip_val if clip_by_norm else None, shard_ranks
+        )
+        four_bit = has_nf4(model)
         self._steps.check_model(  # tensor parallelism's and the pipeline's checks
             model,
             four_bit=four_bit,
