@@ -37,6 +37,7 @@ from lightning_mgpu.parts.activation_checkpointing import (
 )
 from lightning_mgpu.parts.evaluation import EvenBatchSampler
 from lightning_mgpu.parts.resume import ResumableDistributedSampler
+from lightning_mgpu.parts.sharding import ShardMemory
 from lightning_mgpu.parts.uneven_inputs import UnevenInputsError
 from lightning_mgpu.planning import plan, plan_layouts
 from lightning_mgpu.plugins.async_checkpoint import CheckpointWriteError
@@ -52,7 +53,6 @@ from lightning_mgpu.strategies import (
     MGPUDiLoCoStrategy,
     MGPULocalSGDStrategy,
     MGPUShardedStrategy,
-    ShardMemory,
 )
 
 __version__ = "0.1.0.dev0"

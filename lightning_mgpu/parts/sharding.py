@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -98,6 +99,32 @@ def rebind_schedulers(lr_scheduler_configs: list[Any], old: Optimizer, new: Opti
     copy_lr_scheduler_step_tracking(old, new)
 
 
+@dataclass(frozen=True)
+class ShardMemory:
+    """Bytes this rank holds right now (a DTensor counts its local shard), from
+    ``trainer.strategy.memory_report()`` of :class:`~lightning_mgpu.MGPUShardedStrategy` (no communication).
+
+    Example:
+
+        >>> import pytorch_lightning as pl, torch
+        >>> from lightning_mgpu import MGPUShardedStrategy
+        >>> from lightning_mgpu.examples import DigitsCNN, DigitsDataModule
+        >>> class Report(pl.Callback):
+        ...     def on_train_end(self, trainer, module):
+        ...         memory = trainer.strategy.memory_report()
+        ...         print(memory.parameters == sum(p.numel() * 4 for p in module.parameters()))
+        >>> trainer = pl.Trainer(strategy=MGPUShardedStrategy(stage=3), accelerator="cpu", devices=1, max_steps=2,
+        ...                      callbacks=[Report()], logger=False, enable_checkpointing=False,
+        ...                      enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(DigitsCNN(), DigitsDataModule())  # on 1 rank the shard is the whole model
+        True
+    """
+
+    optimizer_state: int
+    gradients: int
+    parameters: int
+
+
 class ShardingBackend:
     """One (stage, backend) pair. The strategy calls these in its own lifecycle hooks."""
 
@@ -125,6 +152,18 @@ class ShardingBackend:
         """Before launch: what this backend cannot shard or clip, refused with the fix (nothing here).
         ``clip_by_norm``: the Trainer's ``gradient_clip_val`` where it clips by norm, else None; ``shard_ranks``: the
         ranks of one shard group."""
+
+    def memory_report(self, module: nn.Module, optimizers: Any) -> ShardMemory:
+        """Optimizer-state, gradient and parameter bytes this rank holds now for ``module`` and ``optimizers`` (a
+        ``DTensor`` counts its local shard; no communication)."""
+        opt_bytes = 0
+        for opt in optimizers:
+            local = self.local_optimizer(opt)
+            for state in local.state.values():
+                opt_bytes += sum(local_bytes(v) for v in state.values())
+        grads = sum(local_bytes(p.grad) for p in module.parameters() if p.grad is not None)
+        params = sum(local_bytes(p) for p in module.parameters())
+        return ShardMemory(optimizer_state=opt_bytes, gradients=grads, parameters=params)
 
     # --- model and optimizers -----------------------------------------------------------------------
     def is_sharded(self, model: nn.Module) -> bool:

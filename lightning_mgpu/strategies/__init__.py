@@ -15,7 +15,7 @@ strategy owns and their coordination).
 from lightning_mgpu.strategies.auto import MGPUAutoStrategy
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
 from lightning_mgpu.strategies.periodic import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
-from lightning_mgpu.strategies.sharded import MGPUShardedStrategy, ShardMemory
+from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
 __all__ = [
     "MGPUAutoStrategy",
@@ -23,5 +23,4 @@ __all__ = [
     "MGPUDiLoCoStrategy",
     "MGPULocalSGDStrategy",
     "MGPUShardedStrategy",
-    "ShardMemory",
 ]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union, cast
 
@@ -51,9 +50,9 @@ from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.parts.pipeline import PipelineStats
 from lightning_mgpu.parts.sharding import (
     ShardingBackend,
+    ShardMemory,
     check_optimizer,
     follow_module_mode,
-    local_bytes,
     make_backend,
     rebind_schedulers,
 )
@@ -94,32 +93,6 @@ from lightning_mgpu.strategies.launchers import launched_weights_only
 from lightning_mgpu.strategies.runtime import Runtime
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ShardMemory:
-    """Bytes this rank holds right now (a DTensor counts its local shard), from
-    ``trainer.strategy.memory_report()`` of :class:`MGPUShardedStrategy` (no communication).
-
-    Example:
-
-        >>> import pytorch_lightning as pl, torch
-        >>> from lightning_mgpu import MGPUShardedStrategy
-        >>> from lightning_mgpu.examples import DigitsCNN, DigitsDataModule
-        >>> class Report(pl.Callback):
-        ...     def on_train_end(self, trainer, module):
-        ...         memory = trainer.strategy.memory_report()
-        ...         print(memory.parameters == sum(p.numel() * 4 for p in module.parameters()))
-        >>> trainer = pl.Trainer(strategy=MGPUShardedStrategy(stage=3), accelerator="cpu", devices=1, max_steps=2,
-        ...                      callbacks=[Report()], logger=False, enable_checkpointing=False,
-        ...                      enable_progress_bar=False, enable_model_summary=False)
-        >>> trainer.fit(DigitsCNN(), DigitsDataModule())  # on 1 rank the shard is the whole model
-        True
-    """
-
-    optimizer_state: int
-    gradients: int
-    parameters: int
 
 
 @strategy_options(
@@ -818,16 +791,8 @@ class MGPUShardedStrategy(ParallelStrategy):
     # --- memory ---------------------------------------------------------------------------------------
     def memory_report(self) -> ShardMemory:
         """Optimizer-state, gradient and parameter bytes held by this rank now (no communication)."""
-        module = self.lightning_module
-        assert module is not None
-        opt_bytes = 0
-        for opt in self.optimizers:
-            local = self._sharding.local_optimizer(opt)
-            for state in local.state.values():
-                opt_bytes += sum(local_bytes(v) for v in state.values())
-        grads = sum(local_bytes(p.grad) for p in module.parameters() if p.grad is not None)
-        params = sum(local_bytes(p) for p in module.parameters())
-        return ShardMemory(optimizer_state=opt_bytes, gradients=grads, parameters=params)
+        assert self.lightning_module is not None
+        return self._sharding.memory_report(self.lightning_module, self.optimizers)
 
     def __repr__(self) -> str:
         return (
