@@ -19,6 +19,7 @@ from lightning_mgpu._compat import enable_static_graph
 from lightning_mgpu.comm_hooks import allreduce_gradients, register_comm_hook
 from lightning_mgpu.ledger import CommStats, Ledger
 from lightning_mgpu.parts.accumulation import DDPSyncControl, ManualGradientSync
+from lightning_mgpu.parts.compilation import Compilation
 from lightning_mgpu.parts.micro_batching import MicroBatching, agree_across_ranks
 from lightning_mgpu.quantization import is_nf4
 from lightning_mgpu.settings import DDPSettings
@@ -201,6 +202,12 @@ class DDPWrapping:
             ),
         )
 
+    def dimension(self, device: torch.device, ledger: Ledger, world_size: int, manual: bool) -> DDPDimension:
+        """This part as the data dimension of :func:`~lightning_mgpu.parts.parallelize.parallelize`: the wrap on
+        ``device``, counted by ``ledger``, with the comm hook (``manual``: manual optimization, synced outside
+        DDP's reducer), then the compilation of the module's ``forward``."""
+        return DDPDimension(self, device, ledger, world_size, manual)
+
     def register_hooks(self, ddp: DistributedDataParallel, ledger: Ledger, manual: bool) -> Any:
         """Register the comm hook (Lightning registers hooks only when the device is CUDA; the torch hooks used
         here run on gloo too). Returns the hook's state (e.g. ``PowerSGDState``), or None.
@@ -250,3 +257,24 @@ class DDPWrapping:
             for b in buffers:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
+
+
+class DDPDimension:
+    """DDP as the data dimension of :func:`~lightning_mgpu.parts.parallelize.parallelize` (see
+    :meth:`DDPWrapping.dimension`)."""
+
+    def __init__(self, part: DDPWrapping, device: torch.device, ledger: Ledger, world_size: int, manual: bool) -> None:
+        self.part = part
+        self.device = device
+        self.ledger = ledger
+        self.world_size = world_size
+        self.manual = manual
+
+    def apply(self, module: nn.Module) -> DistributedDataParallel:
+        ddp = self.part.wrap(module, self.device)
+        self.ledger.start(ddp, self.world_size)
+        self.part.register_hooks(ddp, self.ledger, self.manual)
+        return ddp
+
+    def compile(self, compilation: Compilation, module: nn.Module) -> None:
+        compilation.compile_model(module)  # the whole model's forward, after the wrap

@@ -108,6 +108,12 @@ class ModelSteps:
         """``compile=``: each block of the model, after sharding."""
         compilation.compile_blocks(module, unit_classes)
 
+    def sharded(self, sharding: Any, mesh: Any, policy: Any, unit_classes: Any) -> ShardedDimension:
+        """The sharding backend as the data dimension of :func:`~lightning_mgpu.parts.parallelize.parallelize`:
+        ``sharding`` shards over the strategy's ``mesh`` (``ParallelMesh``) with FSDP2's mixed-precision ``policy``,
+        then this step object's compilation (``unit_classes``: the strategy's ``wrap_modules``)."""
+        return ShardedDimension(self, sharding, mesh, policy, unit_classes)
+
     # --- steps ---------------------------------------------------------------------------------------------
     def counting(self) -> AbstractContextManager[None]:
         """A block whose tensor-parallel collectives the ledger counts (``tensor_comm_stats=True``)."""
@@ -227,3 +233,22 @@ def steps_for(settings: ShardedSettings, token_loss: bool) -> ModelSteps:
         shard_stage=settings.stage,
     )
     return PipelineSteps(tensor, pipeline)
+
+
+class ShardedDimension:
+    """A sharding backend as the data dimension of :func:`~lightning_mgpu.parts.parallelize.parallelize` (see
+    :meth:`ModelSteps.sharded`): the model sharded in place (FSDP2; the pipeline's stages) or wrapped (fairscale)."""
+
+    def __init__(self, steps: ModelSteps, sharding: Any, mesh: Any, policy: Any, unit_classes: Any) -> None:
+        self.steps = steps
+        self.sharding = sharding
+        self.mesh = mesh
+        self.policy = policy
+        self.unit_classes = unit_classes
+
+    def apply(self, module: nn.Module) -> nn.Module:
+        sharded = self.sharding.shard_model(module, self.sharding.shard_mesh(self.mesh), self.policy)
+        return sharded if sharded is not None else module
+
+    def compile(self, compilation: Compilation, module: nn.Module) -> None:
+        self.steps.compile(compilation, module, self.unit_classes)

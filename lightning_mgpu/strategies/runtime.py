@@ -22,7 +22,7 @@ import math
 import os
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, Union, cast
 
 import pytorch_lightning as pl
 import torch
@@ -50,6 +50,7 @@ from lightning_mgpu.parts.evaluation import ExactEvaluation
 from lightning_mgpu.parts.failures import FailureHandling
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
 from lightning_mgpu.parts.nonfinite import NonFiniteCheck
+from lightning_mgpu.parts.parallelize import parallelize
 from lightning_mgpu.parts.periodic_sync import CHECKPOINT_KEY, PeriodicSync
 from lightning_mgpu.parts.predictions import PredictionGathering
 from lightning_mgpu.parts.resume import MidEpochResume
@@ -368,16 +369,12 @@ class Runtime:
                 )
 
     def wrap_ddp(self, module: pl.LightningModule) -> DistributedDataParallel:
-        """The DDP part's model set-up, in the one order (torchtitan's ``parallelize`` order): activation
-        checkpointing -> the DDP wrap with its comm hook, counted by the ledger -> compilation of ``forward``."""
+        """The DDP part's model set-up, in the one order (``parts/parallelize.py``): activation checkpointing -> the
+        DDP wrap with its comm hook, counted by the ledger -> compilation of ``forward``."""
         assert self.ddp is not None
-        strategy = self.strategy
-        self.checkpointing.apply(module)
-        ddp = self.ddp.wrap(module, strategy.root_device)
-        self.ledger.start(ddp, strategy.world_size)
-        self.ddp.register_hooks(ddp, self.ledger, self.manual_sync())
-        self.compilation.compile_model(module)  # after the wrap: parts/compilation.py
-        return ddp
+        data = self.ddp.dimension(self.strategy.root_device, self.ledger, self.strategy.world_size, self.manual_sync())
+        ddp = parallelize(module, data, checkpointing=self.checkpointing, compilation=self.compilation)
+        return cast(DistributedDataParallel, ddp)
 
     def manual_sync(self) -> bool:
         """Manual optimization under DDP: each optimizer's gradients are averaged at its step, outside DDP."""

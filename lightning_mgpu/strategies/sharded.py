@@ -47,6 +47,7 @@ from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.parts.evaluation import UnevenLoops
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
 from lightning_mgpu.parts.micro_batching import MicroBatching
+from lightning_mgpu.parts.parallelize import parallelize
 from lightning_mgpu.parts.pipeline import PipelineStats
 from lightning_mgpu.parts.sharding import (
     ShardingBackend,
@@ -612,25 +613,23 @@ class MGPUShardedStrategy(ParallelStrategy):
             self._runtime.join_replica_groups(trainer)  # fault tolerance: the groups replicate these shards
 
     def _wrap_model(self, policy: Any) -> None:
-        """The model's set-up order, in one place (torchtitan's ``parallelize`` order): SyncBatchNorm conversion
-        (in ``setup``) -> tensor parallelism (``tensor_parallel_size``) -> activation checkpointing -> DDP (stage 1)
-        or sharding (stages 2/3), so that DDP's and
-        FSDP's hooks stay outside the recompute -> compilation (``compile=``); the sharded optimizers come after
-        (``setup_optimizers``)."""
+        """The model made ready for training in the one order (``parts/parallelize.py``): tensor parallelism ->
+        activation checkpointing -> DDP (stage 1) or sharding (stages 2/3, each pipeline stage) -> compilation; the
+        sharded optimizers come after (``setup_optimizers``)."""
         module = self.lightning_module
         assert module is not None
         if self._runtime.ddp is not None:
             self.model = self._runtime.wrap_ddp(module)  # as mgpu_ddp: checkpointing, wrap, hooks, compilation
             return
+        mesh = self._built_mesh()
         counted = self._runtime.ledger.stats if self._sharded_settings.tensor_comm_stats else None
-        self._steps.split(module, self._built_mesh().tensor, counted)  # tensor parallelism first (torchtitan's order)
-        self._runtime.checkpointing.apply(module)
-        mesh = self._sharding.shard_mesh(self._built_mesh())
-        sharded = self._sharding.shard_model(module, mesh, policy)
-        if sharded is not None:
-            self.model = sharded
-        self._steps.compile(self._runtime.compilation, module, self._sharded_settings.unit_classes)  # after sharding
-        assert self.model is not None
+        self.model = parallelize(
+            module,
+            self._steps.sharded(self._sharding, mesh, policy, self._sharded_settings.unit_classes),
+            checkpointing=self._runtime.checkpointing,
+            compilation=self._runtime.compilation,
+            split=lambda m: self._steps.split(m, mesh.tensor, counted),
+        )
         self._runtime.ledger.start(self.model, self.world_size, self._sharding.mesh_shape)
 
     @override
