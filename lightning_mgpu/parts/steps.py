@@ -42,10 +42,9 @@ Redirect = Callable[..., Any]
 class ModelSteps:
     """The whole model on every rank, split by tensor parallelism where its size is above 1."""
 
-    #: whether the model runs through pipeline stages
+    #: whether the model runs through pipeline stages (then every evaluation loop is a collective of the pipeline's
+    #: ranks, whatever ``exact_evaluation``)
     pipelined = False
-    #: whether every evaluation loop checks the ranks' planned batch counts (else only with ``exact_evaluation``)
-    checks_every_evaluation = False
 
     def __init__(self, tensor: TensorParallelism) -> None:
         self.tensor = tensor
@@ -136,11 +135,13 @@ class ModelSteps:
         """The LightningModule's ``training_step`` on the model, under the loss over the sharded vocabulary where
         the tensor-parallel plan has one. ``loss_scale()``: the fp16 loss scale of the precision plugin (read only
         where the step needs it: the pipeline's schedule starts its backward from it)."""
-        with self.tensor.step_context():
-            return self.tensor.local_output(redirect("training_step", *args, **kwargs))
+        return self._on_model(redirect, "training_step", *args, **kwargs)
 
     def evaluation_step(self, module: Any, method: str, redirect: Redirect, *args: Any, **kwargs: Any) -> Any:
         """The LightningModule's ``validation_step``, ``test_step`` or ``predict_step`` (``method``) on the model."""
+        return self._on_model(redirect, method, *args, **kwargs)
+
+    def _on_model(self, redirect: Redirect, method: str, *args: Any, **kwargs: Any) -> Any:
         with self.tensor.step_context():
             return self.tensor.local_output(redirect(method, *args, **kwargs))
 
@@ -156,7 +157,6 @@ class PipelineSteps(ModelSteps):
     """``pipeline_parallel_size > 1``: every step through the stages of ``pipeline`` (the sharding backend too)."""
 
     pipelined = True
-    checks_every_evaluation = True  # evaluation through the stages is one collective whatever exact_evaluation
 
     def __init__(self, tensor: TensorParallelism, pipeline: PipelineBackend) -> None:
         super().__init__(tensor)
@@ -203,11 +203,11 @@ class PipelineSteps(ModelSteps):
     def evaluation_step(self, module: Any, method: str, redirect: Redirect, *args: Any, **kwargs: Any) -> Any:
         """Through the stages (forward only, by stage) while the other stages' blocks are freed; else on the whole
         model, which this rank then holds (its sharded stages gathered)."""
-        with self.tensor.step_context():
-            if self.pipeline.runs_stages_in_evaluation():
+        if self.pipeline.runs_stages_in_evaluation():
+            with self.tensor.step_context():
                 return self.pipeline.evaluation_step(module, method, *args, **kwargs)
-            self.pipeline.hold_whole_model()
-            return self.tensor.local_output(redirect(method, *args, **kwargs))
+        self.pipeline.hold_whole_model()
+        return super().evaluation_step(module, method, redirect, *args, **kwargs)
 
     def after_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """The replicas' and the stages' gradient sync after Lightning's closure, before unscaling and clipping."""

@@ -696,7 +696,7 @@ class MGPUShardedStrategy(ParallelStrategy):
     # --- evaluation whose ranks may run different numbers of batches (parts/evaluation.py) ---------------------
     def _start_evaluation(self) -> None:
         # The pipeline's evaluation through the stages is one collective whatever exact_evaluation: checked always
-        if self._common.exact_evaluation or self._steps.checks_every_evaluation:
+        if self._common.exact_evaluation or self._steps.pipelined:
             self._uneven.start(attached_trainer(self.lightning_module), self.model, self._sharding, self.world_size)
 
     @override
