@@ -405,6 +405,35 @@ def forget_inherited_compile_threads() -> None:
             cache_clear()
 
 
+def forget_inherited_dtensor_caches() -> None:
+    """In a forked child, forget the DTensor sharding-propagation caches inherited from the parent.
+
+    torch caches, per operator and input specs, the specs of a DTensor operator's outputs: in C++
+    (``torch._C._clear_DTensor_sharding_propagator_cache`` empties it) and in Python (the ``lru_cache`` of
+    ``DTensor._op_dispatcher.sharding_propagator``'s ``propagate_op_sharding`` and ``_propagate_tensor_meta_cached``;
+    torch 2.13.0 checked). The key compares device meshes by their layout, not by the rank that built them, and the
+    cached specs hold the parent's mesh object, whose coordinate is the parent's rank. A rank forked from a process
+    that ran DTensor operators over a mesh of the same layout (rank 0 of a fake or real two-rank group, as the
+    planner's measurements and their tests do) then gets specs saying it holds rank 0's shard: FSDP2's parameters of
+    rank 1 claimed offset 0, and ``torch.distributed.checkpoint`` saved half of every tensor ("invalid fill ...
+    chunks-volume"; reproduced here with a bare fork after a fake process group). Where a name is missing (another
+    torch), that cache is left; where DTensor never ran in the parent, the caches are empty."""
+    import torch
+
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cache_clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+
+
 def sync_param_groups(wrapper: Any, local: Any) -> None:
     """The wrapper's ``param_groups`` hyper-parameters -> its local optimizer's: what torch's
     ``ZeroRedundancyOptimizer.step`` does first (``_sync_param_groups``, a staticmethod, torch 2.13 checked) and

@@ -27,6 +27,7 @@ from lightning_mgpu._compat import (
     call_children_scripts,
     cpu_fork_despite_cuda_probe,
     forget_inherited_compile_threads,
+    forget_inherited_dtensor_caches,
     set_num_threads_if_needed,
     worker_output,
 )
@@ -321,6 +322,7 @@ class _CheckedMultiProcessingLauncher(_PreLaunchCheck, MultiProcessingLauncher):
             forget_inherited_compile_threads()
         if self._from_this_process:
             _one_intra_op_thread()
+            forget_inherited_dtensor_caches()  # specs over the parent's mesh (_compat.py)
         try:
             super()._wrapping_function(*args, **kwargs)
         except BaseException as exception:

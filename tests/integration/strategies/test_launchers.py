@@ -48,7 +48,7 @@ import torch
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.strategies import DDPStrategy
 
-from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy
 from tests.helpers import RankData, Regressor, make_data, run_isolated
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -473,3 +473,53 @@ def test_a_fork_launch_after_a_parallel_cpu_operator_in_the_parent_does_not_hang
     assert (tmp_path / "threads.txt").read_text() == "1"
     if "parallel backend: OpenMP" in torch.__config__.parallel_info():  # another backend has no such pool
         assert _run("ddp_notebook", tmp_path, _fit_after_a_parallel_op, hang_s=HANG_S) is None
+
+
+# --- fork launches after the parent ran DTensor operators ---
+
+
+class _MeshCoordinates(Regressor):
+    """Each rank writes, at the end, where the mesh of its first sharded parameter places it."""
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_train_end(self) -> None:
+        coordinate = next(iter(self.parameters())).device_mesh.get_coordinate()
+        (self.out_dir / f"coordinate{self.trainer.global_rank}.txt").write_text(str(coordinate))
+
+
+def _fit_after_dtensor_ops(strategy: Any, out: Path, forget: bool = True) -> None:
+    """Rank 0 of a fake two-rank group in this process shards a layer and runs it (as the planner's measurements do),
+    then a fork launch trains ``strategy``; ``forget=False`` keeps the caches the fork inherits (negative control)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_mgpu.mesh import ParallelDims
+    from lightning_mgpu.planning.measure import fake_process_group
+    from lightning_mgpu.strategies import launchers
+
+    with fake_process_group(2):  # the same model as the fit's: the cached specs are per operator and shape
+        fully_shard(Regressor().double(), mesh=ParallelDims(world_size=2).build("cpu").data)
+    if not forget:
+        launchers.forget_inherited_dtensor_caches = lambda: None
+    _fit_two_steps(strategy, _MeshCoordinates(out.parent), out)
+
+
+def _fit_keeping_the_caches(strategy: Any, out: Path) -> None:
+    _fit_after_dtensor_ops(strategy, out, forget=False)
+
+
+@pytest.mark.slow
+def test_a_fork_launch_after_dtensor_operators_in_the_parent_places_each_rank_at_its_own_coordinate(tmp_path):
+    """torch caches the output specs of DTensor operators keyed by the device mesh's layout, not by the rank that
+    built it; a rank forked from a process that ran DTensor operators over a two-rank mesh as rank 0 reused specs
+    placing it at coordinate 0, and a sharded checkpoint then held half of every tensor. Each rank of the pack's fork
+    launch forgets those caches (``_compat.forget_inherited_dtensor_caches``); kept (the negative control), rank 1's
+    parameters say they are rank 0's shard."""
+    strategy = lambda: MGPUShardedStrategy(stage=3, start_method="fork")  # noqa: E731
+    (tmp_path / "kept").mkdir()
+    assert _run(strategy(), tmp_path, _fit_after_dtensor_ops) == "ok"
+    assert [(tmp_path / f"coordinate{r}.txt").read_text() for r in range(2)] == ["(0,)", "(1,)"]
+    assert _run(strategy(), tmp_path / "kept", _fit_keeping_the_caches) == "ok"
+    assert [(tmp_path / "kept" / f"coordinate{r}.txt").read_text() for r in range(2)] == ["(0,)", "(0,)"]
