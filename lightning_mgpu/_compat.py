@@ -416,8 +416,12 @@ def forget_inherited_dtensor_caches() -> None:
     that ran DTensor operators over a mesh of the same layout (rank 0 of a fake or real two-rank group, as the
     planner's measurements and their tests do) then gets specs saying it holds rank 0's shard: FSDP2's parameters of
     rank 1 claimed offset 0, and ``torch.distributed.checkpoint`` saved half of every tensor ("invalid fill ...
-    chunks-volume"; reproduced here with a bare fork after a fake process group). Where a name is missing (another
-    torch), that cache is left; where DTensor never ran in the parent, the caches are empty."""
+    chunks-volume"; reproduced here with a bare fork after a fake process group). The redistribution plans are cached
+    the same way (``torch.distributed.tensor._redistribute``: ``_gen_transform_infos``, keyed by the two specs, and
+    the planners of ``_planner_cache``, keyed by a reference to a layout-equal mesh and holding it) and hold the
+    shapes of this rank's chunks under nested uneven sharding (a 2-D mesh), read from the parent's coordinate: they
+    are forgotten too. Where a name is missing (another torch), that cache is left; where DTensor never ran in the
+    parent, the caches are empty."""
     import torch
 
     clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
@@ -432,6 +436,13 @@ def forget_inherited_dtensor_caches() -> None:
         cache_clear = getattr(getattr(propagator, name, None), "cache_clear", None)
         if cache_clear is not None:
             cache_clear()
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    cache_clear = getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+    planners = getattr(redistribute, "_planner_cache", None)
+    if isinstance(planners, dict):
+        planners.clear()
 
 
 def sync_param_groups(wrapper: Any, local: Any) -> None:
