@@ -728,13 +728,14 @@ def perturbed_backend(graph: Any, example_inputs: Any) -> Any:
     return run
 
 
+@pytest.mark.slow
 def test_compiled_pipeline_trains_as_one_process(tmp_path: Path) -> None:
     """``compile`` under pipeline 2 on 2 processes, k = 1, with torch's ``aot_eager`` backend (dynamo's graphs and
     AOTAutograd's forward and backward, as inductor gets them, without inductor's kernel compile: about a minute less
     on 2 cores): each block compiled, the weights, the training and validation losses those of one process; a backend
     that perturbs the compiled blocks' outputs gives other weights (so the blocks ran compiled, and the comparison can
-    fail). ``compile=True`` itself (inductor) under the pipeline: the slow tier's three compiled-pipeline tests
-    below."""
+    fail). ``compile=True`` itself (inductor) under the pipeline: the three compiled-pipeline tests below. In the slow
+    tier: ten seconds of a 2-core default suite for a combination of two features each proved there alone."""
     want = reference("gpt", 1, tmp_path / "reference")
     compiled = compiled_pipeline(tmp_path / "compiled", 1, {"backend": "aot_eager"}, world=2)
     assert_compiled_as_one_process(compiled, want)

@@ -129,9 +129,10 @@ def test_uneven_inputs_past_what_the_epoch_uses_train(index, steps, runs):
     assert r0["global_step"] == r1["global_step"] == steps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_without_the_check_the_longer_rank_waits_negative_control():
     """Lightning's behaviour: rank 0's third step waits in DDP's gradient all-reduce for rank 1, which has left
-    the epoch (until the group's timeout, 10 s here, ends the wait)."""
+    the epoch (until the group's timeout, 10 s here, ends the wait). In the slow tier: the wait is the test."""
     with pytest.raises(AssertionError, match=r"(?s)job 0:.*loss.backward.*run_backward"):  # rank 0, in its step
         run_jobs([training(lambda: FAMILIES["ddp"](check_uneven_inputs=False), "iterable", (3, 2))], timeout=10)

@@ -756,6 +756,7 @@ _REMOTE_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 def test_checkpoints_at_an_s3_url_resume_exactly_in_every_layout(tmp_path, s3_bucket):
     """Sharded (a torch.distributed.checkpoint directory under the prefix) and consolidated (one object) checkpoints,
     written synchronously and in the background, at ``s3://bucket/<layout>/last.ckpt``: the fit resumed from there
