@@ -388,6 +388,29 @@ def destroy_group(group: Any = None, *, quiet: bool = False) -> None:
             raise
 
 
+def abandon_groups() -> None:
+    """Leave every process group at once after a peer failed, without ever freeing the groups (a peer may be dead
+    or stuck).
+
+    Freeing a gloo process group waits, in the thread that drops its last reference, for every collective still
+    queued on it, and after a peer died or stopped answering each of those waits out the group's timeout (30 minutes
+    by default). That thread is the main one, usually in Lightning's teardown unwrapping DDP (whose reducer holds
+    the group): a rank that had named the failure stood there, and under the popen launcher rank 0 killed it when
+    its grace ran out, the rank's own error lost (seen on 2 busy cores: a queued bucket's all-reduce, 8 s of the
+    test's timeout against 5 s of grace). Each group keeps one reference that nothing drops, the interpreter's
+    finalization included: its worker threads end with the process. A script that catches the error and fits
+    again builds a new group; the old one's threads stay idle once their collectives timed out."""
+    import ctypes
+
+    try:
+        groups = _compat.process_groups()
+    except Exception:  # another torch: destroyed as before
+        groups = []
+    for group in groups:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    destroy_group(quiet=True)
+
+
 _LEAVES_AT_EXIT: list[bool] = []
 
 

@@ -139,11 +139,6 @@ def prepend(exception: BaseException, text: str) -> None:
         exception.args = (text + str(exception), *exception.args[1:])
 
 
-def tear_down() -> None:
-    """Leave the process group without waiting for peers (they may be dead or stuck)."""
-    comm.destroy_group(quiet=True)
-
-
 class FailureHandling:
     """The strategy side of the failure path: how long the roll call waits, and what a rank does when an
     exception ends its part of the job.
@@ -181,7 +176,7 @@ class FailureHandling:
             if is_peer_failure(exception):
                 text, missing = explain(rank, world_size, grace_s, self.timeout, str(exception))
                 prepend(exception, text)
-                tear_down()
+                comm.abandon_groups()
             else:
                 announce(rank, exception, grace_s)
         try:

@@ -201,9 +201,7 @@ def _end_and_reap(procs: list[subprocess.Popen], grace_s: float) -> None:
     collective for this rank, e.g. after rank 0 raised, fails at once and ends), give the child ranks
     ``grace_s`` to finish, then kill the rest; reap all (no zombie outlives its parent's job)."""
     if any(proc.poll() is None for proc in procs):
-        from lightning_mgpu.parts.failures import tear_down
-
-        tear_down()
+        comm.destroy_group(quiet=True)  # freed where nothing else holds it: its connections close now
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:

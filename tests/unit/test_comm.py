@@ -425,3 +425,68 @@ def test_the_strategies_destroy_a_gloo_group_at_exit_and_not_before(exit_lines: 
     lines = [line for line in exit_lines if line.split()[1] == case]
     # the group stays up after fit (a later trainer.test reuses it) and is down when the interpreter finishes
     assert lines == [f"AFTER_FIT {case} up", f"AT_EXIT {case} {at_exit}", f"EXIT {case} 0"], exit_lines
+
+
+# ----------------------------------------------------------------------------------------------------
+# Leaving the groups after a peer failed: never waiting out the collectives still queued on them.
+
+GROUP_TIMEOUT_S = 30  # what a queued collective waits for a peer that never comes
+LEFT_WITHIN_S = 10  # the rank must be past the line that drops its last reference well before that
+
+
+def _rank_with_a_collective_queued(rank: int, port: int, leave: str, out: str) -> None:
+    """Rank 1 queues an all-reduce that rank 0 never joins, holds the group as DDP's reducer does, leaves the groups
+    (``leave``: the pack's ``abandon_groups``, or the plain destroy of the negative control), then drops its
+    reference; it writes how long that took. Rank 0 sleeps until it is killed."""
+    import time
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout)
+    if rank == 0:
+        time.sleep(3 * GROUP_TIMEOUT_S)
+        return
+    held = dist.group.WORLD
+    queued = dist.all_reduce(torch.ones(4), async_op=True)  # kept, as a reducer keeps its work
+    Path(out + ".queued").touch()
+    start = time.monotonic()
+    comm.abandon_groups() if leave == "abandon" else comm.destroy_group(quiet=True)
+    del held, queued  # as Lightning's teardown drops the DDP wrapper
+    Path(out).write_text(f"{time.monotonic() - start:.2f}")
+
+
+def _seconds_to_leave(tmp_path: Path, leave: str) -> tuple[bool, float | None]:
+    """Whether rank 1 queued its collective, and the seconds it took to leave (None: not done in time)."""
+    import multiprocessing as mp
+
+    from lightning_fabric.plugins.environments.lightning import find_free_network_port
+
+    out = tmp_path / f"{leave}.txt"
+    port = find_free_network_port()
+    ranks = [
+        mp.get_context("fork").Process(target=_rank_with_a_collective_queued, args=(r, port, leave, str(out)))
+        for r in (0, 1)
+    ]
+    for p in ranks:
+        p.start()
+    ranks[1].join(LEFT_WITHIN_S)
+    for p in ranks:
+        p.kill()
+        p.join()
+    return Path(f"{out}.queued").exists(), float(out.read_text()) if out.exists() else None
+
+
+def test_a_rank_leaves_its_groups_after_a_peer_failed_without_waiting_for_queued_collectives(tmp_path):
+    """Freeing a gloo group waits for every collective still queued on it: after a peer failed, each waits out the
+    group's timeout in whichever line drops the last reference (Lightning's teardown, unwrapping DDP), and under the
+    popen launcher rank 0 killed such a rank before it could report. ``comm.abandon_groups`` (the failure path's way
+    out) keeps the groups alive until the process ends, so that line passes at once."""
+    queued, seconds = _seconds_to_leave(tmp_path, "abandon")
+    assert queued and seconds is not None and seconds < LEFT_WITHIN_S
+
+
+@pytest.mark.slow
+def test_a_rank_that_destroys_its_groups_after_a_peer_failed_waits_for_queued_collectives_negative_control(tmp_path):
+    """The plain destroy: the rank is still in the line that drops the group when its time is up (the wait is the
+    test, hence the slow tier)."""
+    assert _seconds_to_leave(tmp_path, "destroy") == (True, None)
