@@ -826,6 +826,12 @@ CASES = [
         id="four-bit-base-under-tensor-parallelism",
     ),
     pytest.param(
+        lambda: fit(_four_bit_base(), MGPUShardedStrategy(pipeline_parallel_size=2, start_method="fork")),
+        ValueError,
+        ["has a 4-bit base", "pipeline parallelism is not built yet", "mgpu_zero3"],
+        id="four-bit-base-under-pipeline-parallelism",
+    ),
+    pytest.param(
         lambda: fit(_lora_regressor(), MGPUShardedStrategy(tensor_parallel_size=2, start_method="fork")),
         ValueError,
         ["tensor_parallel_size=2 with adapters", "'net.0'", "strategy='mgpu_zero3'"],
