@@ -400,9 +400,14 @@ def forget_inherited_compile_threads() -> None:
     module = sys.modules.get("torch._inductor.async_compile")
     compile_pools = getattr(module, "AsyncCompile", None)
     for name in ("pool", "thread_pool"):
-        cache_clear = getattr(getattr(compile_pools, name, None), "cache_clear", None)
-        if cache_clear is not None:
-            cache_clear()
+        _clear_cache(compile_pools, name)
+
+
+def _clear_cache(owner: Any, name: str) -> None:
+    """Empty ``owner.name``'s ``functools`` cache; nothing where ``owner`` or the name is missing (another torch)."""
+    cache_clear = getattr(getattr(owner, name, None), "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
 
 
 def forget_inherited_dtensor_caches() -> None:
@@ -433,13 +438,9 @@ def forget_inherited_dtensor_caches() -> None:
 
     propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
     for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        cache_clear = getattr(getattr(propagator, name, None), "cache_clear", None)
-        if cache_clear is not None:
-            cache_clear()
+        _clear_cache(propagator, name)
     redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-    cache_clear = getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", None)
-    if cache_clear is not None:
-        cache_clear()
+    _clear_cache(redistribute, "_gen_transform_infos")
     planners = getattr(redistribute, "_planner_cache", None)
     if isinstance(planners, dict):
         planners.clear()
