@@ -242,6 +242,7 @@ def test_uneven_validation_batch_counts_do_not_hang(family):
         torch.testing.assert_close(record["validate"]["val_mse"], expected)
 
 
+@pytest.mark.slow  # its evidence is a wait: the group's timeout, twice
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("family", "waits_in"), [("zero3", "foreach_all_gather"), ("zero2_fairscale", "sync_buffers")])
 def test_uneven_validation_hangs_without_it_negative_control(family, waits_in):

@@ -1090,6 +1090,7 @@ class MiscountedHSDP(MiscountedZero3):
 HSDP_1 = {"mesh": "hybrid", "shard_size": 1}
 
 
+@pytest.mark.slow  # the default suite proves HSDP's norm (test_sharding.py) and ZeRO-3's inside the pipeline apart
 def test_hsdp_inside_the_pipeline_trains_as_one_process(tmp_path: Path) -> None:
     """``stage=3, mesh="hybrid", shard_size=1`` with pipeline 2 on 4 processes: each stage one FSDP2 unit over the
     2-D mesh (2 replicas x 1 shard) of its data ranks, so both ranks of a stage hold the same shard; the clipping

@@ -209,21 +209,28 @@ def reference(k: int, clip: float, steps: int, norm_scale: float = 1.0) -> tuple
 # ---------------------------------------------------------------------------------------------------------
 
 
+CLIPPED = {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}
+
+
 @pytest.fixture(scope="module")
 def hybrid_runs() -> list[list[dict[str, Any]]]:
-    clip = {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}
     return run_on_two_machines(
         [
-            fit_job(hybrid(), accumulate=1, **clip),
-            fit_job(hybrid(), accumulate=3, **clip),
+            fit_job(hybrid(), accumulate=3, **CLIPPED),
             fit_job(hybrid(mesh="flat"), accumulate=3),  # the flat mesh, for comparison
             fit_job(hybrid(cls=AlwaysSyncSharded), accumulate=3),  # negative control
-            fit_job(hybrid(stage=2), accumulate=3, **clip),  # hybrid ZeRO-2
+            fit_job(hybrid(stage=2), accumulate=3, **CLIPPED),  # hybrid ZeRO-2
         ]
     )
 
 
-@pytest.mark.parametrize(("job", "shape"), [(0, (2, 2)), (2, (1, 4)), (4, (2, 2))], ids=["hybrid", "flat", "stage2"])
+@pytest.fixture(scope="module")
+def hybrid_k1_run() -> list[dict[str, Any]]:
+    """k = 1 (the slow tier: every step of it is what the stepping micro-batch of k = 3 does)."""
+    return run_on_two_machines([fit_job(hybrid(), accumulate=1, **CLIPPED)])[0]
+
+
+@pytest.mark.parametrize(("job", "shape"), [(0, (2, 2)), (1, (1, 4)), (3, (2, 2))], ids=["hybrid", "flat", "stage2"])
 def test_configure_model_sees_every_rank_of_the_mesh_as_data_parallel(hybrid_runs, job, shape):
     """HSDP is one shape of the device mesh: the module sees Lightning's 2-D mesh, all ranks data-parallel
     (replicas x shards), whatever the split FSDP2 shards over."""
@@ -236,10 +243,7 @@ def test_configure_model_sees_every_rank_of_the_mesh_as_data_parallel(hybrid_run
         }
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(("job", "k"), [(0, 1), (1, 3), (4, 3)], ids=["k1", "k3", "stage2-k3"])
-def test_hybrid_training_equals_one_process_with_norm_clipping(hybrid_runs, job, k):
-    ranks = hybrid_runs[job]
+def _assert_hybrid_equals_one_process(ranks: list[dict[str, Any]], k: int) -> None:
     steps = 48 // (WORLD * B * k)
     expected, norms = reference(k, CLIP, steps)
     assert min(norms) > CLIP  # clipping bites on every step
@@ -255,11 +259,24 @@ def test_hybrid_training_equals_one_process_with_norm_clipping(hybrid_runs, job,
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", [0, 3], ids=["k3", "stage2-k3"])
+def test_hybrid_training_equals_one_process_with_norm_clipping(hybrid_runs, job):
+    _assert_hybrid_equals_one_process(hybrid_runs[job], 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hybrid_training_without_accumulation_equals_one_process_and_the_ledger_counts_it(hybrid_k1_run):
+    _assert_hybrid_equals_one_process(hybrid_k1_run, 1)
+    _assert_ledger(hybrid_k1_run[0]["ledger"], 1)
+
+
+@pytest.mark.timeout(600)
 def test_accumulation_reduce_scatters_and_all_reduces_across_replicas_once_per_step(hybrid_runs):
     """k = 3: micro-batches 1 and 2 send no gradient at all; micro-batch 3 reduce-scatters each unit's gradient
     within the shard group (input / output = 2 ranks) and all-reduces each resulting shard across the 2 replicas,
     and clipping adds one scalar all-reduce (over the shard group)."""
-    for record in hybrid_runs[1]:
+    for record in hybrid_runs[0]:
         batches = record["batches"]
         assert len(batches) == 48 // (WORLD * B)
         for i, seen in enumerate(batches):
@@ -276,7 +293,7 @@ def test_accumulation_reduce_scatters_and_all_reduces_across_replicas_once_per_s
 def test_the_collective_count_check_can_fail(hybrid_runs):
     """The same count on the flat mesh (reduce-scatter over all 4 ranks, no all-reduce across replicas) and with
     an accumulation that forgets to block the sync (gradients sent on every micro-batch) breaks the checks above."""
-    flat, always = hybrid_runs[2][0], hybrid_runs[3][0]
+    flat, always = hybrid_runs[1][0], hybrid_runs[2][0]
     assert flat["mesh_shape"] == (1, 4)
     stepping = flat["batches"][2]
     assert [i // o for i, o in stepping["reduce_scatter"]] == [4, 4] and stepping["all_reduce"] == []
@@ -285,21 +302,23 @@ def test_the_collective_count_check_can_fail(hybrid_runs):
 
 @pytest.mark.timeout(600)
 def test_ledger_reports_the_shard_group_and_the_replicas_against_their_lower_bounds(hybrid_runs):
-    for job, k in ((0, 1), (1, 3)):
-        stats = hybrid_runs[job][0]["ledger"]
-        assert (stats.world_size, stats.replicas, stats.shard_size) == (WORLD, 2, 2)
-        assert stats.sync_rounds == stats.optimizer_steps == 48 // (WORLD * B * k)
-        groups = stats.per_group()
-        g = stats.gradient_bytes
-        # per step: one reduce-scatter of the whole gradient within the shard group, plus the 8-byte scalar
-        # all-reduce of norm clipping there; one all-reduce of the gradient's shard across the replicas
-        assert stats.round_bytes == g * stats.sync_rounds
-        assert stats.allreduce_bytes - stats.round_bytes == 8 * stats.optimizer_steps
-        assert groups["shard_lower_bound_bytes"] == g / 2  # (s - 1) / s x G
-        assert groups["shard_bytes_per_step"] == g / 2 + 8  # + 2 (s - 1) / s x 8
-        assert groups["replica_lower_bound_bytes"] == groups["replica_bytes_per_step"] == g / 2  # 2 (r-1)/r x G/s
-        assert groups["replica_ratio_to_lower_bound"] == 1.0
-        assert "across replicas" in stats.summary()
+    _assert_ledger(hybrid_runs[0][0]["ledger"], 3)
+
+
+def _assert_ledger(stats: Any, k: int) -> None:
+    assert (stats.world_size, stats.replicas, stats.shard_size) == (WORLD, 2, 2)
+    assert stats.sync_rounds == stats.optimizer_steps == 48 // (WORLD * B * k)
+    groups = stats.per_group()
+    g = stats.gradient_bytes
+    # per step: one reduce-scatter of the whole gradient within the shard group, plus the 8-byte scalar
+    # all-reduce of norm clipping there; one all-reduce of the gradient's shard across the replicas
+    assert stats.round_bytes == g * stats.sync_rounds
+    assert stats.allreduce_bytes - stats.round_bytes == 8 * stats.optimizer_steps
+    assert groups["shard_lower_bound_bytes"] == g / 2  # (s - 1) / s x G
+    assert groups["shard_bytes_per_step"] == g / 2 + 8  # + 2 (s - 1) / s x 8
+    assert groups["replica_lower_bound_bytes"] == groups["replica_bytes_per_step"] == g / 2  # 2 (r-1)/r x G/s
+    assert groups["replica_ratio_to_lower_bound"] == 1.0
+    assert "across replicas" in stats.summary()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -337,6 +356,7 @@ def _assert_resumed_like_straight(runs: list[list[dict[str, Any]]]) -> None:
             torch.testing.assert_close(record["weights"], expected)
 
 
+@pytest.mark.slow  # resharding on resume is proved at another world size in the default suite (test_sharded.py)
 @pytest.mark.timeout(600)
 def test_sharded_checkpoint_resumes_at_other_mesh_shapes(tmp_path):
     _assert_resumed_like_straight(_resume_chain(tmp_path, "sharded"))

@@ -36,6 +36,16 @@ HALF_MODES = ["16-mixed", "bf16-mixed", "16-master", "bf16-master"]
 MASTER_MODES = ["16-master", "bf16-master"]
 
 
+def cells(modes: list[str], strategies: list[str], slow: set[str]) -> list[Any]:
+    """Every (mode, strategy) cell, id ``mode-strategy``; those named in ``slow`` (what the default suite's other
+    cells already prove: each mode and each strategy stay there) in the slow tier."""
+    return [
+        pytest.param(m, s, id=f"{m}-{s}", marks=[pytest.mark.slow] if f"{m}-{s}" in slow else [])
+        for m in modes
+        for s in strategies
+    ]
+
+
 def strategy(name: str) -> Any:
     if name == "ddp":
         return MGPUDDPStrategy(start_method="fork")
@@ -241,8 +251,9 @@ def fp32_curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict
     return {s: run_digits(tmp_path_factory.mktemp(f"fp32-{s}"), "32-true", s) for s in ("ddp", "fsdp2")}
 
 
-@pytest.mark.parametrize("strat", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("mode", HALF_MODES)
+@pytest.mark.parametrize(
+    ("mode", "strat"), cells(HALF_MODES, ["ddp", "fsdp2"], {"16-mixed-fsdp2", "bf16-master-fsdp2"})
+)
 def test_loss_curve_stays_within_tolerance_of_fp32(
     tmp_path: Path, fp32_curves: dict[str, list[dict[str, Any]]], mode: str, strat: str
 ) -> None:
@@ -417,8 +428,9 @@ def test_clipping_sees_unscaled_gradients(tmp_path: Path, mode: str) -> None:
 # --- master weights in checkpoints ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strat", ["ddp", "zero1", "fsdp2"])
-@pytest.mark.parametrize("mode", MASTER_MODES)
+@pytest.mark.parametrize(
+    ("mode", "strat"), cells(MASTER_MODES, ["ddp", "zero1", "fsdp2"], {"bf16-master-ddp", "bf16-master-zero1"})
+)
 def test_resume_restores_fp32_masters_and_the_scaler(tmp_path: Path, mode: str, strat: str) -> None:
     # growth_interval 5: the fp16 scale grows during both halves, so a resume that lost the scaler's state
     # (scale, growth tracker) would end on another scale
