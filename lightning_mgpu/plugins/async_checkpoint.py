@@ -43,6 +43,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_mgpu import comm
+
 log = logging.getLogger(__name__)
 
 
@@ -243,6 +245,54 @@ class AsyncCheckpointWriter:
         with self._jobs_guard:
             causes, self._causes = self._causes, []
         return causes
+
+
+class AsyncWrites:
+    """The coordination of background checkpoint writes (``async_checkpoint=True``): which saves go to the
+    background, the agreement of every rank on their outcome, and the gloo group of their collectives."""
+
+    def __init__(self, writer: AsyncCheckpointWriter, timeout: Any) -> None:
+        self.writer = writer
+        self.timeout = timeout
+        self.unsettled = False  # every rank: an async save was submitted since the last agreement
+        self._write_group: Any = None  # a gloo group for the background writes' collectives (sharded layout)
+
+    def submit(self, path: str, rank: int, write: Callable[[], None]) -> None:
+        self.unsettled = True
+        self.writer.rank = rank
+        self.writer.submit(path, write)
+
+    def settle(self, world_size: int) -> None:
+        """Every rank, at a save and at the end of fit: wait for the write in flight, and raise
+        :class:`~lightning_mgpu.CheckpointWriteError` on every rank if any rank's write failed."""
+        if not self.unsettled:
+            return
+        self.unsettled = False
+        failures = self.writer.finish()
+        causes = self.writer.take_causes()
+        if comm.group_is_up() and world_size > 1:
+            failures = [f for rank_failures in comm.all_gather_object(failures) for f in rank_failures]
+        if failures:
+            raise CheckpointWriteError(failure_message(failures)) from (causes[0] if causes else None)
+
+    def group(self) -> Any:
+        """A gloo group of all ranks for the collectives of background writes: they must not interleave with
+        the training thread's collectives on the default group (torch's advice for ``dcp.async_save``). Made on
+        every rank at the first asynchronous sharded save (a collective)."""
+        if self._write_group is None:
+            self._write_group = comm.new_group(backend="gloo", timeout=self.timeout)
+        return self._write_group
+
+    def end(self) -> None:
+        """Teardown: wait for the last write (an error not raised yet, e.g. after another exception, is logged)
+        and leave the checkpoint group."""
+        for failure in self.writer.finish():
+            log.error(f"The background write of {failure}")
+        self.writer.take_causes()
+        self.unsettled = False
+        group, self._write_group = self._write_group, None
+        if group is not None:
+            comm.destroy_group(group, quiet=True)
 
 
 def _lower_priority() -> None:

@@ -17,7 +17,7 @@ What a directory holds:
 
 Loading reads every entry as data unless ``weights_only=False`` (``plugins/checkpoint_io.py``), and each rank reads the
 slices it owns now, whatever the world size at save time. An adapter-only checkpoint of a frozen base leaves the base
-as built; the strategy's runtime refuses one saved over another base first.
+as built; the strategy's checkpoint rules (``plugins/checkpoint_rules.py``) refuse one saved over another base first.
 
 Example::
 
@@ -86,7 +86,7 @@ def save_dir(
     """Write Lightning's ``checkpoint`` as the sharded directory ``target`` (a local path, or a prefix at an fsspec
     URL): a collective, every rank calls it with its own ``checkpoint`` (its shards). ``broadcast(obj)`` and
     ``barrier(name)``: the strategy's, over all ranks; ``group``: the process group of the write; ``marker``: what the
-    completion marker says of the layout (world size, stage, backend). ``writes``: the runtime's background writes
+    completion marker says of the layout (world size, stage, backend). ``writes``: the strategy's background writes
     when this save goes to the background (``async_checkpoint=True`` inside a fit), else ``None``."""
     rank0 = rank == 0
     if checkpoint_kind(target) == "file":
@@ -263,28 +263,29 @@ class ShardedCheckpoints:
     Lightning checkpoint) or ``"sharded"`` (the directory of :func:`save_dir`); either loads at any world size.
 
     ``strategy``: the strategy served (its ranks, ``broadcast``, ``barrier``, module and optimizers, as Lightning's
-    ``Strategy`` has them); ``runtime``: its runtime (``strategies/runtime.py``: what every save and load does first
-    and after, the background writes, adapter-only checkpoints, the precision plugin's masters); ``sharding()``: the
+    ``Strategy`` has them); ``rules``: its :class:`~lightning_mgpu.plugins.checkpoint_rules.CheckpointRules` (what
+    every save and load does first and after, the background writes, adapter-only checkpoints, the precision plugin's
+    masters); ``sharding()``: the
     strategy's sharding backend now (``parts/sharding.py``: it gathers and scatters the states); ``marker``: what the
     completion marker of a directory says of the layout beside the world size (stage, backend).
 
     Example::
 
         marker = {"stage": 3, "backend": "torch"}
-        checkpoints = ShardedCheckpoints(strategy, runtime, lambda: backend, "sharded", marker)
+        checkpoints = ShardedCheckpoints(strategy, rules, lambda: backend, "sharded", marker)
         checkpoints.save(checkpoint, "run/last.ckpt", None, lightning_save)   # a directory, every rank writing
     """
 
     def __init__(
         self,
         strategy: ParallelStrategy,
-        runtime: Any,
+        rules: Any,
         sharding: Callable[[], Any],
         layout: str,
         marker: Mapping[str, Any],
     ) -> None:
         self.strategy = strategy
-        self.runtime = runtime
+        self.rules = rules
         self._sharding = sharding
         self.layout = layout
         self._marker = dict(marker)
@@ -319,8 +320,8 @@ class ShardedCheckpoints:
         adapter-only save gathers the entries it keeps, not the frozen base), with the precision plugin's masters."""
         module = self._served_module()
         if self.layout == "sharded":
-            return self.runtime.module_state(self._sharding().sharded_model_state(module))
-        return self.runtime.module_state(self._sharding().full_model_state(module, self.runtime.saved_keys()))
+            return self.rules.module_state(self._sharding().sharded_model_state(module))
+        return self.rules.module_state(self._sharding().full_model_state(module, self.rules.saved_keys()))
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer``'s state as this layout saves it (this rank's shards, or the whole state on rank 0)."""
@@ -339,7 +340,7 @@ class ShardedCheckpoints:
         """Write ``checkpoint`` at ``filepath`` (a collective): a file through the checkpoint IO
         (``lightning_save``: Lightning's save), or the directory; in the background with ``async_checkpoint=True``;
         with fault tolerance, by the lowest replica group only."""
-        self.runtime.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
+        self.rules.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
         filepath = self.strategy.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
         local = local_path(filepath)
         if self.layout == "consolidated":
@@ -348,11 +349,11 @@ class ShardedCheckpoints:
                     f"{local} is a directory (a sharded checkpoint?); a consolidated checkpoint is one file. Choose "
                     f"another file name, or save with MGPUShardedStrategy(checkpoint='sharded')."
                 )
-            self.runtime.write_file(checkpoint, filepath, options, lightning_save)  # atomic by default
+            self.rules.write_file(checkpoint, filepath, options, lightning_save)  # atomic by default
             return
         if options is not None:
             raise TypeError("storage_options is not supported with checkpoint='sharded' (DCP writes the files).")
-        if not self.runtime.writes_checkpoints():  # fault tolerance: the lowest replica group writes
+        if not self.rules.writes_checkpoints():  # fault tolerance: the lowest replica group writes
             return
         save_dir(
             checkpoint,
@@ -362,7 +363,7 @@ class ShardedCheckpoints:
             barrier=self.strategy.barrier,
             group=_world_group(),
             marker={"world_size": self.strategy.world_size, **self._marker, "layout": self.layout},
-            writes=self.runtime.writes if self.runtime.saves_async() else None,
+            writes=self.rules.writes if self.rules.saves_async() else None,
         )
 
     def remove(self, filepath: PathLike, lightning_remove: Callable[[Any], None]) -> None:
@@ -370,9 +371,9 @@ class ShardedCheckpoints:
         (whatever the checkpoint IO: the strategy wrote it, not the plugin), a file by ``lightning_remove``."""
         local = local_path(filepath)
         if self.strategy.is_global_zero and local is not None and os.path.isdir(local):
-            self.runtime.remove_when_written(lambda: remove_dir(local))
+            self.rules.remove_when_written(lambda: remove_dir(local))
             return
-        self.runtime.remove_when_written(lambda: lightning_remove(os.fspath(filepath)))
+        self.rules.remove_when_written(lambda: lightning_remove(os.fspath(filepath)))
 
     # --- loading --------------------------------------------------------------------------------------------
     def load(
@@ -392,7 +393,7 @@ class ShardedCheckpoints:
         path: Union[Path, str] = Path(local) if local is not None else str(checkpoint_path)  # a URL stays a string
         if checkpoint_kind(path) != "dir":
             self.loaded_in_place = False
-            return self.runtime.after_load(lightning_load(os.fspath(checkpoint_path), weights_only=weights_only))
+            return self.rules.after_load(lightning_load(os.fspath(checkpoint_path), weights_only=weights_only))
         checkpoint = load_dir(
             path,
             self.strategy.lightning_module,  # needed once the directory is found complete and its meta.pt read
@@ -401,20 +402,20 @@ class ShardedCheckpoints:
             optimizers=self.strategy.optimizers,
             restore_optimizers=self.strategy.lightning_restore_optimizer,
             sharding=self._sharding(),
-            frozen_left_out=self.runtime.frozen_left_out,
+            frozen_left_out=self.rules.frozen_left_out,
         )
         self.loaded_in_place = True
-        return self.runtime.after_load(checkpoint)
+        return self.rules.after_load(checkpoint)
 
     def load_module_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
         """A file's weights scattered into the module (a directory's are loaded already), then the masters."""
         if not self.loaded_in_place:
             module = self._served_module()
             sharding = self._sharding()
-            self.runtime.load_weights(
+            self.rules.load_weights(
                 checkpoint, strict, lambda c, s: sharding.load_full_model_state(module, c["state_dict"], s)
             )
-        self.runtime.load_masters(checkpoint)
+        self.rules.load_masters(checkpoint)
 
     def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         """A file's optimizer states scattered into the optimizers (a directory's are loaded already)."""

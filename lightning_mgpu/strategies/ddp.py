@@ -210,7 +210,7 @@ class MGPUDDPStrategy(DDPStrategy):
     @property
     def checkpoint_write_in_flight(self) -> bool:
         """Whether a background checkpoint write of this rank is running now (``async_checkpoint=True``)."""
-        return self._runtime.checkpoint_write_in_flight
+        return self._runtime.checkpoints.write_in_flight
 
     def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
         """Manual optimization with ``loss_normalization="tokens"``: count this micro-batch's tokens (and their
@@ -355,31 +355,32 @@ class MGPUDDPStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self._runtime.add_periodic_state(checkpoint, self._ddp)  # local SGD / DiLoCo: every rank's own state
-        self._runtime.before_save(checkpoint)
-        self._runtime.write_file(checkpoint, filepath, storage_options, super().save_checkpoint)
+        self._runtime.checkpoints.before_save(checkpoint)
+        self._runtime.checkpoints.write_file(checkpoint, filepath, storage_options, super().save_checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         remove = super().remove_checkpoint
-        self._runtime.remove_when_written(lambda: remove(filepath))
+        self._runtime.checkpoints.remove_when_written(lambda: remove(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         local = local_path(checkpoint_path)
         if local is not None and os.path.isdir(local):
             raise IsADirectoryError(sharded_directory_message(local, type(self).__name__))
-        return self._runtime.after_load(super().load_checkpoint(os.fspath(checkpoint_path), weights_only=weights_only))
+        loaded = super().load_checkpoint(os.fspath(checkpoint_path), weights_only=weights_only)
+        return self._runtime.checkpoints.after_load(loaded)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._runtime.module_state(super().lightning_module_state_dict())
+        return self._runtime.checkpoints.module_state(super().lightning_module_state_dict())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._runtime.load_weights(
+        self._runtime.checkpoints.load_weights(
             checkpoint, strict, lambda c, s: super(MGPUDDPStrategy, self).load_model_state_dict(c, s)
         )
-        self._runtime.load_masters(checkpoint)
+        self._runtime.checkpoints.load_masters(checkpoint)
         self._runtime.hold_periodic_state(checkpoint)
 
     @override

@@ -1,8 +1,9 @@
 """The runtime: the plain object every mgpu strategy holds, built from its settings. It owns the parts (the ledger,
 failure handling, mid-epoch resume, exact evaluation, uneven inputs, activation checkpointing, compilation, the
-token and non-finite checks, the DDP part, the periodic sync, the background checkpoint writer, prediction gathering)
-and coordinates them: the launch and its checks, the results a worker hands to the main process, the elastic
-store, the optimizer step's closures, the saves and loads, the end of fit.
+token and non-finite checks, the DDP part, the periodic sync, the checkpoint rules, prediction gathering) and
+coordinates them: the launch and its checks, the results a worker hands to the main process, the elastic store, the
+optimizer step's closures, the end of fit. What a save or load does is the checkpoint rules' (``checkpoints``:
+``plugins/checkpoint_rules.py``).
 
 A strategy is a direct subclass of Lightning's ``DDPStrategy`` or ``ParallelStrategy`` whose overridden hooks each
 hand their work to the runtime, explicitly (``strategies/``); the runtime reads what Lightning gave the strategy
@@ -18,9 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable, Optional, Protocol, Union, cast
 
@@ -29,7 +29,7 @@ import torch
 from lightning_fabric.plugins import CheckpointIO
 from lightning_fabric.utilities.apply_func import move_data_to_device
 from pytorch_lightning.strategies import ParallelStrategy
-from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -39,7 +39,6 @@ from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import attached_trainer
 from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.comm_hooks import check_backend
-from lightning_mgpu.export import record_hf_models
 from lightning_mgpu.ledger import CommStats, Ledger
 from lightning_mgpu.parts import rendezvous
 from lightning_mgpu.parts.accumulation import check_accumulate_grad_batches, check_manual_accumulation
@@ -55,16 +54,9 @@ from lightning_mgpu.parts.periodic_sync import CHECKPOINT_KEY, PeriodicSync
 from lightning_mgpu.parts.predictions import PredictionGathering
 from lightning_mgpu.parts.resume import MidEpochResume
 from lightning_mgpu.parts.token_loss import LOG_NAME, TokenNormalization
-from lightning_mgpu.parts.trainable_state import (
-    check_base,
-    check_keys,
-    frozen_parameters,
-    saves_trainable_only,
-    trainable_only,
-)
 from lightning_mgpu.parts.uneven_inputs import UnevenInputs
-from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError, failure_message
-from lightning_mgpu.plugins.checkpoint_io import LightningSave, choose_checkpoint_io
+from lightning_mgpu.plugins.checkpoint_io import choose_checkpoint_io
+from lightning_mgpu.plugins.checkpoint_rules import CheckpointRules
 from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
 from lightning_mgpu.settings import CommonSettings, DDPSettings, LocalSGDSettings
 from lightning_mgpu.strategies.launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
@@ -98,54 +90,6 @@ class Ranks(Protocol):
     def num_nodes(self) -> int: ...
 
     def set_world_ranks(self) -> None: ...
-
-
-class AsyncWrites:
-    """The coordination of background checkpoint writes (``async_checkpoint=True``): which saves go to the
-    background, the agreement of every rank on their outcome, and the gloo group of their collectives."""
-
-    def __init__(self, writer: AsyncCheckpointWriter, timeout: Any) -> None:
-        self.writer = writer
-        self.timeout = timeout
-        self.unsettled = False  # every rank: an async save was submitted since the last agreement
-        self._write_group: Any = None  # a gloo group for the background writes' collectives (sharded layout)
-
-    def submit(self, path: str, rank: int, write: Callable[[], None]) -> None:
-        self.unsettled = True
-        self.writer.rank = rank
-        self.writer.submit(path, write)
-
-    def settle(self, world_size: int) -> None:
-        """Every rank, at a save and at the end of fit: wait for the write in flight, and raise
-        :class:`~lightning_mgpu.CheckpointWriteError` on every rank if any rank's write failed."""
-        if not self.unsettled:
-            return
-        self.unsettled = False
-        failures = self.writer.finish()
-        causes = self.writer.take_causes()
-        if group_is_up() and world_size > 1:
-            failures = [f for rank_failures in comm.all_gather_object(failures) for f in rank_failures]
-        if failures:
-            raise CheckpointWriteError(failure_message(failures)) from (causes[0] if causes else None)
-
-    def group(self) -> Any:
-        """A gloo group of all ranks for the collectives of background writes: they must not interleave with
-        the training thread's collectives on the default group (torch's advice for ``dcp.async_save``). Made on
-        every rank at the first asynchronous sharded save (a collective)."""
-        if self._write_group is None:
-            self._write_group = comm.new_group(backend="gloo", timeout=self.timeout)
-        return self._write_group
-
-    def end(self) -> None:
-        """Teardown: wait for the last write (an error not raised yet, e.g. after another exception, is logged)
-        and leave the checkpoint group."""
-        for failure in self.writer.finish():
-            log.error(f"The background write of {failure}")
-        self.writer.take_causes()
-        self.unsettled = False
-        group, self._write_group = self._write_group, None
-        if group is not None:
-            comm.destroy_group(group, quiet=True)
 
 
 class Runtime:
@@ -183,13 +127,14 @@ class Runtime:
         tokens = settings.loss_normalization == "tokens"
         self.tokens = TokenNormalization(self.ledger.stats) if tokens else None
         self.nonfinite = NonFiniteCheck(self.ledger.stats) if settings.nonfinite == "error" else None
-        self.writes = AsyncWrites(AsyncCheckpointWriter(), settings.timeout) if settings.async_checkpoint else None
         self.predictions = PredictionGathering()
         self.ddp = DDPWrapping(settings) if isinstance(settings, DDPSettings) else None
         """The DDP part (``mgpu_ddp``, its periodic family, the sharded stage 1); None where no DDP wraps the model."""
         ft = getattr(settings, "fault_tolerance", None)
         self.replicas = ReplicaGroups(ft, self.ledger.stats) if ft is not None else None
         """The fault-tolerant replica groups (``fault_tolerance``); None where it is off."""
+        self.checkpoints = CheckpointRules(strategy, settings, self.resume, self.replicas, self.processes_and_nodes)
+        """What every save and load does around the strategy's checkpoint format."""
         self.periodic: Optional[PeriodicSync] = None
         """The periodic weight sync (``mgpu_local_sgd``, ``mgpu_diloco`` set it); None elsewhere."""
         self._periodic_restore: Optional[dict[str, Any]] = None  # loaded with the weights, applied with the optimizers
@@ -714,139 +659,16 @@ class Runtime:
         """One rank failed: say which, and leave the group so that no rank waits for it (``parts/failures.py``)."""
         return self.failures.end_group_after(exception, self.strategy.global_rank, self.strategy.world_size)
 
-    # --- checkpoints and mid-epoch resume ---------------------------------------------------------------------
-    def before_save(self, checkpoint: dict[str, Any]) -> None:
-        """What every save does first, once: refuse a save that could not resume, wait for the previous background
-        write (or raise its error), and put the mid-epoch position and the Hugging Face models' configurations
-        into the checkpoint."""
-        self._refuse_main_process_save()
-        self.settle_async_writes()
-        self.resume.before_save(checkpoint, self._attached())
-        module = self.strategy.lightning_module
-        if module is not None and saves_trainable_only(module, self.settings.checkpoint_params):
-            trainable_only(checkpoint, module)  # checkpoint_params: the frozen base out, its fingerprint in
-        record_hf_models(checkpoint, self.strategy.lightning_module)  # what `lightning-mgpu export` writes out
-
-    def _refuse_main_process_save(self) -> None:
-        """Plain Lightning writes a checkpoint with empty optimizer states (and the main process's loop
-        counters) when ``trainer.save_checkpoint`` runs in the main process after a spawn/fork fit."""
-        start = self.settings.start_method
-        if start != "popen" and not group_is_up() and math.prod(self.processes_and_nodes()) > 1:
-            raise RuntimeError(
-                f"trainer.save_checkpoint() was called in the main process after a {start!r} "
-                f"launch. Training ran in the worker processes and their optimizer states are gone, so this "
-                f"checkpoint could not resume training. Save from inside fit (ModelCheckpoint(save_last=True), or "
-                f"trainer.save_checkpoint in a callback's on_train_end), or launch with start_method='popen', where "
-                f"trainer.save_checkpoint after fit works."
-            )
-
-    def write_file(
-        self, checkpoint: dict[str, Any], filepath: Any, options: Any, lightning_save: LightningSave
-    ) -> None:
-        """One checkpoint file, written by rank 0 through the checkpoint IO (atomic by default; ``lightning_save``
-        is Lightning's save), in the background with ``async_checkpoint=True``; with fault tolerance, by the lowest
-        replica group only."""
-        if not self.writes_checkpoints():
-            return
-        if not self.saves_async():
-            lightning_save(checkpoint, filepath, options)
-            return
-        assert self.writes is not None
-        self.writes.unsettled = True
-        if self.strategy.is_global_zero:  # one file, written by rank 0 (as Lightning's)
-            staged = self.writes.writer.stage(checkpoint)
-            io = self.strategy.checkpoint_io
-            self.writes.submit(str(filepath), 0, lambda: io.save_checkpoint(staged, filepath, options))
-
-    def saves_async(self) -> bool:
-        """Async only inside a running fit: a save outside it (after fit, in validate) has no end of fit that
-        waits for it, so it is written before it returns."""
-        if self.writes is None:
-            return False
-        trainer = self._attached()
-        return (
-            trainer is not None
-            and trainer.state.fn == TrainerFn.FITTING
-            and trainer.state.status == TrainerStatus.RUNNING
-        )
-
-    def settle_async_writes(self) -> None:
-        if self.writes is not None:
-            self.writes.settle(self.strategy.world_size)
-
-    def writes_checkpoints(self) -> bool:
-        """Whether this process's group writes checkpoints: always, except under fault tolerance, where the lowest
-        replica group of the last quorum writes and removes them (:class:`~lightning_mgpu.parts.fault_tolerance.
-        ReplicaGroups`)."""
-        return self.replicas is None or self.replicas.writes_checkpoints()
-
-    def remove_when_written(self, remove: Callable[[], None]) -> None:
-        """Remove an old checkpoint once the write in flight has succeeded (ModelCheckpoint's top-k and
-        ``save_last`` ask right after submitting the replacement), at once without a write in flight; with fault
-        tolerance, only where this group writes them."""
-        if not self.writes_checkpoints():
-            return
-        if self.writes is not None:
-            self.writes.writer.remove_after_write(remove)
-        else:
-            remove()
-
-    @property
-    def checkpoint_write_in_flight(self) -> bool:
-        return self.writes is not None and self.writes.writer.in_flight
-
-    def after_load(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        self.resume.after_load(checkpoint, self.strategy.world_size, self.strategy.global_rank)
-        return checkpoint
-
-    def module_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The module's weights as the strategy saves them (``state``), with the precision plugin's masters."""
-        return PrecisionAdoption.with_masters(self.strategy.precision_plugin, self.strategy.lightning_module, state)
-
-    def saved_keys(self) -> Optional[set[str]]:
-        """The module's state entries a save keeps under ``checkpoint_params`` (None: all of them)."""
-        module = self.strategy.lightning_module
-        if module is None or not saves_trainable_only(module, self.settings.checkpoint_params):
-            return None
-        frozen = frozen_parameters(module)
-        return {k for k in module.state_dict() if k not in frozen}
-
-    def frozen_left_out(self, checkpoint: Mapping[str, Any]) -> Optional[set[str]]:
-        """For an adapter-only checkpoint (``checkpoint_params``): the frozen parameters it leaves out, once the
-        model's frozen base is checked to be the one it was saved on (the same error on every rank otherwise);
-        None for a full checkpoint. Call on every rank."""
-        module = self.strategy.lightning_module
-        assert module is not None
-        return check_base(checkpoint, module, self.strategy.is_global_zero, self.strategy.broadcast)
-
-    def load_weights(
-        self, checkpoint: Mapping[str, Any], strict: bool, load: Callable[[Mapping[str, Any], bool], None]
-    ) -> None:
-        """Load the checkpoint's weights with ``load(checkpoint, strict)`` (the strategy's way); an adapter-only
-        checkpoint loads non-strictly onto the checked base, its keys checked here when ``strict``."""
-        left_out = self.frozen_left_out(checkpoint)
-        if left_out is not None:
-            module = self.strategy.lightning_module
-            assert module is not None
-            if strict:
-                check_keys(checkpoint["state_dict"], module, left_out)
-            strict = False
-        load(checkpoint, strict)
-
-    def load_masters(self, checkpoint: Any) -> None:
-        PrecisionAdoption.load_masters(self.strategy.precision_plugin, self.strategy.lightning_module, checkpoint)
-
     # --- end --------------------------------------------------------------------------------------------------
     def train_end(self) -> None:
         if self.replicas is not None:
             self.replicas.settle()  # the last batch's dropped step, undone
             self.replicas.finish()  # local SGD / DiLoCo: the last period's sync
-        self.settle_async_writes()  # fit's end waits for the last write; its failure raises on every rank
+        self.checkpoints.settle()  # fit's end waits for the last write; its failure raises on every rank
         self.ledger.write(self.strategy.lightning_module, self.strategy.is_global_zero, force=True)
 
     def teardown(self) -> None:
-        if self.writes is not None:
-            self.writes.end()
+        self.checkpoints.end()
         if self.replicas is not None:
             self.replicas.teardown()
         if self.ddp is not None:

@@ -230,7 +230,11 @@ class MGPUShardedStrategy(ParallelStrategy):
         )
         # both layouts' saves and loads (plugins/sharded_checkpoint.py), over the sharding backend in use
         self._checkpoints = ShardedCheckpoints(
-            self, self._runtime, self._sharding_backend, checkpoint, {"stage": sharded.stage, "backend": backend}
+            self,
+            self._runtime.checkpoints,
+            self._sharding_backend,
+            checkpoint,
+            {"stage": sharded.stage, "backend": backend},
         )
 
     def _sharding_backend(self) -> ShardingBackend:
@@ -316,7 +320,7 @@ class MGPUShardedStrategy(ParallelStrategy):
     @property
     def checkpoint_write_in_flight(self) -> bool:
         """Whether a background checkpoint write of this rank is running now (``async_checkpoint=True``)."""
-        return self._runtime.checkpoint_write_in_flight
+        return self._runtime.checkpoints.write_in_flight
 
     def pipeline_stats(self) -> Optional[PipelineStats]:
         """``pipeline_parallel_size > 1``: the last training step of this rank (bytes sent between stages, the

@@ -543,8 +543,8 @@ def test_the_save_preamble_runs_once_per_save(tmp_path, stage):
     consolidated layout used to run them twice: in the sharded strategy and again in the base it handed to)."""
     strategy = MGPUShardedStrategy(stage=stage)
     calls: list[str] = []
-    strategy._runtime.before_save = lambda checkpoint: calls.append("before")  # type: ignore[method-assign]
-    strategy._runtime.write_file = lambda checkpoint, path, options, save: calls.append("write")  # type: ignore[method-assign]
+    strategy._runtime.checkpoints.before_save = lambda checkpoint: calls.append("before")  # type: ignore[method-assign]
+    strategy._runtime.checkpoints.write_file = lambda checkpoint, path, options, save: calls.append("write")  # type: ignore[method-assign]
     strategy.save_checkpoint({"state_dict": {}}, str(tmp_path / "last.ckpt"))
     assert calls == ["before", "write"]
 
