@@ -29,12 +29,15 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from lightning_fabric.utilities.distributed import log as fabric_log
 from lightning_fabric.utilities.rank_zero import rank_zero_info
+
+from lightning_mgpu import _compat
+from lightning_mgpu.comm import group_is_up
 
 __all__ = [
     "DEFAULT_JOIN_TIMEOUT_S",
@@ -42,6 +45,7 @@ __all__ = [
     "RanksMissing",
     "announce_nodes",
     "join_process_group",
+    "join_strategy_group",
     "join_timeout_s",
 ]
 
@@ -279,6 +283,47 @@ def join_process_group(
         f"{'-' * 100}\ndistributed_backend={backend}\n"
         f"All distributed processes registered. Starting with {world_size} processes\n{'-' * 100}\n"
     )
+
+
+def join_strategy_group(
+    strategy: Any, set_world_ranks: Callable[[], None], backend: Callable[[], str], timeout: Any, num_nodes: int
+) -> None:
+    """In every rank, at a strategy's set-up, unless the default group is up already: when torchrun restarted this job
+    (``_compat.torchelastic_shares_its_store``), Lightning's init would use env:// on the agent's store, which keeps
+    the previous attempt's addresses, so join with a per-attempt prefix; else, outside torchrun's agent store, the
+    bounded join of :func:`join_process_group` (under the agent store the agents have gathered every node before the
+    workers start). Lightning's ``setup_distributed`` then finds the group initialised and only sets the ranks and
+    seed. ``strategy``: Lightning's (ranks, root device, cluster environment); ``set_world_ranks``: its own;
+    ``backend()``: the group's backend; ``timeout``: the collectives'."""
+    if group_is_up():
+        return
+
+    def device_id() -> Optional[torch.device]:
+        return strategy.root_device if strategy.root_device.type != "cpu" else None  # as Lightning does
+
+    if _compat.torchelastic_shares_its_store():
+        set_world_ranks()
+        dist.init_process_group(
+            backend(),
+            store=_compat.elastic_attempt_store(timeout),
+            rank=strategy.global_rank,
+            world_size=strategy.world_size,
+            timeout=timeout,
+            device_id=device_id(),
+        )
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        set_world_ranks()
+        if strategy.world_size > 1 and strategy.cluster_environment is not None:
+            join_process_group(
+                address=strategy.cluster_environment.main_address,
+                port=strategy.cluster_environment.main_port,
+                rank=strategy.global_rank,
+                world_size=strategy.world_size,
+                num_nodes=num_nodes,
+                backend=backend(),
+                timeout=timeout,
+                device_id=device_id(),
+            )
 
 
 def announce_nodes(environment: Any, num_nodes: int, per_node: int) -> Optional[str]:

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable, Optional, Protocol, Union, cast
 
 import pytorch_lightning as pl
-import torch
 from lightning_fabric.plugins import CheckpointIO
 from lightning_fabric.utilities.apply_func import move_data_to_device
 from pytorch_lightning.strategies import ParallelStrategy
@@ -272,46 +270,18 @@ class Runtime:
     def set_up_process(self) -> None:
         """In every rank, first at set-up: no warning printed by each rank for what Lightning does in every loop
         (``_compat.leaf_specs_without_warning``), the group's destruction at exit whatever its backend
-        (:func:`~lightning_mgpu.comm.leave_group_at_exit`), then the process group's store
-        (:meth:`join_elastic_store`)."""
+        (:func:`~lightning_mgpu.comm.leave_group_at_exit`), then the process group joined
+        (:func:`~lightning_mgpu.parts.rendezvous.join_strategy_group`: torchrun's restarted store, or a bounded join
+        that names the ranks still missing)."""
         _compat.leaf_specs_without_warning()
         comm.leave_group_at_exit()
-        self.join_elastic_store()
-
-    def join_elastic_store(self) -> None:
-        """When torchrun restarted this job (``_compat.torchelastic_shares_its_store``): Lightning's init would use
-        env:// on the agent's store, which keeps the previous attempt's addresses; join with a per-attempt prefix.
-        Lightning's ``setup_distributed`` then finds the group initialised and only sets the ranks and seed."""
-        if group_is_up():
-            return
-        strategy = self.strategy
-        if _compat.torchelastic_shares_its_store():
-            self.ranks.set_world_ranks()
-            backend = self.group_backend()
-            torch.distributed.init_process_group(
-                backend,
-                store=_compat.elastic_attempt_store(self.settings.timeout),
-                rank=strategy.global_rank,
-                world_size=strategy.world_size,
-                timeout=self.settings.timeout,
-                device_id=strategy.root_device if strategy.root_device.type != "cpu" else None,  # as Lightning does
-            )
-        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            # a bounded join that names the ranks still missing (parts/rendezvous.py) instead of torch's silent
-            # wait; under torchrun's agent store the agents have gathered every node before the workers start
-            self.ranks.set_world_ranks()
-            if strategy.world_size > 1 and strategy.cluster_environment is not None:
-                backend = self.group_backend()
-                rendezvous.join_process_group(
-                    address=strategy.cluster_environment.main_address,
-                    port=strategy.cluster_environment.main_port,
-                    rank=strategy.global_rank,
-                    world_size=strategy.world_size,
-                    num_nodes=self.processes_and_nodes()[1],
-                    backend=backend,
-                    timeout=self.settings.timeout,
-                    device_id=strategy.root_device if strategy.root_device.type != "cpu" else None,  # as Lightning does
-                )
+        rendezvous.join_strategy_group(
+            self.strategy,
+            self.ranks.set_world_ranks,
+            self.group_backend,
+            self.settings.timeout,
+            self.processes_and_nodes()[1],
+        )
 
     def wrap_ddp(self, module: pl.LightningModule) -> DistributedDataParallel:
         """The DDP part's model set-up, in the one order (``parts/parallelize.py``): activation checkpointing -> the
