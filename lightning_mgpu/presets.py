@@ -17,8 +17,8 @@ from pytorch_lightning.strategies import StrategyRegistry
 from lightning_mgpu.settings import closest_names
 from lightning_mgpu.strategies.auto import MGPUAutoStrategy
 from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
+from lightning_mgpu.strategies.launchers import set_notebook_advice
 from lightning_mgpu.strategies.periodic import MGPUDiLoCoStrategy, MGPULocalSGDStrategy
-from lightning_mgpu.strategies.runtime import set_notebook_advice
 from lightning_mgpu.strategies.sharded import MGPUShardedStrategy
 
 _LAUNCH = {

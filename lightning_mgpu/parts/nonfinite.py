@@ -13,12 +13,13 @@ same step, so the check leaves that to it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_mgpu import comm
+from lightning_mgpu._compat import attached_trainer
 from lightning_mgpu.ledger import CommStats
 
 
@@ -56,3 +57,30 @@ class NonFiniteCheck:
             f"stops here together. Look for a log of zero, a division by a zero count or an exploding loss in that "
             f"step's batch; gradient_clip_val does not help against NaN. nonfinite=None turns this check off."
         )
+
+    def wrap_closure(
+        self, optimizer: Any, closure: Callable[[], Any], strategy: Any, to_model: Callable[[Any], Any], scaled: bool
+    ) -> Callable[[], Any]:
+        """``closure`` followed, after the step's last backward (and the token rescale) and before unscaling,
+        clipping and the step, by :meth:`check` of ``optimizer``'s gradients, each named by the module's parameter
+        it belongs to (``to_model``: the precision plugin's way there). ``scaled``: fp16's loss scaler skips a
+        non-finite step on every rank itself, so nothing is checked. ``strategy``: Lightning's (module, ranks)."""
+
+        def checked() -> Any:
+            out = closure()
+            if scaled:
+                return out
+            module = strategy.lightning_module
+            assert module is not None
+            names = {id(p): name for name, p in module.named_parameters()}
+            named = [
+                (names.get(id(to_model(p)), f"param_groups[{g}][{i}]"), to_model(p))
+                for g, group in enumerate(optimizer.param_groups)
+                for i, p in enumerate(group["params"])
+            ]
+            trainer = attached_trainer(module)
+            step = trainer.global_step if trainer is not None else 0
+            self.check(named, strategy.global_rank, strategy.world_size, step)
+            return out
+
+        return checked

@@ -26,10 +26,14 @@ Example::
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
+import pytorch_lightning as pl
 import torch
+from lightning_fabric.utilities.apply_func import move_data_to_device
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
@@ -68,6 +72,7 @@ class PeriodicSync:
         self.resumed: Optional[str] = None
         """After a restore: ``"exact"`` (same world size: every rank's own weights and inner optimizer state) or
         ``"synced"`` (another world size: every rank starts from the last synced weights)."""
+        self._held: Optional[dict[str, Any]] = None  # loaded with the weights, applied with the optimizer states
 
     # --- set-up -------------------------------------------------------------------------------------------
     def setup(self, params: Iterable[Tensor], group: Any, world_size: int, buffers: Iterable[Tensor] = ()) -> None:
@@ -209,6 +214,63 @@ class PeriodicSync:
         if self.outer is not None:
             self.outer.load_state_dict(state["outer_optimizer"])
         self.steps, self.since_sync, self.syncs = (int(n) for n in state["counters"])
+
+    @contextmanager
+    def no_sync(self, ddp: Any) -> Iterator[None]:
+        """Around a training step of the DDP model ``ddp``: DDP decides in forward whether the backward all-reduces;
+        outside the warm-up it never does."""
+        if self.in_warmup:
+            yield
+            return
+        with ddp.no_sync():
+            yield
+
+    def add_to_checkpoint(self, checkpoint: dict[str, Any], strategy: Any, group: Any) -> None:
+        """A collective (Lightning calls ``save_checkpoint`` on every rank): rank 0 puts every rank's own weights and
+        optimizer states (``strategy``'s, Lightning's), and this sync's state, into the checkpoint."""
+        if not self.is_set_up or not comm.group_is_up():
+            return
+        mine = {
+            "weights": self.local_weights(),
+            # on CPU: a CUDA tensor would be unpickled on rank 0 onto the sender's device
+            "optimizer_states": move_data_to_device([strategy.optimizer_state(o) for o in strategy.optimizers], "cpu"),
+        }
+        ranks = comm.gather_object(mine, dst=0, group=group)
+        if strategy.is_global_zero:
+            checkpoint[CHECKPOINT_KEY] = {**self.state_dict(), "ranks": ranks}
+
+    def hold(self, checkpoint: Mapping[str, Any]) -> None:
+        """Loading the weights: the sync's state is applied with the optimizer states (:meth:`restore_held`), after
+        set-up (DDP's wrap broadcasts rank 0's weights)."""
+        self._held = checkpoint.get(CHECKPOINT_KEY)
+
+    def restore_held(self, rank: int, world_size: int, load_optimizer_states: Callable[[dict[str, Any]], None]) -> None:
+        """After the optimizer states: on as many ranks as saved, every rank's own weights and optimizer states
+        (``load_optimizer_states``: Lightning's load); on another number, the last synced weights."""
+        state, self._held = self._held, None
+        if state is None or not self.is_set_up:
+            return
+        ranks = state.get("ranks") or []
+        mine = ranks[rank] if len(ranks) == world_size == state["world_size"] else None
+        if mine is not None:
+            load_optimizer_states({"optimizer_states": mine["optimizer_states"]})
+        self.load_state_dict(state, mine["weights"] if mine is not None else None)
+
+    def check_model(self, model: pl.LightningModule, strategy_name: str, precision_plugin: Any) -> None:
+        """Before launch: a period counts the steps of the one optimizer Lightning steps, and the sync sees the
+        module's weights, not the FP32 masters a precision plugin may keep (``MGPUPrecision``'s ``master``)."""
+        if not model.automatic_optimization:
+            raise MisconfigurationException(
+                f"{strategy_name} needs automatic optimization: a period is sync_every steps of the one "
+                f"optimizer Lightning steps, and {type(model).__name__} steps its optimizers itself "
+                f"(automatic_optimization=False). Use strategy='mgpu_ddp', which syncs each optimizer's gradients at "
+                f"its step."
+            )
+        if getattr(precision_plugin, "master", False):
+            raise MisconfigurationException(
+                f"MGPUPrecision({precision_plugin.mode!r}) keeps FP32 master weights inside the optimizer, which the "
+                f"periodic weight sync does not see. Use precision='bf16-mixed' or '16-mixed' with {strategy_name}."
+            )
 
     def local_weights(self) -> list[Tensor]:
         """This rank's own weights and averaged buffers (they differ between ranks inside a period)."""

@@ -21,7 +21,7 @@ its ``opt.step()`` (the step runs inside ``training_step``, before a returned va
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -95,3 +95,28 @@ class TokenNormalization:
                     grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                     grad.mul_(factor)
         return loss / tokens
+
+    def wrap_closure(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        strategy: Any,
+        to_model: Callable[[Any], Any],
+        accumulate: Callable[[], int],
+    ) -> Callable[[], Any]:
+        """``closure`` followed, after the step's last backward (gradients synced) and before unscaling, clipping and
+        the optimizer step, by the rescale of ``optimizer``'s gradients (``to_model``: the precision plugin's way from
+        an optimizer's parameter to the module's), and the step's mean loss logged as :data:`LOG_NAME` (the same on
+        every rank). ``strategy``: Lightning's (module, world size); ``accumulate()``: the Trainer's
+        ``accumulate_grad_batches`` now."""
+
+        def rescaled() -> Any:
+            out = closure()
+            params = [to_model(p) for group in optimizer.param_groups for p in group["params"]]
+            mean = self.rescale(params, strategy.world_size, accumulate())
+            module = strategy.lightning_module
+            if module is not None and getattr(module, "_current_fx_name", None) is not None:
+                module.log(LOG_NAME, mean, on_step=True, on_epoch=False, prog_bar=True)
+            return out
+
+        return rescaled

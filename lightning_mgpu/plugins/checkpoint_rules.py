@@ -27,7 +27,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_mgpu._compat import attached_trainer
+from lightning_mgpu._compat import attached_trainer, is_wrapping_checkpoint_io
 from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.export import record_hf_models
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
@@ -66,6 +66,16 @@ class CheckpointRules:
         self._processes_and_nodes = processes_and_nodes
         self.writes = AsyncWrites(AsyncCheckpointWriter(), settings.timeout) if settings.async_checkpoint else None
         """The background writes (``async_checkpoint=True``); None where every save is written before it returns."""
+
+    def check_io(self, io: Any) -> None:
+        """At Trainer construction: the strategy's checkpoint IO plugin ``io`` (``None``: Lightning's default)."""
+        if self.settings.async_checkpoint and is_wrapping_checkpoint_io(io):
+            raise ValueError(
+                f"async_checkpoint=True with {type(io).__name__}: the strategy already writes checkpoints in the "
+                f"background, from a copy of the state, and marks them complete only once written; a second "
+                f"background plugin would hand it back before the file exists. Remove {type(io).__name__} from the "
+                f"plugins (or give its base plugin as checkpoint_io), or drop async_checkpoint=True."
+            )
 
     def _attached(self) -> Optional[pl.Trainer]:
         return attached_trainer(self.strategy.lightning_module)

@@ -258,12 +258,15 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         _compat.set_strategy_launcher(self, launcher)
         _compat.set_strategy_layer_sync(self, layer_sync)
         self.num_nodes = num_nodes
-        # the launcher (made before set-up) hands its checks and results to the runtime it was made with: that object
-        # becomes the chosen strategy's runtime, keeping the mid-epoch position Lightning restored into it
-        resume = runtime.resume
+        # the launcher (made before set-up) hands its checks and results to the runtime it was made with, and to its
+        # worker results: those objects become the chosen strategy's, keeping the mid-epoch position Lightning
+        # restored into the first (its checkpoint rules too read it there)
+        resume, results = runtime.resume, runtime.worker_results
         vars(runtime).update(vars(self._runtime))
+        vars(results).update(vars(runtime.worker_results))
         self._runtime = runtime
-        runtime.resume = resume
+        runtime.resume = runtime.checkpoints.resume = resume
+        runtime.worker_results = results
         self.set_world_ranks()
         assert module is not None
         self.connect(module)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_mgpu import comm
@@ -28,6 +29,7 @@ from lightning_mgpu._compat import (
     cpu_fork_despite_cuda_probe,
     forget_inherited_compile_threads,
     forget_inherited_dtensor_caches,
+    is_interactive,
     set_num_threads_if_needed,
     worker_output,
 )
@@ -35,6 +37,34 @@ from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.parts.rendezvous import announce_nodes
 
 PreLaunchCheck = Callable[["pl.Trainer"], None]
+
+
+#: strategy -> (what the user wrote, the notebook form of the same strategy), as ``Trainer(strategy=...)``
+#: arguments. Handed in by ``lightning_mgpu.presets``, which holds the preset table: it imports the strategies, so
+#: they cannot import it.
+_NOTEBOOK_ADVICE: list[Callable[[Any], tuple[str, str]]] = []
+
+
+def set_notebook_advice(advice: Callable[[Any], tuple[str, str]]) -> None:
+    """Where a notebook refusal finds the notebook preset to suggest (:func:`check_interactive`)."""
+    _NOTEBOOK_ADVICE[:] = [advice]
+
+
+def check_interactive(strategy: Any, start_method: str) -> None:
+    """In a notebook, a launch that re-runs the script (popen) or spawns fresh interpreters cannot work. Lightning
+    refuses it too, right after this, but suggests its own ``strategy='ddp_notebook'``, which would silently drop the
+    pack; the refusal here names the notebook preset of the same strategy."""
+    if not is_interactive() or start_method == "fork":
+        return
+    name = type(strategy).__name__
+    advice = _NOTEBOOK_ADVICE[0] if _NOTEBOOK_ADVICE else None
+    flag, choice = advice(strategy) if advice else (f"{name}(...)", f"{name}(..., start_method='fork')")
+    raise MisconfigurationException(
+        f"`Trainer(strategy={flag})` is not compatible with an interactive environment. Run your code as a "
+        f"script, or choose a notebook-compatible strategy: `Trainer(strategy={choice})` (fork launch; CUDA "
+        f"must not be initialised before it). In case you are spawning processes yourself, make sure to "
+        f"include the Trainer creation inside the worker function."
+    )
 
 
 class _PreLaunchCheck:

@@ -1,8 +1,8 @@
 """The runtime: the plain object every mgpu strategy holds, built from its settings. It owns the parts (the ledger,
 failure handling, mid-epoch resume, exact evaluation, uneven inputs, activation checkpointing, compilation, the
-token and non-finite checks, the DDP part, the periodic sync, the checkpoint rules, prediction gathering) and
-coordinates them: the launch and its checks, the results a worker hands to the main process, the elastic store, the
-optimizer step's closures, the end of fit. What a save or load does is the checkpoint rules' (``checkpoints``:
+token and non-finite checks, the DDP part, the periodic sync, the checkpoint rules, prediction gathering, the results
+a worker hands back) and coordinates them: the launch and its checks, the process group's join, the step and its
+closures, the end of fit. What a save or load does is the checkpoint rules' (``checkpoints``:
 ``plugins/checkpoint_rules.py``).
 
 A strategy is a direct subclass of Lightning's ``DDPStrategy`` or ``ParallelStrategy`` whose overridden hooks each
@@ -17,15 +17,13 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Generator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any, Callable, Optional, Protocol, Union, cast
 
 import pytorch_lightning as pl
 from lightning_fabric.plugins import CheckpointIO
-from lightning_fabric.utilities.apply_func import move_data_to_device
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
@@ -35,7 +33,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu import _compat, comm
 from lightning_mgpu._compat import attached_trainer
-from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.comm_hooks import check_backend
 from lightning_mgpu.ledger import CommStats, Ledger
 from lightning_mgpu.parts import rendezvous
@@ -48,33 +45,23 @@ from lightning_mgpu.parts.failures import FailureHandling
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
 from lightning_mgpu.parts.nonfinite import NonFiniteCheck
 from lightning_mgpu.parts.parallelize import parallelize
-from lightning_mgpu.parts.periodic_sync import CHECKPOINT_KEY, PeriodicSync
+from lightning_mgpu.parts.periodic_sync import PeriodicSync
 from lightning_mgpu.parts.predictions import PredictionGathering
 from lightning_mgpu.parts.resume import MidEpochResume
-from lightning_mgpu.parts.token_loss import LOG_NAME, TokenNormalization
+from lightning_mgpu.parts.token_loss import TokenNormalization
 from lightning_mgpu.parts.uneven_inputs import UnevenInputs
+from lightning_mgpu.parts.worker_results import WorkerResults
 from lightning_mgpu.plugins.checkpoint_io import choose_checkpoint_io
 from lightning_mgpu.plugins.checkpoint_rules import CheckpointRules
-from lightning_mgpu.plugins.precision import MGPUPrecision, PrecisionAdoption
+from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import CommonSettings, DDPSettings, LocalSGDSettings
-from lightning_mgpu.strategies.launchers import _CheckedMultiProcessingLauncher, _CheckedSubprocessScriptLauncher
+from lightning_mgpu.strategies.launchers import (
+    _CheckedMultiProcessingLauncher,
+    _CheckedSubprocessScriptLauncher,
+    check_interactive,
+)
 
 log = logging.getLogger(__name__)
-
-#: strategy -> (what the user wrote, the notebook form of the same strategy), as ``Trainer(strategy=...)``
-#: arguments. Handed in by ``lightning_mgpu.presets``, which holds the preset table: it imports the strategies, so
-#: they cannot import it.
-_NOTEBOOK_ADVICE: list[Callable[[Any], tuple[str, str]]] = []
-
-
-def set_notebook_advice(advice: Callable[[Any], tuple[str, str]]) -> None:
-    """Where a notebook refusal finds the notebook preset to suggest (:meth:`Runtime.check_interactive`)."""
-    _NOTEBOOK_ADVICE[:] = [advice]
-
-
-def _callbacks(trainer: pl.Trainer) -> list[Any]:
-    # set on the Trainer at runtime by Lightning's callback connector (not a declared attribute)
-    return list(getattr(trainer, "callbacks", []))
 
 
 class Ranks(Protocol):
@@ -135,14 +122,13 @@ class Runtime:
         """What every save and load does around the strategy's checkpoint format."""
         self.periodic: Optional[PeriodicSync] = None
         """The periodic weight sync (``mgpu_local_sgd``, ``mgpu_diloco`` set it); None elsewhere."""
-        self._periodic_restore: Optional[dict[str, Any]] = None  # loaded with the weights, applied with the optimizers
         self.sharded_choices: tuple[str, ...] = ()
         """The sharded stages 2/3 the strategy may still become (``mgpu_auto`` sets them)."""
         self._check_model = check_model
-        self._full_module_state = full_module_state
-        self._hand_back = tuple(hand_back)
-        """The strategy's parts whose state the main process gets after a spawn/fork call, as callbacks' (each has
-        ``results_for_main_process()`` and ``restore_results_from_worker(state)``: the pipeline's last step)."""
+        self.worker_results = WorkerResults(
+            strategy, self.ledger.stats, self.checkpoints.module_state, full_module_state, hand_back
+        )
+        """What rank 0's worker hands to the main process after a spawn/fork launch (``parts/worker_results.py``)."""
 
     # --- what users read --------------------------------------------------------------------------------------
     @property
@@ -168,6 +154,11 @@ class Runtime:
     def _attached(self) -> Optional[pl.Trainer]:
         return attached_trainer(self.strategy.lightning_module)
 
+    def _accumulate(self) -> int:
+        """The Trainer's ``accumulate_grad_batches`` now (1 outside a Trainer)."""
+        trainer = self._attached()
+        return trainer.accumulate_grad_batches if trainer is not None else 1
+
     # --- plugins ----------------------------------------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:
         """:class:`~lightning_mgpu.AtomicCheckpointIO` unless a plugin was given (then that one, as it is; a
@@ -183,19 +174,12 @@ class Runtime:
             check_backend(self.ddp.settings.comm_hook, self.group_backend())
         strategy = self.strategy
         PrecisionAdoption.check(_compat.strategy_precision_plugin(strategy), strategy.parallel_devices)
-        io = _compat.strategy_checkpoint_io(strategy)
-        if self.settings.async_checkpoint and _compat.is_wrapping_checkpoint_io(io):
-            raise ValueError(
-                f"async_checkpoint=True with {type(io).__name__}: the strategy already writes checkpoints in the "
-                f"background, from a copy of the state, and marks them complete only once written; a second "
-                f"background plugin would hand it back before the file exists. Remove {type(io).__name__} from the "
-                f"plugins (or give its base plugin as checkpoint_io), or drop async_checkpoint=True."
-            )
+        self.checkpoints.check_io(_compat.strategy_checkpoint_io(strategy))
 
     def configure_launcher(self, check_at_construction: Callable[[], None]) -> None:
         """The last moment to refuse a configuration before any process is started: the notebook check, then the
         strategy's construction checks (``check_at_construction``), then the launcher with its pre-launch check."""
-        self.check_interactive()
+        check_interactive(self.strategy, self.settings.start_method)
         check_at_construction()
         strategy = self.strategy
         assert strategy.cluster_environment is not None
@@ -215,28 +199,12 @@ class Runtime:
                 strategy,
                 start_method=self.settings.start_method,
                 on_failure=self.end_group_after,
-                weights=self.weights_for_main_process,
-                results=(self.results_for_main_process, self.restore_results_from_worker),
+                weights=self.worker_results.weights,
+                results=(self.worker_results.results, self.worker_results.restore),
                 returned=(self.predictions.before_launch, self.gather_predictions),
                 device_type=self.device_type,
             )
         _compat.set_strategy_launcher(strategy, launcher)
-
-    def check_interactive(self) -> None:
-        """In a notebook, a launch that re-runs the script (popen) or spawns fresh interpreters cannot work.
-        Lightning refuses it too, right after this, but suggests its own ``strategy='ddp_notebook'``, which would
-        silently drop the pack; the refusal here names the notebook preset of the same strategy."""
-        if not _compat.is_interactive() or self.settings.start_method == "fork":
-            return
-        name = type(self.strategy).__name__
-        advice = _NOTEBOOK_ADVICE[0] if _NOTEBOOK_ADVICE else None
-        flag, choice = advice(self.strategy) if advice else (f"{name}(...)", f"{name}(..., start_method='fork')")
-        raise MisconfigurationException(
-            f"`Trainer(strategy={flag})` is not compatible with an interactive environment. Run your code as a "
-            f"script, or choose a notebook-compatible strategy: `Trainer(strategy={choice})` (fork launch; CUDA "
-            f"must not be initialised before it). In case you are spawning processes yourself, make sure to "
-            f"include the Trainer creation inside the worker function."
-        )
 
     def check_before_launch(self, trainer: pl.Trainer) -> None:
         """Runs in the main process when fit() is called, before any worker starts (and in each torchrun or
@@ -258,7 +226,7 @@ class Runtime:
         check_manual_accumulation(trainer, model)
         self.compilation.check(model, type(self.strategy).__name__, self.sharded_choices)
         if self.periodic is not None:
-            self._check_periodic(model)
+            self.periodic.check_model(model, type(self.strategy).__name__, self.strategy.precision_plugin)
         if self.ddp is not None:
             sync_batchnorm = _compat.strategy_layer_sync(self.strategy) is not None
             self.ddp.check_model(model, self.device_type(), sync_batchnorm, self.ddp.micro)
@@ -268,11 +236,8 @@ class Runtime:
 
     # --- set-up -----------------------------------------------------------------------------------------------
     def set_up_process(self) -> None:
-        """In every rank, first at set-up: no warning printed by each rank for what Lightning does in every loop
-        (``_compat.leaf_specs_without_warning``), the group's destruction at exit whatever its backend
-        (:func:`~lightning_mgpu.comm.leave_group_at_exit`), then the process group joined
-        (:func:`~lightning_mgpu.parts.rendezvous.join_strategy_group`: torchrun's restarted store, or a bounded join
-        that names the ranks still missing)."""
+        """In every rank, first at set-up: no warning printed by each rank for what Lightning does in every loop, the
+        group's destruction at exit whatever its backend, then the process group joined (``parts/rendezvous.py``)."""
         _compat.leaf_specs_without_warning()
         comm.leave_group_at_exit()
         rendezvous.join_strategy_group(
@@ -347,10 +312,9 @@ class Runtime:
         if self.ddp is None or ddp is None:
             return counted(*args, **kwargs)
         strategy = self.strategy
-        trainer = self._attached()
-        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        accumulate = self._accumulate()
         optimizer = strategy.optimizers[0] if strategy.optimizers else None
-        with self.periodic_no_sync(ddp):
+        with self.periodic.no_sync(ddp) if self.periodic is not None else nullcontext():
             return self.ddp.training_step(
                 ddp,
                 counted,
@@ -364,16 +328,6 @@ class Runtime:
                 world_size=strategy.world_size,
                 device=strategy.root_device,
             )
-
-    @contextmanager
-    def periodic_no_sync(self, ddp: DistributedDataParallel) -> Generator[None, None, None]:
-        """The periodic sync: DDP decides in forward whether the backward all-reduces; outside the warm-up it never
-        does."""
-        if self.periodic is None or self.periodic.in_warmup:
-            yield
-            return
-        with ddp.no_sync():
-            yield
 
     def count_tokens(self, output: Any) -> Any:
         """A training_step's output, its ``num_tokens`` counted (automatic optimization, tokens mode)."""
@@ -407,10 +361,14 @@ class Runtime:
             # after the user's closure (its backward), before unscaling and on_before_optimizer_step: where DDP
             # would have finished its all-reduce in automatic optimization
             closure = manual.wrap_closure(optimizer, closure, group, self.ledger.stats)
+        plugin = strategy.precision_plugin
         if self.tokens is not None:
-            closure = self._token_closure(optimizer, closure)
+            to_model = PrecisionAdoption.model_parameter(plugin)
+            closure = self.tokens.wrap_closure(optimizer, closure, strategy, to_model, self._accumulate)
         if self.nonfinite is not None:
-            closure = self._nonfinite_closure(optimizer, closure)
+            scaled = bool(getattr(plugin, "uses_scaler", False))  # fp16: the scaler's agreed check skips the step
+            to_model = PrecisionAdoption.model_parameter(plugin)
+            closure = self.nonfinite.wrap_closure(optimizer, closure, strategy, to_model, scaled)
         replicas = self.replicas
         if replicas is not None:  # a transaction over the replica groups: committed, or dropped everywhere
             inner = step
@@ -425,53 +383,6 @@ class Runtime:
         self.ledger.optimizer_stepped(strategy.lightning_module, strategy.is_global_zero)
         return output
 
-    def _token_closure(self, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
-        # after the step's last backward (gradients synced), before unscaling, clipping and the optimizer step
-        tokens = self.tokens
-        assert tokens is not None
-        strategy = self.strategy
-        to_model = PrecisionAdoption.model_parameter(strategy.precision_plugin)
-
-        def rescaled() -> Any:
-            out = closure()
-            trainer = self._attached()
-            accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-            params = [to_model(p) for group in optimizer.param_groups for p in group["params"]]
-            mean = tokens.rescale(params, strategy.world_size, accumulate)
-            module = strategy.lightning_module
-            if module is not None and getattr(module, "_current_fx_name", None) is not None:
-                module.log(LOG_NAME, mean, on_step=True, on_epoch=False, prog_bar=True)  # the same on every rank
-            return out
-
-        return rescaled
-
-    def _nonfinite_closure(self, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
-        # after the step's last backward (and the token rescale), before unscaling, clipping and the step
-        check = self.nonfinite
-        assert check is not None
-        strategy = self.strategy
-        plugin = strategy.precision_plugin
-
-        def checked() -> Any:
-            out = closure()
-            if getattr(plugin, "uses_scaler", False):
-                return out  # fp16: the scaler's agreed inf check skips the step on every rank
-            module = strategy.lightning_module
-            assert module is not None
-            to_model = PrecisionAdoption.model_parameter(plugin)
-            names = {id(p): name for name, p in module.named_parameters()}
-            named = [
-                (names.get(id(to_model(p)), f"param_groups[{g}][{i}]"), to_model(p))
-                for g, group in enumerate(optimizer.param_groups)
-                for i, p in enumerate(group["params"])
-            ]
-            trainer = attached_trainer(module)
-            step = trainer.global_step if trainer is not None else 0
-            check.check(named, strategy.global_rank, strategy.world_size, step)
-            return out
-
-        return checked
-
     # --- periodic sync (mgpu_local_sgd, mgpu_diloco: parts/periodic_sync.py) -----------------------------------
     def sync_periodically(self, settings: LocalSGDSettings) -> PeriodicSync:
         """Sync the weights every ``sync_every`` steps instead of the gradients every step (the strategy's DDP hooks
@@ -482,57 +393,18 @@ class Runtime:
             self.periodic.deferred = True
         return self.periodic
 
-    def _check_periodic(self, model: pl.LightningModule) -> None:
-        name = type(self.strategy).__name__
-        if not model.automatic_optimization:
-            raise MisconfigurationException(
-                f"{name} needs automatic optimization: a period is sync_every steps of the one "
-                f"optimizer Lightning steps, and {type(model).__name__} steps its optimizers itself "
-                f"(automatic_optimization=False). Use strategy='mgpu_ddp', which syncs each optimizer's gradients at "
-                f"its step."
-            )
-        plugin = self.strategy.precision_plugin
-        if isinstance(plugin, MGPUPrecision) and plugin.master:
-            raise MisconfigurationException(
-                f"MGPUPrecision({plugin.mode!r}) keeps FP32 master weights inside the optimizer, which the periodic "
-                f"weight sync does not see. Use precision='bf16-mixed' or '16-mixed' with {name}."
-            )
-
     def add_periodic_state(self, checkpoint: dict[str, Any], ddp: DistributedDataParallel) -> None:
-        """A collective (Lightning calls ``save_checkpoint`` on every rank): rank 0 puts every rank's own weights
-        and optimizer states, and the sync's state, into the checkpoint."""
-        periodic = self.periodic
-        if periodic is None or not periodic.is_set_up or not group_is_up():
-            return
-        strategy = self.strategy
-        mine = {
-            "weights": periodic.local_weights(),
-            # on CPU: a CUDA tensor would be unpickled on rank 0 onto the sender's device
-            "optimizer_states": move_data_to_device([strategy.optimizer_state(o) for o in strategy.optimizers], "cpu"),
-        }
-        ranks = comm.gather_object(mine, dst=0, group=ddp.process_group)
-        if strategy.is_global_zero:
-            checkpoint[CHECKPOINT_KEY] = {**periodic.state_dict(), "ranks": ranks}
+        """Every rank (a collective): the periodic sync's state and every rank's own, into rank 0's checkpoint."""
+        if self.periodic is not None:
+            self.periodic.add_to_checkpoint(checkpoint, self.strategy, ddp.process_group)
 
     def hold_periodic_state(self, checkpoint: Any) -> None:
-        """Loading the weights: the sync's state is applied with the optimizer states, after set-up (DDP's wrap
-        broadcasts rank 0's weights)."""
         if self.periodic is not None:
-            self._periodic_restore = checkpoint.get(CHECKPOINT_KEY)
+            self.periodic.hold(checkpoint)
 
     def restore_periodic_state(self, load_optimizer_states: Callable[[dict[str, Any]], None]) -> None:
-        """After the optimizer states: on as many ranks as saved, every rank's own weights and optimizer states
-        (``load_optimizer_states``: Lightning's load); on another number, the last synced weights."""
-        state, self._periodic_restore = self._periodic_restore, None
-        periodic = self.periodic
-        if periodic is None or state is None or not periodic.is_set_up:
-            return
-        strategy = self.strategy
-        ranks = state.get("ranks") or []
-        mine = ranks[strategy.global_rank] if len(ranks) == strategy.world_size == state["world_size"] else None
-        if mine is not None:
-            load_optimizer_states({"optimizer_states": mine["optimizer_states"]})
-        periodic.load_state_dict(state, mine["weights"] if mine is not None else None)
+        if self.periodic is not None:
+            self.periodic.restore_held(self.strategy.global_rank, self.strategy.world_size, load_optimizer_states)
 
     # --- data -------------------------------------------------------------------------------------------------
     def sampler_requested(self) -> None:
@@ -578,51 +450,6 @@ class Runtime:
         hands them to the main process; with several nodes, every rank)."""
         to_all = self.settings.start_method == "popen" or self.processes_and_nodes()[1] > 1
         return self.predictions.gather(trainer, results, to_all=to_all)
-
-    def weights_for_main_process(self) -> dict[str, Any]:
-        """After a spawn/fork fit: the weights the main process's module gets (a collective: every rank)."""
-        module = self.strategy.lightning_module
-        assert module is not None
-        state = self._full_module_state() if self._full_module_state is not None else module.state_dict()
-        return PrecisionAdoption.with_masters(self.strategy.precision_plugin, module, state)
-
-    def results_for_main_process(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """After a spawn/fork fit, in rank 0's worker: what the main process's objects get (as Lightning hands
-        back ``callback_metrics``): the ledger, ``mgpu_auto``'s decision, the state of each callback that
-        has ``results_for_main_process`` (``DeviceMonitor``'s history), keyed by its place in the callbacks, and
-        that of the strategy's parts that hand theirs back (the pipeline's last step)."""
-        callbacks = {
-            i: (type(c).__name__, c.results_for_main_process())
-            for i, c in enumerate(_callbacks(trainer))
-            if callable(getattr(c, "results_for_main_process", None))
-        }
-        decision = getattr(self.strategy, "auto_decision", None)
-        # dataclasses travel as dicts: Lightning moves the results to the CPU with apply_to_collection, which
-        # refuses frozen dataclasses
-        return {
-            "comm_stats": dataclasses.asdict(self.ledger.stats),
-            "auto_decision": (type(decision), dataclasses.asdict(decision)) if decision is not None else None,
-            "callbacks": callbacks,
-            "parts": [part.results_for_main_process() for part in self._hand_back],
-        }
-
-    def restore_results_from_worker(self, trainer: pl.Trainer, results: dict[str, Any]) -> None:
-        """In the main process, after a spawn/fork fit: rank 0's ledger (updated in place: the parts that count
-        into it keep their reference), ``auto_decision`` and callback states (see
-        :meth:`results_for_main_process`)."""
-        stats = self.ledger.stats
-        for name, value in results["comm_stats"].items():
-            setattr(stats, name, value)
-        if results["auto_decision"] is not None:
-            kind, fields = results["auto_decision"]
-            setattr(self.strategy, "auto_decision", kind(**fields))  # noqa: B010  # the strategy's public attribute
-        present = _callbacks(trainer)
-        for i, (kind, state) in results["callbacks"].items():
-            callback: Any = present[i] if i < len(present) else None
-            if type(callback).__name__ == kind and callable(getattr(callback, "restore_results_from_worker", None)):
-                callback.restore_results_from_worker(state)
-        for part, state in zip(self._hand_back, results.get("parts", ())):
-            part.restore_results_from_worker(state)
 
     # --- failures ---------------------------------------------------------------------------------------------
     def end_group_after(self, exception: BaseException) -> list[int]:
