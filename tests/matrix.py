@@ -17,7 +17,7 @@ them.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Union
 
 import pytest
@@ -60,3 +60,20 @@ def pairwise(*axes: Axis) -> list[Any]:
         marks = () if index in kept else (pytest.mark.full_matrix,)
         params.append(pytest.param(*values, id="-".join(i for _, i in chosen), marks=marks))
     return params
+
+
+def tiers(cells: Mapping[str, Any], slow: Collection[str]) -> list[Any]:
+    """``{id: value}`` as ``pytest.param``s (a tuple value fills several argument names), the cells named in ``slow``
+    marked ``slow``: what the cells left in the default suite already prove apart (each value of each axis stays in
+    the default suite once; CI runs both tiers). A name in ``slow`` that is no cell's id is an error."""
+    unknown = set(slow) - set(cells)
+    if unknown:
+        raise ValueError(f"not a cell: {sorted(unknown)}")
+    return [
+        pytest.param(
+            *(value if isinstance(value, tuple) else (value,)),
+            id=name,
+            marks=(pytest.mark.slow,) if name in slow else (),
+        )
+        for name, value in cells.items()
+    ]

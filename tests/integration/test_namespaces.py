@@ -9,6 +9,7 @@ the ``lightning`` copy of the tests (``tests.lightning_ns``, see ``tests/__init_
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import subprocess
@@ -374,8 +375,50 @@ _COMPAT_MODULES = (
 )
 
 
+#: the cells of a matrix whose `lightning` copy stays in the default suite: each layout once (the namespace changes
+#: which Trainer runs the pack, not what a layout computes); the copy's other cells run in the slow tier and in the
+#: compatibility tiers
+_DEFAULT_COPY_CELLS = {
+    "integration.strategies.test_sharded": {
+        "test_sharded_training_equals_single_process_with_global_batch": {
+            "zero1-torch-2-adam", "zero2-fsdp2-1-adam", "zero3-fsdp2-2-sgd", "zero3-fsdp2-1-adamw",
+            "zero1-fairscale-1-adam", "zero2-fairscale-2-adam",
+        },
+        "test_checkpoint_resumes_at_another_world_size": {
+            "zero1-torch-consolidated-2to1,2to3", "zero3-fsdp2-sharded-1to2", "zero2-fairscale-sharded-1to2",
+        },
+    },
+}  # fmt: skip
+
+
 def _is_compat(obj: Any) -> bool:
     return any(mark.name == "compat" for mark in getattr(obj, "pytestmark", []))
+
+
+def _default_cells_only(test: Any, kept: set[str]) -> Any:
+    """``test`` with the cells of its parametrization not in ``kept`` marked ``slow`` (those already marked
+    ``full_matrix`` left as they are)."""
+    marks = []
+    for mark in test.pytestmark:
+        if mark.name == "parametrize":
+            names, values = mark.args[:2]
+            found = {v.id for v in values}
+            assert kept <= found, f"{test.__name__}: no cell {sorted(kept - found)}"
+            values = [
+                v
+                if v.id in kept or any(m.name == "full_matrix" for m in v.marks)
+                else pytest.param(*v.values, id=v.id, marks=(*v.marks, pytest.mark.slow))
+                for v in values
+            ]
+            mark = pytest.mark.parametrize(names, values, **mark.kwargs).mark
+        marks.append(mark)
+
+    @functools.wraps(test)
+    def copy(*args: Any, **kwargs: Any) -> Any:
+        return test(*args, **kwargs)
+
+    copy.pytestmark = marks  # type: ignore[attr-defined]
+    return copy
 
 
 def _collect_lightning_copies() -> dict[str, Any]:
@@ -387,7 +430,9 @@ def _collect_lightning_copies() -> dict[str, Any]:
         for attr, obj in vars(module).items():
             if attr.startswith("test_") and callable(obj) and _is_compat(obj):
                 where = name.replace(".test_", "_").replace(".", "_")
-                found[f"test_lightning__{where}__{attr.removeprefix('test_')}"] = obj
+                kept = _DEFAULT_COPY_CELLS.get(name, {}).get(attr)
+                copy = _default_cells_only(obj, kept) if kept is not None else obj
+                found[f"test_lightning__{where}__{attr.removeprefix('test_')}"] = copy
             elif hasattr(obj, "_fixture_function_marker") or type(obj).__name__ == "FixtureFunctionDefinition":
                 found.setdefault(attr, obj)
     return found

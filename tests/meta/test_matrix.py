@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from tests.matrix import cover, pairwise
+from tests.matrix import cover, pairwise, tiers
 
 
 @pytest.mark.parametrize("sizes", [(5, 2, 3), (5, 2, 2), (3, 3, 3), (2, 4), (4, 3, 2, 2)])
@@ -44,3 +44,14 @@ def test_the_cells_outside_the_cover_are_marked_full_matrix_with_their_usual_ids
     for axis in range(3):  # every value of every axis is kept at least once
         values = {p.values[axis + (axis > 0)] for p in params}
         assert {p.values[axis + (axis > 0)] for p in kept} == values
+
+
+def test_tiers_mark_the_named_cells_slow_and_refuse_a_name_that_is_no_cell():
+    params = tiers({"zero1": (1, "torch"), "zero3": (3, "torch"), "ddp": "ddp"}, slow={"zero1"})
+    assert [(p.id, p.values, [m.name for m in p.marks]) for p in params] == [
+        ("zero1", (1, "torch"), ["slow"]),
+        ("zero3", (3, "torch"), []),
+        ("ddp", ("ddp",), []),
+    ]
+    with pytest.raises(ValueError, match=r"not a cell: \['zero2'\]"):
+        tiers({"zero1": 1}, slow={"zero2"})  # a typo would otherwise keep the cell in the default suite silently

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_mgpu import EMA, MGPULocalSGDStrategy, MGPUShardedStrategy, comm
 from tests.helpers import fit, make_data
+from tests.matrix import tiers
 from tests.models import RankData, Regressor
 
 N_TRAIN, N_VAL, PER_RANK = 32, 16, 4
@@ -235,7 +236,7 @@ def _options(kwargs: dict[str, Any]) -> tuple[float, int, int, bool]:
 SLOW_CASES = {"zero1"}
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_CASES else f for f in CASES])
+@pytest.mark.parametrize("family", tiers({f: f for f in CASES}, SLOW_CASES))
 def test_ema_matches_one_process_without_a_collective(family: str, tmp_path: Path) -> None:
     strategy, ema_kwargs = CASES[family]
     make = strategy if callable(strategy) else (lambda: strategy)
@@ -282,7 +283,7 @@ RESUME = {
 SLOW_RESUME = {"zero3_dir", "zero2_file_to_1_process"}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_RESUME else c for c in RESUME])
+@pytest.mark.parametrize("case", tiers({c: c for c in RESUME}, SLOW_RESUME))
 def test_ema_is_in_the_checkpoint_and_resumes_exactly(case: str, tmp_path: Path) -> None:
     strategy, name, resume_on = RESUME[case]
     make = strategy if callable(strategy) else (lambda: strategy)

@@ -713,11 +713,13 @@ def test_stateful_loaders_in_plain_lightning_do_not_resume_exactly(tmp_path, str
     assert (tuple(distinct), tuple(steps)) == (PLAIN_LIGHTNING[kind]["distinct"], PLAIN_LIGHTNING[kind]["steps"])
 
 
-# the default suite: mgpu_ddp and a sharded preset (zero3 with the sharded checkpoint layout); `-m slow`: every
-# strategy of STRATEGIES (synchronous and asynchronous checkpoints)
-DEFAULT_LOADER_STRATEGIES = ("mgpu_ddp", "zero3-sharded_ckpt")
+# the default suite: mgpu_ddp and a sharded preset (zero3 with the sharded checkpoint layout), each kind of loader
+# once; `-m slow`: every strategy of STRATEGIES (synchronous and asynchronous checkpoints) with every kind
+DEFAULT_LOADER_CASES = ("mgpu_ddp-stateful", "zero3-sharded_ckpt-streaming", "zero3-sharded_ckpt-stateful-own")
 LOADER_CASES = [
-    pytest.param(name, kind, marks=() if name in DEFAULT_LOADER_STRATEGIES else pytest.mark.slow, id=f"{name}-{kind}")
+    pytest.param(
+        name, kind, marks=() if f"{name}-{kind}" in DEFAULT_LOADER_CASES else pytest.mark.slow, id=f"{name}-{kind}"
+    )
     for name in STRATEGIES
     for kind in LOADERS
 ]

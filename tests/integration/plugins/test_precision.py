@@ -30,6 +30,7 @@ from lightning_mgpu.examples.classifier import DigitsCNN
 from lightning_mgpu.examples.digits import DigitsDataModule
 from lightning_mgpu.plugins.precision import check_device, check_mode
 from tests.helpers import WORLD, fit, flat_params, full
+from tests.matrix import tiers
 from tests.models import Regressor, make_data
 
 HALF_MODES = ["16-mixed", "bf16-mixed", "16-master", "bf16-master"]
@@ -37,13 +38,9 @@ MASTER_MODES = ["16-master", "bf16-master"]
 
 
 def cells(modes: list[str], strategies: list[str], slow: set[str]) -> list[Any]:
-    """Every (mode, strategy) cell, id ``mode-strategy``; those named in ``slow`` (what the default suite's other
-    cells already prove: each mode and each strategy stay there) in the slow tier."""
-    return [
-        pytest.param(m, s, id=f"{m}-{s}", marks=[pytest.mark.slow] if f"{m}-{s}" in slow else [])
-        for m in modes
-        for s in strategies
-    ]
+    """Every (mode, strategy) cell, id ``mode-strategy``; those named in ``slow`` in the slow tier (each mode and each
+    strategy stay in the default suite)."""
+    return tiers({f"{m}-{s}": (m, s) for m in modes for s in strategies}, slow)
 
 
 def strategy(name: str) -> Any:
