@@ -491,6 +491,13 @@ def record_module_device(module: Any, device: Any) -> None:
     _update_properties(module, device=device)
 
 
+def in_lightning_hook(module: Any) -> bool:
+    """Whether Lightning is running one of ``module``'s hooks now, where ``self.log`` may be called: Lightning sets the
+    LightningModule's ``_current_fx_name`` around each hook it calls (pytorch-lightning 2.6.6 checked). False for an
+    ``nn.Module`` or ``None``."""
+    return getattr(module, "_current_fx_name", None) is not None
+
+
 def attached_trainer(module: Any) -> Any:
     """The Trainer ``module`` (a LightningModule) is attached to, or None: the public ``module.trainer`` raises a
     ``RuntimeError`` when there is none (pytorch-lightning 2.6.6 checked), and a plain ``nn.Module`` has no such

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_mgpu import comm
+from lightning_mgpu._compat import in_lightning_hook
 from lightning_mgpu.ledger import CommStats
 
 LOG_NAME = "loss_per_token"
@@ -115,7 +116,7 @@ class TokenNormalization:
             params = [to_model(p) for group in optimizer.param_groups for p in group["params"]]
             mean = self.rescale(params, strategy.world_size, accumulate())
             module = strategy.lightning_module
-            if module is not None and getattr(module, "_current_fx_name", None) is not None:
+            if in_lightning_hook(module):
                 module.log(LOG_NAME, mean, on_step=True, on_epoch=False, prog_bar=True)
             return out
 

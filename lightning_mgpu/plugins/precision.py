@@ -52,6 +52,7 @@ from lightning_mgpu._compat import (
     attached_trainer,
     convert_fp_tensor,
     foreach_norm,
+    in_lightning_hook,
     precision_after_closure,
     scaler_init_scale,
     steps_on_found_inf,
@@ -483,7 +484,7 @@ class MGPUPrecision(Precision):
         return skipped, output
 
     def _log_to(self, model: pl.LightningModule) -> None:
-        if not self.log_metrics or getattr(model, "_current_fx_name", None) is None or attached_trainer(model) is None:
+        if not self.log_metrics or not in_lightning_hook(model) or attached_trainer(model) is None:
             return
         pending = self._skipped_on_device  # a tensor is read by Lightning when it logs, not at every step
         skipped = float(self._skipped) if pending is None else pending + self._skipped
