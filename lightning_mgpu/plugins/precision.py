@@ -60,6 +60,7 @@ from lightning_mgpu._compat import (
 )
 from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.parts.clipping import GlobalNormClipping
+from lightning_mgpu.plugins.master_weights import MasterWeights
 
 __all__ = [
     "MODES",
@@ -138,12 +139,9 @@ class MGPUPrecision(Precision):
         self._skipped_on_device: Optional[Tensor] = None  # skipped by the optimizer on the device, not read yet
         self.optimizer_steps = 0
         self._scale = float(init_scale) if self.dtype == torch.float16 else 1.0
-        # master modes: FP32 copies taken before the module is cast (convert_module -> attach_master_weights)
-        self._fp32_source: dict[int, Tensor] = {}
-        self._model_param: dict[int, Tensor] = {}  # id(master) -> half model parameter
-        self._master_of: dict[int, Tensor] = {}  # id(half model parameter) -> master
-        self._pairs: list[tuple[Tensor, Tensor]] = []  # (master, half model parameter)
-        self._requires_grad: list[bool] = []  # the half parameters' flags while a backward mirrors the toggle
+        # master modes outside FSDP2: the FP32 masters, copied before the module is cast (convert_module ->
+        # attach_master_weights)
+        self._masters = MasterWeights(self.dtype)
         self._prepared: set[int] = set()  # optimizers whose gradients are in the masters and unscaled
         # given by mgpu_ddp under manual optimization (connect): averages an optimizer's gradients across ranks
         # (once per step), so that gradients are synced before they move into the masters or are clipped
@@ -178,7 +176,7 @@ class MGPUPrecision(Precision):
     @property
     def holds_masters(self) -> bool:
         """Whether the optimizers step FP32 masters this plugin keeps (master modes outside FSDP2, once set up)."""
-        return bool(self._pairs)
+        return bool(self._masters.pairs)
 
     def __repr__(self) -> str:
         return f"MGPUPrecision({self.mode!r})"
@@ -216,11 +214,7 @@ class MGPUPrecision(Precision):
                     if buf.is_floating_point():
                         setattr(sub, name, buf.to(self.dtype))  # replaces the registered buffer
             return module
-        # The masters start from the FP32 weights (a loaded fp32 checkpoint included), not from their rounding
-        self._fp32_source = {
-            id(p): p.detach().to(torch.float32, copy=True) for p in module.parameters() if p.is_floating_point()
-        }
-        return module.to(dtype=self.dtype)
+        return self._masters.convert(module)
 
     def attach_master_weights(self, optimizers: list[Optimizer]) -> None:
         """Master modes: point every optimizer parameter group at FP32 copies of the half parameters (before a
@@ -233,32 +227,11 @@ class MGPUPrecision(Precision):
                     f"MGPUPrecision({self.mode!r}) cannot drive LBFGS (it re-evaluates the closure inside step). "
                     f"Use MGPUPrecision('32-true') or another optimizer."
                 )
-            for group in opt.param_groups:
-                masters = []
-                for p in group["params"]:
-                    if id(p) in self._model_param:  # already a master (a second fit() in this process)
-                        masters.append(p)
-                        continue
-                    master = self._master_of.get(id(p))
-                    if master is None:
-                        src = self._fp32_source.get(id(p), p.detach())
-                        master = src.to(device=p.device, dtype=torch.float32, copy=True).requires_grad_(p.requires_grad)
-                        self._model_param[id(master)] = p
-                        self._master_of[id(p)] = master
-                        self._pairs.append((master, p))
-                    masters.append(master)
-                group["params"] = masters
-        if self._fp32_source and world_size() > 1:
-            # DDP copied rank 0's weights into the half parameters when it wrapped the model; the masters were
-            # taken before that, from each rank's own initialisation: rank 0's are the ones to train
-            with torch.no_grad():
-                for master, _ in self._pairs:
-                    comm.broadcast(master, src=0)
-        self._fp32_source = {}
+        self._masters.attach(optimizers, world_size())
 
     def model_parameter(self, param: Tensor) -> Tensor:
         """The half model parameter behind a master (``param`` itself if it is not a master)."""
-        return self._model_param.get(id(param), param)
+        return self._masters.model_parameter(param)
 
     @override
     def connect(
@@ -281,7 +254,7 @@ class MGPUPrecision(Precision):
             # strategies did already (the masters are skipped here)
             self.attach_master_weights(optimizers)
             for opt in optimizers:
-                self._clear_half_grads_on_zero_grad(opt)
+                self._masters.clear_half_grads_on_zero_grad(opt)
         return model, optimizers, lr_schedulers
 
     def _make_scaler(self, device: str) -> torch.amp.GradScaler:
@@ -292,25 +265,6 @@ class MGPUPrecision(Precision):
 
             return ShardedGradScaler(device=device, **self._scaler_kwargs)  # type: ignore[arg-type]
         return torch.amp.GradScaler(device=device, **self._scaler_kwargs)  # type: ignore[arg-type]
-
-    def _clear_half_grads_on_zero_grad(self, optimizer: Optimizer) -> None:
-        # optimizer.zero_grad() clears the masters' gradients; the half gradients accumulated since the last
-        # step (e.g. a GAN's generator backward reaching the discriminator) must go too, as they would in FP32.
-        if getattr(optimizer, "_mgpu_zero_grad_wrapped", False):
-            return
-        original = optimizer.zero_grad
-        plugin = self
-
-        def zero_grad(set_to_none: bool = True) -> None:
-            original(set_to_none)
-            for group in optimizer.param_groups:
-                for m in group["params"]:
-                    p = plugin._model_param.get(id(m))
-                    if p is not None:
-                        p.grad = None
-
-        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
-        optimizer._mgpu_zero_grad_wrapped = True  # type: ignore[attr-defined]
 
     # --- forward ----------------------------------------------------------------------------------------
     def _autocast(self) -> AbstractContextManager:
@@ -338,13 +292,9 @@ class MGPUPrecision(Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         if self.master and not self._fsdp_masters and not module.automatic_optimization:
-            # Lightning's toggle_optimizer switches requires_grad on the optimizer's parameters, the masters:
-            # mirror it onto the half parameters for this backward (autograd accumulates no gradient into a
-            # leaf whose requires_grad is off), so the toggled-off optimizer's weights get none, as in FP32.
-            # post_backward switches them back: the next forward must build the graph through every weight.
-            self._requires_grad = [p.requires_grad for _, p in self._pairs]
-            for master, p in self._pairs:
-                p.requires_grad_(master.requires_grad)
+            # toggle_optimizer's requires_grad on the masters mirrored onto the half parameters for this backward;
+            # post_backward switches them back
+            self._masters.mirror_requires_grad()
         if self.dtype != torch.float32 and tensor.is_floating_point() and tensor.dtype != torch.float32:
             tensor = tensor.float()  # a half loss times 65536 overflows fp16; the backward casts back to half
         if self.scaler is not None:
@@ -353,34 +303,8 @@ class MGPUPrecision(Precision):
 
     @override
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        if self._requires_grad:
-            for (_, p), flag in zip(self._pairs, self._requires_grad):
-                p.requires_grad_(flag)
-            self._requires_grad = []
+        self._masters.restore_requires_grad()
         return super().post_backward(tensor, module)
-
-    def _grads_to_masters(self, optimizer: Optimizer) -> None:
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for m in group["params"]:
-                    p = self._model_param.get(id(m))
-                    if p is None:
-                        continue
-                    if p.grad is None:
-                        m.grad = None
-                    elif m.grad is None:
-                        m.grad = p.grad.to(torch.float32, copy=True)
-                    else:
-                        m.grad.copy_(p.grad)
-                    p.grad = None  # the half gradient is now in the master's
-
-    def _masters_to_model(self, optimizer: Optimizer) -> None:
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for m in group["params"]:
-                    p = self._model_param.get(id(m))
-                    if p is not None:
-                        p.copy_(m)
 
     def _prepare_gradients(self, optimizer: Optimizer) -> None:
         # once per optimizer step: the half gradients into the masters, then unscaled (ShardedGradScaler
@@ -391,7 +315,7 @@ class MGPUPrecision(Precision):
         if self._sync_gradients is not None:
             self._sync_gradients(optimizer)
         if self.master and not self._fsdp_masters:
-            self._grads_to_masters(optimizer)
+            self._masters.grads_to_masters(optimizer)
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         self._prepared.add(id(optimizer))
@@ -440,7 +364,7 @@ class MGPUPrecision(Precision):
         finally:
             self._prepared.discard(id(opt))
         if self.master and not self._fsdp_masters and not skipped:
-            self._masters_to_model(opt)
+            self._masters.masters_to_model(opt)
         self.optimizer_steps += 1
         self._skipped += int(skipped)
         self._log_to(model)
@@ -495,23 +419,12 @@ class MGPUPrecision(Precision):
     def fp32_state_dict(self, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (the module's state dict) with each parameter's FP32 master in place of its half value:
         checkpoints hold the weights at full precision, so a resume (or an FP32 user) gets them exactly."""
-        if not self.holds_masters:
-            return state
-        state = dict(state)
-        for name, p in module.named_parameters(remove_duplicate=False):  # a tied weight under every name
-            master = self._master_of.get(id(p))
-            if master is not None and name in state:
-                state[name] = master.detach().clone()
-        return state
+        return self._masters.fp32_state_dict(module, state)
 
     def load_masters(self, module: nn.Module, state: dict[str, Any]) -> None:
         """Master modes, model weights loaded while masters exist (a sharded strategy's restore after set-up,
         LearningRateFinder's restore, a second fit): refresh the masters from the checkpoint's FP32 values."""
-        with torch.no_grad():
-            for name, p in module.named_parameters(remove_duplicate=False):
-                master = self._master_of.get(id(p))
-                if master is not None and name in state:
-                    master.copy_(state[name])
+        self._masters.load(module, state)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -509,11 +509,11 @@ class NoMirror(MGPUPrecision):
     """Negative control: the toggle is not mirrored onto the half weights."""
 
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
-        pairs, self._pairs = self._pairs, []
+        pairs, self._masters.pairs = self._masters.pairs, []
         try:
             return super().pre_backward(tensor, module)
         finally:
-            self._pairs = pairs
+            self._masters.pairs = pairs
 
 
 def _two_opt(out_dir: Path, plugin: Optional[MGPUPrecision]) -> torch.Tensor:
