@@ -40,19 +40,45 @@ class Preset:
         return str(self.init_params.get("start_method", "popen"))
 
 
+#: The launch variants of a preset family: its popen name plus these suffixes.
+LAUNCH_VARIANTS: tuple[str, ...] = ("", "_spawn", "_notebook")
+
+#: Each name suffix of a preset family: its launch, and its description (``{name}``: the popen preset's name,
+#: ``{description}``: its description).
+_VARIANTS: dict[str, tuple[str, str]] = {
+    "": ("popen", "{description}"),
+    "_spawn": ("spawn", "{name} launched with spawn"),
+    "_fork": ("fork", "{name} launched with fork"),
+    "_notebook": ("fork", "{name} for Jupyter (fork launch)"),
+}
+
+
+def _family(
+    name: str, strategy: type, description: str, variants: tuple[str, ...] = LAUNCH_VARIANTS, **params: Any
+) -> tuple[Preset, ...]:
+    """The presets of one family: ``name`` (popen launch) and its launch ``variants``, all of ``strategy`` with
+    ``params``."""
+    return tuple(
+        Preset(
+            name + suffix,
+            strategy,
+            _VARIANTS[suffix][1].format(name=name, description=description),
+            {"start_method": _VARIANTS[suffix][0], **params},
+        )
+        for suffix in variants
+    )
+
+
 #: Every preset name the pack registers with Lightning (both namespaces), with its strategy class, launch mode,
 #: description and arguments. Example: ``[p.name for p in lightning_mgpu.PRESETS]``; ``lightning-mgpu --list``
 #: prints them as a table.
 PRESETS: tuple[Preset, ...] = (
-    Preset(
+    *_family(
         "mgpu_ddp",
         MGPUDDPStrategy,
         "DDP; comm hooks on any device, accumulation without extra syncs",
-        {"start_method": "popen"},
+        variants=("", "_spawn", "_fork", "_notebook"),
     ),
-    Preset("mgpu_ddp_spawn", MGPUDDPStrategy, "mgpu_ddp launched with spawn", {"start_method": "spawn"}),
-    Preset("mgpu_ddp_fork", MGPUDDPStrategy, "mgpu_ddp launched with fork", {"start_method": "fork"}),
-    Preset("mgpu_ddp_notebook", MGPUDDPStrategy, "mgpu_ddp for Jupyter (fork launch)", {"start_method": "fork"}),
     Preset(
         "mgpu_ddp_fp16_compress",
         MGPUDDPStrategy,
@@ -65,85 +91,26 @@ PRESETS: tuple[Preset, ...] = (
         "mgpu_ddp with PowerSGD rank-1 gradient compression",
         {"start_method": "popen", "comm_hook": "powersgd"},
     ),
-    Preset(
+    *_family(
         "mgpu_local_sgd",
         MGPULocalSGDStrategy,
         "local SGD: weights averaged every 8 optimizer steps, no gradient all-reduce (1/8 of the bytes)",
-        {"start_method": "popen"},
     ),
-    Preset(
-        "mgpu_local_sgd_spawn", MGPULocalSGDStrategy, "mgpu_local_sgd launched with spawn", {"start_method": "spawn"}
-    ),
-    Preset(
-        "mgpu_local_sgd_notebook",
-        MGPULocalSGDStrategy,
-        "mgpu_local_sgd for Jupyter (fork launch)",
-        {"start_method": "fork"},
-    ),
-    Preset(
+    *_family(
         "mgpu_diloco",
         MGPUDiLoCoStrategy,
         "DiLoCo: 32 inner steps, then an outer Nesterov step on the averaged weight change (1/32 of the bytes)",
-        {"start_method": "popen"},
     ),
-    Preset("mgpu_diloco_spawn", MGPUDiLoCoStrategy, "mgpu_diloco launched with spawn", {"start_method": "spawn"}),
-    Preset(
-        "mgpu_diloco_notebook", MGPUDiLoCoStrategy, "mgpu_diloco for Jupyter (fork launch)", {"start_method": "fork"}
+    *_family(
+        "mgpu_sharded", MGPUShardedStrategy, "ZeRO stage 2, torch FSDP2: optimizer state + gradients sharded", stage=2
     ),
-    Preset(
-        "mgpu_sharded",
-        MGPUShardedStrategy,
-        "ZeRO stage 2, torch FSDP2: optimizer state + gradients sharded",
-        {"start_method": "popen", "stage": 2},
-    ),
-    Preset(
-        "mgpu_sharded_spawn",
-        MGPUShardedStrategy,
-        "mgpu_sharded launched with spawn",
-        {"start_method": "spawn", "stage": 2},
-    ),
-    Preset(
-        "mgpu_sharded_notebook",
-        MGPUShardedStrategy,
-        "mgpu_sharded for Jupyter (fork launch)",
-        {"start_method": "fork", "stage": 2},
-    ),
-    Preset(
+    *_family(
         "mgpu_zero1",
         MGPUShardedStrategy,
         "ZeRO stage 1: DDP + torch ZeroRedundancyOptimizer (optimizer state sharded)",
-        {"start_method": "popen", "stage": 1},
+        stage=1,
     ),
-    Preset(
-        "mgpu_zero1_spawn",
-        MGPUShardedStrategy,
-        "mgpu_zero1 launched with spawn",
-        {"start_method": "spawn", "stage": 1},
-    ),
-    Preset(
-        "mgpu_zero1_notebook",
-        MGPUShardedStrategy,
-        "mgpu_zero1 for Jupyter (fork launch)",
-        {"start_method": "fork", "stage": 1},
-    ),
-    Preset(
-        "mgpu_zero3",
-        MGPUShardedStrategy,
-        "ZeRO stage 3, torch FSDP2: + parameters sharded",
-        {"start_method": "popen", "stage": 3},
-    ),
-    Preset(
-        "mgpu_zero3_spawn",
-        MGPUShardedStrategy,
-        "mgpu_zero3 launched with spawn",
-        {"start_method": "spawn", "stage": 3},
-    ),
-    Preset(
-        "mgpu_zero3_notebook",
-        MGPUShardedStrategy,
-        "mgpu_zero3 for Jupyter (fork launch)",
-        {"start_method": "fork", "stage": 3},
-    ),
+    *_family("mgpu_zero3", MGPUShardedStrategy, "ZeRO stage 3, torch FSDP2: + parameters sharded", stage=3),
     Preset(
         "mgpu_zero3_offload",
         MGPUShardedStrategy,
@@ -174,21 +141,15 @@ PRESETS: tuple[Preset, ...] = (
         "fairscale OSS + ShardedDataParallel (Lightning 1.x ddp_sharded); needs the [fairscale] extra",
         {"start_method": "popen", "stage": 2, "backend": "fairscale"},
     ),
-    Preset(
+    *_family(
         "mgpu_auto",
         MGPUAutoStrategy,
         "the fastest of mgpu_ddp/zero1/sharded/zero3 (+/- activation checkpointing) that the memory plan fits",
-        {"start_method": "popen"},
     ),
-    Preset("mgpu_auto_spawn", MGPUAutoStrategy, "mgpu_auto launched with spawn", {"start_method": "spawn"}),
-    Preset("mgpu_auto_notebook", MGPUAutoStrategy, "mgpu_auto for Jupyter (fork launch)", {"start_method": "fork"}),
 )
 
-#: The launch variants of a preset family: its popen name plus these suffixes.
-LAUNCH_VARIANTS: tuple[str, ...] = ("", "_spawn", "_notebook")
-
-#: The presets outside that rule, and why (``preset_table`` prints it; ``tests/unit/test_presets.py`` checks that every
-#: other family has each of :data:`LAUNCH_VARIANTS`).
+#: The presets outside the rule of :data:`LAUNCH_VARIANTS`, and why (``preset_table`` prints it;
+#: ``tests/unit/test_presets.py`` checks that every other family has each of the variants).
 LAUNCH_EXCEPTIONS: dict[str, str] = {
     "mgpu_ddp_fork": "mgpu_ddp_notebook under Lightning's name ddp_fork",
     "mgpu_ddp_fp16_compress": "popen only: MGPUDDPStrategy(comm_hook='fp16', start_method=...) for another launch",

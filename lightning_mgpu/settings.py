@@ -316,14 +316,25 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name}={value!r} is not a bool: {name} must be True or False.")
 
 
-def _check_micro_batch_size(value: Any) -> None:
-    if value is None or value == "auto":
+def _check_whole(name: str, value: Any, must: str, minimum: int = 1, optional: bool = False) -> None:
+    """Refuse ``value`` unless it is an int (not a bool) >= ``minimum``, or None where ``optional``: raise
+    ``ValueError(f"{name}={value!r} must be {must}")``."""
+    if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"micro_batch_size={value!r} must be a positive int (rows per micro-batch, e.g. micro_batch_size=8), "
-            f"'auto' (the largest micro-batch that fits, found by backing off on out-of-memory errors) or None (off)."
-        )
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be {must}")
+
+
+def _check_micro_batch_size(value: Any) -> None:
+    if value == "auto":
+        return
+    _check_whole(
+        "micro_batch_size",
+        value,
+        "a positive int (rows per micro-batch, e.g. micro_batch_size=8), 'auto' (the largest micro-batch that "
+        "fits, found by backing off on out-of-memory errors) or None (off).",
+        optional=True,
+    )
 
 
 # torch.compile's keyword arguments (all but the model): what a ``compile={...}`` dict may hold.
@@ -693,8 +704,7 @@ COMM_DTYPES = ("fp16", "bf16")
 
 
 def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}: {hint}")
+    _check_whole(name, value, f"an int >= {minimum}: {hint}", minimum)
 
 
 @dataclass(frozen=True)
@@ -1088,11 +1098,11 @@ class ShardedSettings:
 
     def _check_tensor_parallel(self) -> None:
         size, plan = self.tensor_parallel_size, self.tensor_parallel_plan
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(
-                f"tensor_parallel_size={size!r} must be a whole number of ranks >= 1 (e.g. 2 or the GPUs of one "
-                f"machine); 1 turns tensor parallelism off."
-            )
+        _check_whole(
+            "tensor_parallel_size",
+            size,
+            "a whole number of ranks >= 1 (e.g. 2 or the GPUs of one machine); 1 turns tensor parallelism off.",
+        )
         if size > 1 and not self.uses_fsdp2:
             raise ValueError(
                 f"tensor_parallel_size={size} needs FSDP2 (stage 2 or 3 with backend='torch'); got stage="
@@ -1131,22 +1141,23 @@ class ShardedSettings:
 
     def _check_pipeline(self) -> None:
         size = self.pipeline_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(
-                f"pipeline_parallel_size={size!r} must be a whole number of stages >= 1 (1: no pipeline), e.g. "
-                f"pipeline_parallel_size=2."
-            )
+        _check_whole(
+            "pipeline_parallel_size",
+            size,
+            "a whole number of stages >= 1 (1: no pipeline), e.g. pipeline_parallel_size=2.",
+        )
         schedule = self.pipeline_schedule
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(
                 f"pipeline_schedule={schedule!r} is unknown. Use one of {', '.join(map(repr, PIPELINE_SCHEDULES))}."
             )
         m = self.pipeline_microbatches
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError(
-                f"pipeline_microbatches={m!r} must be a whole number >= 1 that divides the batch size, or None "
-                f"(the number of stages)."
-            )
+        _check_whole(
+            "pipeline_microbatches",
+            m,
+            "a whole number >= 1 that divides the batch size, or None (the number of stages).",
+            optional=True,
+        )
         split = self.pipeline_split
         if isinstance(split, str):
             if split != "auto":
@@ -1229,11 +1240,12 @@ class ShardedSettings:
                 f"(shard within each machine, replicate across machines)."
             )
         size = self.shard_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(
-                f"shard_size={size!r} must be a whole number of ranks >= 1 (e.g. the GPUs of one machine), or None "
-                f"for the processes of one machine."
-            )
+        _check_whole(
+            "shard_size",
+            size,
+            "a whole number of ranks >= 1 (e.g. the GPUs of one machine), or None for the processes of one machine.",
+            optional=True,
+        )
         if size is not None and self.mesh != "hybrid":
             raise ValueError(
                 f"shard_size={size} sets the shard group of a hybrid mesh, but mesh={self.mesh!r}. Pass "

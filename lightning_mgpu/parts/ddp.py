@@ -109,49 +109,22 @@ class DDPWrapping:
 
         Manual optimization: DDP's reducer would sync every backward (and, without ``find_unused_parameters``,
         wait forever for the toggled-off optimizer's gradients); it stays out of the whole step, and the step's
-        optimizer syncs what it needs (:attr:`manual`). ``micro_batch_size``: see :meth:`micro_batched_step`.
-        Otherwise static graph is switched on before the first synchronised forward."""
+        optimizer syncs what it needs (:attr:`manual`). Otherwise static graph is switched on before the first
+        synchronised forward.
+
+        ``micro_batch_size``: every micro-batch runs forward and backward under ``no_sync`` (an out-of-memory
+        error in any of them, on any rank, is then recoverable: no rank is inside a collective); the gradients are
+        averaged once, after the last micro-batch, unless Lightning is accumulating (``parts/micro_batching.py``).
+        ``backward(loss)`` is the strategy's backward of a loss already divided by the accumulation."""
         if manual:
             self.broadcast_buffers(ddp, world_size)
             with ddp.no_sync():
                 return step(*args, **kwargs)
-        if self.micro is None:
+        micro = self.micro
+        if micro is None:
             self.before_training_step(ddp)
             return step(*args, **kwargs)
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
-        return self.micro_batched_step(
-            self.micro,
-            ddp,
-            step=lambda micro: step(micro, *rest, **kwargs),
-            backward=backward,
-            batch=batch,
-            batch_idx=rest[0] if rest else None,
-            accumulate_grad_batches=accumulate_grad_batches,
-            stats=stats,
-            rank=rank,
-            world_size=world_size,
-            device=device,
-        )
-
-    def micro_batched_step(
-        self,
-        micro: MicroBatching,
-        ddp: DistributedDataParallel,
-        step: Callable[[Any], Any],
-        backward: Callable[[Any], Any],
-        batch: Any,
-        batch_idx: Any,
-        accumulate_grad_batches: int,
-        stats: CommStats,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-    ) -> Any:
-        """``micro_batch_size``: every micro-batch runs forward and backward under ``no_sync`` (an out-of-memory
-        error in any of them, on any rank, is then recoverable: no rank is inside a collective); the gradients are
-        averaged once, after the last micro-batch, unless Lightning is accumulating (``parts/micro_batching.py``).
-        ``step(micro_batch)`` runs training_step; ``backward(loss)`` is the strategy's backward of a loss already
-        divided by the accumulation."""
         syncs = ddp.require_backward_grad_sync  # False inside Lightning's block_backward_sync
         params = [p for p in ddp.module.parameters() if p.requires_grad]
         micro.rank = rank
@@ -164,10 +137,11 @@ class DDPWrapping:
                     params, group=ddp.process_group, compress=compress, ledger=stats, bucket_cap_mb=bucket_cap_mb
                 )
 
+        batch_idx = rest[0] if rest else None
         window_starts = isinstance(batch_idx, int) and batch_idx % accumulate_grad_batches == 0
         return micro.run(
             batch,
-            forward=step,
+            forward=lambda micro_batch: step(micro_batch, *rest, **kwargs),
             backward=backward,
             no_sync=ddp.no_sync,
             agree=agree_across_ranks(ddp.process_group, rank, world_size, device),

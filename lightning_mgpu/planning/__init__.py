@@ -24,6 +24,7 @@ From the shell: ``lightning-mgpu plan --config configs/ddp.yaml --devices 8 --de
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -57,7 +58,7 @@ from lightning_mgpu.planning.trace import (
     trace_step,
     unit_fractions,
 )
-from lightning_mgpu.settings import validate_save
+from lightning_mgpu.settings import from_arguments, validate_save
 
 __all__ = [
     "DEFAULT_PRECISIONS",
@@ -137,19 +138,7 @@ def plan(
         >>> p.recommended.strategy, p.recommended.activation_checkpointing
         ('mgpu_ddp', False)
     """
-    request = _request(
-        devices,
-        device_memory,
-        num_nodes,
-        headroom,
-        precisions,
-        strategies,
-        activation_checkpointing,
-        activation_checkpointing_save,
-        bucket_cap_mb,
-        offload,
-        host_memory,
-    )
+    request = _request(locals())
     start = time.perf_counter()
     source, states, traces, units, _, _ = _traced(model_or_config, request, batch, datamodule)
     return estimate(
@@ -293,19 +282,7 @@ def plan_layouts(
         'mgpu_ddp'
     """
     links = Links.of(intra_node_link, inter_node_link)
-    request = _request(
-        devices,
-        device_memory,
-        num_nodes,
-        headroom,
-        precisions,
-        strategies,
-        activation_checkpointing,
-        activation_checkpointing_save,
-        bucket_cap_mb,
-        offload,
-        host_memory,
-    )
+    request = _request(locals())
     start = time.perf_counter()
     source, states, traces, units, policy, save = _traced(model_or_config, request, batch, datamodule)
     result = estimate_layouts(
@@ -337,30 +314,13 @@ def batch_rows(batch: Any) -> int:
     return int(found[0].shape[0]) if found and found[0].dim() else 1
 
 
-def _request(
-    devices: int,
-    device_memory: Union[str, int],
-    num_nodes: int,
-    headroom: float,
-    precisions: Optional[tuple[str, ...]],
-    strategies: Optional[tuple[str, ...]],
-    activation_checkpointing: Any,
-    activation_checkpointing_save: Any,
-    bucket_cap_mb: float,
-    offload: bool = False,
-    host_memory: Union[str, int, None] = None,
-) -> PlanRequest:
-    """The request :func:`plan` and :func:`plan_layouts` share, with the default precisions and strategies."""
-    return PlanRequest(
-        devices=devices,
-        device_memory=device_memory,
-        headroom=headroom,
+def _request(arguments: Mapping[str, Any]) -> PlanRequest:
+    """The request of :func:`plan`'s or :func:`plan_layouts`'s arguments (its ``locals()``): each field from the
+    argument of the same name, with the default precisions and strategies for None."""
+    precisions, strategies = arguments["precisions"], arguments["strategies"]
+    return from_arguments(
+        PlanRequest,
+        arguments,
         precisions=precisions if precisions is not None else DEFAULT_PRECISIONS,
         strategies=strategies if strategies is not None else STRATEGIES,
-        activation_checkpointing=activation_checkpointing,
-        activation_checkpointing_save=activation_checkpointing_save,
-        bucket_cap_mb=bucket_cap_mb,
-        num_nodes=num_nodes,
-        offload=offload,
-        host_memory=host_memory,
     )
