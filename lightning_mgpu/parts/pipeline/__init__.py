@@ -73,7 +73,7 @@ Example::
     backend.sync_gradients()  # after the closure: the replicas and the weights outside the blocks
 """
 
-from lightning_mgpu.parts.pipeline.backend import PipelineBackend, PipelineStats
+from lightning_mgpu.parts.pipeline.backend import PipelineBackend
 from lightning_mgpu.parts.pipeline.batches import check_loader_batches, combine_logs, split_batch
 from lightning_mgpu.parts.pipeline.plan import (
     SHAPE_NEEDED,
@@ -84,6 +84,7 @@ from lightning_mgpu.parts.pipeline.plan import (
     master_precision_refusal,
     plan_stages,
 )
+from lightning_mgpu.parts.pipeline.runner import PipelineStats
 from lightning_mgpu.parts.pipeline.stages import PipelineSyncControl
 
 __all__ = [

@@ -1,5 +1,5 @@
 """What ``torch.distributed.pipelining`` runs for each stage: the module of a stage (the user's ``training_step`` hooked
-to the stage's blocks, :meth:`~lightning_mgpu.parts.pipeline.PipelineBackend.run_stage`), its ``PipelineStage`` that
+to the stage's blocks, :meth:`~lightning_mgpu.parts.pipeline.runner.StageRunner.run_stage`), its ``PipelineStage`` that
 times it and keeps a sharded stage's gradients for one reduce-scatter per optimizer step, the loss whose backward
 hands the schedule's gradients to Lightning's closure, and the per-gradient rules (a gradient as its parameter's
 ``DTensor``, the elements the data dimension shards, its copies among ranks) that the backend's sync and clipping
@@ -100,13 +100,13 @@ class _PendingGradients(torch.autograd.Function):
     """The loss Lightning's closure backpropagates: its backward adds the schedule's gradients."""
 
     @staticmethod
-    def forward(ctx: Any, loss: Tensor, backend: Any) -> Tensor:  # the PipelineBackend
-        ctx.backend = backend
+    def forward(ctx: Any, loss: Tensor, runner: Any) -> Tensor:  # the StageRunner
+        ctx.runner = runner
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
-        ctx.backend.add_pending(grad)
+        ctx.runner.add_pending(grad)
         return None, None
 
 
@@ -125,17 +125,17 @@ class PipelineSyncControl(BackwardSyncControl):
 
 class _Stage(nn.Module):
     """What ``PipelineStage`` runs for stage ``index``: the user's ``training_step`` on the micro-batch, hooked to
-    this stage's blocks (:meth:`PipelineBackend.run_stage`)."""
+    this stage's blocks (:meth:`StageRunner.run_stage`)."""
 
-    def __init__(self, backend: Any, index: int, blocks: list[nn.Module]) -> None:  # the PipelineBackend
+    def __init__(self, runner: Any, index: int, blocks: list[nn.Module]) -> None:  # the StageRunner
         super().__init__()
         self.index = index
         self.blocks = nn.ModuleList(blocks)
-        self._backend = [backend]  # not a submodule
+        self._runner = [runner]  # not a submodule
         self.chunk = 0
 
     def forward(self, *args: Tensor) -> Tensor:
-        return self._backend[0].run_stage(self.index, self.chunk, args[0])
+        return self._runner[0].run_stage(self.index, self.chunk, args[0])
 
     @contextlib.contextmanager
     def timed(self) -> Generator[None, None, None]:
@@ -143,4 +143,4 @@ class _Stage(nn.Module):
         try:
             yield
         finally:
-            self._backend[0].busy_s += time.perf_counter() - start
+            self._runner[0].busy_s += time.perf_counter() - start

@@ -109,13 +109,14 @@ def test_logged_values_combine_over_micro_batches_with_their_reduce_fx():
 
 def _probed(module: pl.LightningModule, split: Any, token_loss: bool = False) -> PipelineBackend:
     backend = PipelineBackend(2, "1f1b", 2, split, token_loss=token_loss)
-    backend.module = module
-    backend.plan = plan_stages(module, split, 2)
+    held = backend.held
+    held.module = module
+    held.plan = plan_stages(module, split, 2)
     modules = dict(module.named_modules())
-    backend._blocks = [modules[n] for n in backend.plan.names]
-    backend._micro = split_batch(torch.randn(4, 3), 2)
+    held.blocks = [modules[n] for n in held.plan.names]
+    micro = split_batch(torch.randn(4, 3), 2)
     state = torch.random.get_rng_state()
-    backend._probe(module)
+    backend.runner.hooks.probe(module, micro[0], 0)
     assert torch.equal(state, torch.random.get_rng_state())  # dropout in a real step draws as without the probe
     return backend
 
@@ -123,7 +124,7 @@ def _probed(module: pl.LightningModule, split: Any, token_loss: bool = False) ->
 def test_the_probe_drops_the_logs_and_keeps_the_random_state_and_the_training_mode():
     module = Stack()
     backend = _probed(module, ["blocks.2"])
-    assert backend._logged == {} and module.training
+    assert backend.runner.hooks.logged == {} and module.training
 
 
 def test_a_forward_that_changes_the_activation_at_a_boundary_is_refused_naming_the_place():
@@ -148,11 +149,12 @@ def test_token_loss_needs_the_count_from_training_step_refused_by_the_probe_on_e
 
 def _stage0_of_two(module: pl.LightningModule) -> PipelineBackend:
     backend = PipelineBackend(2, "1f1b", 2, "auto")
-    backend.module = module
-    backend.plan = plan_stages(module, "auto", 2)
+    held = backend.held
+    held.module = module
+    held.plan = plan_stages(module, "auto", 2)
     modules = dict(module.named_modules())
-    backend._blocks = [modules[n] for n in backend.plan.names]
-    backend._local = [0]  # this rank runs stage 0: blocks.0 and blocks.1
+    held.blocks = [modules[n] for n in held.plan.names]
+    held.local = [0]  # this rank runs stage 0: blocks.0 and blocks.1
     return backend
 
 
@@ -202,20 +204,21 @@ def test_compiled_blocks_stay_compiled_when_a_stage_skips_them_and_the_stage_run
     the eager loss of blocks 2 and 3 on that activation, and afterwards every block is still compiled."""
     module = Stack()
     backend = PipelineBackend(2, "1f1b", 2, "auto")
-    backend.module, backend.plan = module, plan_stages(module, "auto", 2)
+    held, hooks = backend.held, backend.runner.hooks
+    held.module, held.plan = module, plan_stages(module, "auto", 2)
     modules = dict(module.named_modules())
-    backend._blocks = [modules[n] for n in backend.plan.names]
+    held.blocks = [modules[n] for n in held.plan.names]
     names = [f"blocks.{i}" for i in range(4)]
     torch.compiler.reset()
     base = _compat.compiled_graph_count()
     assert Compilation({"backend": "aot_eager"}).compile_pipeline_blocks(module, backend.blocks()) == names
     received, batch = torch.randn(5, 4), torch.randn(5, 3)
-    with backend._logs_captured(module), backend._stage_hooks(1, received, taken := []):
+    with hooks.logs_captured(module), hooks.stage_hooks(1, received, taken := []):
         loss = module.training_step(batch, 0)
     assert taken == [1] and compiled_modules(module) == names
     assert _compat.compiled_graph_count() > base  # blocks 2 and 3 ran compiled
     with torch.no_grad():
         torch.testing.assert_close(loss, module.head(module.blocks[3](module.blocks[2](received))).pow(2).mean())
-    with backend._logs_captured(module), backend._stage_hooks(0, None, []), pytest.raises(_StageOutput):
+    with hooks.logs_captured(module), hooks.stage_hooks(0, None, []), pytest.raises(_StageOutput):
         module.training_step(batch, 0)  # stage 0 stops after block 1
     assert compiled_modules(module) == names
