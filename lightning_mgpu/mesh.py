@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from lightning_mgpu import _compat
+from lightning_mgpu import _compat, comm
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -259,3 +259,30 @@ def expose_to_module(module: Any, mesh: Optional[DeviceMesh]) -> None:
     ``ModelParallelStrategy`` does."""
     if module is not None:
         _compat.set_module_device_mesh(module, mesh)
+
+
+class GroupMesh:
+    """The :class:`ParallelMesh` of the current process group, built once per group: fit, then validate, test or
+    predict in the same processes keep the mesh the module was sharded over (another would only add process groups); a
+    new process group (a later fit in new processes) gets a new one, the old mesh's groups having ended with the old
+    group."""
+
+    def __init__(self) -> None:
+        self._mesh: Optional[ParallelMesh] = None
+        self._built_over: Any = None  # the default process group the mesh was built over
+
+    def forget_if_new_group(self) -> None:
+        if self._built_over is not comm.default_group():
+            self._mesh = None
+
+    def get(self, build: Callable[[], ParallelMesh], strategy_name: str) -> ParallelMesh:
+        """The mesh of the current group: ``build()``'s, called now if it has none yet."""
+        if self._mesh is None:
+            if not comm.group_is_up():
+                raise RuntimeError(
+                    f"{strategy_name}.device_mesh is built at set-up, once the processes have started: read it in the "
+                    f"LightningModule's configure_model (self.device_mesh) or any hook after it."
+                )
+            self._mesh = build()
+            self._built_over = comm.default_group()
+        return self._mesh

@@ -1345,6 +1345,21 @@ class ShardedSettings:
             )
 
 
+def sharded_strategy_settings(arguments: Mapping[str, Any]) -> tuple[ShardedSettings, CommonSettings]:
+    """:class:`~lightning_mgpu.MGPUShardedStrategy`'s constructor ``arguments`` (its ``locals()``) as its settings: the
+    sharding ones, and those every strategy has, which at stage 1 (a DistributedDataParallel model) are mgpu_ddp's
+    (:class:`DDPSettings`, with the DDP keyword arguments). Refused with the fix: fault tolerance where the layout
+    cannot take it, DDP all-reduce settings at stages 2 and 3."""
+    sharded = from_arguments(ShardedSettings, arguments)
+    sharded.check_fault_tolerance(arguments["fault_tolerance"])
+    ddp_kwargs = split_ddp_kwargs(arguments["ddp_kwargs"])
+    ddp_only = {name: arguments[name] for name in ("comm_hook", "static_graph", "find_unused_parameters")}
+    sharded.check_ddp_settings({**ddp_only, **ddp_kwargs})
+    if sharded.uses_ddp:
+        return sharded, from_arguments(DDPSettings, arguments, ddp_kwargs=ddp_kwargs)
+    return sharded, from_arguments(CommonSettings, arguments)
+
+
 @dataclass(frozen=True)
 class AutoSettings:
     """What :class:`~lightning_mgpu.MGPUAutoStrategy` plans with (its common options are the strategies' own)."""

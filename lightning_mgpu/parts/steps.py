@@ -49,6 +49,11 @@ class ModelSteps:
     def __init__(self, tensor: TensorParallelism) -> None:
         self.tensor = tensor
 
+    def checks_evaluation(self, exact_evaluation: bool) -> bool:
+        """Whether an evaluation loop checks that its ranks run the same batches: with ``exact_evaluation``, and
+        always through pipeline stages (one collective of the pipeline's ranks)."""
+        return exact_evaluation or self.pipelined
+
     def sharding(self, backend: Any) -> Any:
         """The sharding backend the strategy holds: ``backend``, the one its stage and options make."""
         return backend

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import pytorch_lightning as pl
 import torch
@@ -265,6 +265,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         vars(runtime).update(vars(self._runtime))
         vars(results).update(vars(runtime.worker_results))
         self._runtime = runtime
+        if target is MGPUShardedStrategy:  # its model's part (strategies/sharded_model.py) serves the same runtime
+            cast(MGPUShardedStrategy, self)._sharded.runtime = runtime
         runtime.resume = runtime.checkpoints.resume = resume
         runtime.worker_results = results
         self.set_world_ranks()

@@ -33,11 +33,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import _compat
-from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave
 from lightning_mgpu.parts.ddp import DDPWrapping
-from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
-from lightning_mgpu.parts.micro_batching import MicroBatching
 from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_directory_message
 from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import (
@@ -55,6 +52,7 @@ from lightning_mgpu.settings import (
     split_ddp_kwargs,
     strategy_options,
 )
+from lightning_mgpu.strategies import properties
 from lightning_mgpu.strategies.runtime import Runtime
 
 
@@ -147,82 +145,25 @@ class MGPUDDPStrategy(DDPStrategy):
         self._settings = settings
         self._runtime = Runtime(self, self, settings)
 
-    # --- what users read ----------------------------------------------------------------------------------
-    @property
-    def public_name(self) -> str:
-        """The strategy's class as users write it (what summaries and errors print)."""
-        return type(self).__name__
-
+    # --- what users read (declared once for every mgpu strategy: strategies/properties.py) ---------------------
     @property
     def settings(self) -> DDPSettings:
         """The validated settings this strategy was built with."""
         return self._settings
 
-    @property
-    def launch_settings(self) -> DDPSettings:
-        """The settings every mgpu strategy has (launch, process group, ledger, activation checkpointing)."""
-        return self._settings
-
-    @property
-    def ddp_settings(self) -> DDPSettings:
-        """The DDP settings (for the sharded strategy's stage 1: those of its DDP wrapper)."""
-        return self._settings
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """The communication ledger of this rank (see :class:`~lightning_mgpu.CommStats`)."""
-        return self._runtime.comm_stats
-
-    @property
-    def replicas(self) -> Optional[ReplicaGroups]:
-        """The fault-tolerant replica groups (``fault_tolerance``): committed and dropped steps, heals, the last
-        step's quorum; None where fault tolerance is off."""
-        return self._runtime.replicas
-
-    @property
-    def comm_hook(self) -> Optional[str]:
-        return self._settings.comm_hook
-
-    @property
-    def comm_hook_state(self) -> Any:
-        """The registered hook's state (e.g. torch's ``PowerSGDState``), available after setup."""
-        return self._ddp_part.hook_state
-
-    @property
-    def static_graph(self) -> bool:
-        return self._settings.static_graph
-
-    @property
-    def micro_batching(self) -> Optional[MicroBatching]:
-        """The micro-batching state (``micro_batch_size`` given): ``.size`` in use and ``.backoffs``; else None."""
-        return self._ddp_part.micro
-
-    @property
-    def activation_checkpointing(self) -> Any:
-        """The activation-checkpointing policy (``None``: off)."""
-        return self._runtime.checkpointing.policy
-
-    @property
-    def async_checkpoint(self) -> bool:
-        """Whether checkpoints saved during fit are staged and written in the background."""
-        return self._settings.async_checkpoint
-
-    @property
-    def checkpoint_write_in_flight(self) -> bool:
-        """Whether a background checkpoint write of this rank is running now (``async_checkpoint=True``)."""
-        return self._runtime.checkpoints.write_in_flight
-
-    def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
-        """Manual optimization with ``loss_normalization="tokens"``: count this micro-batch's tokens (and their
-        summed loss, for the logged ``loss_per_token``) before its ``opt.step()``.
-
-        Example::
-
-            self.manual_backward(token_losses.sum())
-            self.trainer.strategy.add_tokens(mask.sum(), token_losses.sum())
-            opt.step()
-        """
-        self._runtime.add_tokens(num_tokens, loss_sum)
+    public_name = properties.public_name
+    launch_settings = properties.launch_settings
+    ddp_settings = properties.ddp_settings
+    comm_stats = properties.comm_stats
+    replicas = properties.replicas
+    comm_hook = properties.comm_hook
+    comm_hook_state = properties.comm_hook_state
+    static_graph = properties.static_graph
+    micro_batching = properties.micro_batching
+    activation_checkpointing = properties.activation_checkpointing
+    async_checkpoint = properties.async_checkpoint
+    checkpoint_write_in_flight = properties.checkpoint_write_in_flight
+    add_tokens = properties.add_tokens
 
     @property
     def _ddp_part(self) -> DDPWrapping:

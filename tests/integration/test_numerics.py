@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_mgpu.strategies.sharded as fsdp_module
+import lightning_mgpu.strategies.sharded_model as sharded_model_module
 from lightning_mgpu import MGPUShardedStrategy
 from tests.matrix import pairwise
 from tests.numerics_harness import CLIP, FAMILIES, Case, reference, run_cases, tolerance
@@ -98,12 +98,12 @@ def test_global_norm_clipping_adds_one_scalar_all_reduce_per_step_where_gradient
 
 def _local_norm_fairscale() -> Any:
     strategy = MGPUShardedStrategy(stage=2, backend="fairscale", start_method="popen")
-    strategy._sharding.norm_clipping = lambda group, ledger: None  # Lightning's clip: this rank's norm only
+    strategy._sharded.sharding.norm_clipping = lambda group, ledger: None  # Lightning's clip: this rank's norm only
     return strategy
 
 
 def _fairscale_without_mode_follow() -> Any:
-    fsdp_module.follow_module_mode = lambda wrapper, module: None  # the defect: the wrapper stays in eval mode
+    sharded_model_module.follow_module_mode = lambda wrapper, module: None  # the defect: the wrapper stays in eval mode
     return MGPUShardedStrategy(stage=2, backend="fairscale", start_method="popen")
 
 

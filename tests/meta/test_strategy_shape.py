@@ -185,3 +185,40 @@ def test_the_check_above_sees_a_method_defined_twice():
     tree = ast.parse("class C:\n    def reduce(self): pass\n    def reduce(self): pass\n")
     node = tree.body[0]
     assert isinstance(node, ast.ClassDef) and _defined_twice(node) == ["C.reduce"]
+
+
+_LAYOUT_NAMES = {
+    "pipelined",
+    "pipeline",
+    "pipeline_parallel_size",
+    "tensor",
+    "tensor_parallel_size",
+    "is_tensor_parallel",
+}
+
+
+def _layout_branches(source: str, name: str) -> list[str]:
+    """The conditions (``if``, conditional expressions, ``and``/``or``) that read a layout's size, flag or part (an
+    attribute: ``self._steps.pipelined``, ``settings.tensor_parallel_size``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            test = node.test
+        elif isinstance(node, ast.BoolOp):
+            test = node
+        else:
+            continue
+        if {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)} & _LAYOUT_NAMES:
+            found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_no_strategy_branches_on_the_pipeline_or_tensor_parallelism():
+    """The step object (``parts/steps.py``) is chosen once at construction; no code in ``strategies/`` asks which
+    layout it trains."""
+    assert [hit for p in sorted(STRATEGIES.glob("*.py")) for hit in _layout_branches(p.read_text(), p.name)] == []
+
+
+def test_the_check_above_sees_a_branch_on_the_pipeline():
+    source = "def on_validation_start(self):\n    if self._steps.pipelined or exact:\n        start()\n"
+    assert _layout_branches(source, "x.py") == ["x.py:2", "x.py:2"]

@@ -502,9 +502,11 @@ class GatheringUnsyncedReplicas(UnsyncedReplicas):
 class BrokenPipeline(MGPUShardedStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        assert isinstance(self._steps, PipelineSteps)
-        p = self._steps.pipeline
-        self._steps.pipeline = self._sharding = GatheringUnsyncedReplicas(p.size, "1f1b", p.microbatches, "auto")
+        assert isinstance(self._sharded.steps, PipelineSteps)
+        p = self._sharded.steps.pipeline
+        self._sharded.steps.pipeline = self._sharded.sharding = GatheringUnsyncedReplicas(
+            p.size, "1f1b", p.microbatches, "auto"
+        )
 
 
 def test_negative_control_the_comparison_fails_for_a_wrong_pipeline(tmp_path: Path) -> None:
@@ -854,7 +856,7 @@ class ShardedRecord(pl.Callback):
         # FSDP2's collectives, in this process only (forked: the parent keeps its own)
         torch.distributed.reduce_scatter_single = counted_reduce
         torch.distributed.all_gather_single = counted_gather
-        assert isinstance(trainer.strategy._steps, PipelineSteps)
+        assert isinstance(trainer.strategy._sharded.steps, PipelineSteps)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
         from lightning_mgpu.parts.sharding import local_bytes
@@ -862,7 +864,7 @@ class ShardedRecord(pl.Callback):
         if trainer.world_size == 1:  # the one-process reference: the pre-clip norm
             self.norms.append(float(torch.stack([p.grad.pow(2).sum() for p in module.parameters()]).sum().sqrt()))
             return
-        sharded = trainer.strategy._steps.pipeline._sharded_params
+        sharded = trainer.strategy._sharded.steps.pipeline.held.sharded_params
         self.mesh = tuple(sharded[0].device_mesh.shape)
         held = whole = 0
         for p in sharded:
@@ -873,8 +875,8 @@ class ShardedRecord(pl.Callback):
         self.steps.append((self.calls, self.gathers, held, whole))
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        sharding = getattr(trainer.strategy, "_sharding", None)  # the whole model whatever the checkpoint layout
-        state = sharding.full_model_state(module) if sharding else trainer.strategy.lightning_module_state_dict()
+        sharded = getattr(trainer.strategy, "_sharded", None)  # the whole model whatever the checkpoint layout
+        state = sharded.sharding.full_model_state(module) if sharded else trainer.strategy.lightning_module_state_dict()
         trainer.save_checkpoint(self.out / "last.ckpt")
         self.out.mkdir(parents=True, exist_ok=True)
         torch.save(self.steps, self.out / f"steps{trainer.global_rank}.pt")
@@ -1017,9 +1019,11 @@ class MiscountedZero3(MGPUShardedStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        assert isinstance(self._steps, PipelineSteps)
-        p = self._steps.pipeline
-        self._steps.pipeline = self._sharding = self.backend(p.size, "1f1b", p.microbatches, "auto", shard_stage=3)
+        assert isinstance(self._sharded.steps, PipelineSteps)
+        p = self._sharded.steps.pipeline
+        self._sharded.steps.pipeline = self._sharded.sharding = self.backend(
+            p.size, "1f1b", p.microbatches, "auto", shard_stage=3
+        )
 
 
 def test_negative_control_zero3_inside_the_pipeline_with_a_wrong_norm(tmp_path: Path) -> None:

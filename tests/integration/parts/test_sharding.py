@@ -106,7 +106,7 @@ class Record(Callback):
         torch.save(
             {
                 "weights": torch.cat([state[name].flatten() for name, _ in pl_module.named_parameters()]),
-                "mesh_shape": strategy._sharding.mesh_shape,  # type: ignore[attr-defined]
+                "mesh_shape": strategy._sharded.sharding.mesh_shape,  # type: ignore[attr-defined]
                 "ledger": strategy.comm_stats,  # type: ignore[attr-defined]
                 "batches": self.collectives.batches,
                 "global_step": trainer.global_step,
@@ -394,7 +394,7 @@ def _fit_then_validate(rank: int, port: int, out: str) -> None:
         model, data = ValidatedRegressor("sgd").double(), RankData(make_data(n=16), B)
         trainer.fit(model, datamodule=data)
         mesh, groups_after_fit = strategy.device_mesh, len(_compat.process_groups())
-        data_mesh = strategy._parallel_mesh.data  # type: ignore[union-attr]  # HSDP's (data_replicate, data_shard)
+        data_mesh = strategy._sharded.device_mesh().data  # HSDP's (data_replicate, data_shard)
         trainer.validate(model, dataloaders=DataLoader(make_data(n=8), batch_size=B))
         trainer.validate(model, dataloaders=DataLoader(make_data(n=8), batch_size=B))
         record = {

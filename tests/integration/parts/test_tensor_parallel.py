@@ -810,7 +810,7 @@ class StageRecord(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         strategy = trainer.strategy
         if strategy._sharded_settings.checkpoint == "sharded":  # the whole model, not this rank's part for DCP
-            state = strategy._sharding.full_model_state(pl_module)
+            state = strategy._sharded.sharding.full_model_state(pl_module)
         else:
             state = strategy.lightning_module_state_dict()
         if self.save is not None:
@@ -1012,7 +1012,9 @@ def test_the_lightning_namespace_trains_pipeline_stages_split_by_the_tensor_plan
         def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
             state = trainer.strategy.lightning_module_state_dict()  # a collective: on every rank
             if trainer.global_rank == 0:
-                sharded = bool(trainer.strategy._steps.pipeline._sharded_stages)  # its stages FSDP2 units (stage=3)
+                sharded = bool(
+                    trainer.strategy._sharded.steps.pipeline.held.sharded_stages
+                )  # its stages FSDP2 units (stage=3)
                 record = {"state": state, "split": is_tensor_parallel(pl_module), "sharded": sharded}
                 torch.save(record, tmp_path / "state.pt")
 
@@ -1067,9 +1069,11 @@ class StridedShardCountedAsCopies(PipelineBackend):
 class StridedShardMiscounted(MGPUShardedStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        assert isinstance(self._steps, PipelineSteps)
-        p = self._steps.pipeline
-        self._steps.pipeline = self._sharding = StridedShardCountedAsCopies(p.size, "1f1b", 2, "auto", shard_stage=3)
+        assert isinstance(self._sharded.steps, PipelineSteps)
+        p = self._sharded.steps.pipeline
+        self._sharded.steps.pipeline = self._sharded.sharding = StridedShardCountedAsCopies(
+            p.size, "1f1b", 2, "auto", shard_stage=3
+        )
 
 
 @pytest.mark.slow

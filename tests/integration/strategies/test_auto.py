@@ -228,7 +228,11 @@ class _HybridChoice(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         s = trainer.strategy
         weights = torch.cat([full(p.detach()).flatten() for p in pl_module.parameters()])
-        record = {"decision": s.auto_decision.strategy, "mesh_shape": s._sharding.mesh_shape, "weights": weights}
+        record = {
+            "decision": s.auto_decision.strategy,
+            "mesh_shape": s._sharded.sharding.mesh_shape,
+            "weights": weights,
+        }
         torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
 
 
