@@ -74,6 +74,7 @@ class StageRunner:
         self._scale = 1.0
         self._pending: list[tuple[nn.Parameter, Tensor]] = []
         self._loader_checked = False  # the training loader's batch sizes, once per fit
+        self._batch_checked = False  # the first training batch the same on the pipeline's ranks, once per fit
         self._sends = (0, 0)  # (sends, bytes) of one step of this rank, from the boundary shapes
         self.busy_s = 0.0  # time in the stages' forward and backward computation during the last step
         self.last_stats: Optional[PipelineStats] = None
@@ -84,7 +85,7 @@ class StageRunner:
     def start_fit(self) -> None:
         """At set-up: the schedules built again for the new stages, the training loader checked again."""
         self._schedules.clear()
-        self._loader_checked = False
+        self._loader_checked = self._batch_checked = False
 
     # --- one training step --------------------------------------------------------------------------------
     def check_training_loader(self, loader: Any, batches_run: float) -> None:
@@ -93,6 +94,21 @@ class StageRunner:
             self._loader_checked = True
             check_loader_batches(loader, self.microbatches, batches_run)
 
+    def check_same_batch(self, batch: Any, method: str) -> None:
+        """Every rank of the pipeline holds the same ``batch`` of ``method`` (its shapes and sums compared, a collective
+        of the pipeline's ranks); one that differs is refused on every rank of the pipeline, with the two causes and
+        their fixes (a stage would otherwise compute its loss on another batch's activations)."""
+        fingerprints = comm.all_gather_object(_fingerprint(batch), group=self.held.pipeline_group)
+        if any(f != fingerprints[0] for f in fingerprints):
+            raise PipelineError(
+                f"The ranks of one pipeline got different {method} batches (their shapes and sums: {fingerprints}). "
+                f"Every stage of a pipeline must see the same batch: shard the loaders over the data replicas, with "
+                f"trainer.strategy.distributed_sampler_kwargs (Lightning's automatic sampler does), not over the "
+                f"global ranks; and build the same data in every process (data drawn at random, in the module's "
+                f"__init__ for instance, differs between processes unless seeded: call seed_everything(...) before "
+                f"building it)."
+            )
+
     def training_step(self, module: Any, accumulate: int, batch: Any, batch_idx: int = 0) -> Any:
         """Forward and backward of every micro-batch through the stages (the schedule's); returns the batch's loss
         (the mean of the micro-batches' losses, the same on every stage) as a tensor whose backward adds the
@@ -100,6 +116,9 @@ class StageRunner:
         accumulate)``. ``token_loss``: the loss is the sum of the micro-batches' sums, the gradients scaled by
         ``1 / accumulate``, and the step returns ``{"loss": ..., "num_tokens": <the batch's tokens>}``."""
         held, m = self.held, self.microbatches
+        if not self._batch_checked:  # once per fit: a later batch comes from the same loaders and seeds
+            self._batch_checked = True
+            self.check_same_batch(batch, "training_step")
         micro = split_batch(batch, m)
         key = tuple((tuple(t.shape), t.dtype) for t in _leaves(micro[0]))
         self._micro, self._step_batch_index = micro, batch_idx
@@ -278,14 +297,7 @@ class StageRunner:
         assert held.plan is not None and held.module is not None
         held.unshard_stages()  # stage=3: this rank's stages whole until the next training step
         device = _module_device(module)
-        fingerprints = comm.all_gather_object(_fingerprint(args[0] if args else None), group=held.pipeline_group)
-        if any(f != fingerprints[0] for f in fingerprints):  # every rank of the pipeline raises
-            raise PipelineError(
-                f"The ranks of one pipeline got different {method} batches (their shapes and sums: {fingerprints}). "
-                f"Every stage of a pipeline must evaluate the same batch: shard the evaluation loaders over the data "
-                f"replicas, with trainer.strategy.distributed_sampler_kwargs (Lightning's automatic sampler does), "
-                f"not over the global ranks."
-            )
+        self.check_same_batch(args[0] if args else None, method)
         received: Optional[Tensor] = None
         last = held.stages - 1
         payload: Any = None

@@ -659,12 +659,25 @@ class GlobalRankValidation(Data):
         return DataLoader(data, batch_size=5, sampler=DistributedSampler(data, shuffle=False))
 
 
-def test_evaluation_batches_that_differ_between_the_stages_are_refused(tmp_path: Path) -> None:
+class GlobalRankTraining(Data):
+    """Training batches sharded over the 4 global ranks (not the data replicas), as a loader built for plain data
+    parallelism shards them, or as data drawn at random in each process differs: the stages of one pipeline would
+    compute their loss on another batch's activations."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=DistributedSampler(self.data, shuffle=False))
+
+
+@pytest.mark.parametrize(
+    ("data_cls", "method"), [(GlobalRankValidation, "validation_step"), (GlobalRankTraining, "training_step")]
+)
+def test_batches_that_differ_between_the_stages_are_refused(data_cls: type, method: str, tmp_path: Path) -> None:
+    """Every evaluation batch, and the first training batch of a fit, is compared across the pipeline's ranks."""
     strategy = MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_microbatches=4, start_method="fork")
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path, 1, devices=WORLD, limit_train_batches=1))
-    with pytest.raises(Exception, match="different validation_step batches") as raised:  # raised, not waited on
-        trainer.fit(make_model("sequential"), GlobalRankValidation(dataset("sequential"), GLOBAL_BATCH // 2))
-    assert "distributed_sampler_kwargs" in str(raised.value)
+    with pytest.raises(Exception, match=f"different {method} batches") as raised:  # raised, not waited on
+        trainer.fit(make_model("sequential"), data_cls(dataset("sequential"), GLOBAL_BATCH // 2))
+    assert "distributed_sampler_kwargs" in str(raised.value) and "seed_everything" in str(raised.value)
 
 
 # --- compile=True: each block compiled, the stage hooks and training_step eager ------------------------------------
