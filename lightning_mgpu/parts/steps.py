@@ -27,10 +27,12 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from lightning_mgpu import comm
 from lightning_mgpu._compat import attached_trainer
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.compilation import Compilation
 from lightning_mgpu.parts.pipeline import PipelineBackend, PipelineStats
+from lightning_mgpu.parts.pipeline.batches import batch_fingerprint
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism
 from lightning_mgpu.settings import ShardedSettings
 
@@ -48,6 +50,8 @@ class ModelSteps:
 
     def __init__(self, tensor: TensorParallelism) -> None:
         self.tensor = tensor
+        self._tensor_group: Any = None  # tensor_parallel_size > 1: the ranks that split each layer see one batch
+        self._batch_checked = False  # the first training batch of a fit compared over that group
 
     def checks_evaluation(self, exact_evaluation: bool) -> bool:
         """Whether an evaluation loop checks that its ranks run the same batches: with ``exact_evaluation``, and
@@ -105,6 +109,8 @@ class ModelSteps:
         """Tensor parallelism over the ``"tensor_parallel"`` mesh (nothing at size 1); ``stats``: the ledger that
         counts its collectives from now on (``tensor_comm_stats=True``), else None."""
         self.tensor.apply(module, mesh)
+        if self.tensor.size > 1:
+            self._tensor_group, self._batch_checked = mesh.get_group(), False
         if stats is not None:
             self.tensor.count_into(stats, mesh)
 
@@ -139,8 +145,26 @@ class ModelSteps:
     ) -> Any:
         """The LightningModule's ``training_step`` on the model, under the loss over the sharded vocabulary where
         the tensor-parallel plan has one. ``loss_scale()``: the fp16 loss scale of the precision plugin (read only
-        where the step needs it: the pipeline's schedule starts its backward from it)."""
+        where the step needs it: the pipeline's schedule starts its backward from it). The first training batch of a
+        fit is compared over the tensor-parallel group, whose ranks must hold the same batch."""
+        if self._tensor_group is not None and not self._batch_checked:
+            self._batch_checked = True
+            self._check_same_batch(args[0] if args else None)
         return self._on_model(redirect, "training_step", *args, **kwargs)
+
+    def _check_same_batch(self, batch: Any) -> None:
+        """Refused on every rank of the group, naming the fix: ranks that split one layer computing on different
+        batches would train on a mix of them, silently."""
+        fingerprints = comm.all_gather_object(batch_fingerprint(batch), group=self._tensor_group)
+        if any(f != fingerprints[0] for f in fingerprints):
+            raise ValueError(
+                f"The ranks of one tensor-parallel group got different training_step batches (their shapes and sums: "
+                f"{fingerprints}). The ranks that split a layer must see the same batch: shard the loaders over the "
+                f"data dimension only, with trainer.strategy.distributed_sampler_kwargs (Lightning's automatic "
+                f"sampler does), not over the global ranks; and build the same data in every process (data drawn at "
+                f"random, in the module's __init__ for instance, differs between processes unless seeded: call "
+                f"seed_everything(...) before building it)."
+            )
 
     def evaluation_step(self, module: Any, method: str, redirect: Redirect, *args: Any, **kwargs: Any) -> Any:
         """The LightningModule's ``validation_step``, ``test_step`` or ``predict_step`` (``method``) on the model."""

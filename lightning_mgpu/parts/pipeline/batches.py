@@ -106,7 +106,7 @@ def _first_tensor(value: Any) -> Optional[Tensor]:
     return None
 
 
-def _fingerprint(batch: Any) -> list[tuple[tuple[int, ...], float]]:
+def batch_fingerprint(batch: Any) -> list[tuple[tuple[int, ...], float]]:
     """The shapes and sums of ``batch``'s tensors: what the ranks of a pipeline compare to know they hold the same
     batch (every evaluation batch, and the first training batch of a fit)."""
     return [(tuple(t.shape), float(t.detach().double().nan_to_num().sum())) for t in _leaves(batch)]

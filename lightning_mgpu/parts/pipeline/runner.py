@@ -18,9 +18,9 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 from lightning_mgpu import comm
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.pipeline.batches import (
-    _fingerprint,
     _leaves,
     _to_device,
+    batch_fingerprint,
     check_loader_batches,
     combine_logs,
     split_batch,
@@ -98,7 +98,7 @@ class StageRunner:
         """Every rank of the pipeline holds the same ``batch`` of ``method`` (its shapes and sums compared, a collective
         of the pipeline's ranks); one that differs is refused on every rank of the pipeline, with the two causes and
         their fixes (a stage would otherwise compute its loss on another batch's activations)."""
-        fingerprints = comm.all_gather_object(_fingerprint(batch), group=self.held.pipeline_group)
+        fingerprints = comm.all_gather_object(batch_fingerprint(batch), group=self.held.pipeline_group)
         if any(f != fingerprints[0] for f in fingerprints):
             raise PipelineError(
                 f"The ranks of one pipeline got different {method} batches (their shapes and sums: {fingerprints}). "

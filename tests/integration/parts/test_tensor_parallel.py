@@ -22,7 +22,7 @@ from lightning_fabric.plugins.environments.lightning import find_free_network_po
 from pytorch_lightning.callbacks import Callback
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_mgpu import EMA, MGPUShardedStrategy, _compat, export_checkpoint, plan_layouts
@@ -710,6 +710,28 @@ def test_a_model_built_in_configure_model_that_the_auto_plan_cannot_split_is_ref
     )  # fmt: skip
     with pytest.raises(Exception, match=r"the auto plan splits 0 layers of BuiltMLP(.|\n)*'net.0': 'colwise'"):
         trainer.fit(BuiltMLP())
+
+
+class GlobalRankData(Data):
+    """Training batches sharded over the global ranks (as plain data parallelism shards them, or as data drawn at
+    random in each process differs): the two ranks that split each layer get different batches."""
+
+    def train_dataloader(self) -> DataLoader:
+        data = token_data()
+        return DataLoader(data, batch_size=2, sampler=DistributedSampler(data, shuffle=False))
+
+
+@pytest.mark.timeout(120)
+def test_a_first_training_batch_that_differs_within_the_tensor_group_is_refused() -> None:
+    """Without the check the ranks would train on a mix of two batches and report two different losses."""
+    strategy = MGPUShardedStrategy(stage=3, tensor_parallel_size=2, start_method="fork")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    with pytest.raises(Exception, match="tensor-parallel group got different training_step batches") as raised:
+        trainer.fit(TPModule(), datamodule=GlobalRankData())
+    assert "distributed_sampler_kwargs" in str(raised.value) and "seed_everything" in str(raised.value)
 
 
 def test_the_lightning_namespace_trains_a_tensor_parallel_model():
