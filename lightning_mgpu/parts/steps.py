@@ -27,12 +27,11 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from lightning_mgpu import comm
 from lightning_mgpu._compat import attached_trainer
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.compilation import Compilation
 from lightning_mgpu.parts.pipeline import PipelineBackend, PipelineStats
-from lightning_mgpu.parts.pipeline.batches import batch_fingerprint
+from lightning_mgpu.parts.pipeline.batches import check_same_batch
 from lightning_mgpu.parts.tensor_parallel import TensorParallelism
 from lightning_mgpu.settings import ShardedSettings
 
@@ -149,22 +148,10 @@ class ModelSteps:
         fit is compared over the tensor-parallel group, whose ranks must hold the same batch."""
         if self._tensor_group is not None and not self._batch_checked:
             self._batch_checked = True
-            self._check_same_batch(args[0] if args else None)
-        return self._on_model(redirect, "training_step", *args, **kwargs)
-
-    def _check_same_batch(self, batch: Any) -> None:
-        """Refused on every rank of the group, naming the fix: ranks that split one layer computing on different
-        batches would train on a mix of them, silently."""
-        fingerprints = comm.all_gather_object(batch_fingerprint(batch), group=self._tensor_group)
-        if any(f != fingerprints[0] for f in fingerprints):
-            raise ValueError(
-                f"The ranks of one tensor-parallel group got different training_step batches (their shapes and sums: "
-                f"{fingerprints}). The ranks that split a layer must see the same batch: shard the loaders over the "
-                f"data dimension only, with trainer.strategy.distributed_sampler_kwargs (Lightning's automatic "
-                f"sampler does), not over the global ranks; and build the same data in every process (data drawn at "
-                f"random, in the module's __init__ for instance, differs between processes unless seeded: call "
-                f"seed_everything(...) before building it)."
+            check_same_batch(
+                args[0] if args else None, "training_step", self._tensor_group, "one tensor-parallel group", ValueError
             )
+        return self._on_model(redirect, "training_step", *args, **kwargs)
 
     def evaluation_step(self, module: Any, method: str, redirect: Redirect, *args: Any, **kwargs: Any) -> Any:
         """The LightningModule's ``validation_step``, ``test_step`` or ``predict_step`` (``method``) on the model."""

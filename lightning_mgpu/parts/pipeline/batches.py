@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_mgpu import comm
 from lightning_mgpu.parts.pipeline.plan import PipelineError
 
 
@@ -110,6 +111,22 @@ def batch_fingerprint(batch: Any) -> list[tuple[tuple[int, ...], float]]:
     """The shapes and sums of ``batch``'s tensors: what the ranks of a pipeline compare to know they hold the same
     batch (every evaluation batch, and the first training batch of a fit)."""
     return [(tuple(t.shape), float(t.detach().double().nan_to_num().sum())) for t in _leaves(batch)]
+
+
+def check_same_batch(batch: Any, method: str, group: Any, ranks: str, error: type[ValueError] = PipelineError) -> None:
+    """Every rank of ``group`` (``ranks``: what they are, for the message) holds the same ``batch`` of ``method``:
+    its shapes and sums compared, a collective of the group. One that differs raises ``error`` on every rank of the
+    group, with the two causes and their fixes (ranks that must compute on one batch would otherwise train on a mix
+    of several, silently)."""
+    fingerprints = comm.all_gather_object(batch_fingerprint(batch), group=group)
+    if any(f != fingerprints[0] for f in fingerprints):
+        raise error(
+            f"The ranks of {ranks} got different {method} batches (their shapes and sums: {fingerprints}). They must "
+            f"see the same batch: shard the loaders over the data dimension only, with "
+            f"trainer.strategy.distributed_sampler_kwargs (Lightning's automatic sampler does), not over the global "
+            f"ranks; and build the same data in every process (data drawn at random, in the module's __init__ for "
+            f"instance, differs between processes unless seeded: call seed_everything(...) before building it)."
+        )
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

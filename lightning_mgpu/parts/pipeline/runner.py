@@ -20,8 +20,8 @@ from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.pipeline.batches import (
     _leaves,
     _to_device,
-    batch_fingerprint,
     check_loader_batches,
+    check_same_batch,
     combine_logs,
     split_batch,
 )
@@ -95,19 +95,9 @@ class StageRunner:
             check_loader_batches(loader, self.microbatches, batches_run)
 
     def check_same_batch(self, batch: Any, method: str) -> None:
-        """Every rank of the pipeline holds the same ``batch`` of ``method`` (its shapes and sums compared, a collective
-        of the pipeline's ranks); one that differs is refused on every rank of the pipeline, with the two causes and
-        their fixes (a stage would otherwise compute its loss on another batch's activations)."""
-        fingerprints = comm.all_gather_object(batch_fingerprint(batch), group=self.held.pipeline_group)
-        if any(f != fingerprints[0] for f in fingerprints):
-            raise PipelineError(
-                f"The ranks of one pipeline got different {method} batches (their shapes and sums: {fingerprints}). "
-                f"Every stage of a pipeline must see the same batch: shard the loaders over the data replicas, with "
-                f"trainer.strategy.distributed_sampler_kwargs (Lightning's automatic sampler does), not over the "
-                f"global ranks; and build the same data in every process (data drawn at random, in the module's "
-                f"__init__ for instance, differs between processes unless seeded: call seed_everything(...) before "
-                f"building it)."
-            )
+        """Every rank of the pipeline holds the same ``batch`` of ``method`` (a stage would otherwise compute its loss
+        on another batch's activations): :func:`check_same_batch` over the pipeline's ranks."""
+        check_same_batch(batch, method, self.held.pipeline_group, "one pipeline")
 
     def training_step(self, module: Any, accumulate: int, batch: Any, batch_idx: int = 0) -> Any:
         """Forward and backward of every micro-batch through the stages (the schedule's); returns the batch's loss
