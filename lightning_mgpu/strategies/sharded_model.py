@@ -143,19 +143,21 @@ class ShardedModel:
 
     # --- the device mesh ------------------------------------------------------------------------------------------
     def device_mesh(self) -> ParallelMesh:
-        """The mesh of this process group, made the LightningModule's ``self.device_mesh`` when it is built."""
-        built = self.mesh.get(self._build_mesh, "MGPUShardedStrategy")
-        expose_to_module(self.strategy.lightning_module, built.device_mesh)
-        return built
+        """The mesh of this process group (built now if it has none yet, and then made the LightningModule's
+        ``self.device_mesh``)."""
+        return self.mesh.get(self._build_mesh, "MGPUShardedStrategy")
 
     def _build_mesh(self) -> ParallelMesh:
         world, nodes = self.strategy.world_size, self.runtime.processes_and_nodes()[1]
-        return self.settings.parallel_dims(world, nodes).build(self.strategy.root_device.type)
+        built = self.settings.parallel_dims(world, nodes).build(self.strategy.root_device.type)
+        expose_to_module(self.strategy.lightning_module, built.device_mesh)
+        return built
 
     def environment_ready(self) -> None:
-        """After the process group is up: the mesh of this group, exposed before ``configure_model`` reads it."""
+        """After the process group is up: the mesh of this group, exposed before ``configure_model`` reads it (to
+        this module too, where the mesh was built for an earlier one)."""
         self.mesh.forget_if_new_group()
-        self.device_mesh()
+        expose_to_module(self.strategy.lightning_module, self.device_mesh().device_mesh)
 
     # --- checks before launch -------------------------------------------------------------------------------------
     def check_at_construction(self) -> None:

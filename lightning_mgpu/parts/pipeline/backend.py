@@ -59,7 +59,6 @@ class PipelineBackend(ShardingBackend):
         if split != "auto":
             self.stages = len(split) + 1
         self.microbatches = microbatches if microbatches is not None else self.stages
-        self.ledger: Optional[CommStats] = None
         self._whole_for_evaluation = False  # an evaluation loop whose ranks may run different numbers of batches
         self.held = HeldBlocks(self.stages, size)
         self.runner = StageRunner(self.held, StageHooks(self.held, token_loss), schedule, self.microbatches, token_loss)
@@ -195,7 +194,7 @@ class PipelineBackend(ShardingBackend):
           not split, a row-wise layer's bias) times the data replicas (equal after the sync), over all ranks;
         * neither: whole gradients, equal on the data replicas, so the pipeline's own ranks hold the norm (the sum
           over the pipeline group alone, no weighting)."""
-        self.ledger = self.runner.ledger = ledger
+        self.runner.ledger = ledger  # the stage sends and this backend's all-reduces count into it
         data, tensor = (self.dims.data_parallel, self.dims.tensor) if self.dims is not None else (1, 1)
         copies: Optional[Callable[[Tensor], int]] = None
         if self.held.sharded_stages:
@@ -292,7 +291,7 @@ class PipelineBackend(ShardingBackend):
             [(g if g is not None else torch.zeros_like(t)).reshape(-1).to(dtype) for t, g in zip(locals_, grads)]
             + [torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=locals_[0].device)]
         )
-        comm.all_reduce(flat, group=group, ledger=self.ledger)
+        comm.all_reduce(flat, group=group, ledger=self.runner.ledger)
         flags = flat[-len(params) :]
         offset = 0
         for i, (p, t) in enumerate(zip(params, locals_)):
