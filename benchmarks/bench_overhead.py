@@ -26,11 +26,14 @@ temporary folder), the progress bar and the per-step ``self.log`` on.
 
 Step time, measured the same way for every runner: rank 0's wall time between the ends of two consecutive optimizer
 steps (a callback at ``on_train_batch_end``; the loop's own clock for plain torch), after ``--warmup`` steps; a
-run's figure is the median over its ``--steps`` timed steps, in microseconds. Each run is its own subprocess, and
-the rounds visit every runner in turn, so the machine's drifting load falls on all of them alike. Printed per
-runner: the median over the rounds and the best round, and the ratios mgpu_ddp / Lightning ddp, mgpu_ddp / plain
-torch and mgpu_zero3 / Lightning FSDP (below 1: the pack's runner is faster). A runner that cannot run here (e.g.
-Lightning's FSDP on a platform without it) is skipped with the reason printed.
+run's figure is the median over its ``--steps`` timed steps, in microseconds. Beside it, rank 0's CPU time per
+step (``time.process_time``, every thread of the process): the host work itself, without the time spent waiting
+for the other rank, which moves with the machine's load. Each run is its own subprocess, and the rounds visit every
+runner in turn, so the machine's drifting load falls on all of them alike. Printed per runner: the median over the
+rounds, the best round and the median CPU time; then the ratios mgpu_ddp / Lightning ddp, mgpu_ddp / plain torch
+and mgpu_zero3 / Lightning FSDP (below 1: the pack's runner is faster): of the medians, of the best rounds, paired
+(the median of each round's own ratio: the two runs of a round are minutes apart at most) and of the CPU times.
+A runner that cannot run here (e.g. Lightning's FSDP on a platform without it) is skipped with the reason printed.
 
 ``--profile N``: then runs rank 0 of ``mgpu_ddp`` and of ``Lightning ddp`` under cProfile for N optimizer steps
 (after warm-up) and prints, per optimizer step: the self time of each package (torch / lightning / lightning_mgpu /
@@ -112,10 +115,16 @@ def _loader(args: argparse.Namespace, rank: int) -> Any:
     return DataLoader(data, batch_size=args.batch, sampler=sampler)
 
 
-def _write(args: argparse.Namespace, stamps: list[float]) -> None:
-    times = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup :]
+def _stamp(stamps: list[tuple[float, float]]) -> None:
+    """The end of an optimizer step: the wall clock and this process's CPU time (all its threads)."""
+    stamps.append((time.perf_counter(), time.process_time()))
+
+
+def _write(args: argparse.Namespace, stamps: list[tuple[float, float]]) -> None:
+    times = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])][args.warmup :]
+    cpu = [b[1] - a[1] for a, b in zip(stamps, stamps[1:])][args.warmup :]
     pack = sys.modules.get("lightning_mgpu")
-    Path(args.result).write_text(json.dumps({"times": times, "package": getattr(pack, "__file__", None)}))
+    Path(args.result).write_text(json.dumps({"times": times, "cpu": cpu, "package": getattr(pack, "__file__", None)}))
 
 
 def _torch_rank(rank: int, port: int, args: argparse.Namespace) -> None:
@@ -127,13 +136,13 @@ def _torch_rank(rank: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     model = DistributedDataParallel(_module(log=False))
     opt = model.module.configure_optimizers()
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     for x, y in _loader(args, rank):
         loss = F.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        stamps.append(time.perf_counter())
+        _stamp(stamps)
         if len(stamps) == args.warmup + args.steps + 1:
             break
     if rank == 0:
@@ -178,7 +187,7 @@ def _run_lightning(args: argparse.Namespace) -> None:
         """Stamps the end of each optimizer step; with ``--profile-out``, rank 0 profiles the timed steps."""
 
         def __init__(self) -> None:
-            self.stamps: list[float] = []
+            self.stamps: list[tuple[float, float]] = []
             self.step = 0
             self.profiler: Any = None
 
@@ -186,7 +195,7 @@ def _run_lightning(args: argparse.Namespace) -> None:
             if trainer.global_step <= self.step:
                 return
             self.step = trainer.global_step
-            self.stamps.append(time.perf_counter())
+            _stamp(self.stamps)
             if args.profile_out and trainer.global_rank == 0:
                 if len(self.stamps) == args.warmup + 1:
                     self.profiler = cProfile.Profile()
@@ -215,7 +224,7 @@ def _run_lightning(args: argparse.Namespace) -> None:
 
 def _spawn(
     runner: str, args: argparse.Namespace, tmp: str, name: str, profile_out: str = "", package: Any = None
-) -> list[float]:
+) -> dict[str, Any]:
     """One run in its own interpreter (which the Lightning strategies re-run once per rank); the pack imported from
     ``package`` (default ``--package``), first on ``PYTHONPATH``."""
     package = Path(package or args.package)
@@ -235,7 +244,7 @@ def _spawn(
     record = json.loads(result.read_text())
     if runner in (MGPU_DDP, ZERO3, MGPU_LOG) and not Path(str(record["package"])).resolve().is_relative_to(package):
         raise RuntimeError(f"{runner} imported lightning_mgpu from {record['package']}, not from {package}")
-    return record["times"]
+    return record
 
 
 def _group(filename: str, function: str) -> str:
@@ -354,7 +363,8 @@ def main(argv: list[str]) -> int:
         f"{args.steps} steps after {args.warmup}, rank 0, {args.rounds} rounds; mgpu package: {args.package}"
         + (f", compared with {args.compare}" if args.compare else "")
     )
-    medians: dict[str, list[float]] = {}
+    medians: dict[str, list[float]] = {}  # per runner, each round's median wall time per step
+    cpu: dict[str, list[float]] = {}  # the same for rank 0's CPU time per step
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -363,14 +373,16 @@ def main(argv: list[str]) -> int:
                 if label in skipped:
                     continue
                 try:
-                    median = statistics.median(_spawn(runner, args, tmp, f"r{r}-{i}", package=package))
+                    record = _spawn(runner, args, tmp, f"r{r}-{i}", package=package)
                 except (RuntimeError, subprocess.TimeoutExpired) as err:
                     if runner != FSDP:  # only the reference may be missing here; the others must run
                         raise RuntimeError(f"{label} failed: {err}") from err
                     skipped[label] = str(err)
                     print(f"skipped {label}: {err}", flush=True)
                     continue
+                median = statistics.median(record["times"])
                 medians.setdefault(label, []).append(median)
+                cpu.setdefault(label, []).append(statistics.median(record["cpu"]))
                 line.append(f"{label} {median * 1e6:.0f}")
             print(f"round {r + 1}/{args.rounds} (µs): " + ", ".join(line), flush=True)
 
@@ -378,7 +390,7 @@ def main(argv: list[str]) -> int:
         ratios: list[dict[str, Any]] = []
         if medians:
             width = max(26, *(len(label) for label, _, _ in runners))
-            head = f"{'runner':<{width}} {'median µs':>10} {'best µs':>8}"
+            head = f"{'runner':<{width}} {'median µs':>10} {'best µs':>8} {'CPU µs':>8}"
             print("\n" + head)
             print("-" * len(head))
             for label, _, _ in runners:
@@ -386,26 +398,34 @@ def main(argv: list[str]) -> int:
                     times = medians[label]
                     row = {"runner": label, "median_us": 1e6 * statistics.median(times), "best_us": 1e6 * min(times)}
                     row["rounds_us"] = [1e6 * t for t in times]
+                    row["cpu_us"] = 1e6 * statistics.median(cpu[label])
+                    row["cpu_rounds_us"] = [1e6 * t for t in cpu[label]]
                     rows.append(row)
-                    print(f"{label:<{width}} {row['median_us']:>10.0f} {row['best_us']:>8.0f}")
+                    print(f"{label:<{width}} {row['median_us']:>10.0f} {row['best_us']:>8.0f} {row['cpu_us']:>8.0f}")
             pairs = [(MGPU_DDP, DDP), (MGPU_DDP, TORCH), (ZERO3, FSDP), (MGPU_LOG, DDP_LOG)]
             for mine, theirs in pairs + ([(MGPU_DDP, other)] if other else []):
                 if mine in medians and theirs in medians:
                     a, b = medians[mine], medians[theirs]
                     ratio = {"ratio": f"{mine} / {theirs}", "median": statistics.median(a) / statistics.median(b)}
                     ratio["best"] = min(a) / min(b)
+                    # each round's ratio (the two ran minutes apart at most), then their median: the least noisy
+                    ratio["paired"] = statistics.median(x / y for x, y in zip(a, b))
+                    ratio["cpu"] = statistics.median(cpu[mine]) / statistics.median(cpu[theirs])
                     ratios.append(ratio)
                 elif mine in medians or theirs in medians:
                     missing = theirs if mine in medians else mine
                     ratios.append({"ratio": f"{mine} / {theirs}", "skipped": skipped.get(missing, "not run")})
             if ratios:
                 width = max(46, *(len(ratio["ratio"]) for ratio in ratios))
-                print(f"\n{'ratio':<{width}} {'median':>7} {'best':>6}")
+                print(f"\n{'ratio':<{width}} {'median':>7} {'best':>6} {'paired':>7} {'CPU':>6}")
                 for ratio in ratios:
                     if "skipped" in ratio:
-                        print(f"{ratio['ratio']:<{width}} {'-':>7} {'-':>6}   ({ratio['skipped']})")
+                        print(f"{ratio['ratio']:<{width}} {'-':>7} {'-':>6} {'-':>7} {'-':>6}   ({ratio['skipped']})")
                     else:
-                        print(f"{ratio['ratio']:<{width}} {ratio['median']:>6.2f}x {ratio['best']:>5.2f}x")
+                        print(
+                            f"{ratio['ratio']:<{width}} {ratio['median']:>6.2f}x {ratio['best']:>5.2f}x "
+                            f"{ratio['paired']:>6.2f}x {ratio['cpu']:>5.2f}x"
+                        )
 
         if args.profile:
             print(f"\nprofiling {args.profile} steps of {DDP} and {MGPU_DDP} under cProfile (rank 0)", flush=True)

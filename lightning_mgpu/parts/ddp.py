@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
@@ -23,6 +23,19 @@ from lightning_mgpu.parts.compilation import Compilation
 from lightning_mgpu.parts.micro_batching import MicroBatching, agree_across_ranks
 from lightning_mgpu.quantization import is_nf4
 from lightning_mgpu.settings import DDPSettings
+
+
+class StepContext(NamedTuple):
+    """What a manual or micro-batched DDP step reads, computed only for them: the strategy's ``backward`` of a loss
+    already divided by the accumulation, ``accumulate_grad_batches``, the ledger's ``stats``, this ``rank`` of
+    ``world_size`` and the ``device``."""
+
+    backward: Callable[[Any], Any]
+    accumulate_grad_batches: int
+    stats: CommStats
+    rank: int
+    world_size: int
+    device: torch.device
 
 
 class DDPWrapping:
@@ -98,12 +111,7 @@ class DDPWrapping:
         kwargs: dict[str, Any],
         *,
         manual: bool,
-        backward: Callable[[Any], Any],
-        accumulate_grad_batches: int,
-        stats: CommStats,
-        rank: int,
-        world_size: int,
-        device: torch.device,
+        context: Callable[[], StepContext],
     ) -> Any:
         """One ``training_step`` of the DDP model: ``step(*args, **kwargs)`` runs the LightningModule's.
 
@@ -115,9 +123,10 @@ class DDPWrapping:
         ``micro_batch_size``: every micro-batch runs forward and backward under ``no_sync`` (an out-of-memory
         error in any of them, on any rank, is then recoverable: no rank is inside a collective); the gradients are
         averaged once, after the last micro-batch, unless Lightning is accumulating (``parts/micro_batching.py``).
-        ``backward(loss)`` is the strategy's backward of a loss already divided by the accumulation."""
+        ``context()`` gives what only manual optimization and micro-batching read (the strategy's backward, the
+        accumulation, the ranks, the device): the plain step computes none of it."""
         if manual:
-            self.broadcast_buffers(ddp, world_size)
+            self.broadcast_buffers(ddp, context().world_size)
             with ddp.no_sync():
                 return step(*args, **kwargs)
         micro = self.micro
@@ -125,6 +134,7 @@ class DDPWrapping:
             self.before_training_step(ddp)
             return step(*args, **kwargs)
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
+        backward, accumulate_grad_batches, stats, rank, world_size, device = context()
         syncs = ddp.require_backward_grad_sync  # False inside Lightning's block_backward_sync
         params = [p for p in ddp.module.parameters() if p.requires_grad]
         micro.rank = rank

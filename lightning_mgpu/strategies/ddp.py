@@ -36,7 +36,6 @@ from lightning_mgpu import _compat
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave
 from lightning_mgpu.parts.ddp import DDPWrapping
 from lightning_mgpu.plugins.checkpoint_io import PathLike, local_path, sharded_directory_message
-from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import (
     CheckpointParams,
     CommHookName,
@@ -177,27 +176,8 @@ class MGPUDDPStrategy(DDPStrategy):
         return cast(DistributedDataParallel, self.model)
 
     # --- plugins ------------------------------------------------------------------------------------------
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """:class:`~lightning_mgpu.AtomicCheckpointIO` unless a plugin was given (then that one, as it is)."""
-        return self._runtime.checkpoint_io()
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        _compat.set_strategy_checkpoint_io(self, io)
-
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        plugin = _compat.strategy_precision_plugin(self)
-        return plugin if plugin is not None else Precision()
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        _compat.set_strategy_precision_plugin(self, PrecisionAdoption.adopt(plugin))
+    checkpoint_io = properties.checkpoint_io
+    precision_plugin = properties.precision_plugin
 
     # --- launch -------------------------------------------------------------------------------------------
     @override

@@ -5,6 +5,11 @@ Each strategy class assigns them (``comm_stats = properties.comm_stats``): class
 that every strategy stays a direct subclass of Lightning's (the development page, "Strategies are plain classes").
 What differs between strategies (their ``settings``, Lightning's hooks they override) stays in each class.
 
+Two of Lightning's own properties are declared here too, each as Lightning's property with one half replaced
+(``checkpoint_io``'s getter, ``precision_plugin``'s setter): the other half stays Lightning's, read from its
+``Strategy`` at import (a rename there fails the import, naming it), and the getter Lightning's loop calls several
+times a step is Lightning's own function, with nothing added.
+
 Example::
 
     class MGPUDDPStrategy(DDPStrategy):
@@ -16,9 +21,14 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar, cast
 
+from lightning_fabric.plugins import CheckpointIO
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import Strategy
+
 from lightning_mgpu.ledger import CommStats
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
 from lightning_mgpu.parts.micro_batching import MicroBatching
+from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import CommonSettings
 from lightning_mgpu.strategies.runtime import Runtime
 
@@ -90,6 +100,28 @@ checkpoint_write_in_flight: bool = _reads(
     lambda r: r.checkpoints.write_in_flight,
     "Whether a background checkpoint write of this rank is running now (``async_checkpoint=True``).",
 )
+
+
+def _checkpoint_io(strategy: Any) -> CheckpointIO:
+    """:class:`~lightning_mgpu.AtomicCheckpointIO` unless a plugin was given (then that one, as it is)."""
+    return cast(CheckpointIO, strategy._runtime.checkpoint_io())
+
+
+def _adopt_precision(strategy: Any, plugin: Optional[Precision]) -> None:
+    """The precision plugin given, adopted (:class:`~lightning_mgpu.plugins.precision.PrecisionAdoption`), then
+    stored as Lightning stores it."""
+    store = _LIGHTNING_PRECISION.fset
+    assert store is not None  # Lightning's property has a setter
+    store(strategy, PrecisionAdoption.adopt(plugin))
+
+
+_LIGHTNING_CHECKPOINT_IO: property = vars(Strategy)["checkpoint_io"]
+_LIGHTNING_PRECISION: property = vars(Strategy)["precision_plugin"]
+#: Lightning's ``checkpoint_io`` with the pack's getter (its setter Lightning's)
+checkpoint_io: CheckpointIO = cast(CheckpointIO, _LIGHTNING_CHECKPOINT_IO.getter(_checkpoint_io))
+#: Lightning's ``precision_plugin`` with a setter that adopts the plugin (its getter Lightning's; typed ``Any``: it
+#: takes ``None`` and gives a ``Precision``, which a class attribute's one type cannot say)
+precision_plugin: Any = _LIGHTNING_PRECISION.setter(_adopt_precision)
 
 
 def add_tokens(self: Any, num_tokens: Any, loss_sum: Any = None) -> None:

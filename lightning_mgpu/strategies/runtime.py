@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any, Callable, Optional, Protocol, Union, cast
 
 import pytorch_lightning as pl
@@ -39,7 +38,7 @@ from lightning_mgpu.parts import rendezvous
 from lightning_mgpu.parts.accumulation import check_accumulate_grad_batches, check_manual_accumulation
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointing
 from lightning_mgpu.parts.compilation import Compilation
-from lightning_mgpu.parts.ddp import DDPWrapping
+from lightning_mgpu.parts.ddp import DDPWrapping, StepContext
 from lightning_mgpu.parts.evaluation import ExactEvaluation
 from lightning_mgpu.parts.failures import FailureHandling
 from lightning_mgpu.parts.fault_tolerance import ReplicaGroups
@@ -304,30 +303,40 @@ class Runtime:
     ) -> Any:
         """One ``training_step``: ``step`` runs the LightningModule's (through the strategy's wrapper), each call's
         tokens counted (``loss_normalization="tokens"``); with the DDP part, through it (manual optimization,
-        micro-batching, static graph); with the periodic sync, outside the warm-up without DDP's all-reduce."""
+        micro-batching, static graph); with the periodic sync, outside the warm-up without DDP's all-reduce. Nothing
+        that only one of these reads is computed for a step that has none of them."""
+        if self.tokens is not None:
+            step = self._counting(step)
+        if self.ddp is None or ddp is None:
+            return step(*args, **kwargs)
+        if self.periodic is None:
+            return self.ddp.training_step(
+                ddp, step, args, kwargs, manual=self.manual_sync(), context=self._step_context
+            )
+        with self.periodic.no_sync(ddp):
+            return self.ddp.training_step(
+                ddp, step, args, kwargs, manual=self.manual_sync(), context=self._step_context
+            )
 
+    def _counting(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*a: Any, **k: Any) -> Any:
             return self.count_tokens(step(*a, **k))
 
-        if self.ddp is None or ddp is None:
-            return counted(*args, **kwargs)
+        return counted
+
+    def _step_context(self) -> StepContext:
+        """What a manual or micro-batched DDP step reads (:class:`~lightning_mgpu.parts.ddp.StepContext`)."""
         strategy = self.strategy
         accumulate = self._accumulate()
         optimizer = strategy.optimizers[0] if strategy.optimizers else None
-        with self.periodic.no_sync(ddp) if self.periodic is not None else nullcontext():
-            return self.ddp.training_step(
-                ddp,
-                counted,
-                args,
-                kwargs,
-                manual=self.manual_sync(),
-                backward=lambda loss: strategy.backward(loss / accumulate, optimizer),
-                accumulate_grad_batches=accumulate,
-                stats=self.ledger.stats,
-                rank=strategy.global_rank,
-                world_size=strategy.world_size,
-                device=strategy.root_device,
-            )
+        return StepContext(
+            backward=lambda loss: strategy.backward(loss / accumulate, optimizer),
+            accumulate_grad_batches=accumulate,
+            stats=self.ledger.stats,
+            rank=strategy.global_rank,
+            world_size=strategy.world_size,
+            device=strategy.root_device,
+        )
 
     def count_tokens(self, output: Any) -> Any:
         """A training_step's output, its ``num_tokens`` counted (automatic optimization, tokens mode)."""

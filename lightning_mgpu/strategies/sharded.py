@@ -31,7 +31,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mgpu import _compat, comm
+from lightning_mgpu import comm
 from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.parts.activation_checkpointing import ActivationCheckpointingPolicy, CheckpointSave
 from lightning_mgpu.parts.pipeline import PipelineStats
@@ -41,7 +41,6 @@ from lightning_mgpu.parts.sharding import (
 from lightning_mgpu.plugins.checkpoint_io import (
     PathLike,
 )
-from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import (
     Backend,
     CheckpointLayout,
@@ -209,27 +208,8 @@ class MGPUShardedStrategy(ParallelStrategy):
         return self._sharded.steps.last_stats
 
     # --- plugins --------------------------------------------------------------------------------------
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """:class:`~lightning_mgpu.AtomicCheckpointIO` unless a plugin was given (then that one, as it is)."""
-        return self._runtime.checkpoint_io()
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        _compat.set_strategy_checkpoint_io(self, io)
-
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        plugin = _compat.strategy_precision_plugin(self)
-        return plugin if plugin is not None else Precision()
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        _compat.set_strategy_precision_plugin(self, PrecisionAdoption.adopt(plugin))
+    checkpoint_io = properties.checkpoint_io
+    precision_plugin = properties.precision_plugin
 
     # --- the process group: what Lightning's DDPStrategy does for it, without its DDP wrapping (as Lightning's
     # own FSDPStrategy) -----------------------------------------------------------------------------------
