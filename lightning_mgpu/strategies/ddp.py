@@ -264,8 +264,9 @@ class MGPUDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         step = super().optimizer_step
-        group = self._ddp.process_group if self._runtime.manual_sync() else None
-        return self._runtime.optimizer_step(optimizer, closure, lambda c: step(optimizer, c, model, **kwargs), group)
+        return self._runtime.optimizer_step(
+            optimizer, closure, lambda c: step(optimizer, c, model, **kwargs), lambda: self._ddp.process_group
+        )
 
     @override
     def on_predict_start(self) -> None:

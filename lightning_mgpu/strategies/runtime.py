@@ -359,17 +359,22 @@ class Runtime:
         self.ddp.after_backward(ddp, self.ledger, synced)
 
     def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any], group: Any = None
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        step: Callable[[Callable[[], Any]], Any],
+        group: Optional[Callable[[], Any]] = None,
     ) -> Any:
         """One optimizer step: ``step(closure)`` runs Lightning's. The closure is wrapped: the manual-optimization
-        gradient sync (DDP, ``group``), the token rescale, the non-finite check, in that order after the closure's
-        backward; after the step, the periodic sync, then the ledger counts it."""
+        gradient sync (DDP, over the process group ``group()``), the token rescale, the non-finite check, in that
+        order after the closure's backward; after the step, the periodic sync, then the ledger counts it."""
         strategy = self.strategy
-        manual = self.ddp.manual if self.ddp is not None else None
-        if manual is not None and self.manual_sync():
+        manual = self.ddp.manual if self.ddp is not None and self.manual_sync() else None
+        if manual is not None:
             # after the user's closure (its backward), before unscaling and on_before_optimizer_step: where DDP
             # would have finished its all-reduce in automatic optimization
-            closure = manual.wrap_closure(optimizer, closure, group, self.ledger.stats)
+            process_group = group() if group is not None else None
+            closure = manual.wrap_closure(optimizer, closure, process_group, self.ledger.stats)
         plugin = strategy.precision_plugin
         if self.tokens is not None:
             to_model = PrecisionAdoption.model_parameter(plugin)
