@@ -230,3 +230,85 @@ def test_the_parity_check_sees_a_different_global_batch() -> None:
     """Negative control: one process on the per-rank batch (4, not 8) does not pass the comparison above."""
     with pytest.raises(AssertionError):
         torch.testing.assert_close(one_process(GLOBAL // 2), one_process())
+
+
+#: id -> (strategy factory, processes, ranks sharing one copy of the base, micro-batches per optimizer step)
+COMPOSED: dict[str, tuple[Callable[[], Any], int, int, int]] = {
+    # ZeRO-2 (mgpu_sharded: FSDP2 without resharding after the forward) shards the 4-bit base by ZeRO-3's path
+    "zero2": (lambda: MGPUShardedStrategy(stage=2, start_method="fork"), 2, 2, 1),
+    # everything at once: the 4-bit base and the adapters offloaded, activation checkpointing, accumulation
+    "zero3-offload-ac-accumulate": (
+        lambda: MGPUShardedStrategy(
+            stage=3, offload="cpu", activation_checkpointing="LlamaDecoderLayer", start_method="fork"
+        ),
+        2,
+        2,
+        2,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(COMPOSED))
+def test_a_4bit_base_under_zero2_and_offload_with_checkpointing_and_accumulation_equals_one_process(
+    case: str, tmp_path: Path
+) -> None:
+    """ZeRO-2, and ZeRO-3 offloaded with activation checkpointing of each decoder layer and 2 micro-batches per step:
+    the adapters equal one process on the global batch (the control: ``test_the_parity_check_sees_a_different_global_
+    batch``), the base is bit for bit as built and still 4-bit on every rank, each rank holds its share of the packed
+    bytes."""
+    make_strategy, world, shards, accumulate = COMPOSED[case]
+    ranks = fit(
+        QLoRALlama(),
+        make_strategy(),
+        tmp_path / "run",
+        dataset=tokens(),
+        batch_size=GLOBAL // (world * accumulate),
+        accumulate=accumulate,
+        devices=world,
+        max_epochs=EPOCHS,
+        callbacks=[Probe(tmp_path)],
+    )
+    reference, (base, total_bytes) = one_process(), as_built()
+    for rank in ranks:
+        assert rank["global_step"] == EPOCHS * SAMPLES // GLOBAL
+        torch.testing.assert_close({k: rank["state"][k] for k in reference}, reference)
+        for name, values in base.items():
+            assert torch.equal(rank["state"][name], values), name
+    for r in range(world):
+        probe = torch.load(tmp_path / f"probe{r}.pt", weights_only=True)
+        assert probe["nf4"] == 15
+        assert probe["bytes"] == total_bytes // shards
+
+
+@pytest.mark.slow
+def test_an_adapter_only_checkpoint_of_a_4bit_base_exports_as_a_peft_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ZeRO-3 on 2 processes writes an adapter-only sharded directory of the 4-bit base; ``lightning-mgpu export
+    --format hf --adapters peft`` writes the adapter folder alone, which peft attaches to a base of the same
+    configuration with the trained adapters exactly. A merged export of it is refused (it holds no base)."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from lightning_mgpu.export import main as export_main
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    strategy = MGPUShardedStrategy(stage=3, start_method="fork", checkpoint="sharded", checkpoint_params="trainable")
+    ranks = fit(
+        QLoRALlama(), strategy, tmp_path / "run", dataset=tokens(), batch_size=GLOBAL // 2, devices=2, max_epochs=1,
+        callbacks=[saver], enable_checkpointing=True,
+    )  # fmt: skip
+    checkpoint = tmp_path / "ckpts" / "epoch=0.ckpt"
+    assert checkpoint.is_dir()
+    assert export_main([str(checkpoint), "--format", "hf", str(tmp_path / "adapter"), "--adapters", "peft"]) == 0
+    built: Any = QLoRALlama().model  # a base of the same configuration (its adapters replaced by the folder's)
+    base = LlamaForCausalLM(built.config).double()
+    attached = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    trained = {k.removeprefix("model."): v for k, v in ranks[0]["state"].items() if ".lora_" in k}
+    loaded = {k: v for k, v in attached.state_dict().items() if ".lora_" in k}
+    assert trained and sorted(loaded) == sorted(trained)
+    torch.testing.assert_close(loaded, trained, rtol=0, atol=0)
+    with pytest.raises(SystemExit) as exited:  # negative control: a merged export needs the base, not in it
+        export_main([str(checkpoint), "--format", "hf", str(tmp_path / "merged")])
+    assert exited.value.code == 2 and "--adapters peft" in capsys.readouterr().err
