@@ -879,6 +879,22 @@ def local_storage(tensor: Any) -> Any:
     return to_local() if callable(to_local) else tensor
 
 
+def dtensor_around(template: Any, local: Any) -> Any:
+    """A ``DTensor`` laid out as the ``DTensor`` ``template`` (its mesh, placements, global shape, stride and dtype)
+    whose local shard is ``local``, left where it is: ``DTensor(local, template._spec, requires_grad=False)``.
+    ``DTensor.from_local`` moves its argument to the mesh's device type (torch 2.13 checked, ``_api.py``): given
+    the pinned CPU copy of a CUDA shard it would copy it back to the GPU (a synchronous copy per tensor, a second
+    copy of the state in GPU memory). ``torch.distributed.checkpoint`` writes such a ``DTensor`` as any other (a
+    CPU-local ``DTensor`` on a mesh of another device type, torch 2.13 checked); the source of an earlier torch
+    (with ``shard_order``, before 2.13) has the same constructor and the same move, read, not run. Missing
+    ``_spec``: AttributeError at the first asynchronous save of a ``DTensor`` whose shard is not on its mesh's
+    device type."""
+    from torch.distributed.tensor import DTensor
+
+    cls: Any = DTensor
+    return cls(local, template._spec, requires_grad=False)
+
+
 def outside_dispatch_modes() -> Any:
     """``torch.utils._python_dispatch._disable_current_modes()``: run tensor operations past the Python dispatch
     modes active now (selective activation checkpointing's recording and replaying modes, which must see only the

@@ -4,16 +4,28 @@ A save with ``async_checkpoint=True`` has two halves:
 
 1. **Staging**, in the training thread, before the step goes on: :meth:`AsyncCheckpointWriter.stage` deep-copies
    the checkpoint. Every tensor is copied to CPU memory (pinned memory when it lives on a GPU, so the copy is a
-   DMA); a ``DTensor`` keeps its mesh and placements around a copy of its local shard. Everything else is
-   ``copy.deepcopy``-ed. The training step may then change the live weights and optimizer state: the write sees
-   the state of the step the checkpoint names, bit for bit. (Lightning's ``AsyncCheckpointIO`` hands the live
-   tensors to its thread: its file can mix two steps.)
+   DMA); a ``DTensor`` keeps its mesh and placements around a copy of its local shard, which stays in CPU memory.
+   Everything else is ``copy.deepcopy``-ed. The training step may then change the live weights and optimizer
+   state: the write sees the state of the step the checkpoint names, bit for bit. (Lightning's
+   ``AsyncCheckpointIO`` hands the live tensors to its thread: its file can mix two steps.)
 2. **Writing**, in one background thread per strategy (:meth:`AsyncCheckpointWriter.submit`). At most one write
    is in flight: a new save first waits for the previous write to finish. No write is dropped or superseded:
    every checkpoint ``ModelCheckpoint`` asked for is written, complete, before the next one starts.
 
+A GPU tensor's copy does not stop the training thread: :meth:`~AsyncCheckpointWriter.stage` queues it on a side
+stream of the writer (which first waits for the work already queued on the current stream: the copy reads the
+tensors as that work leaves them), records an event after the copies and makes the current stream wait for that
+event, and returns. Every kernel training queues afterwards, the next optimizer step included, runs after the
+copies have read the sources; the host waits for nothing (no ``torch.cuda.synchronize()``). The background thread
+waits for the event before it writes, then writes on the training's device with the side stream as its current
+stream (:meth:`CudaStreams.writing_on`). On the CPU the copies are made before ``stage`` returns, as plain copies.
+
 The staging buffers are kept for the next save (one CPU copy of the checkpoint's tensors per rank; pinned
-allocation is slow), as torch's ``DefaultStager(cache_staged_state_dict=True)`` does.
+allocation is slow), as torch's ``DefaultStager(cache_staged_state_dict=True)`` does. torch's stager itself
+(``torch.distributed.checkpoint.staging``, torch 2.13 read) is not used: staged in the caller's thread it
+synchronises the whole device; staged in a thread of its own, its side stream is not ordered after the current
+stream, and the caller must wait for the staging to end before anything changes the state, which here would mean a
+wait before the next forward (it updates BatchNorm's buffers) in code outside the checkpoint's.
 
 A failed write is kept, with its path and cause, until :meth:`AsyncCheckpointWriter.finish`; the strategy calls it
 on every rank at the next save and at the end of fit, and raises :class:`CheckpointWriteError` on every rank.
@@ -32,18 +44,20 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 from lightning_mgpu import comm
+from lightning_mgpu._compat import dtensor_around
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +108,46 @@ class _Job:
     removals: list[Callable[[], None]] = field(default_factory=list)
 
 
+class _Copies(NamedTuple):
+    done: Any  # the event recorded after the copies
+    device: torch.device
+    stream: Any  # the side stream they were queued on
+
+
+SIDE_STREAM_DEVICES = ("cuda",)
+"""The device types whose tensors :meth:`AsyncCheckpointWriter.stage` copies on a side stream without waiting for
+the copies (any other device's tensors are copied before ``stage`` returns)."""
+
+
+class CudaStreams:
+    """The calls into ``torch.cuda`` that staging on a side stream makes, in one place (a test replaces them)."""
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def use(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def record_use(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)  # the caching allocator keeps a freed source until the stream's copy has run
+
+    @contextlib.contextmanager
+    def writing_on(self, device: torch.device, stream: Any) -> Iterator[None]:
+        """In the writer thread: ``device`` (the training's; a new thread starts on device 0) with the writer's
+        side stream ``stream`` as its current stream. ``torch.distributed.checkpoint``'s writer synchronises the
+        current stream of the current device: the idle side stream, not training's, and never device 0's context
+        from a rank on another GPU."""
+        torch.cuda.set_device(device)
+        with torch.cuda.stream(stream):
+            yield
+
+
 class AsyncCheckpointWriter:
     """Stages checkpoints off the live tensors and writes them in one background thread (see the module).
 
@@ -110,11 +164,14 @@ class AsyncCheckpointWriter:
         self._failures: list[str] = []
         self._causes: list[BaseException] = []
         self._buffers: list[torch.Tensor] = []  # staging copies, in traversal order, reused when shapes match
+        self._cuda = CudaStreams()
+        self._streams: dict[torch.device, Any] = {}  # a side stream per device, kept for the next saves
+        self._copies: list[_Copies] = []  # the last staging's side-stream copies, per device (none on the CPU)
 
     def __getstate__(self) -> dict[str, Any]:
-        # a spawn launch pickles the strategy: no thread, lock or buffers travel
+        # a spawn launch pickles the strategy: no thread, lock, buffers, streams or events travel
         state = self.__dict__.copy()
-        state.update(_jobs_guard=None, _job=None, _buffers=[], _failures=[], _causes=[])
+        state.update(_jobs_guard=None, _job=None, _buffers=[], _failures=[], _causes=[], _streams={}, _copies=[])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -123,29 +180,54 @@ class AsyncCheckpointWriter:
 
     # --- staging ------------------------------------------------------------------------------------------
     def stage(self, obj: Any) -> Any:
-        """A deep copy of ``obj`` whose tensors are on CPU (pinned when they came from a GPU); returns once the
-        copies are complete (GPU copies synchronised). Tensors shared in ``obj`` stay shared in the copy. Call it
-        with no write in flight (:meth:`submit` waits first; the buffers are reused)."""
+        """A deep copy of ``obj`` whose tensors are in CPU memory (pinned when they came from a GPU). Tensors shared
+        in ``obj`` stay shared in the copy. Call it with no write in flight (:meth:`submit` waits first; the buffers
+        are reused).
+
+        A CPU tensor is copied before ``stage`` returns. A GPU tensor's copy is only queued (see the module): the
+        copy holds its values once :meth:`wait_staged` returns, which the write :meth:`submit` runs next does
+        first; kernels queued on the current stream after ``stage`` run after the copy."""
         self.wait()
         dtensor = _dtensor_type()
         memo: dict[int, Any] = {}
         used = [0]
-        cuda = [False]
+        entered: dict[torch.device, Any] = {}  # the side streams of this staging, ordered after the current streams
+
+        def side_stream(device: torch.device) -> Any:
+            stream = entered.get(device)
+            if stream is None:
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = self._cuda.new_stream(device)
+                stream.wait_stream(self._cuda.current_stream(device))  # what training queued has run first
+                entered[device] = stream
+            return stream
 
         def copy_tensor(t: torch.Tensor) -> torch.Tensor:
             src = t.detach()
-            cuda[0] |= src.is_cuda
             i = used[0]
             used[0] += 1
+            pin = src.is_cuda and torch.cuda.is_available()
             buf = self._buffers[i] if i < len(self._buffers) else None
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.stride() != src.stride():
-                pin = src.is_cuda and torch.cuda.is_available()
+            if (
+                buf is None
+                or buf.shape != src.shape
+                or buf.dtype != src.dtype
+                or buf.stride() != src.stride()
+                or (pin and not buf.is_pinned())
+            ):
                 buf = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device="cpu", pin_memory=pin)
                 if i < len(self._buffers):
                     self._buffers[i] = buf
                 else:
                     self._buffers.append(buf)
-            buf.copy_(src, non_blocking=src.is_cuda)
+            if src.device.type in SIDE_STREAM_DEVICES:
+                stream = side_stream(src.device)
+                with self._cuda.use(stream):
+                    buf.copy_(src, non_blocking=True)
+                self._cuda.record_use(src, stream)
+            else:
+                buf.copy_(src)
             return buf
 
         def visit(o: Any) -> None:
@@ -154,9 +236,12 @@ class AsyncCheckpointWriter:
             if dtensor is not None and isinstance(o, dtensor):
                 d: Any = o
                 local = copy_tensor(d.to_local())
-                memo[id(o)] = dtensor.from_local(
-                    local, d.device_mesh, d.placements, run_check=False, shape=d.size(), stride=d.stride()
-                )
+                if local.device.type == d.device_mesh.device_type:
+                    memo[id(o)] = dtensor.from_local(
+                        local, d.device_mesh, d.placements, run_check=False, shape=d.size(), stride=d.stride()
+                    )
+                else:  # the CPU copy of a GPU shard: from_local would copy it back to the GPU
+                    memo[id(o)] = dtensor_around(d, local)
             elif isinstance(o, torch.Tensor):
                 memo[id(o)] = copy_tensor(o)
             elif isinstance(o, Mapping):
@@ -168,8 +253,13 @@ class AsyncCheckpointWriter:
 
         visit(obj)
         del self._buffers[used[0] :]
-        if cuda[0]:
-            torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the sources
+        copies = []
+        for device, stream in entered.items():  # the copies queued: training's next kernels wait for them, not the host
+            done = self._cuda.new_event()
+            done.record(stream)
+            self._cuda.current_stream(device).wait_event(done)
+            copies.append(_Copies(done, device, stream))
+        self._copies = copies
         tensors = dict(memo)
         try:
             staged = copy.deepcopy(obj, memo)
@@ -179,16 +269,32 @@ class AsyncCheckpointWriter:
             self._buffers = []
         return staged
 
+    @property
+    def copies_pending(self) -> bool:
+        """Whether the last :meth:`stage` queued copies on a side stream that no write has waited for yet."""
+        return bool(self._copies)
+
+    def wait_staged(self) -> None:
+        """Block until the copies the last :meth:`stage` queued have landed (at once on the CPU)."""
+        copies, self._copies = self._copies, []
+        for copied in copies:
+            copied.done.synchronize()
+
     # --- writing ------------------------------------------------------------------------------------------
     def submit(self, path: str, write: Callable[[], None]) -> None:
-        """Run ``write()`` (which writes ``path``) in the background thread, after the previous write finished."""
+        """Run ``write()`` (which writes ``path``) in the background thread, after the previous write finished and
+        once the copies of the last :meth:`stage` have landed."""
         self.wait()
         job = _Job(path=path)
+        copies, self._copies = self._copies, []  # the last staging's copies: the write reads what they land
 
         def run() -> None:
             _lower_priority()
             try:
-                write()
+                for copied in copies:
+                    copied.done.synchronize()
+                with self._cuda.writing_on(copies[0].device, copies[0].stream) if copies else contextlib.nullcontext():
+                    write()
             except BaseException as err:
                 job.error = err
             with self._jobs_guard:
@@ -271,7 +377,10 @@ class AsyncWrites:
         failures = self.writer.finish()
         causes = self.writer.take_causes()
         if comm.group_is_up() and world_size > 1:
-            failures = [f for rank_failures in comm.all_gather_object(failures) for f in rank_failures]
+            # on the writes' gloo group where there is one (every rank's writer thread has ended on it): the pickles
+            # stay on the CPU, where over NCCL they would wait for the kernels training queued
+            gathered = comm.all_gather_object(failures, group=self._write_group)
+            failures = [f for rank_failures in gathered for f in rank_failures]
         if failures:
             raise CheckpointWriteError(failure_message(failures)) from (causes[0] if causes else None)
 

@@ -13,7 +13,9 @@ What a directory holds:
 * the completion marker (``plugins/checkpoint_io.py``), written last by rank 0 once every rank's part is on disk: the
   directory is staged under a hidden name and swapped in place, so a save killed on any rank leaves the previous
   checkpoint under its name. With ``async_checkpoint=True`` the ranks stage their shards and write them in the
-  background (:func:`sharded_directory_write`), and the marker still comes last.
+  background (:func:`sharded_directory_write`), and the marker still comes last. The training thread then issues no
+  collective of the save's own: rank 0 makes the staging directory in the background and sends its name to the
+  others there, on the writes' gloo group.
 
 Loading reads every entry as data unless ``weights_only=False`` (``plugins/checkpoint_io.py``), and each rank reads the
 slices it owns now, whatever the world size at save time. An adapter-only checkpoint of a frozen base leaves the base
@@ -115,10 +117,10 @@ def save_dir(
     # Every rank writes into a hidden staging directory that rank 0 creates; only once all have written
     # does rank 0 mark it complete and swap it in under `target`. A save killed or failing on any rank
     # leaves the previous checkpoint under `target` (ModelCheckpoint(save_last=True) overwrites last.ckpt).
-    staging = broadcast(begin_dir(target) if rank0 else "")
-    if writes is not None:
-        _save_async(tensors, checkpoint, staging, target, info, rank, writes)
+    if writes is not None:  # rank 0 creates it in the background and sends its name there
+        _save_async(tensors, checkpoint, target, info, rank, writes)
         return
+    staging = broadcast(begin_dir(target) if rank0 else "")
     save_sharded(tensors, staging, group)
     if rank0:
         write_checkpoint_file(join_path(staging, METADATA), lambda f: torch.save(checkpoint, f))
@@ -131,59 +133,89 @@ def save_dir(
 def _save_async(
     tensors: dict[str, Any],
     checkpoint: dict[str, Any],
-    staging: str,
     target: str,
     info: dict[str, Any],
     rank: int,
     writes: Any,
 ) -> None:
-    """With ``async_checkpoint=True``: every rank stages its shards now; the background write marks the directory
-    complete only once every rank's part is on disk."""
+    """With ``async_checkpoint=True``: every rank stages its shards now (the GPU copies only queued) and returns;
+    the rest runs in the background (:func:`sharded_directory_write`): rank 0 makes the staging directory, the ranks
+    write into it, and it is marked complete only once every rank's part is on disk."""
     rank0 = rank == 0
     writes.unsettled = True
+    group = writes.group()  # (made at the first asynchronous save: a collective, once)
     staged = writes.writer.stage({"tensors": tensors, "meta": checkpoint if rank0 else None})
+    meta = staged["meta"]
     write = sharded_directory_write(
         staged["tensors"],
-        staging,
-        writes.group(),
+        None,
+        group,
         write_meta=(
-            lambda: write_checkpoint_file(join_path(staging, METADATA), lambda f: torch.save(staged["meta"], f))
-        )
-        if rank0
-        else None,
-        commit=(lambda: commit_dir(staging, target, info)) if rank0 else None,
+            (lambda staging: write_checkpoint_file(join_path(staging, METADATA), lambda f: torch.save(meta, f)))
+            if rank0
+            else None
+        ),
+        commit=(lambda staging: commit_dir(staging, target, info)) if rank0 else None,
+        begin=(lambda: begin_dir(target)) if rank0 else None,
     )
     writes.submit(str(target), rank, write)
 
 
 def sharded_directory_write(
     tensors: dict[str, Any],
-    staging: str,
+    staging: Optional[str],
     group: Any,
-    write_meta: Optional[Callable[[], None]] = None,
-    commit: Optional[Callable[[], None]] = None,
+    write_meta: Optional[Callable[[str], None]] = None,
+    commit: Optional[Callable[[str], None]] = None,
+    *,
+    begin: Optional[Callable[[], str]] = None,
 ) -> Callable[[], None]:
     """The background half of an asynchronous sharded save, run on every rank: write this rank's staged
-    ``tensors`` into ``staging`` (a local directory or an fsspec URL) with ``torch.distributed.checkpoint`` (its
-    collectives on ``group``, a group of its own: they must not interleave with training's), then ``write_meta()``;
-    the ranks agree that every part is written (or that one failed: then nobody marks it), and only then
-    ``commit()`` (rank 0: the marker and the swap). Give ``write_meta`` and ``commit`` on rank 0 only."""
+    ``tensors`` into the staging directory (a local directory or an fsspec URL) with
+    ``torch.distributed.checkpoint`` (its collectives on ``group``, a group of its own: they must not interleave with
+    training's), then ``write_meta(staging)``; the ranks agree that every part is written (or that one failed: then
+    nobody marks it), and only then ``commit(staging)`` (rank 0: the marker and the swap). Give ``write_meta`` and
+    ``commit`` on rank 0 only.
+
+    ``staging``: the staging directory, where every rank knows it; ``None``: rank 0's ``begin()`` makes it, in the
+    background, and sends its name to the other ranks over ``group`` (they wait for it there, not on the training
+    thread). If ``begin`` fails, every rank's write fails with its cause and nothing is written."""
+
+    def receive_staging() -> str:
+        if staging is not None:
+            return staging
+        made: dict[str, str] = {}
+        error: Optional[BaseException] = None
+        if begin is not None:  # rank 0
+            try:
+                made = {"staging": str(begin())}
+            except BaseException as err:
+                error = err
+                made = {"error": f"{type(err).__name__}: {err}"}
+        if comm.group_is_up():
+            made = comm.broadcast_object(made, 0, group=group)  # the others wait here, in their writer threads
+        if error is not None:
+            raise error
+        if "error" in made:
+            raise RuntimeError(f"rank 0 could not make the staging directory, so nothing was written: {made['error']}")
+        return made["staging"]
 
     def write() -> None:
+        into = receive_staging()
         failed = torch.zeros(1)
         try:
-            save_sharded(tensors, str(staging), group)
+            save_sharded(tensors, str(into), group)
             if write_meta is not None:
-                write_meta()
+                write_meta(into)
         except BaseException:
             failed[0] = 1
             raise
         finally:
             comm.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
         if failed.item():
-            raise RuntimeError(f"another rank failed to write its part into {staging}; it was not marked complete")
+            raise RuntimeError(f"another rank failed to write its part into {into}; it was not marked complete")
         if commit is not None:
-            commit()
+            commit(into)
 
     return write
 
@@ -341,7 +373,12 @@ class ShardedCheckpoints:
         (``lightning_save``: Lightning's save), or the directory; in the background with ``async_checkpoint=True``;
         with fault tolerance, by the lowest replica group only."""
         self.rules.before_save(checkpoint)  # before the sharded layout puts the non-tensor part into meta.pt
-        filepath = self.strategy.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
+        if self.layout == "sharded" and self.rules.saves_async():
+            # rank 0's path reaches the others in the background, with the name of its staging directory
+            # (sharded_directory_write): nothing on the training thread waits for the other ranks
+            filepath = str(filepath)
+        else:
+            filepath = self.strategy.broadcast(str(filepath))  # a string: Path() would mangle a remote URL (s3://...)
         local = local_path(filepath)
         if self.layout == "consolidated":
             if local is not None and os.path.isdir(local):

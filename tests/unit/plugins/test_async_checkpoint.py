@@ -1,15 +1,23 @@
 """plugins/async_checkpoint.py in one process: staging copies, one write in flight, failures kept with their path,
-removals deferred until the replacement is written."""
+removals deferred until the replacement is written. The GPU path of staging (copies queued on a side stream,
+ordered by events) is checked here for its order of calls, with CPU tensors standing in for GPU ones; that the
+copies land where they should on a GPU is the GPU tier's (``tests/gpu/test_gpu_parts.py``)."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import pickle
 import threading
 from collections import OrderedDict
+from typing import Any
 
+import pytest
 import torch
 
-from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter, describe_error, failure_message
+from lightning_mgpu.plugins import async_checkpoint
+from lightning_mgpu.plugins.async_checkpoint import AsyncCheckpointWriter, CudaStreams, describe_error, failure_message
+from tests.parts_harness import in_one_rank_group
 
 
 def test_staged_state_does_not_change_when_training_changes_the_live_state():
@@ -138,3 +146,180 @@ def test_the_writer_pickles_for_a_spawn_launch_without_its_thread_or_buffers():
     assert copy.rank == 1 and not copy.in_flight and copy.finish() == []
     copy.submit("b.ckpt", lambda: None)  # works in the new process
     assert copy.finish() == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# staging on a side stream (the GPU path), and on the CPU
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Recorded:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait_stream(self, other: _Recorded) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: _Recorded) -> None:
+        self.log.append(("wait_event", self.name, event.name))
+
+    def record(self, stream: _Recorded) -> None:
+        self.log.append(("record", self.name, stream.name))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.name))
+
+
+class _RecordingStreams(CudaStreams):
+    """What staging asks of ``torch.cuda``, recorded instead of done (the copies themselves are real)."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self.events = 0
+
+    def current_stream(self, device: torch.device) -> Any:
+        return _Recorded(self.log, "current")
+
+    def new_stream(self, device: torch.device) -> Any:
+        self.log.append(("new_stream", device.type))
+        return _Recorded(self.log, "side")
+
+    def use(self, stream: Any) -> Any:
+        log = self.log
+
+        class Context:
+            def __enter__(self) -> None:
+                log.append(("enter", stream.name))
+
+            def __exit__(self, *exc: Any) -> None:
+                log.append(("exit", stream.name))
+
+        return Context()
+
+    def new_event(self) -> Any:
+        self.events += 1
+        return _Recorded(self.log, f"event{self.events}")
+
+    def record_use(self, tensor: torch.Tensor, stream: Any) -> None:
+        self.log.append(("record_use", stream.name))
+
+    def writing_on(self, device: torch.device, stream: Any) -> Any:
+        self.log.append(("writing_on", device.type, stream.name))
+        return contextlib.nullcontext()
+
+
+def test_gpu_staging_queues_the_copies_after_training_and_training_after_them_and_the_host_waits_for_nothing(
+    monkeypatch,
+):
+    monkeypatch.setattr(async_checkpoint, "SIDE_STREAM_DEVICES", ("cpu",))  # CPU tensors take the GPU's path
+    log: list = []
+    writer = AsyncCheckpointWriter()
+    writer._cuda = _RecordingStreams(log)
+    weight, momentum = torch.arange(3.0), torch.ones(2)
+    staged = writer.stage({"state_dict": {"w": weight}, "optimizer": {"m": momentum}, "epoch": 1})
+    copy_on_side = [("enter", "side"), ("exit", "side"), ("record_use", "side")]
+    assert log == [
+        ("new_stream", "cpu"),
+        ("wait_stream", "side", "current"),  # the copies read the sources as the queued training work leaves them
+        *copy_on_side,  # w, on the side stream; the allocator keeps a freed source until the copy ran
+        *copy_on_side,  # m
+        ("record", "event1", "side"),  # after the last copy
+        ("wait_event", "current", "event1"),  # training's next kernels (the optimizer step) wait for the copies
+    ]  # and no synchronize: stage returned without waiting
+    assert writer.copies_pending and staged["epoch"] == 1
+    assert torch.equal(staged["state_dict"]["w"], torch.arange(3.0))
+
+    writer.submit("a.ckpt", lambda: log.append(("write",)))
+    assert writer.finish() == []
+    assert log[-3:] == [
+        ("synchronize", "event1"),  # the write reads the copies once they landed
+        ("writing_on", "cpu", "side"),  # on the training's device; DCP syncs the idle side stream, not training's
+        ("write",),
+    ]
+    assert not writer.copies_pending
+
+    del log[:]
+    writer.stage({"w": weight})  # the next save: the same side stream
+    assert ("new_stream", "cpu") not in log and log[0] == ("wait_stream", "side", "current")
+    writer.wait_staged()
+    assert log[-1] == ("synchronize", "event2") and not writer.copies_pending
+
+
+class _NoCuda(CudaStreams):
+    def __getattribute__(self, name: str) -> Any:
+        raise AssertionError(f"staging CPU tensors asked torch.cuda for {name}")
+
+
+def test_cpu_staging_copies_before_it_returns_and_never_asks_for_streams():
+    writer = AsyncCheckpointWriter()
+    writer._cuda = _NoCuda()
+    live = torch.ones(3)
+    staged = writer.stage({"w": live})
+    live.add_(1)
+    assert torch.equal(staged["w"], torch.ones(3)) and not writer.copies_pending
+    writer.submit("a.ckpt", lambda: None)
+    assert writer.finish() == []
+
+
+def _gpu_mesh_dtensor() -> tuple[Any, Any]:
+    """A one-rank ``DTensor`` and the same one on a mesh that says it is of GPUs (as FSDP2's on CUDA), whose
+    local shard is a CPU tensor (here no GPU: the mesh's device type is set through torch's private field)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    live = distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Shard(0)])
+    gpu_mesh = copy.copy(mesh)
+    gpu_mesh._device_type = "cuda"
+    spec = copy.copy(live._spec)
+    spec.mesh = gpu_mesh
+    return live, DTensor(live.to_local(), spec, requires_grad=False)
+
+
+def _a_staged_gpu_shard_stays_in_cpu_memory() -> None:
+    from torch.distributed.tensor import DTensor
+
+    _, on_gpu_mesh = _gpu_mesh_dtensor()
+    writer = AsyncCheckpointWriter()
+    staged = writer.stage({"w": on_gpu_mesh})["w"]
+    assert isinstance(staged, DTensor) and staged.device_mesh.device_type == "cuda"
+    assert staged.placements == on_gpu_mesh.placements and staged.shape == on_gpu_mesh.shape
+    assert staged.to_local().device.type == "cpu"
+    assert staged.to_local().data_ptr() == writer._buffers[0].data_ptr()  # the staging buffer, not a GPU copy of it
+    on_gpu_mesh.to_local().add_(1)  # training goes on
+    assert torch.equal(staged.to_local(), torch.arange(6.0).reshape(2, 3))
+
+    # negative control: DTensor.from_local takes the copy to the mesh's device (here there is none)
+    try:
+        moved = DTensor.from_local(writer._buffers[0], on_gpu_mesh.device_mesh, on_gpu_mesh.placements, run_check=False)
+    except (AssertionError, RuntimeError) as err:
+        assert "CUDA" in str(err)
+    else:
+        assert moved.to_local().device.type == "cuda"
+
+
+def test_a_staged_dtensor_of_a_gpu_mesh_keeps_its_local_copy_in_cpu_memory():
+    in_one_rank_group(_a_staged_gpu_shard_stays_in_cpu_memory)
+
+
+def _a_cpu_dtensor_is_staged_as_before() -> None:
+    from torch.distributed.tensor import DTensor
+
+    live, _ = _gpu_mesh_dtensor()
+    writer = AsyncCheckpointWriter()
+    staged = writer.stage({"w": live})["w"]
+    assert isinstance(staged, DTensor) and staged.device_mesh is live.device_mesh
+    assert torch.equal(staged.to_local(), live.to_local()) and staged.to_local().device.type == "cpu"
+
+
+def test_a_dtensor_on_a_cpu_mesh_is_staged_through_from_local_as_before():
+    in_one_rank_group(_a_cpu_dtensor_is_staged_as_before)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_cpu_sources_get_unpinned_buffers_reused_across_saves_unless_told_not_to(keep):
+    writer = AsyncCheckpointWriter(keep_buffers=keep)
+    first = writer.stage({"w": torch.ones(2)})["w"]
+    second = writer.stage({"w": torch.zeros(2)})["w"]
+    assert (first.data_ptr() == second.data_ptr()) == keep
+    assert not second.is_pinned() and torch.equal(second, torch.zeros(2))
