@@ -53,6 +53,20 @@ def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "not measured"
 
 
+#: the model of the README's throughput columns; rows without a ``model`` field (files written before the field) are it
+SUMMARY_MODEL = "lm-368m"
+
+
+def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of a throughput result that the README summarises: the 368M model, eager, measured (a file may also
+    hold other models, compiled runs and failed cases, each row saying which: ``model``, ``compiled``, ``error``)."""
+    return [
+        r
+        for r in rows
+        if r.get("model", SUMMARY_MODEL) == SUMMARY_MODEL and not r.get("compiled") and "tokens_per_s" in r
+    ]
+
+
 def readme_summary(results: Path = RESULTS) -> str:
     """One row per GPU: the pack against a plain torch loop and against Lightning's own strategies, the async
     checkpoint's blocking time and ZeRO-3's model states per rank."""
@@ -70,8 +84,9 @@ def readme_summary(results: Path = RESULTS) -> str:
         cells = []
         t = throughput.get(device)
         if t is not None:
-            tok = {r["runner"]: r["tokens_per_s"] for r in t["rows"]}
-            mfu = {r["runner"]: r["mfu"] for r in t["rows"]}
+            rows = summary_rows(t["rows"])
+            tok = {r["runner"]: r["tokens_per_s"] for r in rows}
+            mfu = {r["runner"]: r["mfu"] for r in rows}
             cells += [
                 f"{_ratio(tok.get('mgpu_ddp'), tok.get('torch'))} ({tok.get('mgpu_ddp', 0):,.0f})",
                 _ratio(tok.get("lightning_ddp"), tok.get("torch")),
@@ -127,19 +142,26 @@ def readme_cpu(path: Path = CPU_RESULTS) -> str:
     )
 
 
-def _proof_parts() -> tuple[list[Any], int]:
+def _proof_module() -> Any:
     spec = importlib.util.spec_from_file_location("_gpu_proof", ROOT / "benchmarks" / "gpu" / "proof.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up
     spec.loader.exec_module(module)
+    return module
+
+
+def _proof_parts() -> tuple[list[Any], int]:
+    module = _proof_module()
     return list(module.parts(RESULTS, xdist=True)), module.TOTAL_S
 
 
 def proof_budgets(results: Path = RESULTS) -> str:
-    """The parts of ``make gpu-proof`` with their budgets today (``benchmarks/gpu/proof.py``) beside what the last
-    recorded run (``gpu_proof.json``, with its own budgets then) gave."""
-    parts, total = _proof_parts()
+    """The parts of ``make gpu-proof`` with their budgets today (``benchmarks/gpu/proof.py``; a part run beside
+    another says so) beside what the last recorded run (``gpu_proof.json``, with its own budgets then) gave; a part
+    of that run no longer in the plan is listed after."""
+    module = _proof_module()
+    parts, total = list(module.parts(results, xdist=True)), module.TOTAL_S
     last_path = results / "gpu_proof.json"
     last = json.loads(last_path.read_text()) if last_path.exists() else None
     ran = {p["name"]: p for p in last["parts"]} if last else {}
@@ -148,12 +170,20 @@ def proof_budgets(results: Path = RESULTS) -> str:
         f"| part | budget today | last run, {when}: wall time / its budget then, status |",
         "|---|---|---|",
     ]
+
+    def run(name: str) -> str:
+        r = ran.get(name)
+        return f"{r['wall_s']:.0f} s / {r['budget_s']} s, {r['status']}" if r else "not run"
+
     for part in parts:
-        r = ran.get(part.name)
-        run = f"{r['wall_s']:.0f} s / {r['budget_s']} s, {r['status']}" if r else "not run"
-        lines.append(f"| `{part.name}` | {part.budget_s} s | {run} |")
+        beside = f" (beside `{part.beside}`)" if part.beside else ""
+        lines.append(f"| `{part.name}`{beside} | {part.budget_s} s | {run(part.name)} |")
+    today = {p.name for p in parts}
+    for name in ran:
+        if name not in today and name != "profile":
+            lines.append(f"| `{name}` | not in the plan today | {run(name)} |")
     last_total = f"{last['wall_s']:.0f} s / {last['total_budget_s']} s" if last else "not run"
-    lines.append(f"| together | {total} s | {last_total} |")
+    lines.append(f"| together | {total} s (the plan on paper: {module.plan_s(parts)} s) | {last_total} |")
     return "\n".join(lines) + "\n"
 
 
