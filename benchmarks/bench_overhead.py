@@ -4,10 +4,12 @@
     python benchmarks/bench_overhead.py --rounds 5 --steps 400 --out benchmarks/results
     python benchmarks/bench_overhead.py --rounds 0 --profile 200        # only the profile: where the time goes
     python benchmarks/bench_overhead.py --compare /path/to/another/checkout   # mgpu_ddp before/after, one run
+    python benchmarks/bench_overhead.py --world 1 --runners "Lightning ddp" mgpu_ddp   # no peer to wait for
 
 Runners (the same model, ``Linear(8, 8) + ReLU`` and a ``Linear(8, 1)`` head, 81 parameters, fp32, SGD, batch 2 per
-rank, the same data, every rank seeing its own half of each global batch through a ``DistributedSampler``), all on
-2 CPU processes (gloo):
+rank, the same data, every rank seeing its own share of each global batch through a ``DistributedSampler``), all on
+``--world`` CPU processes (gloo; default 2: with one, no rank waits for another, and the figures hold the framework's
+own work only, the least noisy):
 
 * ``plain torch DDP``: a plain torch loop around ``torch.nn.parallel.DistributedDataParallel``, no Lightning
   (forward, loss, backward with the gradient all-reduce, ``step``, ``zero_grad``);
@@ -67,7 +69,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 CHECKOUT = HERE.parent.parent
-WORLD = 2
 WIDTH = 8
 TORCH, DDP, MGPU_DDP, FSDP, ZERO3 = "plain torch DDP", "Lightning ddp", "mgpu_ddp", "Lightning FSDP", "mgpu_zero3"
 DDP_LOG, MGPU_LOG = "Lightning ddp + log/bar", "mgpu_ddp + log/bar"
@@ -109,9 +110,9 @@ def _loader(args: argparse.Namespace, rank: int) -> Any:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     g = torch.Generator().manual_seed(1)
-    n = args.batch * WORLD * (args.warmup + args.steps + 2)
+    n = args.batch * args.world * (args.warmup + args.steps + 2)
     data = TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, 1, generator=g))
-    sampler = DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=False)
+    sampler = DistributedSampler(data, num_replicas=args.world, rank=rank, shuffle=False)
     return DataLoader(data, batch_size=args.batch, sampler=sampler)
 
 
@@ -133,7 +134,7 @@ def _torch_rank(rank: int, port: int, args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=args.world)
     model = DistributedDataParallel(_module(log=False))
     opt = model.module.configure_optimizers()
     stamps: list[tuple[float, float]] = []
@@ -158,7 +159,7 @@ def _run_torch(args: argparse.Namespace) -> None:
     import torch.multiprocessing as mp
     from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
-    mp.start_processes(_torch_rank, nprocs=WORLD, start_method="fork", args=(find_free_network_port(), args))
+    mp.start_processes(_torch_rank, nprocs=args.world, start_method="fork", args=(find_free_network_port(), args))
 
 
 def _strategy(worker: str) -> Any:
@@ -210,7 +211,7 @@ def _run_lightning(args: argparse.Namespace) -> None:
 
     log = args.worker in (DDP_LOG, MGPU_LOG)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=_strategy(args.worker), max_steps=total,
+        accelerator="cpu", devices=args.world, strategy=_strategy(args.worker), max_steps=total,
         logger=log, enable_progress_bar=log, default_root_dir=args.root, enable_checkpointing=False,
         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[StepClock()],
     )  # fmt: skip
@@ -231,10 +232,10 @@ def _spawn(
     result = Path(tmp, f"{name}.json")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(package)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORLD)))  # the same threads for all
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.world)))  # the same threads for all
     command = [sys.executable, str(HERE), "--worker", runner, "--result", str(result), "--root", tmp]
     command += ["--package", str(package), "--profile-out", profile_out]
-    for flag in ("batch", "steps", "warmup"):
+    for flag in ("batch", "steps", "warmup", "world"):
         command += [f"--{flag}", str(getattr(args, flag))]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=tmp)
     if done.returncode != 0 or not result.exists():
@@ -325,6 +326,9 @@ def _profile_table(ddp: pstats.Stats, mgpu: pstats.Stats, steps: int, top: int) 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=2, help="per rank")
+    parser.add_argument(
+        "--world", type=int, default=2, help="processes (1: the framework's own work, without waiting for a peer)"
+    )
     parser.add_argument("--steps", type=int, default=200, help="timed optimizer steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each visiting every runner in turn")
@@ -358,10 +362,10 @@ def main(argv: list[str]) -> int:
         runners.insert(at, (other, MGPU_DDP, args.compare))
 
     print(
-        f"per-step host overhead, {WORLD} CPU processes (gloo), {os.cpu_count()} cores; Linear({WIDTH}, {WIDTH}) + "
-        f"ReLU + Linear({WIDTH}, 1) (81 parameters), SGD, fp32, batch {args.batch} per rank; median of "
-        f"{args.steps} steps after {args.warmup}, rank 0, {args.rounds} rounds; mgpu package: {args.package}"
-        + (f", compared with {args.compare}" if args.compare else "")
+        f"per-step host overhead, {args.world} CPU processes (gloo), {os.cpu_count()} cores; "
+        f"Linear({WIDTH}, {WIDTH}) + ReLU + Linear({WIDTH}, 1) (81 parameters), SGD, fp32, batch {args.batch} per "
+        f"rank; median of {args.steps} steps after {args.warmup}, rank 0, {args.rounds} rounds; mgpu package: "
+        f"{args.package}" + (f", compared with {args.compare}" if args.compare else "")
     )
     medians: dict[str, list[float]] = {}  # per runner, each round's median wall time per step
     cpu: dict[str, list[float]] = {}  # the same for rank 0's CPU time per step
@@ -443,7 +447,7 @@ def main(argv: list[str]) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         name = args.out / f"overhead-cpu-{time.strftime('%Y-%m-%d')}.json"
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "result")}
-        device = f"CPU, {WORLD} processes (gloo)"
+        device = f"CPU, {args.world} processes (gloo)"
         name.write_text(
             json.dumps(
                 {"device": device, "config": config, "rows": rows, "ratios": ratios, "skipped": skipped}, indent=1

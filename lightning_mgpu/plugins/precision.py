@@ -278,6 +278,9 @@ class MGPUPrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
+        if not self.master and self.dtype == torch.float32:  # "32-true": nothing to enter
+            yield
+            return
         dtype_ctx = DtypeContextManager(self.dtype) if self.master else nullcontext()
         with dtype_ctx, self._autocast():
             yield
