@@ -114,6 +114,12 @@ class _Copies(NamedTuple):
     stream: Any  # the side stream they were queued on
 
 
+def _land(copies: list[_Copies]) -> None:
+    """Block until the side-stream copies ``copies`` have landed."""
+    for copied in copies:
+        copied.done.synchronize()
+
+
 SIDE_STREAM_DEVICES = ("cuda",)
 """The device types whose tensors :meth:`AsyncCheckpointWriter.stage` copies on a side stream without waiting for
 the copies (any other device's tensors are copied before ``stage`` returns)."""
@@ -277,8 +283,7 @@ class AsyncCheckpointWriter:
     def wait_staged(self) -> None:
         """Block until the copies the last :meth:`stage` queued have landed (at once on the CPU)."""
         copies, self._copies = self._copies, []
-        for copied in copies:
-            copied.done.synchronize()
+        _land(copies)
 
     # --- writing ------------------------------------------------------------------------------------------
     def submit(self, path: str, write: Callable[[], None]) -> None:
@@ -291,8 +296,7 @@ class AsyncCheckpointWriter:
         def run() -> None:
             _lower_priority()
             try:
-                for copied in copies:
-                    copied.done.synchronize()
+                _land(copies)
                 with self._cuda.writing_on(copies[0].device, copies[0].stream) if copies else contextlib.nullcontext():
                     write()
             except BaseException as err:

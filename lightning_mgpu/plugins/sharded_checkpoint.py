@@ -148,7 +148,6 @@ def _save_async(
     meta = staged["meta"]
     write = sharded_directory_write(
         staged["tensors"],
-        None,
         group,
         write_meta=(
             (lambda staging: write_checkpoint_file(join_path(staging, METADATA), lambda f: torch.save(meta, f)))
@@ -163,11 +162,9 @@ def _save_async(
 
 def sharded_directory_write(
     tensors: dict[str, Any],
-    staging: Optional[str],
     group: Any,
     write_meta: Optional[Callable[[str], None]] = None,
     commit: Optional[Callable[[str], None]] = None,
-    *,
     begin: Optional[Callable[[], str]] = None,
 ) -> Callable[[], None]:
     """The background half of an asynchronous sharded save, run on every rank: write this rank's staged
@@ -177,13 +174,11 @@ def sharded_directory_write(
     nobody marks it), and only then ``commit(staging)`` (rank 0: the marker and the swap). Give ``write_meta`` and
     ``commit`` on rank 0 only.
 
-    ``staging``: the staging directory, where every rank knows it; ``None``: rank 0's ``begin()`` makes it, in the
-    background, and sends its name to the other ranks over ``group`` (they wait for it there, not on the training
-    thread). If ``begin`` fails, every rank's write fails with its cause and nothing is written."""
+    The staging directory is made by ``begin()`` (rank 0, give it there only), in the background, and its name sent to
+    the other ranks over ``group`` (they wait for it there, not on the training thread). If ``begin`` fails, every
+    rank's write fails with its cause and nothing is written."""
 
     def receive_staging() -> str:
-        if staging is not None:
-            return staging
         made: dict[str, str] = {}
         error: Optional[BaseException] = None
         if begin is not None:  # rank 0

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Protocol, Union, cast
@@ -309,14 +310,13 @@ class Runtime:
             step = self._counting(step)
         if self.ddp is None or ddp is None:
             return step(*args, **kwargs)
+        run = functools.partial(
+            self.ddp.training_step, ddp, step, args, kwargs, manual=self.manual_sync(), context=self._step_context
+        )
         if self.periodic is None:
-            return self.ddp.training_step(
-                ddp, step, args, kwargs, manual=self.manual_sync(), context=self._step_context
-            )
+            return run()
         with self.periodic.no_sync(ddp):
-            return self.ddp.training_step(
-                ddp, step, args, kwargs, manual=self.manual_sync(), context=self._step_context
-            )
+            return run()
 
     def _counting(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*a: Any, **k: Any) -> Any:

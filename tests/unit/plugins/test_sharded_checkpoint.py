@@ -219,7 +219,7 @@ def _a_failure_to_make_the_staging_directory_fails_the_write_on_every_rank() -> 
 
     written: list[str] = []
     write = sharded_directory_write(
-        {"w": torch.ones(2)}, None, None, write_meta=written.append, commit=written.append, begin=begin
+        {"w": torch.ones(2)}, None, write_meta=written.append, commit=written.append, begin=begin
     )
     with pytest.raises(PermissionError, match="Permission denied"):
         write()
