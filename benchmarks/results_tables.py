@@ -53,17 +53,13 @@ def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "not measured"
 
 
-#: the model of the README's throughput columns; rows without a ``model`` field (files written before the field) are it
-SUMMARY_MODEL = "lm-368m"
-
-
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of a throughput result that the README summarises: the 368M model, eager, measured (a file may also
-    hold other models, compiled runs and failed cases, each row saying which: ``model``, ``compiled``, ``error``)."""
+    """The rows of a throughput result that the README summarises: the 368M model (``goals.DEFAULT_MODEL``, the model
+    of the rows written before the field), eager, measured (a file may also hold other models, compiled runs and
+    failed cases, each row saying which: ``model``, ``compiled``, ``error``)."""
+    goals = _gpu_module("goals")
     return [
-        r
-        for r in rows
-        if r.get("model", SUMMARY_MODEL) == SUMMARY_MODEL and not r.get("compiled") and "tokens_per_s" in r
+        r for r in rows if goals.model_of(r) == goals.DEFAULT_MODEL and not r.get("compiled") and "tokens_per_s" in r
     ]
 
 
@@ -142,17 +138,20 @@ def readme_cpu(path: Path = CPU_RESULTS) -> str:
     )
 
 
-def _proof_module() -> Any:
-    spec = importlib.util.spec_from_file_location("_gpu_proof", ROOT / "benchmarks" / "gpu" / "proof.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+def _gpu_module(name: str) -> Any:
+    """``benchmarks/gpu/<name>.py`` (no torch imported by ``proof`` and ``goals``), loaded once."""
+    key = f"_gpu_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "benchmarks" / "gpu" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # a dataclass looks its module up
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 def _proof_parts() -> tuple[list[Any], int]:
-    module = _proof_module()
+    module = _gpu_module("proof")
     return list(module.parts(RESULTS, xdist=True)), module.TOTAL_S
 
 
@@ -160,7 +159,7 @@ def proof_budgets(results: Path = RESULTS) -> str:
     """The parts of ``make gpu-proof`` with their budgets today (``benchmarks/gpu/proof.py``; a part run beside
     another says so) beside what the last recorded run (``gpu_proof.json``, with its own budgets then) gave; a part
     of that run no longer in the plan is listed after."""
-    module = _proof_module()
+    module = _gpu_module("proof")
     parts, total = list(module.parts(results, xdist=True)), module.TOTAL_S
     last_path = results / "gpu_proof.json"
     last = json.loads(last_path.read_text()) if last_path.exists() else None

@@ -98,7 +98,7 @@ def test_a_result_with_other_models_and_modes_summarises_the_368m_eager_rows(tmp
     assert tables.readme_summary(tmp_path) == before
 
 
-proof = tables._proof_module()
+proof = tables._gpu_module("proof")
 
 
 def _goals():
