@@ -4,6 +4,7 @@ A fork costs a fraction of a second where a fresh interpreter costs the seconds 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import tempfile
@@ -14,7 +15,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _child(fn: Callable[[], Any], store_path: Optional[str], error_path: str, result_path: str) -> None:
+def _child(
+    fn: Callable[[], Any], store_path: Optional[str], error_path: str, result_path: str, stacks_path: str, dump_s: float
+) -> None:
+    # a child that hangs writes where each of its threads is before the parent kills it (and names it)
+    stacks = open(stacks_path, "w")
+    faulthandler.dump_traceback_later(dump_s, exit=False, file=stacks)
     try:
         if store_path is None:
             result = fn()
@@ -33,18 +39,26 @@ def _child(fn: Callable[[], Any], store_path: Optional[str], error_path: str, re
     os._exit(0)
 
 
-def in_forked_child(fn: Callable[[], Any], group: bool = False, timeout: float = 300) -> Any:
+def in_forked_child(fn: Callable[[], Any], group: bool = False, timeout: float = 240) -> Any:
     """Run ``fn`` in a forked child (inside a world-size-1 gloo group with ``group``) and return what it returned
-    (pickled); re-raise its failure here. A child still running after ``timeout`` seconds is killed and named."""
+    (pickled); re-raise its failure here. A child still running after ``timeout`` seconds (below pytest's own
+    timeout, so that this one reports) is killed and named, with where each of its threads was."""
     with tempfile.TemporaryDirectory() as tmp:
-        store, error, result = (os.path.join(tmp, name) for name in ("store", "error.txt", "result.pkl"))
-        proc = mp.get_context("fork").Process(target=_child, args=(fn, store if group else None, error, result))
+        store, error, result, stacks = (
+            os.path.join(tmp, name) for name in ("store", "error.txt", "result.pkl", "stacks.txt")
+        )
+        dump_s = max(timeout - 5, timeout * 0.9)
+        args = (fn, store if group else None, error, result, stacks, dump_s)
+        proc = mp.get_context("fork").Process(target=_child, args=args)
         proc.start()
         proc.join(timeout)
         if proc.is_alive():
             proc.kill()
             proc.join()
-            raise AssertionError(f"the child was still running after {timeout} s and was killed")
+            where = open(stacks).read() if os.path.exists(stacks) else ""
+            raise AssertionError(
+                f"the child was still running after {timeout} s and was killed; its threads were at:\n{where}"
+            )
         if proc.exitcode != 0:
             text = open(error).read() if os.path.exists(error) else f"exit code {proc.exitcode}"
             raise AssertionError(f"the child failed:\n{text}")
