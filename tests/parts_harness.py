@@ -11,6 +11,7 @@ import tempfile
 import traceback
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -21,6 +22,9 @@ def _child(
     # a child that hangs writes where each of its threads is before the parent kills it (and names it)
     stacks = open(stacks_path, "w")
     faulthandler.dump_traceback_later(dump_s, exit=False, file=stacks)
+    # one intra-op thread, as torch's DataLoader sets in the workers it forks: an OpenMP thread pool the parent
+    # started is not in the child, and a parallel region would wait for its threads
+    torch.set_num_threads(1)
     try:
         if store_path is None:
             result = fn()

@@ -65,6 +65,19 @@ class TokenNormalization:
             )
         return _count(output["num_tokens"])
 
+    def counting(self, step: Callable[..., Any], module: Callable[[], Any]) -> Callable[..., Any]:
+        """``step`` (one ``training_step`` call), its output's ``num_tokens`` counted when ``module()``, the
+        LightningModule, optimizes automatically (manual optimization counts through ``add_tokens``)."""
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            output = step(*args, **kwargs)
+            lightning_module = module()
+            if lightning_module is None or not lightning_module.automatic_optimization:
+                return output
+            return self.record(output)
+
+        return counted
+
     def record(self, output: Any) -> Any:
         """Read ``num_tokens`` (and the summed loss) from a ``training_step`` output; returns it unchanged."""
         self.add(self.tokens_of(output), output["loss"])

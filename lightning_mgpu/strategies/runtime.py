@@ -307,7 +307,7 @@ class Runtime:
         micro-batching, static graph); with the periodic sync, outside the warm-up without DDP's all-reduce. Nothing
         that only one of these reads is computed for a step that has none of them."""
         if self.tokens is not None:
-            step = self._counting(step)
+            step = self.tokens.counting(step, lambda: self.strategy.lightning_module)
         if self.ddp is None or ddp is None:
             return step(*args, **kwargs)
         run = functools.partial(
@@ -317,12 +317,6 @@ class Runtime:
             return run()
         with self.periodic.no_sync(ddp):
             return run()
-
-    def _counting(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*a: Any, **k: Any) -> Any:
-            return self.count_tokens(step(*a, **k))
-
-        return counted
 
     def _step_context(self) -> StepContext:
         """What a manual or micro-batched DDP step reads (:class:`~lightning_mgpu.parts.ddp.StepContext`)."""
@@ -337,13 +331,6 @@ class Runtime:
             world_size=strategy.world_size,
             device=strategy.root_device,
         )
-
-    def count_tokens(self, output: Any) -> Any:
-        """A training_step's output, its ``num_tokens`` counted (automatic optimization, tokens mode)."""
-        module = self.strategy.lightning_module
-        if self.tokens is None or module is None or not module.automatic_optimization:
-            return output
-        return self.tokens.record(output)
 
     def add_tokens(self, num_tokens: Any, loss_sum: Any = None) -> None:
         if self.tokens is None:
