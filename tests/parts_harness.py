@@ -7,7 +7,9 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
+import signal
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -17,11 +19,11 @@ import torch.multiprocessing as mp
 
 
 def _child(
-    fn: Callable[[], Any], store_path: Optional[str], error_path: str, result_path: str, stacks_path: str, dump_s: float
+    fn: Callable[[], Any], store_path: Optional[str], error_path: str, result_path: str, stacks_path: str
 ) -> None:
-    # a child that hangs writes where each of its threads is before the parent kills it (and names it)
-    stacks = open(stacks_path, "w")
-    faulthandler.dump_traceback_later(dump_s, exit=False, file=stacks)
+    # a child that hangs writes where each of its threads is when the parent signals it, before killing it (a
+    # signal, not faulthandler's timer: the timer's thread is not in a child forked in turn, which would wait for it)
+    faulthandler.register(signal.SIGUSR1, file=open(stacks_path, "w"), all_threads=True)
     # one intra-op thread, as torch's DataLoader sets in the workers it forks: an OpenMP thread pool the parent
     # started is not in the child, and a parallel region would wait for its threads
     torch.set_num_threads(1)
@@ -51,12 +53,14 @@ def in_forked_child(fn: Callable[[], Any], group: bool = False, timeout: float =
         store, error, result, stacks = (
             os.path.join(tmp, name) for name in ("store", "error.txt", "result.pkl", "stacks.txt")
         )
-        dump_s = max(timeout - 5, timeout * 0.9)
-        args = (fn, store if group else None, error, result, stacks, dump_s)
+        args = (fn, store if group else None, error, result, stacks)
         proc = mp.get_context("fork").Process(target=_child, args=args)
         proc.start()
         proc.join(timeout)
         if proc.is_alive():
+            assert proc.pid is not None
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(1)
             proc.kill()
             proc.join()
             where = open(stacks).read() if os.path.exists(stacks) else ""

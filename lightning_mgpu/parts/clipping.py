@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,6 +29,7 @@ from lightning_mgpu.ledger import CommStats
 ShareOf = Callable[[Optimizer], list[Tensor]]
 
 
+@dataclass(eq=False)  # compared as objects, as before: one per strategy
 class GlobalNormClipping:
     """Clip by the global gradient norm when each rank holds a distinct share of the gradients.
 
@@ -54,25 +56,14 @@ class GlobalNormClipping:
         total = clipping.clip(optimizer, max_norm=1.0)  # the pre-clip norm over all ranks
     """
 
-    def __init__(
-        self,
-        share_of: ShareOf,
-        group: Any = None,
-        ledger: Optional[CommStats] = None,
-        replicated: Optional[ShareOf] = None,
-        count_replicated: bool = True,
-        norm_dtype: Optional[torch.dtype] = None,
-        weight_copies: bool = False,
-        copies: Optional[Callable[[Tensor], int]] = None,
-    ) -> None:
-        self.share_of = share_of
-        self.copies = copies
-        self.group = group
-        self.ledger = ledger
-        self.weight_copies = weight_copies
-        self.replicated = replicated
-        self.count_replicated = count_replicated
-        self.norm_dtype = norm_dtype
+    share_of: ShareOf
+    group: Any = None
+    ledger: Optional[CommStats] = None
+    replicated: Optional[ShareOf] = None
+    count_replicated: bool = True
+    norm_dtype: Optional[torch.dtype] = None
+    weight_copies: bool = False
+    copies: Optional[Callable[[Tensor], int]] = None
 
     def total_norm(self, grads: Iterable[Tensor]) -> Tensor:
         """The L2 norm over every rank's shares (a collective: call it on every rank)."""

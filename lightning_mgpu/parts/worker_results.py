@@ -21,6 +21,7 @@ def _callbacks(trainer: pl.Trainer) -> list[Any]:
     return list(getattr(trainer, "callbacks", []))
 
 
+@dataclasses.dataclass(eq=False)
 class WorkerResults:
     """What rank 0's worker hands to the main process after a spawn or fork launch, and how the main process's
     objects take it back: the module's weights (with the precision plugin's FP32 masters), the ledger, ``mgpu_auto``'s
@@ -37,26 +38,18 @@ class WorkerResults:
         weights, extra = results.weights, (results.results, results.restore)  # the launcher's weights=, results=
     """
 
-    def __init__(
-        self,
-        strategy: Any,
-        stats: Any,
-        module_state: Callable[[dict[str, Any]], dict[str, Any]],
-        full_module_state: Optional[Callable[[], dict[str, Any]]] = None,
-        hand_back: Sequence[Any] = (),
-    ) -> None:
-        self.strategy = strategy
-        self.stats = stats
-        self._module_state = module_state
-        self._full_module_state = full_module_state
-        self._hand_back = tuple(hand_back)
+    strategy: Any
+    stats: Any
+    module_state: Callable[[dict[str, Any]], dict[str, Any]]
+    full_module_state: Optional[Callable[[], dict[str, Any]]] = None
+    hand_back: Sequence[Any] = ()
 
     def weights(self) -> dict[str, Any]:
         """After a spawn/fork fit: the weights the main process's module gets (a collective: every rank)."""
         module = self.strategy.lightning_module
         assert module is not None
-        state = self._full_module_state() if self._full_module_state is not None else module.state_dict()
-        return self._module_state(state)
+        state = self.full_module_state() if self.full_module_state is not None else module.state_dict()
+        return self.module_state(state)
 
     def results(self, trainer: pl.Trainer) -> dict[str, Any]:
         """After a spawn/fork fit, in rank 0's worker: what the main process's objects get (as Lightning hands
@@ -75,7 +68,7 @@ class WorkerResults:
             "comm_stats": dataclasses.asdict(self.stats),
             "auto_decision": (type(decision), dataclasses.asdict(decision)) if decision is not None else None,
             "callbacks": callbacks,
-            "parts": [part.results_for_main_process() for part in self._hand_back],
+            "parts": [part.results_for_main_process() for part in self.hand_back],
         }
 
     def restore(self, trainer: pl.Trainer, results: dict[str, Any]) -> None:
@@ -93,5 +86,5 @@ class WorkerResults:
             callback: Any = present[i] if i < len(present) else None
             if type(callback).__name__ == kind and callable(getattr(callback, "restore_results_from_worker", None)):
                 callback.restore_results_from_worker(state)
-        for part, state in zip(self._hand_back, results.get("parts", ())):
+        for part, state in zip(self.hand_back, results.get("parts", ())):
             part.restore_results_from_worker(state)

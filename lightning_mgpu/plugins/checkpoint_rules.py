@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -45,27 +46,25 @@ from lightning_mgpu.plugins.precision import PrecisionAdoption
 from lightning_mgpu.settings import CommonSettings
 
 
+@dataclasses.dataclass(eq=False)
 class CheckpointRules:
     """The saves and loads of one strategy (see the module docstring). ``strategy``: the strategy it serves (its
     module, ranks, checkpoint IO and precision plugin); ``resume``: the mid-epoch resume part; ``replicas``: the
     fault-tolerant replica groups (None where off); ``processes_and_nodes``: the launch's processes per node and nodes
     (known once Lightning has set the strategy up)."""
 
-    def __init__(
-        self,
-        strategy: ParallelStrategy,
-        settings: CommonSettings,
-        resume: MidEpochResume,
-        replicas: Optional[ReplicaGroups],
-        processes_and_nodes: Callable[[], tuple[int, int]],
-    ) -> None:
-        self.strategy = strategy
-        self.settings = settings
-        self.resume = resume
-        self.replicas = replicas
-        self._processes_and_nodes = processes_and_nodes
-        self.writes = AsyncWrites(AsyncCheckpointWriter(), settings.timeout) if settings.async_checkpoint else None
-        """The background writes (``async_checkpoint=True``); None where every save is written before it returns."""
+    strategy: ParallelStrategy
+    settings: CommonSettings
+    resume: MidEpochResume
+    replicas: Optional[ReplicaGroups]
+    processes_and_nodes: Callable[[], tuple[int, int]]
+    writes: Optional[AsyncWrites] = dataclasses.field(init=False)
+    """The background writes (``async_checkpoint=True``); None where every save is written before it returns."""
+
+    def __post_init__(self) -> None:
+        self.writes = (
+            AsyncWrites(AsyncCheckpointWriter(), self.settings.timeout) if self.settings.async_checkpoint else None
+        )
 
     def check_io(self, io: Any) -> None:
         """At Trainer construction: the strategy's checkpoint IO plugin ``io`` (``None``: Lightning's default)."""
@@ -96,7 +95,7 @@ class CheckpointRules:
         """Plain Lightning writes a checkpoint with empty optimizer states (and the main process's loop
         counters) when ``trainer.save_checkpoint`` runs in the main process after a spawn/fork fit."""
         start = self.settings.start_method
-        if start != "popen" and not group_is_up() and math.prod(self._processes_and_nodes()) > 1:
+        if start != "popen" and not group_is_up() and math.prod(self.processes_and_nodes()) > 1:
             raise RuntimeError(
                 f"trainer.save_checkpoint() was called in the main process after a {start!r} "
                 f"launch. Training ran in the worker processes and their optimizer states are gone, so this "
