@@ -173,6 +173,32 @@ def quantize_frozen(
     return done
 
 
+def bitsandbytes_weights(module: nn.Module) -> list[str]:
+    """The names of ``module``'s parameters that bitsandbytes quantized (its 4-bit ``Params4bit`` and 8-bit
+    ``Int8Params``: a Hugging Face model loaded with ``BitsAndBytesConfig``); bitsandbytes need not be imported."""
+    return [
+        name for name, param in module.named_parameters() if type(param).__module__.partition(".")[0] == "bitsandbytes"
+    ]
+
+
+def refuse_bitsandbytes_shards(module: nn.Module, layout: str) -> None:
+    """Before FSDP2 shards ``module`` (``layout`` names the setting that does it): a weight bitsandbytes quantized is
+    refused, with the fix. FSDP2 shards each weight as a plain tensor, without the quantization state bitsandbytes
+    keeps beside it, and adapters trained over such a base do not equal one process's; ``mgpu_ddp`` and ZeRO-1 keep
+    the base whole on each rank and train them as one process does (``tests/integration/test_quantization.py``)."""
+    quantized = bitsandbytes_weights(module)
+    if quantized:
+        kind = type(module.get_parameter(quantized[0])).__name__
+        raise ValueError(
+            f"{quantized[0]} is quantized by bitsandbytes ({kind}; {len(quantized)} such weights), and {layout} "
+            f"shards it with FSDP2, which splits the packed bytes without bitsandbytes' quantization state: the "
+            f"adapters would not train as on one process. Keep the 4-bit base whole on each rank with "
+            f"strategy='mgpu_ddp' or 'mgpu_zero1' (MGPUShardedStrategy(stage=1)), or load the base in full "
+            f"precision and pack its frozen weights with lightning_mgpu.quantize_frozen (torchao's NF4, which "
+            f"ZeRO-3 shards)."
+        )
+
+
 def check_shardable(module: nn.Module, shards: int) -> None:
     """Before ZeRO-3/HSDP shards ``module`` over ``shards`` ranks: every NF4 weight must split into whole blocks
     (each rank's rows hold a whole number of scaler blocks). Raises ValueError naming the first weights that do not,

@@ -46,7 +46,7 @@ from lightning_mgpu.parts.accumulation import (
 from lightning_mgpu.parts.activation_checkpointing import classes_present
 from lightning_mgpu.parts.clipping import GlobalNormClipping
 from lightning_mgpu.parts.tensor_parallel import fsdp_dim
-from lightning_mgpu.quantization import check_shardable, has_nf4, is_nf4
+from lightning_mgpu.quantization import check_shardable, has_nf4, is_nf4, refuse_bitsandbytes_shards
 
 # Optimizers whose state is not one elementwise tensor per parameter: no backend can split them.
 _UNSHARDABLE = {
@@ -547,6 +547,7 @@ class FSDP2Backend(ShardingBackend):
                 f"one FSDP unit. Name classes the model has; the module classes present are "
                 f"{classes_present(model)}. Or leave wrap_modules=None (the model's blocks are chosen for you)."
             )
+        refuse_bitsandbytes_shards(model, f"stage={self.stage}")
         if has_nf4(model):
             check_shardable(model, shard_ranks)
 
@@ -601,6 +602,7 @@ class FSDP2Backend(ShardingBackend):
         if _fsdp_units(module):  # fit() again in the same process, or configure_model applied fully_shard itself
             return module
         shards = mesh.size(mesh.ndim - 1)
+        refuse_bitsandbytes_shards(module, f"stage={self.stage}")  # where configure_model built it: here, on each rank
         check_shardable(module, shards)  # a 4-bit base splits into whole blocks, or a clear error
         # one shard (one process, or HSDP with shard_size=1): FSDP2's copy into its single shard turns torchao's
         # 4-bit tensor into a full-precision one; the frozen base stays outside FSDP2 instead, whole on each rank

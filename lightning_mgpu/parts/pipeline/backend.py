@@ -26,6 +26,7 @@ from lightning_mgpu.parts.pipeline.plan import PipelineError, StagePlan, check_s
 from lightning_mgpu.parts.pipeline.runner import PipelineStats, StageRunner
 from lightning_mgpu.parts.pipeline.stages import PipelineSyncControl, _copies_over, _like, _over_data
 from lightning_mgpu.parts.sharding import ShardingBackend, optimizer_params
+from lightning_mgpu.quantization import refuse_bitsandbytes_shards
 
 
 class PipelineBackend(ShardingBackend):
@@ -142,6 +143,7 @@ class PipelineBackend(ShardingBackend):
 
     def _check_shardable(self, module: nn.Module, plan: StagePlan) -> None:
         """``stage=3``: FSDP2 shards each stage's blocks; refuse what it cannot shard, with the fix."""
+        refuse_bitsandbytes_shards(module, "stage=3 with pipeline_parallel_size > 1")
         users: dict[int, list[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             users.setdefault(id(param), []).append(name)
