@@ -11,6 +11,10 @@ LITDATA ?= litdata==0.2.76
 # model code needs only torch, so it is installed without its dependencies too (its pinned huggingface_hub would
 # replace the one transformers needs)
 LITGPT ?= litgpt==0.5.13
+# bitsandbytes (a base loaded in 4 bits, tests/integration/bitsandbytes_qlora.py; 0.50.2 runs its 4-bit layers on the
+# CPU too) goes into .bitsandbytes, outside the environment, and only that test's script puts it on its path: peft
+# imports bitsandbytes whenever it finds it, seconds in every process of the suite that imports peft
+BITSANDBYTES ?= bitsandbytes==0.50.2
 # Every `pip install` here passes --no-compile: pip would byte-compile every module of torch, Lightning and transformers
 # at install time, one file after another (torch 2.13's CPU wheel: 53 s with, 14 s without, measured here). The set-up
 # then byte-compiles the whole environment once, on every core, into PYCACHE (`compileall -j 0`: 24 s for all of it
@@ -52,6 +56,7 @@ $(STAMP): pyproject.toml Makefile
 	$(if $(TORCH),$(BIN)/python -m pip install -q --no-compile "$(TORCH)")
 	$(BIN)/python -m pip install -q --no-compile -e ".[test]"
 	$(BIN)/python -m pip install -q --no-compile --no-deps "$(LITDATA)" "$(LITGPT)"
+	rm -rf .bitsandbytes && $(BIN)/python -m pip install -q --no-compile --no-deps --target .bitsandbytes "$(BITSANDBYTES)"
 	@# a module only a newer Python parses (torch's testing/_internal/py312_intrinsics.py on 3.11) fails to compile,
 	@# as it would fail to import: compileall's status says nothing about the set-up
 	$(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true

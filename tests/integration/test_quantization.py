@@ -12,6 +12,8 @@ the packed base) and resume it on one process, ending with the uninterrupted run
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,8 +28,9 @@ from torch.utils.data import TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy, quantize_frozen
 from lightning_mgpu.parts.trainable_state import KEY
-from lightning_mgpu.quantization import bitsandbytes_weights, dequantized, is_nf4
+from lightning_mgpu.quantization import dequantized, is_nf4
 from tests.helpers import fit
+from tests.scripts import Scripts
 
 VOCAB, SEQ, SAMPLES, GLOBAL, EPOCHS = 64, 8, 16, 8, 2
 #: 16 scaler blocks of 64 x 16 weights per 64 x 64 layer: every frozen weight splits into whole blocks over 4 ranks
@@ -315,88 +318,41 @@ def test_an_adapter_only_checkpoint_of_a_4bit_base_exports_as_a_peft_folder(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# a base loaded in 4 bits by bitsandbytes (the Hugging Face QLoRA tutorial's path), on CPU processes: bitsandbytes
-# computes its 4-bit layers in float32 at most there (float64 gives NaN), so these compare in float32, with
-# assert_close's defaults for it
+# a base loaded in 4 bits by bitsandbytes (the Hugging Face QLoRA tutorial's path): bitsandbytes_qlora.py, run as a
+# user's script with bitsandbytes on its path (kept out of the test environment: peft imports it whenever it can)
 # ---------------------------------------------------------------------------------------------------------
 
-
-@functools.cache
-def _gpt2_folder() -> str:
-    """A tiny random GPT-2 saved as a pretrained folder (no dropout: ranks and one process draw no random numbers)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2, n_head=2, n_embd=64, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    folder = tempfile.mkdtemp()
-    GPT2LMHeadModel(config).save_pretrained(folder)
-    return folder
+#: where the Makefile installs bitsandbytes (``BITSANDBYTES``), outside the test environment
+BITSANDBYTES_SITE = Path(__file__).resolve().parents[2] / ".bitsandbytes"
 
 
-class BitsAndBytesQLoRA(pl.LightningModule):
-    """As the Hugging Face tutorial writes it: ``from_pretrained`` with ``BitsAndBytesConfig(load_in_4bit=True)``
-    (NF4), then peft's LoRA on the attention and MLP input projections."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+def test_a_bitsandbytes_4bit_base_trains_under_mgpu_ddp_as_one_process_and_is_refused_where_fsdp2_shards(
+    tmp_path: Path, scripts: Scripts
+) -> None:
+    """A tiny GPT-2 loaded in 4 bits by bitsandbytes with peft's LoRA: 2 processes of ``mgpu_ddp`` (the base whole
+    on each rank) train the adapters as one process on the global batch (``assert_close``'s defaults for float32,
+    the most bitsandbytes' CPU path allows); the negative control, one process on the per-rank batch, does not. ZeRO-2
+    and HSDP (FSDP2) are refused before any rank starts, naming the weight and the fixes: FSDP2 would split the
+    packed bytes without bitsandbytes' quantization state."""
+    assert (BITSANDBYTES_SITE / "bitsandbytes").is_dir(), "run `make setup`: it installs bitsandbytes there"
+    script = tmp_path / "bitsandbytes_qlora.py"  # run from here: its output is written beside it
+    shutil.copy(Path(__file__).with_name(script.name), script)
+    root = Path(__file__).resolve().parents[2]
+    run = scripts.run(script, timeout=400, args=(str(tmp_path), str(BITSANDBYTES_SITE), str(root)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    base = json.loads((tmp_path / "base.json").read_text())
+    assert len(base["quantized"]) == 8 and base["kinds"] == ["Params4bit"]  # c_attn and c_fc of 2 layers, 2 each
+    start, one = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("start", "one"))
+    assert one and all(not torch.equal(one[k], start[k]) for k in one)  # every adapter matrix trained
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(tmp_path / f"ddp{rank}.pt", weights_only=True), one)
+    with pytest.raises(AssertionError):  # negative control: the per-rank batch alone differs
+        torch.testing.assert_close(torch.load(tmp_path / "half.pt", weights_only=True), one)
+    refused = json.loads((tmp_path / "refused.json").read_text())
+    for layout, stage in (("zero2", 2), ("hsdp", 3)):
+        assert refused[layout] is not None, f"{layout} trained a bitsandbytes base"
+        assert (
+            f"is quantized by bitsandbytes (Params4bit; 8 such weights), and stage={stage} shards it"
+            in (refused[layout])
         )
-        base = AutoModelForCausalLM.from_pretrained(
-            _gpt2_folder(), quantization_config=quantization, device_map="cpu", dtype=torch.float32
-        )
-        torch.manual_seed(100)  # random adapters, B included: every adapter matrix moves from the first step
-        lora = LoraConfig(
-            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_fc"], init_lora_weights=False
-        )
-        self.model = get_peft_model(base, lora)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        ids, _ = batch
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
-
-
-def _bnb_adapters(strategy: Any, out: Path, devices: int, batch: int) -> list[dict[str, torch.Tensor]]:
-    ranks = fit(BitsAndBytesQLoRA(), strategy, out, dataset=tokens(), batch_size=batch, devices=devices)
-    return [{k: v for k, v in rank["state"].items() if "lora_" in k} for rank in ranks]
-
-
-def test_a_bitsandbytes_4bit_base_trains_its_adapters_under_mgpu_ddp_as_one_process(tmp_path: Path) -> None:
-    """2 processes of ``mgpu_ddp`` (the base whole on each rank) train the adapters of a bitsandbytes 4-bit base as
-    one process on the global batch; the negative control: one process on the per-rank batch does not."""
-    model = BitsAndBytesQLoRA()
-    quantized = bitsandbytes_weights(model)
-    assert len(quantized) == 8 and all(type(model.get_parameter(n)).__name__ == "Params4bit" for n in quantized)
-    reference = _bnb_adapters("auto", tmp_path / "one", 1, GLOBAL)[0]
-    ranks = _bnb_adapters(MGPUDDPStrategy(start_method="fork"), tmp_path / "ddp", 2, GLOBAL // 2)
-    assert reference and all(not torch.equal(v, model.state_dict()[k]) for k, v in reference.items())  # trained
-    for rank in ranks:
-        torch.testing.assert_close(rank, reference)
-    smaller = _bnb_adapters("auto", tmp_path / "half", 1, GLOBAL // 2)[0]
-    with pytest.raises(AssertionError):
-        torch.testing.assert_close(smaller, reference)
-
-
-@pytest.mark.parametrize(
-    "strategy",
-    [lambda: MGPUShardedStrategy(stage=3), lambda: MGPUShardedStrategy(stage=3, mesh="hybrid", shard_size=1)],
-)
-def test_a_bitsandbytes_4bit_base_is_refused_before_launch_where_fsdp2_would_shard_it(strategy: Any) -> None:
-    """ZeRO-2/3 and HSDP (FSDP2) would split bitsandbytes' packed bytes without its quantization state: refused in
-    the main process before any rank starts, naming the weight and the fixes."""
-    trainer = pl.Trainer(
-        strategy=strategy(), accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    loader = torch.utils.data.DataLoader(tokens(), batch_size=4)
-    with pytest.raises(ValueError, match=r"c_attn\.base_layer\.weight is quantized by bitsandbytes \(Params4bit; 8 "):
-        trainer.fit(BitsAndBytesQLoRA(), loader)
+        assert "'mgpu_ddp' or 'mgpu_zero1'" in refused[layout] and "quantize_frozen" in refused[layout]
