@@ -322,8 +322,9 @@ def test_an_adapter_only_checkpoint_of_a_4bit_base_exports_as_a_peft_folder(
 # user's script with bitsandbytes on its path (kept out of the test environment: peft imports it whenever it can)
 # ---------------------------------------------------------------------------------------------------------
 
+ROOT = Path(__file__).resolve().parents[2]
 #: where the Makefile installs bitsandbytes (``BITSANDBYTES``), outside the test environment
-BITSANDBYTES_SITE = Path(__file__).resolve().parents[2] / ".bitsandbytes"
+BITSANDBYTES_SITE = ROOT / ".bitsandbytes"
 
 
 def test_a_bitsandbytes_4bit_base_trains_under_mgpu_ddp_as_one_process_and_is_refused_where_fsdp2_shards(
@@ -337,8 +338,7 @@ def test_a_bitsandbytes_4bit_base_trains_under_mgpu_ddp_as_one_process_and_is_re
     assert (BITSANDBYTES_SITE / "bitsandbytes").is_dir(), "run `make setup`: it installs bitsandbytes there"
     script = tmp_path / "bitsandbytes_qlora.py"  # run from here: its output is written beside it
     shutil.copy(Path(__file__).with_name(script.name), script)
-    root = Path(__file__).resolve().parents[2]
-    run = scripts.run(script, timeout=400, args=(str(tmp_path), str(BITSANDBYTES_SITE), str(root)))
+    run = scripts.run(script, timeout=400, args=(str(tmp_path), str(BITSANDBYTES_SITE), str(ROOT)))
     assert run.returncode == 0, run.stderr[-3000:]
     base = json.loads((tmp_path / "base.json").read_text())
     assert len(base["quantized"]) == 8 and base["kinds"] == ["Params4bit"]  # c_attn and c_fc of 2 layers, 2 each
