@@ -23,6 +23,9 @@ Example::
 
 import atexit
 import inspect
+import math
+import os
+import pickle
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -248,6 +251,74 @@ def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def broadcast_tensors(
+    tensors: Optional[Sequence[torch.Tensor]],
+    layout: Sequence[tuple[torch.Size, torch.dtype]],
+    src: int,
+    group: Optional[Any],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Global rank ``src``'s ``tensors`` (``None`` elsewhere), of the shapes and dtypes in ``layout``, on every rank
+    on ``device``: one :func:`broadcast` per dtype of the tensors flattened into one buffer, so that no rank reads a
+    size or a value on the host. ``src`` gets its own tensors back, detached."""
+    mine = dist.get_rank() == src
+    if mine:
+        assert tensors is not None and len(tensors) == len(layout)
+    out: list[Optional[torch.Tensor]] = [None] * len(layout)
+    for dtype in dict.fromkeys(d for _, d in layout):
+        picked = [i for i, (_, d) in enumerate(layout) if d == dtype]
+        sizes = [math.prod(layout[i][0]) for i in picked]
+        if mine:
+            assert tensors is not None
+            flat = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in picked])
+        else:
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        broadcast(flat, src=src, group=group)
+        for i, part in zip(picked, flat.split(sizes)):
+            out[i] = tensors[i].detach() if mine and tensors is not None else part.view(layout[i][0])
+    return [t for t in out if t is not None]
+
+
+#: the keys of :func:`host_broadcast_object` in the rendezvous store; the restart of a torchrun job is in them,
+#: since the agent's store outlives the workers it restarts
+_HOST_KEYS = "mgpu/host"
+
+
+def host_broadcast_object(obj: Any, src: int, group: Optional[Any], key: str) -> Any:
+    """Global rank ``src``'s picklable ``obj`` on every rank of ``group``, through the rendezvous store (torch's
+    store behind the default group): from host to host, with no tensor, so that no rank waits for its device. For
+    what a step's host already knows (the names beside the values of a :func:`broadcast_tensors`). ``key``: the same
+    on every rank of the group, new for each call (a step's number). Without a store: :func:`broadcast_object`.
+
+    Example (the last stage's host tells the others the names of the values its device sends)::
+
+        names = comm.host_broadcast_object(names, src=last, group=pipeline, key=f"step/{step}")
+    """
+    if not group_is_up() or dist.get_world_size(group) == 1:
+        return obj
+    try:
+        store = _compat.default_store()
+    except AttributeError:  # pragma: no cover - torch without the default store's accessor
+        return broadcast_object(obj, src=src, group=group)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    name = f"{_HOST_KEYS}/{restart}/{src}/{key}"
+    return store_broadcast(store, obj, dist.get_rank() == src, dist.get_world_size(group) - 1, name)
+
+
+def store_broadcast(store: Any, obj: Any, is_src: bool, readers: int, name: str) -> Any:
+    """:func:`host_broadcast_object` on ``store``: the source sets ``name`` to ``obj``'s pickle; each of the
+    ``readers`` waits for it, reads it and counts itself, and the last one removes the key, so that the store does
+    not grow by a key per step."""
+    if is_src:
+        store.set(name, pickle.dumps(obj))
+        return obj
+    value = pickle.loads(store.get(name))
+    if store.add(f"{name}/read", 1) == readers:
+        store.delete_key(name)
+        store.delete_key(f"{name}/read")
+    return value
 
 
 def barrier(group: Optional[Any] = None, device: Optional[torch.device] = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -206,6 +207,32 @@ def test_barrier_names_the_gpu_under_nccl_only(backend, monkeypatch):
     backend("gloo")
     comm.barrier()
     assert calls == [{"group": None, "device_ids": [3]}, {"group": None, "device_ids": [1]}, {"group": None}]
+
+
+def test_a_host_broadcast_reaches_every_reader_and_leaves_no_key_behind():
+    """Through a store and no tensor: each of 3 readers (threads, started before the source sets the key) gets the
+    source's object, and the last reader removes the keys, so that a step's key does not stay in the store."""
+    import threading
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    got: list[Any] = []
+    readers = [
+        threading.Thread(target=lambda: got.append(comm.store_broadcast(store, None, False, 3, "step/7")))
+        for _ in range(3)
+    ]
+    for reader in readers:
+        reader.start()
+    sent = ([("train_loss", {"prog_bar": True})], 12.0)
+    assert comm.store_broadcast(store, sent, True, 3, "step/7") is sent
+    for reader in readers:
+        reader.join(30)
+    assert got == [sent] * 3
+    assert not store.check(["step/7"]) and not store.check(["step/7/read"])
+    # a reader of another key waits for it (the store's timeout), rather than reading the last step's object
+    store.set_timeout(timedelta(seconds=0.2))
+    with pytest.raises(Exception, match=r"(?i)timeout|wait"):
+        comm.store_broadcast(store, None, False, 1, "step/8")
 
 
 def test_a_buffer_off_the_collective_device_is_staged_and_copied_back():

@@ -155,9 +155,12 @@ def _reduce_name(fx: Any) -> str:
     return name
 
 
-def combine_logs(records: list[list[tuple[str, Any, dict[str, Any]]]]) -> list[tuple[str, Tensor, dict[str, Any]]]:
+def combine_logs(
+    records: list[list[tuple[str, Any, dict[str, Any]]]], device: Optional[torch.device] = None
+) -> list[tuple[str, Tensor, dict[str, Any]]]:
     """The ``self.log`` calls of each micro-batch's ``training_step`` (in micro-batch order) as one call per name:
-    the values combined with the call's ``reduce_fx`` (a mean of equal micro-batches is the whole batch's value)."""
+    the values combined with the call's ``reduce_fx`` (a mean of equal micro-batches is the whole batch's value), on
+    ``device`` (the CPU by default), where a tensor logged on it stays: nothing is read on the host."""
     combined: dict[str, tuple[list[Tensor], dict[str, Any]]] = {}
     for calls in records:
         for name, value, kwargs in calls:
@@ -166,7 +169,7 @@ def combine_logs(records: list[list[tuple[str, Any, dict[str, Any]]]]) -> list[t
                     f"self.log({name!r}, {type(value).__name__}) under pipeline parallelism: only numbers and "
                     f"tensors can be combined over the micro-batches. Log a tensor (metric.compute()) instead."
                 )
-            combined.setdefault(name, ([], kwargs))[0].append(torch.as_tensor(value).detach().cpu())
+            combined.setdefault(name, ([], kwargs))[0].append(torch.as_tensor(value, device=device or "cpu").detach())
     out = []
     for name, (values, kwargs) in combined.items():
         stacked = torch.stack([v.reshape(()) for v in values])

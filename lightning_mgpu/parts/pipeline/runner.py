@@ -81,6 +81,7 @@ class StageRunner:
         self.stage_objects: dict[int, _ChunkedStage] = {}  # the latest PipelineStage of each local stage
         self.grad_scale: Optional[Tensor] = None  # what flowed into the step's loss (1 / k, x the loss scale)
         self._loss_scale = 1.0  # the fp16 loss scale the schedule's backward starts from (use_loss_scale)
+        self._steps = 0  # training steps run: each one's key in the store (the same on the pipeline's ranks)
 
     def start_fit(self) -> None:
         """At set-up: the schedules built again for the new stages, the training loader checked again."""
@@ -144,18 +145,33 @@ class StageRunner:
             theory /= len(held.local)
         measured = max(0.0, 1.0 - self.busy_s / elapsed) if elapsed > 0 else 0.0
         self.last_stats = PipelineStats(held.stages, len(held.local), m, self._sends[1], measured, theory)
-        payload: Any = None
+        loss, tokens, logs = self._last_stage_outputs(last, device)
+        for (name, kwargs), value in zip(logs, loss[1:]):
+            module.log(name, value, **kwargs)
+        pending = _PendingGradients.apply(loss[0].detach().requires_grad_(True), self)
+        return {"loss": pending, "num_tokens": tokens} if self.token_loss else pending
+
+    def _last_stage_outputs(
+        self, last: bool, device: torch.device
+    ) -> tuple[list[Tensor], float, list[tuple[str, dict[str, Any]]]]:
+        """The step's loss and logged values, on every rank of the pipeline, from the last stage, with no host
+        waiting for its device: the names, the log calls' arguments, the shapes and the token count (what the last
+        stage's host knows) go from host to host through the store; the values, one device broadcast per dtype.
+        Returns ``[loss, *values]``, the token count and each value's ``(name, kwargs)``."""
+        held, m = self.held, self.microbatches
+        src = held.owner(held.stages - 1)
+        self._steps += 1
+        values: Optional[list[Tensor]] = None
+        meta: Any = None
         if last:
             losses = torch.stack([self._losses[i] for i in range(m)])
             tokens = sum(self._tokens[i] for i in range(m)) if self.token_loss else 0.0
-            combined = (losses.sum() if self.token_loss else losses.mean()).cpu()
-            payload = (combined, tokens, combine_logs([self.hooks.logged.get(i, []) for i in range(m)]))
-        payload = comm.broadcast_object(payload, src=held.owner(held.stages - 1), group=held.pipeline_group)
-        loss, tokens, logs = payload
-        for name, value, kwargs in logs:
-            module.log(name, value.to(device), **kwargs)
-        pending = _PendingGradients.apply(loss.to(device).requires_grad_(True), self)
-        return {"loss": pending, "num_tokens": tokens} if self.token_loss else pending
+            logs = combine_logs([self.hooks.logged.get(i, []) for i in range(m)], device)
+            values = [losses.sum() if self.token_loss else losses.mean(), *(value for _, value, _ in logs)]
+            meta = (tokens, [(name, kwargs) for name, _, kwargs in logs], [(v.shape, v.dtype) for v in values])
+        meta = comm.host_broadcast_object(meta, src=src, group=held.pipeline_group, key=f"pipeline/{self._steps}")
+        tokens, names, layout = meta
+        return comm.broadcast_tensors(values, layout, src, held.pipeline_group, device), tokens, names
 
     def _step_params(self, module: nn.Module) -> list[nn.Parameter]:
         """The parameters whose gradients a training step holds aside while the schedule runs (see
