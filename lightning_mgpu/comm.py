@@ -281,20 +281,21 @@ def broadcast_tensors(
     return [t for t in out if t is not None]
 
 
-#: the keys of :func:`host_broadcast_object` in the rendezvous store; the restart of a torchrun job is in them,
-#: since the agent's store outlives the workers it restarts
-_HOST_KEYS = "mgpu/host"
+#: the queues of :func:`host_broadcast_object` in the rendezvous store; the restart of a torchrun job is in their
+#: names, since the agent's store outlives the workers it restarts
+_HOST_QUEUES = "mgpu/host"
 
 
-def host_broadcast_object(obj: Any, src: int, group: Optional[Any], key: str) -> Any:
+def host_broadcast_object(obj: Any, src: int, group: Optional[Any], channel: str) -> Any:
     """Global rank ``src``'s picklable ``obj`` on every rank of ``group``, through the rendezvous store (torch's
     store behind the default group): from host to host, with no tensor, so that no rank waits for its device. For
-    what a step's host already knows (the names beside the values of a :func:`broadcast_tensors`). ``key``: the same
-    on every rank of the group, new for each call (a step's number). Without a store: :func:`broadcast_object`.
+    what a step's host already knows (the names beside the values of a :func:`broadcast_tensors`). ``channel``: one
+    name for every call of one kind (``"pipeline"``); the calls arrive in order (a queue per reader), so a rank whose
+    host is a step behind reads its own step's object. Without a store: :func:`broadcast_object`.
 
     Example (the last stage's host tells the others the names of the values its device sends)::
 
-        names = comm.host_broadcast_object(names, src=last, group=pipeline, key=f"step/{step}")
+        names = comm.host_broadcast_object(names, src=last, group=pipeline, channel="pipeline")
     """
     if not group_is_up() or dist.get_world_size(group) == 1:
         return obj
@@ -303,22 +304,21 @@ def host_broadcast_object(obj: Any, src: int, group: Optional[Any], key: str) ->
     except AttributeError:  # pragma: no cover - torch without the default store's accessor
         return broadcast_object(obj, src=src, group=group)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    name = f"{_HOST_KEYS}/{restart}/{src}/{key}"
-    return store_broadcast(store, obj, dist.get_rank() == src, dist.get_world_size(group) - 1, name)
+    name = f"{_HOST_QUEUES}/{restart}/{src}/{channel}"
+    return store_broadcast(store, obj, src, dist.get_rank(), dist.get_process_group_ranks(group), name)
 
 
-def store_broadcast(store: Any, obj: Any, is_src: bool, readers: int, name: str) -> Any:
-    """:func:`host_broadcast_object` on ``store``: the source sets ``name`` to ``obj``'s pickle; each of the
-    ``readers`` waits for it, reads it and counts itself, and the last one removes the key, so that the store does
-    not grow by a key per step."""
-    if is_src:
-        store.set(name, pickle.dumps(obj))
+def store_broadcast(store: Any, obj: Any, src: int, rank: int, ranks: Sequence[int], name: str) -> Any:
+    """:func:`host_broadcast_object` on ``store``, as ``rank`` of the ``ranks``: the source pushes ``obj``'s pickle
+    onto each other rank's queue (``name/<rank>``), each of them pops its own, waiting for it (the store's timeout):
+    one store call per rank, and nothing left in the store once every rank has read."""
+    if rank == src:
+        data = pickle.dumps(obj)
+        for reader in ranks:
+            if reader != src:
+                store.queue_push(f"{name}/{reader}", data)
         return obj
-    value = pickle.loads(store.get(name))
-    if store.add(f"{name}/read", 1) == readers:
-        store.delete_key(name)
-        store.delete_key(f"{name}/read")
-    return value
+    return pickle.loads(store.queue_pop(f"{name}/{rank}", block=True))
 
 
 def barrier(group: Optional[Any] = None, device: Optional[torch.device] = None) -> None:

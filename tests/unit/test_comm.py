@@ -209,30 +209,35 @@ def test_barrier_names_the_gpu_under_nccl_only(backend, monkeypatch):
     assert calls == [{"group": None, "device_ids": [3]}, {"group": None, "device_ids": [1]}, {"group": None}]
 
 
-def test_a_host_broadcast_reaches_every_reader_and_leaves_no_key_behind():
-    """Through a store and no tensor: each of 3 readers (threads, started before the source sets the key) gets the
-    source's object, and the last reader removes the keys, so that a step's key does not stay in the store."""
+def test_a_host_broadcast_reaches_every_reader_in_order_and_leaves_nothing_in_the_store():
+    """Through a store and no tensor: rank 2, the source, sends two steps' objects before its 3 readers (threads,
+    waiting before anything is sent) read; each reader gets both, in order (a host that is a step behind reads its
+    own step's), and the store keeps nothing after."""
     import threading
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=30))
-    got: list[Any] = []
-    readers = [
-        threading.Thread(target=lambda: got.append(comm.store_broadcast(store, None, False, 3, "step/7")))
-        for _ in range(3)
-    ]
+    ranks = [0, 1, 2, 3]
+    got: dict[int, list[Any]] = {r: [] for r in ranks if r != 2}
+
+    def read(rank: int) -> None:
+        for _ in range(2):
+            got[rank].append(comm.store_broadcast(store, None, 2, rank, ranks, "pipeline"))
+
+    readers = [threading.Thread(target=read, args=(r,)) for r in got]
     for reader in readers:
         reader.start()
-    sent = ([("train_loss", {"prog_bar": True})], 12.0)
-    assert comm.store_broadcast(store, sent, True, 3, "step/7") is sent
+    steps = [(1, [("train_loss", {"prog_bar": True})]), (2, [("train_loss", {"prog_bar": True})])]
+    for step in steps:
+        assert comm.store_broadcast(store, step, 2, 2, ranks, "pipeline") is step
     for reader in readers:
         reader.join(30)
-    assert got == [sent] * 3
-    assert not store.check(["step/7"]) and not store.check(["step/7/read"])
-    # a reader of another key waits for it (the store's timeout), rather than reading the last step's object
+    assert got == {0: steps, 1: steps, 3: steps}
+    assert [store.queue_len(f"pipeline/{r}") for r in ranks] == [0, 0, 0, 0]
+    # a reader waits for its object (the store's timeout) rather than read something else
     store.set_timeout(timedelta(seconds=0.2))
     with pytest.raises(Exception, match=r"(?i)timeout|wait"):
-        comm.store_broadcast(store, None, False, 1, "step/8")
+        comm.store_broadcast(store, None, 2, 0, ranks, "pipeline")
 
 
 def test_a_buffer_off_the_collective_device_is_staged_and_copied_back():

@@ -81,7 +81,7 @@ class StageRunner:
         self.stage_objects: dict[int, _ChunkedStage] = {}  # the latest PipelineStage of each local stage
         self.grad_scale: Optional[Tensor] = None  # what flowed into the step's loss (1 / k, x the loss scale)
         self._loss_scale = 1.0  # the fp16 loss scale the schedule's backward starts from (use_loss_scale)
-        self._steps = 0  # training steps run: each one's key in the store (the same on the pipeline's ranks)
+        self._steps = 0  # training steps run (the same on the pipeline's ranks): each step's outputs say theirs
 
     def start_fit(self) -> None:
         """At set-up: the schedules built again for the new stages, the training loader checked again."""
@@ -168,9 +168,15 @@ class StageRunner:
             tokens = sum(self._tokens[i] for i in range(m)) if self.token_loss else 0.0
             logs = combine_logs([self.hooks.logged.get(i, []) for i in range(m)], device)
             values = [losses.sum() if self.token_loss else losses.mean(), *(value for _, value, _ in logs)]
-            meta = (tokens, [(name, kwargs) for name, _, kwargs in logs], [(v.shape, v.dtype) for v in values])
-        meta = comm.host_broadcast_object(meta, src=src, group=held.pipeline_group, key=f"pipeline/{self._steps}")
-        tokens, names, layout = meta
+            names = [(name, kwargs) for name, _, kwargs in logs]
+            meta = (self._steps, tokens, names, [(v.shape, v.dtype) for v in values])
+        meta = comm.host_broadcast_object(meta, src=src, group=held.pipeline_group, channel="pipeline")
+        step, tokens, names, layout = meta
+        if step != self._steps:  # pragma: no cover - a store that kept an earlier fit's step
+            raise RuntimeError(
+                f"Pipeline step {self._steps} of this rank received the last stage's outputs of its step {step} "
+                f"through the store: the store holds an earlier run's. Start the job with a fresh store."
+            )
         return comm.broadcast_tensors(values, layout, src, held.pipeline_group, device), tokens, names
 
     def _step_params(self, module: nn.Module) -> list[nn.Parameter]:
