@@ -58,6 +58,7 @@ from lightning_mgpu.planning.trace import (
     trace_step,
     unit_fractions,
 )
+from lightning_mgpu.quantization import bitsandbytes_weights
 from lightning_mgpu.settings import from_arguments, validate_save
 
 __all__ = [
@@ -161,6 +162,7 @@ def _traced(
     config's): what the memory plan and the layout plan combine."""
     with torch.random.fork_rng(devices=[]):  # the model's initialisation under fake tensors draws nothing real
         source = resolve_source(model_or_config, batch=batch, datamodule=datamodule)
+        _refuse_bitsandbytes(source)
         try:
             policy = request.activation_checkpointing or source.policy or default_policy(source.factory)
             save = request.activation_checkpointing_save
@@ -204,6 +206,22 @@ def _traced(
                 )
             raise PlanError(f"{source.name} could not be stepped on fake tensors ({why}): {hint}") from err
     return source, states, traces, units, policy, save
+
+
+def _refuse_bitsandbytes(source: Any) -> None:
+    """A model with weights bitsandbytes quantized is not planned, with the reason and what it trains under:
+    bitsandbytes' 4-bit layers do not step on fake tensors, and the layouts that shard with FSDP2 refuse such a base
+    (:func:`~lightning_mgpu.quantization.refuse_bitsandbytes_shards`)."""
+    quantized = bitsandbytes_weights(source.real) if source.real is not None else []
+    if quantized:
+        raise PlanError(
+            f"{source.name} has weights quantized by bitsandbytes ({quantized[0]} and {len(quantized) - 1} more), "
+            f"which the planner cannot step on fake tensors and the sharded layouts refuse (FSDP2 would split their "
+            f"packed bytes without bitsandbytes' quantization state). Train it with strategy='mgpu_ddp' or "
+            f"'mgpu_zero1', the base whole on each rank (mgpu_auto takes mgpu_ddp); to plan and shard a 4-bit base, "
+            f"load it in full precision and pack its frozen weights with lightning_mgpu.quantize_frozen (torchao's "
+            f"NF4)."
+        )
 
 
 def policy_source(policy: Any) -> str:

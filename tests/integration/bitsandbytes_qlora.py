@@ -8,7 +8,8 @@ every other process of the suite that imports peft. ROOT is this repository. Run
   global batch, after each of 2 ``mgpu_ddp`` ranks (forked) on half of it, and after one process on half of it (the
   negative control);
 * ``base.json``: the weights bitsandbytes quantized and their classes;
-* ``refused.json``: per FSDP2 layout (``zero2``, ``hsdp``), the refusal's message (``null`` where it trained).
+* ``refused.json``: per FSDP2 layout (``zero2``, ``hsdp``), the refusal's message (``null`` where it trained);
+* ``auto.json``: the strategy ``mgpu_auto`` became, and why.
 
 bitsandbytes computes its 4-bit layers in float32 at most on the CPU (float64 gives NaN), so this runs in float32.
 """
@@ -27,7 +28,7 @@ sys.path[:0] = [SITE, ROOT]  # bitsandbytes, then the repository (tests.*)
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy  # noqa: E402
+from lightning_mgpu import MGPUAutoStrategy, MGPUDDPStrategy, MGPUShardedStrategy  # noqa: E402
 from lightning_mgpu.quantization import bitsandbytes_weights  # noqa: E402
 from tests.helpers import fit  # noqa: E402
 from tests.integration.test_quantization import GLOBAL, SEQ, VOCAB, tokens  # noqa: E402
@@ -111,6 +112,16 @@ def main() -> None:
         except ValueError as err:
             refused[name] = str(err)
     (OUT / "refused.json").write_text(json.dumps(refused))
+    # mgpu_auto: no plan for such a base, and the one strategy that trains it, with the reason
+    auto = MGPUAutoStrategy(start_method="fork")
+    trainer = pl.Trainer(
+        strategy=auto, accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(BitsAndBytesQLoRA(), torch.utils.data.DataLoader(tokens(), batch_size=4))
+    decision = trainer.strategy.auto_decision  # sent back from the ranks
+    chosen = {"strategy": decision.strategy, "reason": decision.reason}
+    (OUT / "auto.json").write_text(json.dumps(chosen))
 
 
 if __name__ == "__main__":

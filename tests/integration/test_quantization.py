@@ -334,7 +334,8 @@ def test_a_bitsandbytes_4bit_base_trains_under_mgpu_ddp_as_one_process_and_is_re
     on each rank) train the adapters as one process on the global batch (``assert_close``'s defaults for float32,
     the most bitsandbytes' CPU path allows); the negative control, one process on the per-rank batch, does not. ZeRO-2
     and HSDP (FSDP2) are refused before any rank starts, naming the weight and the fixes: FSDP2 would split the
-    packed bytes without bitsandbytes' quantization state."""
+    packed bytes without bitsandbytes' quantization state. ``mgpu_auto`` does not plan it and takes ``mgpu_ddp``,
+    saying why."""
     assert (BITSANDBYTES_SITE / "bitsandbytes").is_dir(), "run `make setup`: it installs bitsandbytes there"
     script = tmp_path / "bitsandbytes_qlora.py"  # run from here: its output is written beside it
     shutil.copy(Path(__file__).with_name(script.name), script)
@@ -356,3 +357,9 @@ def test_a_bitsandbytes_4bit_base_trains_under_mgpu_ddp_as_one_process_and_is_re
             in (refused[layout])
         )
         assert "'mgpu_ddp' or 'mgpu_zero1'" in refused[layout] and "quantize_frozen" in refused[layout]
+    auto = json.loads((tmp_path / "auto.json").read_text())  # no plan for it: mgpu_ddp, saying why
+    assert auto["strategy"] == "mgpu_ddp", auto
+    assert (
+        "mgpu_auto chose mgpu_ddp without a memory plan: BitsAndBytesQLoRA has weights quantized by bitsandbytes"
+        in (auto["reason"])
+    )
