@@ -15,6 +15,15 @@ the first gradient buckets, which DDP may still hold while it rebuilds its bucke
 predicted peak (the all-gather and reduce-scatter buffers are real allocations at world size 1 too). The CPU
 benchmark (``benchmarks/bench_planner.py``) checks ``measurable_bytes``, without DDP's reducer. The GPU tier
 holds the ratio within 15% (``tests/gpu/test_gpu_features.py``). The result is saved as JSON under ``--out``.
+
+Then a 4-bit base with offload (``--qlora``, on by default): a TinyLlama-1.1B-shaped model (width 2048, 22 blocks, 32
+heads, 4 key-value heads, FFN 5632, vocabulary 32000) in bfloat16 with a LoRA adapter (rank 64) on every linear layer
+of its blocks and every frozen linear weight packed in torchao's NF4 (``benchmarks/bench_qlora_70b.py``'s
+``QLoRALlama``, the model of the 70B plan at another shape), one sequence of 2048 tokens, ``bf16-mixed``, under
+``MGPUShardedStrategy(stage=3, offload="cpu")`` with and without activation checkpointing: the plan's device peak
+beside the allocator's, and the plan's host memory beside the host copy of the shards. Built on the GPU (quantizing
+1.1B weights on the host takes minutes), then moved to the host before the fit, as a model too large for the device
+is. ``--tiny``: the same with 2 blocks of width 256 (CPU: the plan and a fit, no peak).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the QLoRA model of the 70B plan
 from env import environment, result_name
 
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy, plan
@@ -113,6 +123,76 @@ def measure(model_args: dict[str, Any], data: RandomTokens, strategy: str, preci
     return peak.peak - baseline if peak.peak >= 0 else -1
 
 
+def qlora_rows(tiny: bool) -> list[dict[str, Any]]:
+    """The 4-bit base with offload (the module docstring): one row per activation-checkpointing setting."""
+    from bench_layouts import Block, Shape
+    from bench_qlora_70b import QLoRALlama
+
+    shape = Shape(256, 2, 4, 2, 704) if tiny else Shape(2048, 22, 32, 4, 5632)
+    vocab, seq = (512, 64) if tiny else (32000, 2048)
+    tokens = torch.zeros(1, seq, dtype=torch.long)
+    planned = plan(
+        lambda: QLoRALlama(shape, vocab),
+        devices=1,
+        device_memory="1TiB",
+        batch=(tokens, tokens),
+        precisions=("bf16-mixed",),
+        strategies=("mgpu_zero3",),
+        offload=True,
+        host_memory="1TiB",
+    )
+    data = RandomTokens(batch_size=1, seq_len=seq, vocab=vocab, samples=4)
+    data.setup("fit")
+    rows = []
+    for ac in (False, True):
+        predicted = planned.row("mgpu_zero3", "bf16-mixed", ac)
+        gc.collect()
+        if CUDA:
+            torch.cuda.empty_cache()
+        baseline = torch.cuda.memory_allocated() if CUDA else 0
+        torch.manual_seed(0)
+        with torch.device("cuda" if CUDA else "cpu"):
+            model = QLoRALlama(shape, vocab)
+        model.cpu()  # on the host, as a model too large for the device: the strategy moves what it keeps there
+        packed = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        peak = StepPeak()
+        trainer = pl.Trainer(
+            strategy=MGPUShardedStrategy(stage=3, offload="cpu", activation_checkpointing={Block} if ac else None),
+            accelerator="gpu" if CUDA else "cpu",
+            devices=1,
+            precision="bf16-mixed",
+            max_steps=3,
+            callbacks=[peak],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        )
+        trainer.fit(model, data)
+        measured = peak.peak - baseline if peak.peak >= 0 else -1
+        del trainer, model
+        rows.append(
+            {
+                "model": "QLoRALlama",
+                "shape": [shape.d, shape.layers, shape.heads, shape.kv_heads, shape.ffn],
+                "parameters": planned.states.parameter_count,
+                "four_bit": planned.states.four_bit_count,
+                "trainable": planned.states.trainable_count,
+                "seq": seq,
+                "activation_checkpointing": ac,
+                "predicted_peak_bytes": predicted.predicted_peak_bytes_per_rank,
+                "predicted_one_device_bytes": predicted.one_device_bytes,
+                "predicted_host_bytes": predicted.host_bytes,
+                "frozen_bytes_built": packed,
+                "measured_bytes": measured,
+                "ratio": measured / predicted.one_device_bytes if measured > 0 else None,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=8192)
@@ -123,6 +203,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, nargs="*", default=[512])
     ap.add_argument("--tiny", action="store_true", help="a small model, to check the script (CPU works)")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
+    ap.add_argument("--no-qlora", dest="qlora", action="store_false", help="without the 4-bit base with offload")
     args = ap.parse_args()
     if args.tiny:
         args.vocab, args.d_model, args.heads, args.layers, args.batch, args.seqs = 512, 64, 4, 2, 4, [32]
@@ -174,12 +255,35 @@ def main() -> None:
                 f"| {seq} | {strategy} | {precision} | {'yes' if ac else 'no'} | "
                 f"{format_bytes(predicted.one_device_bytes)} | {shown} | {f'{ratio:.3f}' if ratio else '-'} |"
             )
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        name = result_name("planner-vs-allocator", env)
-        config = {k: v for k, v in vars(args).items() if k != "out"}
-        (args.out / name).write_text(json.dumps({"environment": env, "config": config, "rows": rows}, indent=1))
-        print(f"saved {args.out / name}")
+    result: dict[str, Any] = {"environment": env, "config": {k: v for k, v in vars(args).items() if k != "out"}}
+    result["rows"] = rows
+    save(args.out, result)  # before the 4-bit rows: a failure there keeps these
+    if args.qlora:
+        print("\n4-bit base (NF4) + LoRA, ZeRO-3 with offload='cpu', bf16-mixed, 1 GPU")
+        print("| AC | predicted device peak | measured | measured / predicted | predicted host | frozen weights |")
+        print("|---|---|---|---|---|---|")
+        try:
+            result["qlora_offload"] = qlora_rows(args.tiny)
+        except Exception as err:  # recorded, so that the proof says why
+            result["qlora_offload_error"] = f"{type(err).__name__}: {err}"
+            print(f"failed: {result['qlora_offload_error']}")
+        for row in result.get("qlora_offload", []):
+            shown = format_bytes(row["measured_bytes"]) if row["measured_bytes"] > 0 else "not measured (no CUDA)"
+            ratio = f"{row['ratio']:.3f}" if row["ratio"] else "-"
+            print(
+                f"| {'yes' if row['activation_checkpointing'] else 'no'} | "
+                f"{format_bytes(row['predicted_one_device_bytes'])} | {shown} | {ratio} | "
+                f"{format_bytes(row['predicted_host_bytes'])} | {format_bytes(row['frozen_bytes_built'])} |"
+            )
+        save(args.out, result)
+
+
+def save(out: Any, result: dict[str, Any]) -> None:
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        name = result_name("planner-vs-allocator", result["environment"])
+        (out / name).write_text(json.dumps(result, indent=1))
+        print(f"saved {out / name}")
 
 
 if __name__ == "__main__":

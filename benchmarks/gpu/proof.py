@@ -114,9 +114,9 @@ def parts(out: Path, xdist: bool) -> list[Part]:
                 f"--junitxml={out / 'gpu_tier.xml'}",
             ),
         ),
-        Part("env", 40, (py, "benchmarks/gpu/env.py"), beside="tier"),
-        Part("planner", 50, (py, "benchmarks/gpu/bench_planner_vs_allocator.py", "--out", str(out)), beside="tier"),
-        Part("memory", 30, (py, "benchmarks/gpu/bench_memory_per_rank.py", "--out", str(out)), beside="tier"),
+        Part("env", 30, (py, "benchmarks/gpu/env.py"), beside="tier"),
+        Part("planner", 65, (py, "benchmarks/gpu/bench_planner_vs_allocator.py", "--out", str(out)), beside="tier"),
+        Part("memory", 25, (py, "benchmarks/gpu/bench_memory_per_rank.py", "--out", str(out)), beside="tier"),
         Part(
             "compile-warm",
             120,
