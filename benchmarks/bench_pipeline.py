@@ -13,6 +13,14 @@ idle time, so the measured bubble sits above the formula, the more so the smalle
 yet (run this script on a machine with 2 GPUs, ``--accelerator gpu``, to measure it there). The machines are
 shared: timings are never asserted in tests.
 
+    python benchmarks/bench_pipeline.py --step-time --compare /path/to/another/checkout
+
+``--step-time``: the host's cost of a pipelined step, where the step is nearly all framework: 4 blocks of width 8,
+batch 4 in 2 micro-batches (1F1B), a ``training_step`` that logs its loss every step as users do; rank 0's median
+time between the ends of consecutive steps over ``--steps`` steps after 20, per round, each run its own 2-process
+fit (fork); ``--compare PATH`` runs the same with the pack of another checkout in every round, and prints the median
+of each round's ratio (paired) beside the ratio of the medians.
+
     python benchmarks/bench_pipeline.py --versus-zero3       # 4 CPU processes: pipeline 2 x data 2 vs ZeRO-3
     python benchmarks/bench_pipeline.py --versus-zero3 --link-mb-s 50 --latency-ms 0.5
 
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -122,6 +131,84 @@ def run(args: argparse.Namespace, schedule: str, m: int) -> tuple[float, Any]:
     trainer.fit(Stack(args.blocks, args.width), Data(data, args.batch))
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return sum(r[0] for r in ranks) / len(ranks), ranks[0][1]
+
+
+class LoggingStack(Stack):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True)
+        return loss
+
+
+class StepClock(pl.Callback):
+    """Rank 0's median time between the ends of consecutive steps after ``warmup``, in µs, written to ``out``."""
+
+    def __init__(self, out: Path, warmup: int) -> None:
+        self.out, self.warmup, self.ends = out, warmup, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            ends = self.ends[self.warmup :]
+            self.out.write_text(str(statistics.median(b - a for a, b in zip(ends, ends[1:])) * 1e6))
+
+
+def time_one(args: argparse.Namespace) -> None:
+    """One ``--step-time`` run, with the pack this process imports (the checkout on ``PYTHONPATH``)."""
+    warmup, batch = 20, 4
+    torch.manual_seed(0)  # every process builds the same data: the ranks of a pipeline take the same batches
+    n = batch * (warmup + args.steps + 2)
+    data = TensorDataset(torch.randn(n, 8), torch.randn(n, 8))
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=2,
+        strategy=MGPUShardedStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, start_method="fork"),
+        max_steps=warmup + args.steps + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[StepClock(Path(args.time_one), warmup)],
+    )
+    trainer.fit(LoggingStack(4, 8), Data(data, batch))
+
+
+def step_time(args: argparse.Namespace) -> None:
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve()
+    checkouts = [("this checkout", here.parents[1])]
+    if args.compare is not None:
+        checkouts.append((str(args.compare), args.compare.resolve()))
+    print(
+        f"pipelined step, 2 CPU processes (gloo), 4 blocks Linear(8, 8) + GELU, batch 4 in 2 micro-batches (1F1B), "
+        f"the loss logged every step; rank 0's median µs per step over {args.steps} steps after 20, {args.rounds} "
+        f"rounds"
+    )
+    times: dict[str, list[float]] = {name: [] for name, _ in checkouts}
+    for r in range(args.rounds):
+        for name, root in checkouts:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp, "us")
+                env = {**os.environ, "PYTHONPATH": str(root)}
+                command = [sys.executable, str(here), "--time-one", str(out), "--steps", str(args.steps)]
+                command += ["--accelerator", args.accelerator]
+                subprocess.run(command, env=env, check=True, capture_output=True, timeout=600)
+                times[name].append(float(out.read_text()))
+        print(f"round {r + 1}/{args.rounds} (µs): " + ", ".join(f"{n} {t[-1]:.0f}" for n, t in times.items()))
+    for name, t in times.items():
+        print(f"{name:<40} median {statistics.median(t):>8.0f} µs")
+    if args.compare is not None:
+        ours, other = times["this checkout"], times[str(args.compare)]
+        paired = statistics.median(a / b for a, b in zip(ours, other))
+        print(
+            f"this checkout / {args.compare}: median {statistics.median(ours) / statistics.median(other):.2f}x, "
+            f"paired {paired:.2f}x"
+        )
 
 
 PER_MACHINE = 2  # ranks {0, 1} and {2, 3}: the two "machines" of --versus-zero3
@@ -307,8 +394,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="with --versus-zero3: steps before timing")
     parser.add_argument("--link-mb-s", type=float, default=100.0, help="with --versus-zero3: the slowed link, MB/s")
     parser.add_argument("--latency-ms", type=float, default=0.2, help="with --versus-zero3: latency per transfer")
+    parser.add_argument("--step-time", action="store_true", help="the host's cost of a pipelined step (rounds)")
+    parser.add_argument("--rounds", type=int, default=6, help="with --step-time")
+    parser.add_argument("--compare", type=Path, default=None, help="with --step-time: another checkout beside this")
+    parser.add_argument("--time-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.time_one is not None:
+        time_one(args)
+        return
+    if args.step_time:
+        step_time(args)
+        return
     if args.versus_zero3:
         versus_zero3(args)
         return
