@@ -1,9 +1,11 @@
 """The one home of the pack's collectives: every ``torch.distributed`` collective it issues, and the device each
 buffer must be on.
 
-Every ``torch.distributed`` collective of the package goes through the functions of this module
-(:func:`all_reduce`, :func:`broadcast`, :func:`reduce`, :func:`all_gather`, the object collectives,
-:func:`barrier`, :func:`new_group`, and Lightning's reduce and module-state broadcast); ``tests/unit/test_comm.py``
+Every ``torch.distributed`` collective of the package goes through the functions of this module (:func:`all_reduce`,
+:func:`broadcast`, :func:`reduce`, :func:`all_gather`, the object collectives, :func:`barrier`, :func:`new_group`,
+and Lightning's reduce and module-state broadcast), and so does what one rank sends the others from host to host
+through the rendezvous store (:func:`host_broadcast_object`, beside the device broadcast of
+:func:`broadcast_tensors`: what a step sends without a rank waiting for its device); ``tests/unit/test_comm.py``
 fails when another module calls one directly. Each puts its buffer on the device the group's backend needs
 (:func:`collective_device`: CUDA under NCCL, CPU under gloo, and for a mixed group such as ``"cpu:gloo,cuda:nccl"``
 the tensor's own device when that part of the group takes it), copies the result back to the caller's tensor, and

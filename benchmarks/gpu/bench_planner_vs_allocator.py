@@ -102,10 +102,16 @@ def measure(model_args: dict[str, Any], data: RandomTokens, strategy: str, preci
         if stage == 0
         else MGPUShardedStrategy(stage=stage, activation_checkpointing=policy)
     )
-    peak = StepPeak()
     torch.manual_seed(0)
+    return peak_of(built, precision, TransformerLM(**model_args), data, baseline)
+
+
+def peak_of(strategy: Any, precision: str, model: pl.LightningModule, data: Any, baseline: int) -> int:
+    """Fit ``model`` for 3 steps on one device: the allocator's peak over the second step less ``baseline`` (-1
+    without CUDA)."""
+    peak = StepPeak()
     trainer = pl.Trainer(
-        strategy=built,
+        strategy=strategy,
         accelerator="gpu" if CUDA else "cpu",
         devices=1,
         precision=precision,
@@ -118,8 +124,8 @@ def measure(model_args: dict[str, Any], data: RandomTokens, strategy: str, preci
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(TransformerLM(**model_args), data)
-    del trainer, built
+    trainer.fit(model, data)
+    del trainer
     return peak.peak - baseline if peak.peak >= 0 else -1
 
 
@@ -155,24 +161,9 @@ def qlora_rows(tiny: bool) -> list[dict[str, Any]]:
             model = QLoRALlama(shape, vocab)
         model.cpu()  # on the host, as a model too large for the device: the strategy moves what it keeps there
         packed = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-        peak = StepPeak()
-        trainer = pl.Trainer(
-            strategy=MGPUShardedStrategy(stage=3, offload="cpu", activation_checkpointing={Block} if ac else None),
-            accelerator="gpu" if CUDA else "cpu",
-            devices=1,
-            precision="bf16-mixed",
-            max_steps=3,
-            callbacks=[peak],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-        )
-        trainer.fit(model, data)
-        measured = peak.peak - baseline if peak.peak >= 0 else -1
-        del trainer, model
+        strategy = MGPUShardedStrategy(stage=3, offload="cpu", activation_checkpointing={Block} if ac else None)
+        measured = peak_of(strategy, "bf16-mixed", model, data, baseline)
+        del model
         rows.append(
             {
                 "model": "QLoRALlama",

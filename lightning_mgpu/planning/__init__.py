@@ -215,7 +215,8 @@ def _refuse_bitsandbytes(source: Any) -> None:
     quantized = bitsandbytes_weights(source.real) if source.real is not None else []
     if quantized:
         raise PlanError(
-            f"{source.name} has weights quantized by bitsandbytes ({quantized[0]} and {len(quantized) - 1} more), "
+            f"{source.name} has weights quantized by bitsandbytes ({quantized[0]}"
+            f"{f' and {len(quantized) - 1} more' if len(quantized) > 1 else ''}), "
             f"which the planner cannot step on fake tensors and the sharded layouts refuse (FSDP2 would split their "
             f"packed bytes without bitsandbytes' quantization state). Train it with strategy='mgpu_ddp' or "
             f"'mgpu_zero1', the base whole on each rank (mgpu_auto takes mgpu_ddp); to plan and shard a 4-bit base, "
