@@ -160,7 +160,8 @@ def combine_logs(
 ) -> list[tuple[str, Tensor, dict[str, Any]]]:
     """The ``self.log`` calls of each micro-batch's ``training_step`` (in micro-batch order) as one call per name:
     the values combined with the call's ``reduce_fx`` (a mean of equal micro-batches is the whole batch's value), on
-    ``device`` (the CPU by default), where a tensor logged on it stays: nothing is read on the host."""
+    ``device`` (the CPU by default), where a tensor logged on it stays: nothing is read on the host. A whole number
+    (``self.log("seen", x.shape[0])``) is reduced in torch's default float dtype, as Lightning reduces it."""
     combined: dict[str, tuple[list[Tensor], dict[str, Any]]] = {}
     for calls in records:
         for name, value, kwargs in calls:
@@ -169,7 +170,10 @@ def combine_logs(
                     f"self.log({name!r}, {type(value).__name__}) under pipeline parallelism: only numbers and "
                     f"tensors can be combined over the micro-batches. Log a tensor (metric.compute()) instead."
                 )
-            combined.setdefault(name, ([], kwargs))[0].append(torch.as_tensor(value, device=device or "cpu").detach())
+            tensor = torch.as_tensor(value, device=device or "cpu").detach()
+            if not tensor.is_floating_point():  # as Lightning's self.log: reduced in the default float dtype
+                tensor = tensor.to(torch.get_default_dtype())
+            combined.setdefault(name, ([], kwargs))[0].append(tensor)
     out = []
     for name, (values, kwargs) in combined.items():
         stacked = torch.stack([v.reshape(()) for v in values])

@@ -103,6 +103,14 @@ def test_logged_values_combine_over_micro_batches_with_their_reduce_fx():
     ]
     combined = {name: (float(value), kwargs) for name, value, kwargs in combine_logs(records)}
     assert combined == {"loss": (2.0, {}), "seen": (6.0, {"reduce_fx": "sum"})}
+    # whole numbers, a Python int and an integer tensor, reduced by their mean as Lightning reduces them: in floats
+    counts = combine_logs(
+        [[("seen", 2, {}), ("kept", torch.tensor(3), {})], [("seen", 5, {}), ("kept", torch.tensor(4), {})]]
+    )
+    assert [(name, value.item(), value.dtype) for name, value, _ in counts] == [
+        ("seen", 3.5, torch.float32),
+        ("kept", 3.5, torch.float32),
+    ]
     with pytest.raises(PipelineError, match="reduce_fx"):
         combine_logs([[("loss", torch.tensor(1.0), {"reduce_fx": "median"})]])
 
