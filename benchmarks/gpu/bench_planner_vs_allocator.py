@@ -16,7 +16,7 @@ predicted peak (the all-gather and reduce-scatter buffers are real allocations a
 benchmark (``benchmarks/bench_planner.py``) checks ``measurable_bytes``, without DDP's reducer. The GPU tier
 holds the ratio within 15% (``tests/gpu/test_gpu_features.py``). The result is saved as JSON under ``--out``.
 
-Then a 4-bit base with offload (``--qlora``, on by default): a TinyLlama-1.1B-shaped model (width 2048, 22 blocks, 32
+Then a 4-bit base with offload (``--no-qlora`` leaves it out): a TinyLlama-1.1B-shaped model (width 2048, 22 blocks, 32
 heads, 4 key-value heads, FFN 5632, vocabulary 32000) in bfloat16 with a LoRA adapter (rank 64) on every linear layer
 of its blocks and every frozen linear weight packed in torchao's NF4 (``benchmarks/bench_qlora_70b.py``'s
 ``QLoRALlama``, the model of the 70B plan at another shape), one sequence of 2048 tokens, ``bf16-mixed``, under
@@ -46,6 +46,7 @@ from env import environment, result_name
 from lightning_mgpu import MGPUDDPStrategy, MGPUShardedStrategy, plan
 from lightning_mgpu.planning import format_bytes
 from lightning_mgpu.planning.lm import RandomTokens, TransformerLM
+from lightning_mgpu.quantization import stored_bytes
 
 CUDA = torch.cuda.is_available()
 STAGES = {"mgpu_ddp": 0, "mgpu_zero1": 1, "mgpu_sharded": 2, "mgpu_zero3": 3}
@@ -160,7 +161,7 @@ def qlora_rows(tiny: bool) -> list[dict[str, Any]]:
         with torch.device("cuda" if CUDA else "cpu"):
             model = QLoRALlama(shape, vocab)
         model.cpu()  # on the host, as a model too large for the device: the strategy moves what it keeps there
-        packed = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        packed = sum(stored_bytes(p) for p in model.parameters() if not p.requires_grad)
         strategy = MGPUShardedStrategy(stage=3, offload="cpu", activation_checkpointing={Block} if ac else None)
         measured = peak_of(strategy, "bf16-mixed", model, data, baseline)
         del model
