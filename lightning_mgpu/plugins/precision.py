@@ -40,8 +40,10 @@ import torch.distributed as dist
 from lightning_fabric.utilities.types import Optimizable
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.profilers import PassThroughProfiler
 from pytorch_lightning.utilities import GradClipAlgorithmType
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -64,6 +66,7 @@ from lightning_mgpu.plugins.master_weights import MasterWeights
 
 __all__ = [
     "MODES",
+    "STEP_HOOKS",
     "MGPUPrecision",
     "Mode",
     "adopt",
@@ -148,6 +151,9 @@ class MGPUPrecision(Precision):
         self._sync_gradients: Optional[Callable[[Optimizer], None]] = None
         self._fsdp_masters = False
         self._norm_clipping: Optional[GlobalNormClipping] = None
+        # (module, the step hooks somebody listens to in its fit): listened_step_hooks, once per Trainer call (teardown
+        # forgets it)
+        self._listening: Optional[tuple[Any, frozenset[str]]] = None
 
     def use_norm_clipping(self, clipping: Optional[GlobalNormClipping]) -> None:
         """Called by a sharded strategy at set-up: clip by the norm over all ranks' gradient shares
@@ -291,6 +297,26 @@ class MGPUPrecision(Precision):
             return data
         return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=self.dtype)
 
+    # --- the step hooks Lightning's plugin dispatches ------------------------------------------------------
+    def _listened(self, module: pl.LightningModule) -> frozenset[str]:
+        listening = self._listening
+        if listening is None or listening[0] is not module:
+            listening = self._listening = (module, listened_step_hooks(attached_trainer(module), module, self))
+        return listening[1]
+
+    def _hooks_after_closure(self, model: pl.LightningModule, optimizer: Optimizer) -> None:
+        """``on_before_optimizer_step`` (callbacks, then the module), then clipping (``configure_gradient_clipping``),
+        as Lightning's plugin runs them after the closure: skipped where nobody listens to either."""
+        listened = self._listened(model)
+        clipping = model.automatic_optimization and "configure_gradient_clipping" in listened
+        if clipping or "on_before_optimizer_step" in listened:
+            precision_after_closure(self, model, optimizer)
+
+    @override
+    def teardown(self) -> None:
+        self._listening = None  # the next Trainer call may have other callbacks
+        super().teardown()
+
     # --- backward and step ------------------------------------------------------------------------------
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
@@ -302,11 +328,15 @@ class MGPUPrecision(Precision):
             tensor = tensor.float()  # a half loss times 65536 overflows fp16; the backward casts back to half
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
+        if "on_before_backward" not in self._listened(module):
+            return tensor
         return super().pre_backward(tensor, module)
 
     @override
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         self._masters.restore_requires_grad()
+        if "on_after_backward" not in self._listened(module):
+            return tensor.detach()  # what Lightning's plugin returns: the graph is released
         return super().post_backward(tensor, module)
 
     def _prepare_gradients(self, optimizer: Optimizer) -> None:
@@ -352,14 +382,20 @@ class MGPUPrecision(Precision):
         **kwargs: Any,
     ) -> Any:
         if self.dtype == torch.float32:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+
+            def closure_then_hooks() -> Any:  # Lightning's plugin: the closure, then the hooks after it
+                result = closure()
+                self._hooks_after_closure(model, cast(Optimizer, optimizer))
+                return result
+
+            return optimizer.step(closure=closure_then_hooks, **kwargs)
         opt = cast(Optimizer, optimizer)
         if isinstance(opt, LBFGS):
             raise MisconfigurationException(f"MGPUPrecision({self.mode!r}) and the LBFGS optimizer are not compatible.")
         closure_result = closure()
         # automatic optimization with a training_step that returned None: no backward ran, nothing to step
         if closure_result is None and model.automatic_optimization:
-            precision_after_closure(self, model, opt)
+            self._hooks_after_closure(model, opt)
             return closure_result
         self._prepare_gradients(opt)
         try:
@@ -389,7 +425,7 @@ class MGPUPrecision(Precision):
         output = None
         if self.scaler is not None:
             before = self._scale
-            precision_after_closure(self, model, opt)  # on_before_optimizer_step, then clipping: on unscaled gradients
+            self._hooks_after_closure(model, opt)  # on_before_optimizer_step, then clipping: on unscaled gradients
             output = self.scaler.step(opt, **kwargs)  # skipped when found_inf
             self.scaler.update()
             self._scale = float(self.scaler.get_scale())
@@ -399,13 +435,13 @@ class MGPUPrecision(Precision):
             if grads and steps_on_found_inf(opt):
                 # a fused optimizer skips on the device: the flag never comes to the host, so the step does not wait
                 found = nonfinite_flag(grads)
-                precision_after_closure(self, model, opt)
+                self._hooks_after_closure(model, opt)
                 output = _step_unless(opt, found, **kwargs)
                 pending = self._skipped_on_device
                 self._skipped_on_device = found if pending is None else pending + found
                 return False, output  # or skipped on the device: its masters then copy back unchanged
             skipped = any_nonfinite(grads)
-            precision_after_closure(self, model, opt)
+            self._hooks_after_closure(model, opt)
             if not skipped:
                 output = opt.step(**kwargs)
         return skipped, output
@@ -506,6 +542,40 @@ _ALIASES = {
     "64-true": "32-true",
     "transformer-engine": "bf16-mixed",
 }
+
+
+#: The hooks Lightning's precision plugin dispatches in every optimizer step, around the backward and after the
+#: closure; ``"configure_gradient_clipping"`` stands for the clipping that follows ``on_before_optimizer_step``.
+STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+
+
+def listened_step_hooks(trainer: Any, module: Any, plugin: Precision) -> frozenset[str]:
+    """Which of :data:`STEP_HOOKS` do something in ``trainer``'s fit of ``module``: the ones the module or a callback
+    overrides, and clipping when the Trainer clips or the module or ``plugin`` changes how. :class:`MGPUPrecision`
+    dispatches only these: a dispatch Lightning makes is a profiler context, two writes of the module's hook name
+    and a loop over every callback, for a hook that then does nothing; the step's result is the same. With a profiler
+    on (or no Trainer) every hook is dispatched, so the profiler's report lists what Lightning's would.
+
+    Example::
+
+        listened_step_hooks(trainer, module, plugin)  # frozenset({'on_after_backward'}): a callback reads gradients
+    """
+    if trainer is None or not isinstance(trainer.profiler, PassThroughProfiler):
+        return frozenset(STEP_HOOKS)
+    listened = {
+        hook
+        for hook in STEP_HOOKS[:3]
+        if is_overridden(hook, module, parent=pl.LightningModule)
+        or any(is_overridden(hook, callback, parent=pl.Callback) for callback in trainer.callbacks)
+    }
+    if (
+        trainer.gradient_clip_val
+        or is_overridden("configure_gradient_clipping", module, parent=pl.LightningModule)
+        or is_overridden("clip_gradients", module, parent=pl.LightningModule)
+        or type(plugin).clip_gradients is not MGPUPrecision.clip_gradients
+    ):
+        listened.add("configure_gradient_clipping")
+    return frozenset(listened)
 
 
 def check_mode(mode: Any) -> str:
