@@ -308,7 +308,7 @@ class MGPUPrecision(Precision):
         """``on_before_optimizer_step`` (callbacks, then the module), then clipping (``configure_gradient_clipping``),
         as Lightning's plugin runs them after the closure: skipped where nobody listens to either."""
         listened = self._listened(model)
-        clipping = model.automatic_optimization and "configure_gradient_clipping" in listened
+        clipping = model.automatic_optimization and ("configure_gradient_clipping" in listened or _clips(model))
         if clipping or "on_before_optimizer_step" in listened:
             precision_after_closure(self, model, optimizer)
 
@@ -551,10 +551,11 @@ STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_st
 
 def listened_step_hooks(trainer: Any, module: Any, plugin: Precision) -> frozenset[str]:
     """Which of :data:`STEP_HOOKS` do something in ``trainer``'s fit of ``module``: the ones the module or a callback
-    overrides, and clipping when the Trainer clips or the module or ``plugin`` changes how. :class:`MGPUPrecision`
-    dispatches only these: a dispatch Lightning makes is a profiler context, two writes of the module's hook name
-    and a loop over every callback, for a hook that then does nothing; the step's result is the same. With a profiler
-    on (or no Trainer) every hook is dispatched, so the profiler's report lists what Lightning's would.
+    overrides, and clipping when the module or ``plugin`` changes how (whether the Trainer clips is read at every step:
+    a callback may set ``trainer.gradient_clip_val`` during the fit). :class:`MGPUPrecision` dispatches only these: a
+    dispatch Lightning makes is a profiler context, two writes of the module's hook name and a loop over every
+    callback, for a hook that then does nothing; the step's result is the same. With a profiler on (or no Trainer)
+    every hook is dispatched, so the profiler's report lists what Lightning's would.
 
     Example::
 
@@ -569,13 +570,18 @@ def listened_step_hooks(trainer: Any, module: Any, plugin: Precision) -> frozens
         or any(is_overridden(hook, callback, parent=pl.Callback) for callback in trainer.callbacks)
     }
     if (
-        trainer.gradient_clip_val
-        or is_overridden("configure_gradient_clipping", module, parent=pl.LightningModule)
+        is_overridden("configure_gradient_clipping", module, parent=pl.LightningModule)
         or is_overridden("clip_gradients", module, parent=pl.LightningModule)
         or type(plugin).clip_gradients is not MGPUPrecision.clip_gradients
     ):
         listened.add("configure_gradient_clipping")
     return frozenset(listened)
+
+
+def _clips(module: Any) -> bool:
+    """Whether the Trainer ``module`` is attached to clips gradients now (``Trainer(gradient_clip_val=...)``)."""
+    trainer = attached_trainer(module)
+    return trainer is not None and bool(trainer.gradient_clip_val)
 
 
 def check_mode(mode: Any) -> str:

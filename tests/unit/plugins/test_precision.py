@@ -181,6 +181,13 @@ class _HookModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class _ClipFromStep2(pl.Callback):
+    """Overrides none of the step hooks: sets ``trainer.gradient_clip_val`` from the second step on."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        trainer.gradient_clip_val = 0.5 if i >= 1 else None
+
+
 class _StepCallback(pl.Callback):
     def __init__(self) -> None:
         self.norms: list[float] = []
@@ -189,7 +196,9 @@ class _StepCallback(pl.Callback):
         self.norms.append(float(pl_module.layer.weight.grad.norm()))
 
 
-def _hook_fit(monkeypatch: Any, plugins: list[Any], listening: bool, **trainer_kwargs: Any) -> tuple[Any, ...]:
+def _hook_fit(
+    monkeypatch: Any, plugins: list[Any], listening: bool, callbacks: tuple[Any, ...] = (), **trainer_kwargs: Any
+) -> tuple[Any, ...]:
     """Three steps; the step hooks Lightning dispatched (hook name -> calls, module and callback dispatches)."""
     from pytorch_lightning.trainer import call
 
@@ -206,8 +215,9 @@ def _hook_fit(monkeypatch: Any, plugins: list[Any], listening: bool, **trainer_k
     torch.manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(6, 4), torch.randn(6, 1))
     module, callback = _HookModule(listening), _StepCallback()
+    listeners = [*callbacks, callback] if listening else list(callbacks)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=3, plugins=plugins, callbacks=[callback] if listening else [],
+        accelerator="cpu", devices=1, max_steps=3, plugins=plugins, callbacks=listeners,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         **trainer_kwargs,
     )  # fmt: skip
@@ -238,6 +248,15 @@ def test_the_step_hooks_are_dispatched_only_where_somebody_listens(monkeypatch, 
     assert our_norms == norms and len(norms) == 3 and max(norms) > 0.5  # before clipping, and clipping mattered
     assert torch.equal(ours, lightnings)
     unclipped, _, _, _ = _hook_fit(monkeypatch, [MGPUPrecision("32-true")], listening=True)
+    assert not torch.equal(unclipped, ours)
+
+    # clipping switched on during the fit by a callback that overrides none of the hooks: read at every step
+    later = (_ClipFromStep2(),)
+    lightnings, _, _, _ = _hook_fit(monkeypatch, [], listening=False, callbacks=later)
+    ours, dispatched, _, _ = _hook_fit(monkeypatch, [MGPUPrecision("32-true")], listening=False, callbacks=later)
+    assert dispatched == {"on_before_optimizer_step": 4, "configure_gradient_clipping": 2}  # steps 2 and 3
+    assert torch.equal(ours, lightnings)
+    unclipped, _, _, _ = _hook_fit(monkeypatch, [MGPUPrecision("32-true")], listening=False)
     assert not torch.equal(unclipped, ours)
 
     profiled = {"profiler": pl.profilers.SimpleProfiler(dirpath=tmp_path, filename="profile")}
