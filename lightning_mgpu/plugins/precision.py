@@ -40,10 +40,8 @@ import torch.distributed as dist
 from lightning_fabric.utilities.types import Optimizable
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
-from pytorch_lightning.profilers import PassThroughProfiler
 from pytorch_lightning.utilities import GradClipAlgorithmType
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
-from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -63,10 +61,10 @@ from lightning_mgpu._compat import (
 from lightning_mgpu.comm import group_is_up
 from lightning_mgpu.parts.clipping import GlobalNormClipping
 from lightning_mgpu.plugins.master_weights import MasterWeights
+from lightning_mgpu.plugins.step_hooks import ListenedHooks
 
 __all__ = [
     "MODES",
-    "STEP_HOOKS",
     "MGPUPrecision",
     "Mode",
     "adopt",
@@ -117,24 +115,11 @@ class MGPUPrecision(Precision):
         self.mode: str = check_mode(mode)
         if device is not None and not isinstance(device, str):
             raise TypeError(f"device must be a device type such as 'cuda' or 'cpu' (or None), got {device!r}.")
-        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
-            raise ValueError(f"init_scale must be a finite number > 0 (default 65536.0), got {init_scale!r}.")
-        if not (isinstance(growth_factor, (int, float)) and growth_factor > 1):
-            raise ValueError(f"growth_factor must be > 1 (default 2.0), got {growth_factor!r}.")
-        if not (isinstance(backoff_factor, (int, float)) and 0 < backoff_factor < 1):
-            raise ValueError(f"backoff_factor must be between 0 and 1 (default 0.5), got {backoff_factor!r}.")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1 (default 2000), got {growth_interval!r}.")
+        self._scaler_kwargs = scaler_arguments(init_scale, growth_factor, backoff_factor, growth_interval)
         self.dtype, self.master = MODES[self.mode]
         # Lightning reads `precision` (Trainer.precision, ModelSummary's size estimate: "16"/"bf16" prefix)
         self.precision = cast(Any, self.mode)
         self.device = device
-        self._scaler_kwargs = {
-            "init_scale": float(init_scale),
-            "growth_factor": float(growth_factor),
-            "backoff_factor": float(backoff_factor),
-            "growth_interval": growth_interval,
-        }
         self.log_metrics = log_metrics
         self.scaler: Optional[torch.amp.GradScaler] = None
         self._scaler_state: Optional[dict[str, Any]] = None
@@ -151,9 +136,8 @@ class MGPUPrecision(Precision):
         self._sync_gradients: Optional[Callable[[Optimizer], None]] = None
         self._fsdp_masters = False
         self._norm_clipping: Optional[GlobalNormClipping] = None
-        # (module, the step hooks somebody listens to in its fit): listened_step_hooks, once per Trainer call (teardown
-        # forgets it)
-        self._listening: Optional[tuple[Any, frozenset[str]]] = None
+        # the step hooks Lightning's plugin dispatches that somebody listens to in this fit (plugins/step_hooks.py)
+        self._hooks = ListenedHooks(custom_clipping=type(self).clip_gradients is not MGPUPrecision.clip_gradients)
 
     def use_norm_clipping(self, clipping: Optional[GlobalNormClipping]) -> None:
         """Called by a sharded strategy at set-up: clip by the norm over all ranks' gradient shares
@@ -269,8 +253,8 @@ class MGPUPrecision(Precision):
             # (DDP, ZeRO, FSDP2 shards); torch's scaler for sharded gradients, usable with any process group.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            return ShardedGradScaler(device=device, **self._scaler_kwargs)  # type: ignore[arg-type]
-        return torch.amp.GradScaler(device=device, **self._scaler_kwargs)  # type: ignore[arg-type]
+            return ShardedGradScaler(device=device, **self._scaler_kwargs)
+        return torch.amp.GradScaler(device=device, **self._scaler_kwargs)
 
     # --- forward ----------------------------------------------------------------------------------------
     def _autocast(self) -> AbstractContextManager:
@@ -297,24 +281,16 @@ class MGPUPrecision(Precision):
             return data
         return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=self.dtype)
 
-    # --- the step hooks Lightning's plugin dispatches ------------------------------------------------------
-    def _listened(self, module: pl.LightningModule) -> frozenset[str]:
-        listening = self._listening
-        if listening is None or listening[0] is not module:
-            listening = self._listening = (module, listened_step_hooks(attached_trainer(module), module, self))
-        return listening[1]
-
+    # --- the step hooks Lightning's plugin dispatches, where somebody listens -------------------------------
     def _hooks_after_closure(self, model: pl.LightningModule, optimizer: Optimizer) -> None:
-        """``on_before_optimizer_step`` (callbacks, then the module), then clipping (``configure_gradient_clipping``),
-        as Lightning's plugin runs them after the closure: skipped where nobody listens to either."""
-        listened = self._listened(model)
-        clipping = model.automatic_optimization and ("configure_gradient_clipping" in listened or _clips(model))
-        if clipping or "on_before_optimizer_step" in listened:
+        """``on_before_optimizer_step`` (callbacks, then the module), then clipping, as Lightning's plugin runs them
+        after the closure."""
+        if self._hooks.after_closure(model):
             precision_after_closure(self, model, optimizer)
 
     @override
     def teardown(self) -> None:
-        self._listening = None  # the next Trainer call may have other callbacks
+        self._hooks.forget()
         super().teardown()
 
     # --- backward and step ------------------------------------------------------------------------------
@@ -328,14 +304,14 @@ class MGPUPrecision(Precision):
             tensor = tensor.float()  # a half loss times 65536 overflows fp16; the backward casts back to half
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
-        if "on_before_backward" not in self._listened(module):
+        if "on_before_backward" not in self._hooks.of(module):
             return tensor
         return super().pre_backward(tensor, module)
 
     @override
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         self._masters.restore_requires_grad()
-        if "on_after_backward" not in self._listened(module):
+        if "on_after_backward" not in self._hooks.of(module):
             return tensor.detach()  # what Lightning's plugin returns: the graph is released
         return super().post_backward(tensor, module)
 
@@ -544,44 +520,23 @@ _ALIASES = {
 }
 
 
-#: The hooks Lightning's precision plugin dispatches in every optimizer step, around the backward and after the
-#: closure; ``"configure_gradient_clipping"`` stands for the clipping that follows ``on_before_optimizer_step``.
-STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
-
-
-def listened_step_hooks(trainer: Any, module: Any, plugin: Precision) -> frozenset[str]:
-    """Which of :data:`STEP_HOOKS` do something in ``trainer``'s fit of ``module``: the ones the module or a callback
-    overrides, and clipping when the module or ``plugin`` changes how (whether the Trainer clips is read at every step:
-    a callback may set ``trainer.gradient_clip_val`` during the fit). :class:`MGPUPrecision` dispatches only these: a
-    dispatch Lightning makes is a profiler context, two writes of the module's hook name and a loop over every
-    callback, for a hook that then does nothing; the step's result is the same. With a profiler on (or no Trainer)
-    every hook is dispatched, so the profiler's report lists what Lightning's would.
-
-    Example::
-
-        listened_step_hooks(trainer, module, plugin)  # frozenset({'on_after_backward'}): a callback reads gradients
-    """
-    if trainer is None or not isinstance(trainer.profiler, PassThroughProfiler):
-        return frozenset(STEP_HOOKS)
-    listened = {
-        hook
-        for hook in STEP_HOOKS[:3]
-        if is_overridden(hook, module, parent=pl.LightningModule)
-        or any(is_overridden(hook, callback, parent=pl.Callback) for callback in trainer.callbacks)
+def scaler_arguments(init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> dict[str, Any]:
+    """The fp16 loss scaler's keyword arguments (``torch.amp.GradScaler``'s), checked: a ``ValueError`` names the
+    bad value and the default."""
+    if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+        raise ValueError(f"init_scale must be a finite number > 0 (default 65536.0), got {init_scale!r}.")
+    if not (isinstance(growth_factor, (int, float)) and growth_factor > 1):
+        raise ValueError(f"growth_factor must be > 1 (default 2.0), got {growth_factor!r}.")
+    if not (isinstance(backoff_factor, (int, float)) and 0 < backoff_factor < 1):
+        raise ValueError(f"backoff_factor must be between 0 and 1 (default 0.5), got {backoff_factor!r}.")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1 (default 2000), got {growth_interval!r}.")
+    return {
+        "init_scale": float(init_scale),
+        "growth_factor": float(growth_factor),
+        "backoff_factor": float(backoff_factor),
+        "growth_interval": growth_interval,
     }
-    if (
-        is_overridden("configure_gradient_clipping", module, parent=pl.LightningModule)
-        or is_overridden("clip_gradients", module, parent=pl.LightningModule)
-        or type(plugin).clip_gradients is not MGPUPrecision.clip_gradients
-    ):
-        listened.add("configure_gradient_clipping")
-    return frozenset(listened)
-
-
-def _clips(module: Any) -> bool:
-    """Whether the Trainer ``module`` is attached to clips gradients now (``Trainer(gradient_clip_val=...)``)."""
-    trainer = attached_trainer(module)
-    return trainer is not None and bool(trainer.gradient_clip_val)
 
 
 def check_mode(mode: Any) -> str:

@@ -178,3 +178,41 @@ def test_no_module_only_forwards_to_another():
         if not body:
             forwarding.append(path.name)
     assert forwarding == []
+
+
+CLASS_LINES = 400  # a class longer than this holds more than one concept: split it into parts it owns
+STRATEGY_MODULE_LINES = 500  # a strategy is a table of short hooks; its work lives in the runtime and the parts
+
+
+def _oversized(root: Path) -> list[str]:
+    """Each class under ``root`` longer than :data:`CLASS_LINES`, and each module of ``root/strategies`` longer than
+    :data:`STRATEGY_MODULE_LINES`, as ``"path: what, lines"``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        source = path.read_text()
+        where = path.relative_to(root.parent).as_posix()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > CLASS_LINES:
+                    found.append(f"{where}: class {node.name}, {lines}")
+        if path.parent == root / "strategies" and len(source.splitlines()) > STRATEGY_MODULE_LINES:
+            found.append(f"{where}: module, {len(source.splitlines())}")
+    return found
+
+
+def test_no_class_over_400_lines_and_no_strategy_module_over_500():
+    assert _oversized(PACKAGE) == []
+
+
+def test_the_size_check_finds_a_long_class_and_a_long_strategy_module(tmp_path):
+    root = tmp_path / "lightning_mgpu"
+    (root / "strategies").mkdir(parents=True)
+    (root / "big.py").write_text("class Big:\n" + "    x = 1\n" * CLASS_LINES)
+    (root / "small.py").write_text("class Small:\n" + "    x = 1\n" * (CLASS_LINES - 1))
+    (root / "strategies" / "long.py").write_text("x = 1\n" * (STRATEGY_MODULE_LINES + 1))
+    (root / "long_part.py").write_text("x = 1\n" * (STRATEGY_MODULE_LINES + 1))  # only strategies/ is held to it
+    assert _oversized(root) == [
+        "lightning_mgpu/big.py: class Big, 401",
+        "lightning_mgpu/strategies/long.py: module, 501",
+    ]
