@@ -21,6 +21,13 @@ largest tensor it takes (the unsharded buffer). The two tensor-parallel runners 
 tensor parallelism moves activations where ZeRO-3 moves weights: which costs less depends on width, sequence length
 and batch. On CPU the step time mostly measures gloo and the 2 shared cores, not the links of a GPU machine.
 
+    python benchmarks/bench_tensor_parallel.py --rounds 5 --compare /path/to/another/checkout
+
+``--rounds N`` runs every runner N times, alternating, each run its own interpreter, and prints the median and best
+over the rounds; ``--compare PATH`` adds ``mgpu tensor 2 x data 2 @ PATH``, the same runner with the pack of another
+checkout (its ``PYTHONPATH``), in every round: before and after in one table, with the median of the rounds' ratios
+(paired) beside the ratio of the medians.
+
 GPU: not measured on a GPU yet. ``--accelerator gpu`` runs the same on 4 GPUs (NCCL); on a GPU machine, compare the
 step times there, with the tensor group inside one machine's NVLink domain.
 """
@@ -210,6 +217,23 @@ def run(runner: str, args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def run_alone(runner: str, args: argparse.Namespace, package: Path) -> dict[str, float]:
+    """``runner`` in a fresh interpreter, with the pack of the checkout at ``package`` first on its path."""
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "result.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--one", runner, "--result", str(result)]
+        for name in ("width", "heads", "layers", "vocab", "seq", "batch", "steps", "warmup", "accelerator"):
+            command += [f"--{name}", str(getattr(args, name))]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"{runner} @ {package} failed:\n{done.stderr[-3000:]}")
+        return json.loads(result.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=256)
@@ -221,20 +245,60 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps after --warmup")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every runner, alternating")
+    parser.add_argument("--compare", type=Path, default=None, help="another checkout: its tensor runner beside ours")
     parser.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    results = {runner: run(runner, args) for runner in RUNNERS}
+    if args.one is not None:  # one run, in this interpreter, for --rounds / --compare
+        args.result.write_text(json.dumps(run(args.one, args)))
+        return
+    here = Path(__file__).resolve().parents[1]
+    runners: list[tuple[str, str, Path]] = [(r, r, here) for r in RUNNERS]
+    if args.compare is not None:
+        args.compare = args.compare.resolve()
+        runners.insert(1, (f"{RUNNERS[0]} @ {args.compare.name}", RUNNERS[0], args.compare))
+    rounds: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in runners}
+    for r in range(args.rounds):
+        for label, runner, package in runners:
+            alone = args.rounds > 1 or args.compare is not None
+            rounds[label].append(run_alone(runner, args, package) if alone else run(runner, args))
+        if args.rounds > 1:
+            print(
+                f"round {r + 1}/{args.rounds} (s/step): "
+                + ", ".join(f"{k} {v[-1]['step_s']:.3f}" for k, v in rounds.items())
+            )
+    results = {
+        label: {
+            "step_s": statistics.median(x["step_s"] for x in runs),
+            "best_step_s": min(x["step_s"] for x in runs),
+            "bytes_per_step": runs[-1]["bytes_per_step"],
+            "collectives_per_step": runs[-1]["collectives_per_step"],
+            "rounds_step_s": [x["step_s"] for x in runs],
+        }
+        for label, runs in rounds.items()
+    }
     base = results[RUNNERS[1]]
-    print(f"{'runner':40s} {'step (s)':>9s} {'MB/step':>9s} {'calls/step':>10s} {'time vs zero3':>13s}")
+    print(
+        f"{'runner':48s} {'step (s)':>9s} {'best (s)':>9s} {'MB/step':>9s} {'calls/step':>10s} {'time vs zero3':>13s}"
+    )
     for runner, r in results.items():
         mb = r["bytes_per_step"] / 2**20
         ratio = r["step_s"] / base["step_s"]
-        print(f"{runner:40s} {r['step_s']:9.3f} {mb:9.2f} {r['collectives_per_step']:10.1f} {ratio:13.2f}")
+        print(
+            f"{runner:48s} {r['step_s']:9.3f} {r['best_step_s']:9.3f} {mb:9.2f} {r['collectives_per_step']:10.1f} "
+            f"{ratio:13.2f}"
+        )
+    if args.compare is not None:
+        ours, other = rounds[RUNNERS[0]], rounds[runners[1][0]]
+        paired = statistics.median(a["step_s"] / b["step_s"] for a, b in zip(ours, other))
+        median = results[RUNNERS[0]]["step_s"] / results[runners[1][0]]["step_s"]
+        print(f"{RUNNERS[0]}: this checkout / {args.compare.name}: median {median:.2f}x, paired {paired:.2f}x")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "tensor_parallel.json").write_text(
-            json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
-        )
+        record = {"args": vars(args) | {"out": str(args.out), "compare": str(args.compare)}, "results": results}
+        (args.out / "tensor_parallel.json").write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":
