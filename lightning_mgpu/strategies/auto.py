@@ -152,7 +152,8 @@ class MGPUAutoStrategy(MGPUDDPStrategy):
         message: dict[str, Any] = {}
         if self.global_rank == 0:
             try:
-                message = self._plan(trainer)
+                with random_streams_kept(self.root_device):
+                    message = self._plan(trainer)
             except NoPlanFits as err:  # a plan that says nothing fits is an answer, not a failure to plan
                 message = {"error": str(err)}
             except Exception as err:  # planning never fails the fit: mgpu_ddp, and why in one line
@@ -281,3 +282,13 @@ def layout_arguments(layout: Layout) -> Optional[dict[str, Any]]:
     the strategy's settings when the plan was made), or None where the layout is not buildable
     (:attr:`~lightning_mgpu.planning.layouts.Layout.not_buildable` says why)."""
     return dict(layout.strategy_arguments) if layout.buildable else None
+
+
+def random_streams_kept(device: torch.device) -> Any:
+    """A context that gives torch's random generators back as it found them (the CPU's, and ``device``'s where it is
+    a GPU): planning draws a sample batch (a ``DataLoader``'s iterator draws its base seed from torch's generator)
+    and builds a stand-in of the module, and none of it may move the streams training then draws from (dropout, the
+    seeds of a loader's workers). Otherwise rank 0, which plans, would train on other random numbers than the other
+    ranks, and than the strategy it chose run by name."""
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    return torch.random.fork_rng(devices=cuda)

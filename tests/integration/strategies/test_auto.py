@@ -302,7 +302,11 @@ def test_a_bug_in_training_step_surfaces_under_mgpu_auto_as_under_mgpu_ddp(tmp_p
 
 def test_mgpu_auto_plans_a_lightning_module_that_keeps_its_datasets_and_plan_agrees(tmp_path):
     """The first-hour module, written with ``import lightning as L``: its datasets and a lock as attributes, its
-    own train_dataloader(), self.log in training_step."""
+    own train_dataloader(), self.log in training_step. Planning on rank 0 leaves torch's random generator as it found
+    it (it draws a sample batch, and a loader's iterator draws its seed from the generator): at the start of training
+    both ranks hold the same random state, as under the strategy chosen run by name, so dropout masks and loader
+    workers' seeds do not depend on whether mgpu_auto planned (the negative control is
+    tests/unit/strategies/test_auto.py's)."""
     import threading
 
     import lightning as L
@@ -330,13 +334,18 @@ def test_mgpu_auto_plans_a_lightning_module_that_keeps_its_datasets_and_plan_agr
         def train_dataloader(self) -> DataLoader:
             return DataLoader(self.train_ds, batch_size=B)
 
+    class RandomState(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            torch.save(torch.random.get_rng_state(), tmp_path / f"rng{trainer.global_rank}.pt")
+
     model = FirstHour()
     strategy = mgpu_lightning.MGPUAutoStrategy(start_method="fork", device_memory="1GiB")
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, callbacks=[RandomState()],
     )  # fmt: skip
     trainer.fit(model)
+    assert torch.equal(torch.load(tmp_path / "rng0.pt"), torch.load(tmp_path / "rng1.pt"))
     decision = trainer.strategy.auto_decision
     assert decision.strategy == "mgpu_ddp" and "without a memory plan" not in decision.reason
     assert "FirstHour" in decision.table
