@@ -260,9 +260,9 @@ def main() -> None:
         args.compare = args.compare.resolve()
         runners.insert(1, (f"{RUNNERS[0]} @ {args.compare.name}", RUNNERS[0], args.compare))
     rounds: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in runners}
+    alone = args.rounds > 1 or args.compare is not None  # each run in its own interpreter
     for r in range(args.rounds):
         for label, runner, package in runners:
-            alone = args.rounds > 1 or args.compare is not None
             rounds[label].append(run_alone(runner, args, package) if alone else run(runner, args))
         if args.rounds > 1:
             print(
